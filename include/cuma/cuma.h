@@ -1,0 +1,186 @@
+/* cuma: a GPU memory manager.
+ *
+ * A heap hands out device memory for one device. It places allocations in a large virtual
+ * range, maps physical pages only under live bytes, caches idle pages for reuse and gives
+ * them back to the device by policy (idle delay, cache cap, trim, out-of-memory).
+ *
+ * Thread safety: every function that takes a cuma_heap may be called from any thread at any
+ * time, concurrently, except cuma_heap_destroy, which must not race with any other call on the
+ * same heap. Functions without a heap are thread-safe.
+ *
+ * Errors: every call returns a cuma_status; on failure cuma_last_error() returns a message
+ * for the calling thread that names what was wrong (the key, the value, the pointer).
+ */
+#ifndef CUMA_CUMA_H
+#define CUMA_CUMA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CUMA_VERSION_MAJOR 0
+#define CUMA_VERSION_MINOR 1
+#define CUMA_VERSION_PATCH 0
+
+/* One status enum for the whole library. */
+typedef enum cuma_status {
+    CUMA_OK = 0,
+    CUMA_ERR_INVALID = 1,      /* a bad argument: NULL handle, size 0, size that overflows */
+    CUMA_ERR_OOM = 2,          /* out of memory after every recovery step */
+    CUMA_ERR_LIMIT = 3,        /* the request would exceed the heap's configured limit */
+    CUMA_ERR_BAD_POINTER = 4,  /* free of a pointer the heap did not hand out, or already freed */
+    CUMA_ERR_CONFIG = 5,       /* unknown configuration key or bad value */
+    CUMA_ERR_BACKEND = 6,      /* the device backend (driver) failed */
+    CUMA_ERR_NO_DEVICE = 7,    /* no driver or no such device */
+    CUMA_ERR_UNSUPPORTED = 8,  /* the backend cannot do this */
+    CUMA_ERR_CORRUPT = 9,      /* cuma_validate found a broken invariant */
+    CUMA_ERR_IO = 10,          /* a file could not be read or written */
+    CUMA_ERR_PARSE = 11,       /* malformed input (trace line, JSON) */
+} cuma_status;
+
+/* A short constant description of a status ("out of memory"). Never NULL. */
+const char *cuma_status_string(cuma_status s);
+
+/* The message of the calling thread's last failed call (empty if none). Valid until the
+ * thread's next cuma call. */
+const char *cuma_last_error(void);
+
+/* A stream: a CUstream / cudaStream_t on CUDA backends, any opaque value on the simulated
+ * device. NULL is the default stream. */
+typedef void *cuma_stream;
+
+/* Opaque heap handle: one per device. Thread-safe (see above). */
+typedef struct cuma_heap cuma_heap;
+
+/* Heap creation settings. A zero-initialised struct means defaults.
+ * Settings are applied in this order, later ones winning: built-in defaults, the CUMA_CONF
+ * environment variable (unless CUMA_CONFIG_NO_ENV is set), then `conf`.
+ * `conf` uses the CUMA_CONF grammar: "key:value,key:value"; sizes take K/M/G/T suffixes
+ * (powers of 1024). `cuma config` or cuma_config_describe() lists every key. */
+typedef struct cuma_config {
+    const char *conf; /* settings string; NULL = none */
+    unsigned flags;   /* CUMA_CONFIG_* */
+    int device;       /* device ordinal for CUDA backends; ignored by the simulated device */
+} cuma_config;
+
+#define CUMA_CONFIG_NO_ENV 1u /* ignore CUMA_CONF */
+
+/* Writes a table of every configuration key, its default and its meaning into buf (at most
+ * len bytes, NUL-terminated); *needed (may be NULL) gets the full length without the NUL. */
+cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed);
+
+/* Checks a settings string without creating a heap. */
+cuma_status cuma_config_check(const char *conf);
+
+/* Creates a heap. cfg may be NULL: defaults, then CUMA_CONF. */
+cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out);
+
+/* Destroys a heap: every page goes back to the device and the virtual range is freed. Live
+ * allocations become invalid. Must not race with other calls on the heap. NULL is a no-op. */
+void cuma_heap_destroy(cuma_heap *heap);
+
+/* Allocates `size` bytes usable on `stream` (256-byte aligned at least). On out-of-memory the
+ * heap releases its cache, retries, calls the OOM callbacks, retries, falls back to managed
+ * memory where configured, and only then fails with CUMA_ERR_OOM (or CUMA_ERR_LIMIT). */
+cuma_status cuma_alloc(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr);
+
+/* Frees a pointer returned by cuma_alloc. The memory is reusable at once by later work on
+ * `stream` (pass the stream the memory was last used on; NULL means the stream it was
+ * allocated on) and by other streams once that stream's work issued so far is complete.
+ * A pointer the heap did not hand out, a pointer inside a block and a second free give
+ * CUMA_ERR_BAD_POINTER and change nothing. NULL is a no-op. */
+cuma_status cuma_free(cuma_heap *heap, void *ptr, cuma_stream stream);
+
+/* Notes that `stream` also uses the allocation: its memory is not reused by anyone until the
+ * work issued on `stream` up to the free has completed. */
+cuma_status cuma_record_stream(cuma_heap *heap, void *ptr, cuma_stream stream);
+
+/* Returns cached memory to the device until at most `keep_bytes` of cached pages remain
+ * (0: release the whole cache, like torch.cuda.empty_cache()). Pages whose last users'
+ * work is still running are kept. */
+cuma_status cuma_trim(cuma_heap *heap, size_t keep_bytes);
+
+/* Runs the time-based release policy now (idle pages older than release_delay_ms go back).
+ * The heap also does this on its own slow paths and, if configured, in a background thread. */
+cuma_status cuma_poll(cuma_heap *heap);
+
+/* When the release policy will next give memory back, on the heap's clock (ns; see
+ * cuma_sim_get_time): the moment the oldest idle page reaches release_delay_ms. UINT64_MAX
+ * when nothing is waiting. A program without a release thread can call cuma_poll then. */
+cuma_status cuma_next_release(cuma_heap *heap, uint64_t *ns);
+
+/* Sets the hard limit on reserved bytes (0 = no limit beyond the device). */
+cuma_status cuma_set_limit(cuma_heap *heap, uint64_t bytes);
+
+/* Sets the limit as a fraction of the device's total memory, in (0, 1]. */
+cuma_status cuma_set_memory_fraction(cuma_heap *heap, double fraction);
+
+/* Counters and gauges of one heap; all sizes in bytes. */
+typedef struct cuma_stats {
+    uint64_t requested_bytes;      /* sum of the sizes asked for by live allocations */
+    uint64_t peak_requested_bytes; /* highest requested_bytes since creation/reset */
+    uint64_t allocated_bytes;      /* live allocations after rounding */
+    uint64_t peak_allocated_bytes;
+    uint64_t reserved_bytes;       /* physical memory held from the device: mapped + cached */
+    uint64_t peak_reserved_bytes;
+    uint64_t mapped_bytes;         /* pages under at least one live byte */
+    uint64_t cached_bytes;         /* idle pages kept for reuse */
+    uint64_t managed_bytes;        /* live allocations served from managed memory */
+    uint64_t virtual_bytes;        /* size of the reserved virtual range */
+    uint64_t limit_bytes;          /* effective limit on reserved bytes (device size if none) */
+    uint64_t device_total_bytes;   /* device memory as the backend reports it */
+    uint64_t device_free_bytes;
+    uint64_t page_size;
+    uint64_t active_allocs;   /* live allocations */
+    uint64_t num_allocs;      /* successful allocations */
+    uint64_t num_frees;
+    uint64_t failed_allocs;   /* allocations that returned an error */
+    uint64_t num_alloc_retries; /* allocations that needed the cache released to succeed */
+    uint64_t num_ooms;        /* allocations that reached the OOM callbacks */
+    uint64_t oom_callbacks;   /* callback invocations */
+    uint64_t managed_fallbacks; /* allocations served from managed memory */
+    uint64_t page_creates;    /* physical pages obtained from the device */
+    uint64_t page_releases;   /* physical pages given back */
+    uint64_t maps;            /* page map operations */
+    uint64_t unmaps;
+    uint64_t events_recorded; /* stream events recorded to fence reuse */
+    uint64_t trims;           /* cuma_trim calls and OOM cache releases */
+    double fragmentation;     /* share of mapped bytes not under live allocations */
+} cuma_stats;
+
+cuma_status cuma_get_stats(cuma_heap *heap, cuma_stats *out);
+
+/* Resets the peak_* gauges to the current values. */
+cuma_status cuma_reset_peaks(cuma_heap *heap);
+
+/* The stats, configuration and backend of a heap as one JSON object, into buf (at most len
+ * bytes, NUL-terminated); *needed (may be NULL) gets the full length without the NUL. */
+cuma_status cuma_stats_json(cuma_heap *heap, char *buf, size_t len, size_t *needed);
+
+/* Walks every structure of the heap and checks its invariants. CUMA_OK, or CUMA_ERR_CORRUPT
+ * with cuma_last_error() naming the broken invariant. */
+cuma_status cuma_validate(cuma_heap *heap);
+
+/* Out-of-memory callback: called (without heap locks held) when an allocation of `size`
+ * bytes failed even after the cache was released. It may free memory (also through
+ * cuma_free on this heap). Return CUMA_OOM_RETRY to have the allocation retried, or
+ * CUMA_OOM_PASS to let the next callback (or the failure) follow. */
+#define CUMA_OOM_PASS 0
+#define CUMA_OOM_RETRY 1
+typedef int (*cuma_oom_fn)(void *user, cuma_heap *heap, size_t size, cuma_stream stream);
+
+/* Registers a callback; callbacks run in registration order. *id (may be NULL) gets a
+ * handle for cuma_remove_oom_callback. At most 16 per heap. */
+cuma_status cuma_add_oom_callback(cuma_heap *heap, cuma_oom_fn fn, void *user, int *id);
+cuma_status cuma_remove_oom_callback(cuma_heap *heap, int id);
+
+/* Size of the block behind a live pointer (the rounded size the heap reserved for it). */
+cuma_status cuma_block_size(cuma_heap *heap, const void *ptr, size_t *size);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

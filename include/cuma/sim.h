@@ -1,0 +1,40 @@
+/* cuma's simulated device: controls for tests and for `cuma replay`.
+ *
+ * A heap created with "backend:sim" runs on a simulated device of `capacity` bytes with pages
+ * of `page_size` bytes. With "sim_clock:manual" its clock only moves when told (replays drive
+ * it with trace timestamps, so time-based release is deterministic); otherwise it reads the
+ * monotonic clock. With "host_backing:on" allocations are backed by host memory, so tests can
+ * write into them and check that data survives.
+ *
+ * Streams on the simulated device are any pointer values. Work "issued" on a stream completes
+ * at once, unless a test holds the stream: events recorded while it is held complete only when
+ * it is released.
+ *
+ * Each function returns CUMA_ERR_UNSUPPORTED for a heap that is not on the simulated device.
+ * Thread-safe like the rest of the heap API.
+ */
+#ifndef CUMA_SIM_H
+#define CUMA_SIM_H
+
+#include "cuma.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Sets the simulated clock (nanoseconds; must not go backwards). Needs sim_clock:manual. */
+cuma_status cuma_sim_set_time(cuma_heap *heap, uint64_t ns);
+
+/* Reads the heap's clock, whatever the backend (nanoseconds). */
+cuma_status cuma_sim_get_time(cuma_heap *heap, uint64_t *ns);
+
+/* Holds a stream busy: events recorded on it from now on stay incomplete. */
+cuma_status cuma_sim_hold_stream(cuma_heap *heap, cuma_stream stream);
+
+/* Releases a held stream: everything recorded on it so far completes. */
+cuma_status cuma_sim_release_stream(cuma_heap *heap, cuma_stream stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,79 @@
+/* The one interface between the device-independent core and a device.
+ *
+ * The core manages addresses and sizes only; everything that touches device memory, streams or
+ * time goes through these calls. A backend is either page-mapped (reserve a virtual range,
+ * create physical pages, map them anywhere in the range) or segment-based (whole segments from
+ * the driver, no remapping); `caps` says which.
+ *
+ * Thread safety: the core calls a backend under its heap lock, except now_ns, which may be
+ * called from any thread at any time. A backend needs no lock of its own for one heap.
+ */
+#ifndef CUMA_BACKEND_BACKEND_H
+#define CUMA_BACKEND_BACKEND_H
+
+#include "core/config.h"
+#include "cuma/cuma.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define CUMA_CAP_VMM 1u         /* reserve/page_create/map/unmap work */
+#define CUMA_CAP_SEGMENTS 2u    /* seg_alloc/seg_free work */
+#define CUMA_CAP_MANAGED 4u     /* managed_alloc/managed_free work */
+#define CUMA_CAP_HOST_ACCESS 8u /* device addresses can be dereferenced by the host (tests) */
+
+typedef struct cuma_backend cuma_backend;
+
+typedef struct cuma_backend_ops {
+    /* Virtual range: size is a multiple of the page size; *addr aligned to `align`. */
+    cuma_status (*reserve)(cuma_backend *be, uint64_t size, uint64_t align, uint64_t *addr);
+    void (*unreserve)(cuma_backend *be, uint64_t addr, uint64_t size);
+    /* A physical page of page_size bytes; CUMA_ERR_OOM when the device is full. */
+    cuma_status (*page_create)(cuma_backend *be, uint64_t *handle);
+    void (*page_release)(cuma_backend *be, uint64_t handle);
+    /* Maps a page at addr (inside the reserved range) and makes it accessible. */
+    cuma_status (*map)(cuma_backend *be, uint64_t addr, uint64_t handle);
+    cuma_status (*unmap)(cuma_backend *be, uint64_t addr);
+    /* Whole segments (no VMM). */
+    cuma_status (*seg_alloc)(cuma_backend *be, uint64_t size, uint64_t *addr);
+    void (*seg_free)(cuma_backend *be, uint64_t addr, uint64_t size);
+    /* Managed (oversubscribable) memory. */
+    cuma_status (*managed_alloc)(cuma_backend *be, uint64_t size, uint64_t *addr);
+    void (*managed_free)(cuma_backend *be, uint64_t addr, uint64_t size);
+    /* Device memory as the driver sees it. */
+    cuma_status (*mem_info)(cuma_backend *be, uint64_t *free_bytes, uint64_t *total_bytes);
+    /* Events: record on a stream (the backend pools them), query (1 done, 0 not yet,
+     * negative on error), wait (CUMA_OK when done; CUMA_ERR_UNSUPPORTED where waiting
+     * would never end, as on a held simulated stream), release back to the pool. */
+    cuma_status (*event_record)(cuma_backend *be, cuma_stream stream, uint64_t *event);
+    int (*event_query)(cuma_backend *be, uint64_t event);
+    cuma_status (*event_wait)(cuma_backend *be, uint64_t event);
+    void (*event_release)(cuma_backend *be, uint64_t event);
+    /* Nanoseconds on the backend's clock (the sim's may be driven by a replay). */
+    uint64_t (*now_ns)(cuma_backend *be);
+    void (*destroy)(cuma_backend *be);
+} cuma_backend_ops;
+
+/* Fields are set by the backend's constructor and constant afterwards. */
+struct cuma_backend {
+    const cuma_backend_ops *ops;
+    const char *name;
+    unsigned caps;
+    uint64_t page_size; /* granularity of page_create/map */
+    uint64_t capacity;  /* device memory in bytes */
+    char device_id[64]; /* UUID or "sim" */
+};
+
+/* Creates the backend the settings name ("auto" picks the best available). */
+cuma_status cuma_backend_create(const cuma_settings *s, cuma_backend **out);
+
+cuma_status cuma_sim_backend_create(const cuma_settings *s, cuma_backend **out);
+
+/* Sim controls behind include/cuma/sim.h; CUMA_ERR_UNSUPPORTED if be is not a sim. */
+cuma_status cuma_simbe_set_time(cuma_backend *be, uint64_t ns);
+cuma_status cuma_simbe_hold(cuma_backend *be, cuma_stream stream, bool hold);
+
+/* CUDA backends (src/backend/cuda_*.c); CUMA_ERR_NO_DEVICE when not built or no driver. */
+cuma_status cuma_cuda_backend_create(const cuma_settings *s, cuma_backend **out);
+
+#endif

@@ -1,0 +1,272 @@
+/* The simulated device: a capacity, a page granularity, streams that tests can hold busy, and a
+ * clock that replays can drive. With host backing, pages are pieces of one sparse memfd mapped
+ * into a PROT_NONE reservation, so data written through one mapping survives unmap and remap
+ * elsewhere, as on a GPU. Without it, addresses are numbers nobody dereferences and the
+ * simulator costs no memory, which lets a replay simulate an 80 GiB device anywhere. */
+#include "backend.h"
+#include "core/error.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct sim_stream {
+    cuma_stream handle;
+    bool held;
+    uint64_t releases; /* how often it was released: events recorded before complete */
+} sim_stream;
+
+typedef struct sim_event {
+    uint32_t stream;   /* index into streams */
+    uint32_t next;     /* free list */
+    uint64_t releases; /* the stream's release count at record time */
+    bool held;         /* the stream was held at record time */
+} sim_event;
+
+/* Invariants: used_pages <= npages; a page index is either on free_pages or handed out;
+ * events on the free list are not referenced by the core. Guarded by the heap lock, except
+ * `now`, which is atomic (now_ns may be called without the lock). */
+typedef struct sim {
+    cuma_backend be;
+    bool backing, manual;
+    _Atomic uint64_t now;
+    uint64_t npages, used_pages, next_fresh;
+    uint64_t *free_pages;
+    uint64_t nfree;
+    int fd;
+    sim_stream *streams;
+    uint32_t nstreams, capstreams;
+    sim_event *events;
+    uint32_t nevents, capevents, free_event;
+    uint64_t managed_bytes;
+} sim;
+
+#define NO_EVENT UINT32_MAX
+
+static const cuma_backend_ops sim_ops;
+
+static sim *as_sim(cuma_backend *be) { return be->ops == &sim_ops ? (sim *)be : NULL; }
+
+static _Atomic uint64_t fake_next = 1ull << 44;
+
+static cuma_status sim_reserve(cuma_backend *be, uint64_t size, uint64_t align, uint64_t *addr) {
+    sim *s = (sim *)be;
+    if (!s->backing) {
+        /* Distinct per heap, aligned, never dereferenced. */
+        uint64_t a = atomic_fetch_add(&fake_next, size + align);
+        *addr = (a + align - 1) & ~(align - 1);
+        return CUMA_OK;
+    }
+    void *p = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return cuma_fail(CUMA_ERR_OOM, "sim: cannot reserve %llu bytes of address space: %s", (unsigned long long)size, strerror(errno));
+    uint64_t a = ((uint64_t)(uintptr_t)p + align - 1) & ~(align - 1);
+    if (a > (uint64_t)(uintptr_t)p) munmap(p, a - (uint64_t)(uintptr_t)p);
+    uint64_t tail = (uint64_t)(uintptr_t)p + size + align - (a + size);
+    if (tail) munmap((void *)(uintptr_t)(a + size), tail);
+    *addr = a;
+    return CUMA_OK;
+}
+
+static void sim_unreserve(cuma_backend *be, uint64_t addr, uint64_t size) {
+    if (((sim *)be)->backing) munmap((void *)(uintptr_t)addr, size);
+}
+
+static cuma_status sim_page_create(cuma_backend *be, uint64_t *handle) {
+    sim *s = (sim *)be;
+    if (s->used_pages == s->npages)
+        return cuma_fail(CUMA_ERR_OOM, "sim: device full (%llu pages of %llu bytes)", (unsigned long long)s->npages,
+                         (unsigned long long)be->page_size);
+    s->used_pages++;
+    *handle = s->nfree ? s->free_pages[--s->nfree] : s->next_fresh++;
+    return CUMA_OK;
+}
+
+static void sim_page_release(cuma_backend *be, uint64_t handle) {
+    sim *s = (sim *)be;
+    if (s->backing)
+        fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(handle * be->page_size), (off_t)be->page_size);
+    s->free_pages[s->nfree++] = handle;
+    s->used_pages--;
+}
+
+static cuma_status sim_map(cuma_backend *be, uint64_t addr, uint64_t handle) {
+    sim *s = (sim *)be;
+    if (!s->backing) return CUMA_OK;
+    void *p = mmap((void *)(uintptr_t)addr, be->page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, s->fd,
+                   (off_t)(handle * be->page_size));
+    if (p == MAP_FAILED) return cuma_fail(CUMA_ERR_BACKEND, "sim: map at 0x%llx failed: %s", (unsigned long long)addr, strerror(errno));
+    return CUMA_OK;
+}
+
+static cuma_status sim_unmap(cuma_backend *be, uint64_t addr) {
+    sim *s = (sim *)be;
+    if (!s->backing) return CUMA_OK;
+    void *p = mmap((void *)(uintptr_t)addr, be->page_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    if (p == MAP_FAILED) return cuma_fail(CUMA_ERR_BACKEND, "sim: unmap at 0x%llx failed: %s", (unsigned long long)addr, strerror(errno));
+    return CUMA_OK;
+}
+
+static cuma_status sim_seg_alloc(cuma_backend *be, uint64_t size, uint64_t *addr) {
+    (void)be, (void)size, (void)addr;
+    return cuma_fail(CUMA_ERR_UNSUPPORTED, "sim: segments are not simulated");
+}
+
+static void sim_seg_free(cuma_backend *be, uint64_t addr, uint64_t size) { (void)be, (void)addr, (void)size; }
+
+static cuma_status sim_managed_alloc(cuma_backend *be, uint64_t size, uint64_t *addr) {
+    sim *s = (sim *)be;
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return cuma_fail(CUMA_ERR_OOM, "sim: managed allocation of %llu bytes failed", (unsigned long long)size);
+    s->managed_bytes += size;
+    *addr = (uint64_t)(uintptr_t)p;
+    return CUMA_OK;
+}
+
+static void sim_managed_free(cuma_backend *be, uint64_t addr, uint64_t size) {
+    ((sim *)be)->managed_bytes -= size;
+    munmap((void *)(uintptr_t)addr, size);
+}
+
+static cuma_status sim_mem_info(cuma_backend *be, uint64_t *fr, uint64_t *total) {
+    sim *s = (sim *)be;
+    *total = be->capacity;
+    *fr = (s->npages - s->used_pages) * be->page_size;
+    return CUMA_OK;
+}
+
+static int stream_slot(sim *s, cuma_stream h) {
+    for (uint32_t i = 0; i < s->nstreams; i++)
+        if (s->streams[i].handle == h) return (int)i;
+    if (s->nstreams == s->capstreams) {
+        uint32_t nc = s->capstreams ? s->capstreams * 2 : 16;
+        sim_stream *n = realloc(s->streams, nc * sizeof *n);
+        if (!n) return -1;
+        s->streams = n, s->capstreams = nc;
+    }
+    s->streams[s->nstreams] = (sim_stream){h, false, 0};
+    return (int)s->nstreams++;
+}
+
+static cuma_status sim_event_record(cuma_backend *be, cuma_stream stream, uint64_t *event) {
+    sim *s = (sim *)be;
+    int si = stream_slot(s, stream);
+    if (si < 0) return cuma_fail(CUMA_ERR_OOM, "sim: no host memory for a stream");
+    uint32_t e = s->free_event;
+    if (e != NO_EVENT) {
+        s->free_event = s->events[e].next;
+    } else {
+        if (s->nevents == s->capevents) {
+            uint32_t nc = s->capevents ? s->capevents * 2 : 64;
+            sim_event *n = realloc(s->events, nc * sizeof *n);
+            if (!n) return cuma_fail(CUMA_ERR_OOM, "sim: no host memory for an event");
+            s->events = n, s->capevents = nc;
+        }
+        e = s->nevents++;
+    }
+    s->events[e] = (sim_event){(uint32_t)si, NO_EVENT, s->streams[si].releases, s->streams[si].held};
+    *event = e;
+    return CUMA_OK;
+}
+
+static int sim_event_query(cuma_backend *be, uint64_t event) {
+    sim *s = (sim *)be;
+    if (event >= s->nevents) return -1;
+    const sim_event *e = &s->events[event];
+    return !e->held || s->streams[e->stream].releases > e->releases;
+}
+
+static cuma_status sim_event_wait(cuma_backend *be, uint64_t event) {
+    int q = sim_event_query(be, event);
+    if (q > 0) return CUMA_OK;
+    return cuma_fail(CUMA_ERR_UNSUPPORTED, "sim: waiting on a held stream would never end");
+}
+
+static void sim_event_release(cuma_backend *be, uint64_t event) {
+    sim *s = (sim *)be;
+    if (event >= s->nevents) return;
+    s->events[event].next = s->free_event;
+    s->free_event = (uint32_t)event;
+}
+
+static uint64_t sim_now(cuma_backend *be) {
+    sim *s = (sim *)be;
+    if (s->manual) return atomic_load_explicit(&s->now, memory_order_relaxed);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void sim_destroy(cuma_backend *be) {
+    sim *s = (sim *)be;
+    if (s->fd >= 0) close(s->fd);
+    free(s->free_pages);
+    free(s->streams);
+    free(s->events);
+    free(s);
+}
+
+static const cuma_backend_ops sim_ops = {
+    .reserve = sim_reserve, .unreserve = sim_unreserve, .page_create = sim_page_create,
+    .page_release = sim_page_release, .map = sim_map, .unmap = sim_unmap, .seg_alloc = sim_seg_alloc,
+    .seg_free = sim_seg_free, .managed_alloc = sim_managed_alloc, .managed_free = sim_managed_free,
+    .mem_info = sim_mem_info, .event_record = sim_event_record, .event_query = sim_event_query,
+    .event_wait = sim_event_wait, .event_release = sim_event_release, .now_ns = sim_now, .destroy = sim_destroy,
+};
+
+cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out) {
+    sim *s = calloc(1, sizeof *s);
+    if (!s) return cuma_fail(CUMA_ERR_OOM, "sim: no host memory");
+    s->be.ops = &sim_ops;
+    s->be.name = "sim";
+    s->be.caps = CUMA_CAP_VMM | CUMA_CAP_MANAGED | (set->host_backing ? CUMA_CAP_HOST_ACCESS : 0);
+    s->be.page_size = set->page_size;
+    s->be.capacity = set->capacity;
+    snprintf(s->be.device_id, sizeof s->be.device_id, "sim");
+    s->backing = set->host_backing;
+    s->manual = set->sim_clock_manual;
+    s->npages = set->capacity / set->page_size;
+    s->free_pages = malloc(s->npages * sizeof *s->free_pages);
+    s->free_event = NO_EVENT;
+    s->fd = -1;
+    if (!s->free_pages) {
+        uint64_t n = s->npages;
+        free(s);
+        return cuma_fail(CUMA_ERR_OOM, "sim: no host memory for %llu pages", (unsigned long long)n);
+    }
+    if (s->backing) {
+        s->fd = memfd_create("cuma-sim", MFD_CLOEXEC);
+        if (s->fd < 0 || ftruncate(s->fd, (off_t)set->capacity)) {
+            cuma_status st = cuma_fail(CUMA_ERR_BACKEND, "sim: host backing of %llu bytes failed: %s",
+                                       (unsigned long long)set->capacity, strerror(errno));
+            sim_destroy(&s->be);
+            return st;
+        }
+    }
+    *out = &s->be;
+    return CUMA_OK;
+}
+
+cuma_status cuma_simbe_set_time(cuma_backend *be, uint64_t ns) {
+    sim *s = as_sim(be);
+    if (!s) return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_sim_set_time: the heap is on backend %s, not sim", be->name);
+    if (!s->manual) return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_sim_set_time: the heap needs sim_clock:manual");
+    if (ns < atomic_load(&s->now)) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_set_time: time goes backwards");
+    atomic_store(&s->now, ns);
+    return CUMA_OK;
+}
+
+cuma_status cuma_simbe_hold(cuma_backend *be, cuma_stream stream, bool hold) {
+    sim *s = as_sim(be);
+    if (!s) return cuma_fail(CUMA_ERR_UNSUPPORTED, "sim stream control: the heap is on backend %s, not sim", be->name);
+    int si = stream_slot(s, stream);
+    if (si < 0) return cuma_fail(CUMA_ERR_OOM, "sim: no host memory for a stream");
+    if (!hold && s->streams[si].held) s->streams[si].releases++;
+    s->streams[si].held = hold;
+    return CUMA_OK;
+}

@@ -1,0 +1,329 @@
+/* The CUMA_CONF grammar: "key:value,key:value". One table describes every key, so parsing,
+ * `cuma config` and the JSON dump cannot disagree. */
+#include "config.h"
+#include "error.h"
+
+#include <ctype.h>
+#include <stdarg.h>
+#include <strings.h>
+#include <errno.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum kind { K_SIZE, K_SIZE_OR_NONE, K_MS, K_FRACTION, K_BOOL, K_NAME, K_INT };
+
+typedef struct key_desc {
+    const char *key;
+    enum kind kind;
+    size_t offset;
+    const char *def;      /* default, in the grammar's own spelling */
+    const char *choices;  /* K_NAME: "a|b|c" */
+    const char *meaning;
+} key_desc;
+
+#define F(field) offsetof(cuma_settings, field)
+
+static const key_desc keys[] = {
+    {"backend", K_NAME, F(backend), "sim", "sim|vmm|segment|managed|auto",
+     "device backend: sim (simulated device), vmm (CUDA virtual memory), segment (cuMemAlloc), "
+     "managed (cuMemAllocManaged), auto (vmm, else segment)"},
+    {"policy", K_NAME, F(policy), "tlsf", "tlsf|bestfit|buddy",
+     "placement in the virtual range: tlsf (good fit, O(1)), bestfit (alias of tlsf), buddy "
+     "(power-of-two buddy system)"},
+    {"capacity", K_SIZE, F(capacity), "80G", NULL, "simulated device size"},
+    {"page_size", K_SIZE, F(page_size), "2M", NULL,
+     "physical page size (sim); CUDA backends use the device granularity"},
+    {"limit", K_SIZE_OR_NONE, F(limit), "none", NULL,
+     "hard limit on reserved (physical) bytes; none = the device size"},
+    {"memory_fraction", K_FRACTION, F(memory_fraction), "0", NULL,
+     "limit as a fraction of device memory (0 = none); the smaller of limit and this wins"},
+    {"max_cached", K_SIZE_OR_NONE, F(max_cached), "none", NULL,
+     "most bytes of idle pages kept in the cache; beyond it the oldest go back at once"},
+    {"release_delay_ms", K_MS, F(release_delay_ms), "1000", NULL,
+     "idle pages go back to the device after this many milliseconds; never = keep"},
+    {"fragmentation_threshold", K_FRACTION, F(fragmentation_threshold), "0.05", NULL,
+     "idle pages past the release delay are kept while the cache is at most this share of "
+     "reserved memory (avoids churn on a small cache); 0 = release every one"},
+    {"growth", K_BOOL, F(growth), "on", NULL,
+     "grow on demand; off = map `preallocate` bytes at creation and never grow beyond it"},
+    {"preallocate", K_SIZE, F(preallocate), "0", NULL,
+     "bytes of pages created at creation and never released (TensorFlow's memory_limit style)"},
+    {"virtual_size", K_SIZE, F(virtual_size), "0", NULL,
+     "size of the reserved virtual range; 0 = 4 x device size, rounded to a power of two"},
+    {"segment_size", K_SIZE, F(segment_size), "20M", NULL,
+     "segment backend: smallest segment asked of cuMemAlloc"},
+    {"host_backing", K_BOOL, F(host_backing), "off", NULL,
+     "sim: back simulated pages with host memory so data can be written and read"},
+    {"sim_clock", K_NAME, F(sim_clock_manual), "real", "real|manual",
+     "sim: real = monotonic clock; manual = moved only by cuma_sim_set_time (replays)"},
+    {"managed_fallback", K_BOOL, F(managed_fallback), "off", NULL,
+     "serve a request from managed memory when the device is full"},
+    {"release_thread_ms", K_MS, F(release_thread_ms), "0", NULL,
+     "period of a background thread that runs the release policy; 0 = none"},
+    {"small_size", K_SIZE, F(small_size), "0", NULL,
+     "requests up to this size are packed by size class; 0 = off"},
+    {"device", K_INT, F(device), "0", NULL, "CUDA device ordinal"},
+};
+
+#define NKEYS (sizeof keys / sizeof keys[0])
+
+bool cuma_parse_size(const char *text, uint64_t *out) {
+    if (!text || !*text || *text == '-') return false;
+    errno = 0;
+    char *end;
+    double v = strtod(text, &end);
+    if (end == text || errno || !isfinite(v) || v < 0) return false;
+    double mul = 1;
+    switch (toupper((unsigned char)*end)) {
+    case 0: break;
+    case 'K': mul = 1024.0; end++; break;
+    case 'M': mul = 1048576.0; end++; break;
+    case 'G': mul = 1073741824.0; end++; break;
+    case 'T': mul = 1099511627776.0; end++; break;
+    default: return false;
+    }
+    if (toupper((unsigned char)*end) == 'B' || (*end == 'i' && toupper((unsigned char)end[1]) == 'B'))
+        end += *end == 'i' ? 2 : 1;
+    if (*end) return false;
+    v *= mul;
+    if (v >= 18446744073709551615.0) return false;
+    if (v != floor(v)) return false;
+    *out = (uint64_t)v;
+    return true;
+}
+
+static bool parse_bool(const char *v, bool *out) {
+    static const char *yes[] = {"on", "true", "1", "yes"}, *no[] = {"off", "false", "0", "no"};
+    for (int i = 0; i < 4; i++) {
+        if (!strcasecmp(v, yes[i])) return *out = true, true;
+        if (!strcasecmp(v, no[i])) return *out = false, true;
+    }
+    return false;
+}
+
+static bool name_in(const char *v, const char *choices) {
+    size_t n = strlen(v);
+    for (const char *p = choices; *p;) {
+        const char *bar = strchr(p, '|');
+        size_t len = bar ? (size_t)(bar - p) : strlen(p);
+        if (len == n && !strncmp(p, v, n)) return true;
+        if (!bar) break;
+        p = bar + 1;
+    }
+    return false;
+}
+
+static const char *kind_hint(enum kind k) {
+    switch (k) {
+    case K_SIZE: return "a size like 512, 64K, 2M or 80G";
+    case K_SIZE_OR_NONE: return "a size like 2M or 80G, or none";
+    case K_MS: return "milliseconds (an integer >= 0) or never";
+    case K_FRACTION: return "a number between 0 and 1";
+    case K_BOOL: return "on or off";
+    case K_INT: return "an integer";
+    case K_NAME: return "one of the listed names";
+    }
+    return "";
+}
+
+static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v, const char *origin) {
+    char *field = (char *)s + d->offset;
+    bool ok = false;
+    switch (d->kind) {
+    case K_SIZE: ok = cuma_parse_size(v, (uint64_t *)field); break;
+    case K_SIZE_OR_NONE:
+        if (!strcasecmp(v, "none") || !strcasecmp(v, "unlimited"))
+            *(uint64_t *)field = CUMA_UNLIMITED, ok = true;
+        else
+            ok = cuma_parse_size(v, (uint64_t *)field);
+        break;
+    case K_MS: {
+        if (!strcasecmp(v, "never")) {
+            *(int64_t *)field = -1, ok = true;
+            break;
+        }
+        char *end;
+        errno = 0;
+        long long x = strtoll(v, &end, 10);
+        ok = end != v && !*end && !errno && x >= 0;
+        if (ok) *(int64_t *)field = x;
+        break;
+    }
+    case K_FRACTION: {
+        char *end;
+        double x = strtod(v, &end);
+        ok = end != v && !*end && isfinite(x) && x >= 0 && x <= 1;
+        if (ok) *(double *)field = x;
+        break;
+    }
+    case K_BOOL: ok = parse_bool(v, (bool *)field); break;
+    case K_INT: {
+        char *end;
+        errno = 0;
+        long x = strtol(v, &end, 10);
+        ok = end != v && !*end && !errno && x >= 0 && x < 1024;
+        if (ok) *(int *)field = (int)x;
+        break;
+    }
+    case K_NAME:
+        ok = name_in(v, d->choices);
+        if (!ok) break;
+        if (d->offset == F(sim_clock_manual)) {
+            s->sim_clock_manual = !strcmp(v, "manual");
+        } else {
+            if (!strcmp(v, "bestfit")) v = "tlsf";
+            snprintf(field, 16, "%s", v);
+        }
+        break;
+    }
+    if (ok) return CUMA_OK;
+    if (d->kind == K_NAME)
+        return cuma_fail(CUMA_ERR_CONFIG, "%s: bad value '%s' for key '%s': expected one of %s",
+                         origin, v, d->key, d->choices);
+    return cuma_fail(CUMA_ERR_CONFIG, "%s: bad value '%s' for key '%s': expected %s", origin, v,
+                     d->key, kind_hint(d->kind));
+}
+
+void cuma_settings_default(cuma_settings *s) {
+    memset(s, 0, sizeof *s);
+    for (size_t i = 0; i < NKEYS; i++) {
+        cuma_status st = set_value(s, &keys[i], keys[i].def, "defaults");
+        (void)st; /* the table's defaults are tested by test_config */
+    }
+}
+
+static char *trim(char *p) {
+    while (isspace((unsigned char)*p)) p++;
+    char *e = p + strlen(p);
+    while (e > p && isspace((unsigned char)e[-1])) *--e = 0;
+    return p;
+}
+
+cuma_status cuma_settings_parse(cuma_settings *s, const char *conf, const char *origin) {
+    if (!conf) return CUMA_OK;
+    size_t n = strlen(conf);
+    if (n > 4096) return cuma_fail(CUMA_ERR_CONFIG, "%s: settings string longer than 4096 bytes", origin);
+    char buf[4097];
+    memcpy(buf, conf, n + 1);
+    char *save = NULL;
+    for (char *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        item = trim(item);
+        if (!*item) continue;
+        char *colon = strchr(item, ':');
+        if (!colon)
+            return cuma_fail(CUMA_ERR_CONFIG, "%s: '%s' is not key:value", origin, item);
+        *colon = 0;
+        char *key = trim(item), *val = trim(colon + 1);
+        const key_desc *d = NULL;
+        for (size_t i = 0; i < NKEYS; i++)
+            if (!strcmp(keys[i].key, key)) d = &keys[i];
+        if (!d)
+            return cuma_fail(CUMA_ERR_CONFIG, "%s: unknown key '%s' (see `cuma config`)", origin, key);
+        cuma_status st = set_value(s, d, val, origin);
+        if (st) return st;
+    }
+    return CUMA_OK;
+}
+
+static bool pow2(uint64_t x) { return x && !(x & (x - 1)); }
+
+cuma_status cuma_settings_validate(const cuma_settings *s) {
+    if (!pow2(s->page_size) || s->page_size < 4096)
+        return cuma_fail(CUMA_ERR_CONFIG, "page_size %llu is not a power of two >= 4K",
+                         (unsigned long long)s->page_size);
+    if (s->capacity < s->page_size || s->capacity % s->page_size)
+        return cuma_fail(CUMA_ERR_CONFIG, "capacity %llu is not a positive multiple of page_size %llu",
+                         (unsigned long long)s->capacity, (unsigned long long)s->page_size);
+    if (s->virtual_size && s->virtual_size < s->capacity)
+        return cuma_fail(CUMA_ERR_CONFIG, "virtual_size %llu is smaller than capacity %llu",
+                         (unsigned long long)s->virtual_size, (unsigned long long)s->capacity);
+    if (s->capacity > (1ull << 46))
+        return cuma_fail(CUMA_ERR_CONFIG, "capacity %llu is over 64T", (unsigned long long)s->capacity);
+    if (s->virtual_size > (1ull << 47))
+        return cuma_fail(CUMA_ERR_CONFIG, "virtual_size %llu is over 128T",
+                         (unsigned long long)s->virtual_size);
+    if (s->limit != CUMA_UNLIMITED && s->limit < s->page_size)
+        return cuma_fail(CUMA_ERR_CONFIG, "limit %llu is smaller than one page",
+                         (unsigned long long)s->limit);
+    if (!s->growth && !s->preallocate)
+        return cuma_fail(CUMA_ERR_CONFIG, "growth:off needs preallocate:SIZE");
+    if (s->small_size > (1u << 20))
+        return cuma_fail(CUMA_ERR_CONFIG, "small_size %llu is over 1M", (unsigned long long)s->small_size);
+    return CUMA_OK;
+}
+
+cuma_status cuma_settings_from_config(cuma_settings *s, const cuma_config *cfg) {
+    cuma_settings_default(s);
+    cuma_status st = CUMA_OK;
+    if (!cfg || !(cfg->flags & CUMA_CONFIG_NO_ENV)) st = cuma_settings_parse(s, getenv("CUMA_CONF"), "CUMA_CONF");
+    if (!st && cfg) st = cuma_settings_parse(s, cfg->conf, "config");
+    if (!st && cfg && cfg->device) s->device = cfg->device;
+    if (!st) st = cuma_settings_validate(s);
+    return st;
+}
+
+cuma_status cuma_config_check(const char *conf) {
+    cuma_settings s;
+    cuma_settings_default(&s);
+    cuma_status st = cuma_settings_parse(&s, conf, "config");
+    return st ? st : cuma_settings_validate(&s);
+}
+
+/* Appends to a bounded buffer, counting what would have been written. */
+typedef struct out {
+    char *buf;
+    size_t len, used;
+} out;
+
+static void put(out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void put(out *o, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    size_t room = o->used < o->len ? o->len - o->used : 0;
+    int n = vsnprintf(room ? o->buf + o->used : NULL, room, fmt, ap);
+    va_end(ap);
+    if (n > 0) o->used += (size_t)n;
+}
+
+cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed) {
+    out o = {buf, len, 0};
+    if (buf && len) buf[0] = 0;
+    put(&o, "%-24s %-8s %s\n", "KEY", "DEFAULT", "MEANING");
+    for (size_t i = 0; i < NKEYS; i++) {
+        put(&o, "%-24s %-8s %s", keys[i].key, keys[i].def, keys[i].meaning);
+        if (keys[i].kind == K_NAME) put(&o, " [%s]", keys[i].choices);
+        put(&o, "\n");
+    }
+    if (needed) *needed = o.used;
+    if (!buf || o.used >= len) return cuma_fail(CUMA_ERR_INVALID, "buffer of %zu bytes too small, %zu needed", len, o.used + 1);
+    return CUMA_OK;
+}
+
+size_t cuma_settings_json(const cuma_settings *s, char *buf, size_t len) {
+    out o = {buf, len, 0};
+    for (size_t i = 0; i < NKEYS; i++) {
+        const char *field = (const char *)s + keys[i].offset;
+        put(&o, "%s\"%s\":", i ? "," : "", keys[i].key);
+        switch (keys[i].kind) {
+        case K_SIZE: put(&o, "%llu", (unsigned long long)*(const uint64_t *)field); break;
+        case K_SIZE_OR_NONE: {
+            uint64_t v = *(const uint64_t *)field;
+            if (v == CUMA_UNLIMITED) put(&o, "null");
+            else put(&o, "%llu", (unsigned long long)v);
+            break;
+        }
+        case K_MS: put(&o, "%lld", (long long)*(const int64_t *)field); break;
+        case K_FRACTION: put(&o, "%g", *(const double *)field); break;
+        case K_BOOL: put(&o, "%s", *(const bool *)field ? "true" : "false"); break;
+        case K_INT: put(&o, "%d", *(const int *)field); break;
+        case K_NAME:
+            if (keys[i].offset == F(sim_clock_manual)) put(&o, "\"%s\"", s->sim_clock_manual ? "manual" : "real");
+            else put(&o, "\"%s\"", field);
+            break;
+        }
+    }
+    return o.used;
+}

@@ -1,0 +1,56 @@
+/* The parsed settings of a heap: the CUMA_CONF grammar, with one table of keys in config.c. */
+#ifndef CUMA_CORE_CONFIG_H
+#define CUMA_CORE_CONFIG_H
+
+#include "cuma/cuma.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define CUMA_UNLIMITED UINT64_MAX
+
+/* Invariants (cuma_settings_validate): page_size is a power of two >= 4 KiB; capacity is a
+ * multiple of page_size; 0 <= memory_fraction <= 1; 0 <= fragmentation_threshold <= 1;
+ * virtual_size == 0 (derived) or >= capacity; backend and policy are known names. */
+typedef struct cuma_settings {
+    char backend[16];               /* sim, vmm, segment, managed, auto */
+    char policy[16];                /* tlsf (good fit, default), buddy */
+    uint64_t capacity;              /* sim: device size */
+    uint64_t page_size;             /* sim: page granularity; CUDA: 0 = the device's */
+    uint64_t limit;                 /* CUMA_UNLIMITED = none */
+    double memory_fraction;         /* 0 = none */
+    uint64_t max_cached;            /* CUMA_UNLIMITED = no cap */
+    int64_t release_delay_ms;       /* -1 = never by time */
+    double fragmentation_threshold; /* see config.c */
+    bool growth;                    /* grow on demand; false = preallocate and stay */
+    uint64_t preallocate;           /* bytes mapped at creation and never released */
+    uint64_t virtual_size;          /* 0 = derived from capacity */
+    uint64_t segment_size;          /* segment backend: smallest segment */
+    bool host_backing;              /* sim: back pages with host memory */
+    bool sim_clock_manual;          /* sim: clock driven by cuma_sim_set_time */
+    bool managed_fallback;          /* serve from managed memory when the device is full */
+    int64_t release_thread_ms;      /* background release period; 0 = no thread */
+    uint64_t small_size;            /* requests <= this go to size classes; 0 = off */
+    int device;
+} cuma_settings;
+
+/* Fills defaults. */
+void cuma_settings_default(cuma_settings *s);
+
+/* Applies a settings string on top of s. On error s may be partly updated; the message names
+ * the key and the value. `origin` names where the string came from ("CUMA_CONF"). */
+cuma_status cuma_settings_parse(cuma_settings *s, const char *conf, const char *origin);
+
+/* Defaults, then CUMA_CONF unless cfg says not to, then cfg->conf. */
+cuma_status cuma_settings_from_config(cuma_settings *s, const cuma_config *cfg);
+
+cuma_status cuma_settings_validate(const cuma_settings *s);
+
+/* Writes the settings as a JSON object body (no braces) into buf; returns the length that
+ * was needed (like snprintf). */
+size_t cuma_settings_json(const cuma_settings *s, char *buf, size_t len);
+
+/* Parses a size ("512", "2M", "1.5G"); false on a bad one. */
+bool cuma_parse_size(const char *text, uint64_t *out);
+
+#endif

@@ -1,0 +1,14 @@
+/* Per-thread error messages behind cuma_last_error(). */
+#ifndef CUMA_CORE_ERROR_H
+#define CUMA_CORE_ERROR_H
+
+#include "cuma/cuma.h"
+
+/* Sets the calling thread's message (printf format) and returns `s`, so a failing path can
+ * say `return cuma_fail(CUMA_ERR_INVALID, "size %zu overflows", n);`. */
+cuma_status cuma_fail(cuma_status s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Clears the calling thread's message. */
+void cuma_clear_error(void);
+
+#endif

@@ -1,0 +1,412 @@
+/* Heap life cycle, allocation, free and the out-of-memory ladder. */
+#include "heap.h"
+#include "error.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t round_pow2(uint64_t x) {
+    uint64_t p = 1;
+    while (p < x) p <<= 1;
+    return p;
+}
+
+void cuma_heap_refresh_limit(cuma_heap *h) {
+    uint64_t lim = h->be->capacity;
+    if (h->set.limit != CUMA_UNLIMITED && h->set.limit < lim) lim = h->set.limit;
+    if (h->set.memory_fraction > 0) {
+        uint64_t f = (uint64_t)(h->set.memory_fraction * (double)h->be->capacity);
+        if (f < lim) lim = f;
+    }
+    if (!h->set.growth && h->set.preallocate < lim) lim = h->set.preallocate;
+    h->limit_bytes = lim;
+    h->pages.limit_pages = lim / h->pages.page_size;
+    h->pages.limit_is_device = lim == h->be->capacity;
+}
+
+static void *release_thread(void *arg);
+
+cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
+    cuma_clear_error();
+    if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_heap_create: out is NULL");
+    *out = NULL;
+    cuma_heap *h = calloc(1, sizeof *h);
+    if (!h) return cuma_fail(CUMA_ERR_OOM, "no host memory for a heap");
+    cuma_status st = cuma_settings_from_config(&h->set, cfg);
+    if (st) goto fail_free;
+    st = cuma_backend_create(&h->set, &h->be);
+    if (st) goto fail_free;
+    if (!(h->be->caps & CUMA_CAP_VMM)) {
+        st = cuma_fail(CUMA_ERR_UNSUPPORTED, "backend %s: segment mode is not available in this build", h->be->name);
+        goto fail_be;
+    }
+    st = cuma_streams_init(&h->streams, h->be);
+    if (st) goto fail_be;
+    h->va_size = h->set.virtual_size ? h->set.virtual_size : 4 * h->be->capacity;
+    h->va_size = round_pow2(h->va_size);
+    if (h->va_size < h->be->page_size) h->va_size = h->be->page_size;
+    /* Aligned to its size, the buddy's orders line up with real addresses and pages. */
+    uint64_t align = h->va_size < (1ull << 30) ? h->va_size : (1ull << 30);
+    st = h->be->ops->reserve(h->be, h->va_size, align, &h->base);
+    if (st) goto fail_streams;
+    st = cuma_pages_init(&h->pages, h->be, &h->streams, h->base, h->va_size);
+    if (st) goto fail_reserve;
+    const cuma_policy_ops *pol = strcmp(h->set.policy, "buddy") ? &cuma_tlsf_ops : &cuma_buddy_ops;
+    st = pol->create(&h->pol, &h->streams);
+    if (st) goto fail_pages;
+    st = h->pol->ops->add_range(h->pol, 0, h->va_size);
+    if (st) goto fail_pol;
+    cuma_map_init(&h->live);
+    cuma_map_init(&h->managed);
+    h->release_delay_ns = h->set.release_delay_ms < 0 ? -1 : h->set.release_delay_ms * 1000000;
+    h->max_cached_pages = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached / h->be->page_size;
+    cuma_heap_refresh_limit(h);
+    if (h->set.preallocate) {
+        st = cuma_pages_prefill(&h->pages, (h->set.preallocate + h->be->page_size - 1) / h->be->page_size,
+                                h->be->ops->now_ns(h->be));
+        if (st) goto fail_all;
+    }
+    pthread_mutex_init(&h->lock, NULL);
+    pthread_cond_init(&h->wake, NULL);
+    if (h->set.release_thread_ms > 0) {
+        if (pthread_create(&h->thread, NULL, release_thread, h)) {
+            st = cuma_fail(CUMA_ERR_BACKEND, "could not start the release thread");
+            pthread_mutex_destroy(&h->lock);
+            pthread_cond_destroy(&h->wake);
+            goto fail_all;
+        }
+        h->thread_running = true;
+    }
+    *out = h;
+    return CUMA_OK;
+fail_all:
+    cuma_map_destroy(&h->live);
+    cuma_map_destroy(&h->managed);
+fail_pol:
+    h->pol->ops->destroy(h->pol);
+fail_pages:
+    cuma_pages_destroy(&h->pages);
+fail_reserve:
+    h->be->ops->unreserve(h->be, h->base, h->va_size);
+fail_streams:
+    cuma_streams_destroy(&h->streams);
+fail_be:
+    h->be->ops->destroy(h->be);
+fail_free:
+    free(h);
+    return st;
+}
+
+static bool free_managed(void *ctx, uint64_t key, void *val) {
+    cuma_heap *h = ctx;
+    h->be->ops->managed_free(h->be, key, (uint64_t)(uintptr_t)val);
+    return true;
+}
+
+void cuma_heap_destroy(cuma_heap *h) {
+    if (!h) return;
+    if (h->thread_running) {
+        pthread_mutex_lock(&h->lock);
+        h->stopping = true;
+        pthread_cond_signal(&h->wake);
+        pthread_mutex_unlock(&h->lock);
+        pthread_join(h->thread, NULL);
+    }
+    cuma_map_each(&h->managed, free_managed, h);
+    cuma_map_destroy(&h->managed);
+    cuma_map_destroy(&h->live);
+    h->pol->ops->destroy(h->pol);
+    cuma_pages_destroy(&h->pages);
+    h->be->ops->unreserve(h->be, h->base, h->va_size);
+    cuma_streams_destroy(&h->streams);
+    h->be->ops->destroy(h->be);
+    pthread_mutex_destroy(&h->lock);
+    pthread_cond_destroy(&h->wake);
+    free(h);
+}
+
+static uint64_t now(cuma_heap *h) { return h->be->ops->now_ns(h->be); }
+
+static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size) {
+    cuma_counters *c = &h->c;
+    c->requested += req;
+    c->allocated += size;
+    c->active++;
+    c->allocs++;
+    if (c->requested > c->peak_requested) c->peak_requested = c->requested;
+    if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
+    uint64_t reserved = h->pages.nreserved * h->pages.page_size;
+    if (reserved > c->peak_reserved) c->peak_reserved = reserved;
+}
+
+/* Gives a block back to the policy and its pages to the cache. */
+static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_t fseq, uint64_t t) {
+    h->c.requested -= b->req;
+    h->c.allocated -= b->size;
+    h->c.active--;
+    cuma_pages_unref(&h->pages, b->off, b->req, t, fstream, fseq);
+    h->pol->ops->free(h->pol, b, fstream, fseq);
+}
+
+/* Releases deferred blocks whose record_stream fences completed. */
+static void process_deferred(cuma_heap *h, bool wait) {
+    cuma_block **pp = &h->deferred;
+    uint64_t t = now(h);
+    while (*pp) {
+        cuma_block *b = *pp;
+        if (cuma_fence_poll(&h->streams, b->fence_stream, b->fence_seq, wait)) {
+            *pp = b->fnext;
+            b->fnext = NULL;
+            release_block(h, b, 0, 0, t); /* its work is complete: the memory is clean */
+        } else {
+            pp = &b->fnext;
+        }
+    }
+}
+
+void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
+    if (h->deferred) process_deferred(h, false);
+    uint64_t oldest = cuma_pages_oldest_idle(&h->pages);
+    bool aged = h->release_delay_ns >= 0 && oldest != UINT64_MAX && t >= oldest &&
+                t - oldest >= (uint64_t)h->release_delay_ns;
+    if (aged || h->pages.ncached > h->max_cached_pages)
+        cuma_pages_release(&h->pages, t, h->release_delay_ns, h->max_cached_pages, false);
+}
+
+/* One placement attempt: a block and the pages under it, or a status. */
+static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si, uint64_t t, cuma_block **out) {
+    cuma_block *b = h->pol->ops->alloc(h->pol, n, si);
+    if (!b && h->streams.n > 1) {
+        /* Free blocks of other streams may have become usable: ask the device. */
+        for (unsigned i = 0; i < h->streams.n; i++) cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, false);
+        b = h->pol->ops->alloc(h->pol, n, si);
+    }
+    if (!b)
+        return cuma_fail(CUMA_ERR_OOM, "no free block of %" PRIu64 " bytes in the %" PRIu64 "-byte virtual range", n,
+                         h->va_size);
+    cuma_status st = cuma_pages_ref(&h->pages, b->off, req, t);
+    if (st) {
+        h->pol->ops->free(h->pol, b, 0, 0);
+        return st;
+    }
+    b->req = req;
+    b->stream = (uint16_t)si;
+    *out = b;
+    return CUMA_OK;
+}
+
+static cuma_status fail_oom(cuma_heap *h, cuma_status st, size_t size) {
+    uint64_t ps = h->pages.page_size;
+    return cuma_fail(st,
+                     "out of memory: %zu bytes requested; %" PRIu64 " reserved (%" PRIu64 " mapped, %" PRIu64
+                     " cached) of a %" PRIu64 "-byte limit, %" PRIu64 " bytes live (%s)",
+                     size, h->pages.nreserved * ps, h->pages.nmapped * ps, h->pages.ncached * ps, h->limit_bytes,
+                     h->c.requested, st == CUMA_ERR_LIMIT ? "limit reached" : "device full");
+}
+
+/* The out-of-memory ladder: release the cache and retry, call the callbacks and retry, fall
+ * back to managed memory, then fail. Called with the lock held; callbacks run without it. */
+static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n, unsigned si, cuma_stream stream,
+                           cuma_block **out, uint64_t *managed_addr) {
+    if (st != CUMA_ERR_OOM && st != CUMA_ERR_LIMIT) return st;
+    h->c.retries++;
+    h->c.trims++;
+    process_deferred(h, true);
+    cuma_pages_release(&h->pages, now(h), 0, 0, true);
+    st = try_alloc(h, size, n, si, now(h), out);
+    if (st != CUMA_ERR_OOM && st != CUMA_ERR_LIMIT) return st;
+    if (!h->in_oom && h->noom) {
+        h->c.ooms++;
+        cuma_oom_slot cbs[CUMA_MAX_OOM_CALLBACKS];
+        int ncb = h->noom;
+        memcpy(cbs, h->oom, sizeof cbs);
+        for (int i = 0; i < ncb; i++) {
+            h->in_oom++;
+            h->c.oom_calls++;
+            pthread_mutex_unlock(&h->lock);
+            int r = cbs[i].fn(cbs[i].user, h, size, stream);
+            pthread_mutex_lock(&h->lock);
+            h->in_oom--;
+            if (r != CUMA_OOM_RETRY) continue;
+            process_deferred(h, true);
+            cuma_pages_release(&h->pages, now(h), 0, 0, true);
+            st = try_alloc(h, size, n, si, now(h), out);
+            if (st != CUMA_ERR_OOM && st != CUMA_ERR_LIMIT) return st;
+        }
+    }
+    if (h->set.managed_fallback && (h->be->caps & CUMA_CAP_MANAGED)) {
+        uint64_t addr;
+        if (h->be->ops->managed_alloc(h->be, size, &addr) == CUMA_OK) {
+            if (cuma_map_put(&h->managed, addr, (void *)(uintptr_t)size)) {
+                h->c.managed += size;
+                h->c.managed_fallbacks++;
+                *managed_addr = addr;
+                return CUMA_OK;
+            }
+            h->be->ops->managed_free(h->be, addr, size);
+        }
+    }
+    return fail_oom(h, st, size);
+}
+
+cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr) {
+    if (!h || !ptr) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: %s is NULL", h ? "ptr" : "heap");
+    *ptr = NULL;
+    if (size == 0) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size 0");
+    uint64_t n = h->pol->ops->round(size);
+    if (!n || size > h->va_size)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size %zu is larger than the %" PRIu64 "-byte virtual range", size,
+                         h->va_size);
+    pthread_mutex_lock(&h->lock);
+    cuma_status st;
+    int si = cuma_streams_index(&h->streams, stream);
+    if (si < 0) {
+        h->c.failed++;
+        pthread_mutex_unlock(&h->lock);
+        return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_alloc: more than %d streams on one heap", CUMA_MAX_STREAMS);
+    }
+    uint64_t t = now(h);
+    if (h->deferred) process_deferred(h, false);
+    cuma_block *b = NULL;
+    uint64_t managed_addr = 0;
+    st = try_alloc(h, size, n, (unsigned)si, t, &b);
+    if (st) st = recover(h, st, size, n, (unsigned)si, stream, &b, &managed_addr);
+    if (st == CUMA_OK && b) {
+        if (!cuma_map_put(&h->live, h->base + b->off, b)) {
+            release_block(h, b, 0, 0, t);
+            b = NULL;
+            st = cuma_fail(CUMA_ERR_OOM, "no host memory for the pointer table");
+        } else {
+            account_alloc(h, size, b->size);
+            *ptr = (void *)(uintptr_t)(h->base + b->off);
+        }
+    } else if (st == CUMA_OK) {
+        *ptr = (void *)(uintptr_t)managed_addr;
+        h->c.allocs++;
+    }
+    if (st) h->c.failed++;
+    cuma_heap_release_policy(h, t);
+    pthread_mutex_unlock(&h->lock);
+    return st;
+}
+
+static cuma_status bad_pointer(cuma_heap *h, const void *ptr, const char *what) {
+    uint64_t a = (uint64_t)(uintptr_t)ptr;
+    if (a >= h->base && a < h->base + h->va_size)
+        return cuma_fail(CUMA_ERR_BAD_POINTER,
+                         "%s: pointer %p is inside the heap but not the start of a live block (freed twice, or "
+                         "inside a block)",
+                         what, ptr);
+    return cuma_fail(CUMA_ERR_BAD_POINTER, "%s: pointer %p was not allocated by this heap", what, ptr);
+}
+
+cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_free: heap is NULL");
+    if (!ptr) return CUMA_OK;
+    uint64_t a = (uint64_t)(uintptr_t)ptr;
+    pthread_mutex_lock(&h->lock);
+    cuma_block *b = cuma_map_get(&h->live, a);
+    if (!b) {
+        void *msize = cuma_map_remove(&h->managed, a);
+        cuma_status st = CUMA_OK;
+        if (msize) {
+            h->be->ops->managed_free(h->be, a, (uint64_t)(uintptr_t)msize);
+            h->c.managed -= (uint64_t)(uintptr_t)msize;
+            h->c.frees++;
+        } else {
+            st = bad_pointer(h, ptr, "cuma_free");
+        }
+        pthread_mutex_unlock(&h->lock);
+        return st;
+    }
+    int si = stream ? cuma_streams_index(&h->streams, stream) : b->stream;
+    if (si < 0) si = b->stream; /* table full: the allocation stream still orders this free */
+    cuma_map_remove(&h->live, a);
+    h->c.frees++;
+    uint64_t t = now(h);
+    uint64_t seq = cuma_streams_note_free(&h->streams, (unsigned)si);
+    if (b->extra[0] != CUMA_NO_STREAM || b->extra_all) {
+        /* record_stream: nobody may reuse it before the other streams' work is done too. */
+        uint16_t fs = (uint16_t)si;
+        uint64_t fq = seq;
+        for (int k = 0; k < 2; k++)
+            if (b->extra[k] != CUMA_NO_STREAM)
+                cuma_fence_join(&h->streams, &fs, &fq, b->extra[k], cuma_streams_note_free(&h->streams, b->extra[k]));
+        if (b->extra_all) fs = CUMA_FENCE_MULTI, fq = ++h->streams.gseq;
+        b->fence_stream = fs, b->fence_seq = fq;
+        b->fnext = h->deferred;
+        h->deferred = b;
+        process_deferred(h, false);
+    } else {
+        release_block(h, b, (uint16_t)si, seq, t);
+    }
+    cuma_heap_release_policy(h, t);
+    pthread_mutex_unlock(&h->lock);
+    return CUMA_OK;
+}
+
+cuma_status cuma_record_stream(cuma_heap *h, void *ptr, cuma_stream stream) {
+    if (!h || !ptr) return cuma_fail(CUMA_ERR_INVALID, "cuma_record_stream: %s is NULL", h ? "ptr" : "heap");
+    pthread_mutex_lock(&h->lock);
+    cuma_status st = CUMA_OK;
+    cuma_block *b = cuma_map_get(&h->live, (uint64_t)(uintptr_t)ptr);
+    if (!b) {
+        st = cuma_map_get(&h->managed, (uint64_t)(uintptr_t)ptr) ? CUMA_OK : bad_pointer(h, ptr, "cuma_record_stream");
+    } else {
+        int si = cuma_streams_index(&h->streams, stream);
+        if (si < 0) b->extra_all = 1;
+        else if (si != b->stream && b->extra[0] != si && b->extra[1] != si) {
+            if (b->extra[0] == CUMA_NO_STREAM) b->extra[0] = (uint16_t)si;
+            else if (b->extra[1] == CUMA_NO_STREAM) b->extra[1] = (uint16_t)si;
+            else b->extra_all = 1;
+        }
+    }
+    pthread_mutex_unlock(&h->lock);
+    return st;
+}
+
+cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_trim: heap is NULL");
+    pthread_mutex_lock(&h->lock);
+    h->c.trims++;
+    process_deferred(h, true);
+    cuma_pages_release(&h->pages, now(h), -1, keep_bytes / h->pages.page_size, true);
+    pthread_mutex_unlock(&h->lock);
+    return CUMA_OK;
+}
+
+cuma_status cuma_poll(cuma_heap *h) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_poll: heap is NULL");
+    pthread_mutex_lock(&h->lock);
+    cuma_heap_release_policy(h, now(h));
+    pthread_mutex_unlock(&h->lock);
+    return CUMA_OK;
+}
+
+cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
+    if (!h || !ns) return cuma_fail(CUMA_ERR_INVALID, "cuma_next_release: NULL argument");
+    pthread_mutex_lock(&h->lock);
+    uint64_t oldest = cuma_pages_oldest_idle(&h->pages);
+    *ns = UINT64_MAX;
+    if (h->release_delay_ns >= 0 && oldest != UINT64_MAX) *ns = oldest + (uint64_t)h->release_delay_ns;
+    pthread_mutex_unlock(&h->lock);
+    return CUMA_OK;
+}
+
+/* Gives idle memory back while the program runs, even when it makes no allocator call. */
+static void *release_thread(void *arg) {
+    cuma_heap *h = arg;
+    pthread_mutex_lock(&h->lock);
+    while (!h->stopping) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint64_t ns = (uint64_t)ts.tv_nsec + (uint64_t)h->set.release_thread_ms * 1000000;
+        ts.tv_sec += (time_t)(ns / 1000000000);
+        ts.tv_nsec = (long)(ns % 1000000000);
+        pthread_cond_timedwait(&h->wake, &h->lock, &ts);
+        if (!h->stopping) cuma_heap_release_policy(h, now(h));
+    }
+    pthread_mutex_unlock(&h->lock);
+    return NULL;
+}

@@ -1,0 +1,64 @@
+/* The heap: placement policy + pages + streams + release policy behind one lock.
+ * Internal; the public surface is include/cuma/cuma.h. */
+#ifndef CUMA_CORE_HEAP_H
+#define CUMA_CORE_HEAP_H
+
+#include "backend/backend.h"
+#include "config.h"
+#include "hashmap.h"
+#include "pages.h"
+#include "policy.h"
+#include "streams.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#define CUMA_MAX_OOM_CALLBACKS 16
+
+typedef struct cuma_oom_slot {
+    cuma_oom_fn fn;
+    void *user;
+    int id;
+} cuma_oom_slot;
+
+/* Counters kept under the heap lock; cuma_get_stats copies them out. */
+typedef struct cuma_counters {
+    uint64_t requested, peak_requested, allocated, peak_allocated, peak_reserved;
+    uint64_t managed, active, allocs, frees, failed, retries, ooms, oom_calls, managed_fallbacks, trims;
+} cuma_counters;
+
+/* Invariants (cuma_heap_check, under lock): every live block is in `live` under its address
+ * base + off and in no free list; the page reference counts equal the number of live and
+ * deferred blocks whose requested bytes overlap each page; counters.requested is the sum of
+ * the live blocks' requests; the policy, pages and streams hold their own invariants. */
+struct cuma_heap {
+    pthread_mutex_t lock; /* guards everything below unless a field says otherwise */
+    cuma_settings set;    /* constant after creation, except limit fields (under lock) */
+    cuma_backend *be;     /* constant after creation */
+    uint64_t base;        /* address of offset 0 of the virtual range; constant */
+    uint64_t va_size;     /* constant */
+    cuma_policy *pol;
+    cuma_streams streams;
+    cuma_pages pages;
+    cuma_map live;        /* address -> cuma_block of every live allocation */
+    cuma_map managed;     /* address -> size (as a pointer-sized integer) of managed fallbacks */
+    cuma_block *deferred; /* freed blocks waiting on record_stream fences (linked by fnext) */
+    uint64_t limit_bytes; /* effective limit on reserved bytes */
+    int64_t release_delay_ns;
+    uint64_t max_cached_pages;
+    cuma_counters c;
+    cuma_oom_slot oom[CUMA_MAX_OOM_CALLBACKS];
+    int noom, next_oom_id;
+    int in_oom; /* an OOM callback is running: no recursion into callbacks */
+    /* Background release thread. */
+    pthread_t thread;
+    pthread_cond_t wake;
+    bool thread_running, stopping;
+};
+
+/* Locked helpers shared by heap.c and heap_api.c. */
+void cuma_heap_refresh_limit(cuma_heap *h);
+void cuma_heap_release_policy(cuma_heap *h, uint64_t now);
+cuma_status cuma_heap_check(cuma_heap *h);
+
+#endif

@@ -1,0 +1,165 @@
+/* Heap calls around the core paths: limits, callbacks, lookups, validation, sim controls. */
+#include "cuma/sim.h"
+#include "error.h"
+#include "heap.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+
+cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_set_limit: heap is NULL");
+    pthread_mutex_lock(&h->lock);
+    h->set.limit = bytes ? bytes : CUMA_UNLIMITED;
+    cuma_heap_refresh_limit(h);
+    /* Over the new limit: the cache goes first; live memory stays until freed. */
+    if (h->pages.nreserved > h->pages.limit_pages) {
+        uint64_t excess = h->pages.nreserved - h->pages.limit_pages;
+        uint64_t keep = h->pages.ncached > excess ? h->pages.ncached - excess : 0;
+        cuma_pages_release(&h->pages, h->be->ops->now_ns(h->be), -1, keep, true);
+    }
+    pthread_mutex_unlock(&h->lock);
+    return CUMA_OK;
+}
+
+cuma_status cuma_set_memory_fraction(cuma_heap *h, double fraction) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_set_memory_fraction: heap is NULL");
+    if (!(fraction > 0 && fraction <= 1))
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_set_memory_fraction: %g is not in (0, 1]", fraction);
+    return cuma_set_limit(h, (uint64_t)(fraction * (double)h->be->capacity));
+}
+
+cuma_status cuma_add_oom_callback(cuma_heap *h, cuma_oom_fn fn, void *user, int *id) {
+    if (!h || !fn) return cuma_fail(CUMA_ERR_INVALID, "cuma_add_oom_callback: %s is NULL", h ? "fn" : "heap");
+    pthread_mutex_lock(&h->lock);
+    cuma_status st = CUMA_OK;
+    if (h->noom == CUMA_MAX_OOM_CALLBACKS) {
+        st = cuma_fail(CUMA_ERR_INVALID, "cuma_add_oom_callback: already %d callbacks", CUMA_MAX_OOM_CALLBACKS);
+    } else {
+        cuma_oom_slot *s = &h->oom[h->noom++];
+        s->fn = fn, s->user = user, s->id = ++h->next_oom_id;
+        if (id) *id = s->id;
+    }
+    pthread_mutex_unlock(&h->lock);
+    return st;
+}
+
+cuma_status cuma_remove_oom_callback(cuma_heap *h, int id) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_remove_oom_callback: heap is NULL");
+    pthread_mutex_lock(&h->lock);
+    cuma_status st = cuma_fail(CUMA_ERR_INVALID, "cuma_remove_oom_callback: no callback with id %d", id);
+    for (int i = 0; i < h->noom; i++) {
+        if (h->oom[i].id != id) continue;
+        for (int j = i + 1; j < h->noom; j++) h->oom[j - 1] = h->oom[j];
+        h->noom--;
+        st = CUMA_OK;
+        cuma_clear_error();
+        break;
+    }
+    pthread_mutex_unlock(&h->lock);
+    return st;
+}
+
+cuma_status cuma_block_size(cuma_heap *h, const void *ptr, size_t *size) {
+    if (!h || !ptr || !size) return cuma_fail(CUMA_ERR_INVALID, "cuma_block_size: NULL argument");
+    pthread_mutex_lock(&h->lock);
+    cuma_status st = CUMA_OK;
+    cuma_block *b = cuma_map_get(&h->live, (uint64_t)(uintptr_t)ptr);
+    void *m = b ? NULL : cuma_map_get(&h->managed, (uint64_t)(uintptr_t)ptr);
+    if (b) *size = b->size;
+    else if (m) *size = (size_t)(uintptr_t)m;
+    else st = cuma_fail(CUMA_ERR_BAD_POINTER, "cuma_block_size: pointer %p is not a live allocation", ptr);
+    pthread_mutex_unlock(&h->lock);
+    return st;
+}
+
+typedef struct walk {
+    cuma_heap *h;
+    uint32_t *live;
+    uint64_t requested, allocated, n;
+    const char *why;
+} walk;
+
+static void count_pages(walk *w, const cuma_block *b) {
+    unsigned sh = w->h->pages.shift;
+    for (uint64_t v = b->off >> sh; v <= (b->off + b->req - 1) >> sh; v++) w->live[v]++;
+}
+
+static bool check_live(void *ctx, uint64_t key, void *val) {
+    walk *w = ctx;
+    cuma_block *b = val;
+    if (key != w->h->base + b->off) return w->why = "live table key differs from the block's address", false;
+    if (b->is_free) return w->why = "a live pointer maps to a free block", false;
+    if (!b->req || b->req > b->size) return w->why = "a live block's request is 0 or over its size", false;
+    if (b->stream >= w->h->streams.n) return w->why = "a live block names an unknown stream", false;
+    w->requested += b->req;
+    w->allocated += b->size;
+    w->n++;
+    count_pages(w, b);
+    return true;
+}
+
+cuma_status cuma_heap_check(cuma_heap *h) {
+    const char *why = NULL;
+    uint64_t free_b, live_b;
+    if (!h->pol->ops->validate(h->pol, &why, &free_b, &live_b)) goto bad;
+    if (!cuma_map_validate(&h->live, &why) || !cuma_map_validate(&h->managed, &why)) goto bad;
+    if (!cuma_streams_validate(&h->streams, &why)) goto bad;
+    if (!cuma_pages_validate(&h->pages, &why)) goto bad;
+    walk w = {h, calloc(h->pages.nva, sizeof(uint32_t)), 0, 0, 0, NULL};
+    if (!w.live) return cuma_fail(CUMA_ERR_OOM, "cuma_validate: no host memory for the page count check");
+    cuma_map_each(&h->live, check_live, &w);
+    for (cuma_block *b = h->deferred; b && !w.why; b = b->fnext) {
+        w.requested += b->req, w.allocated += b->size, w.n++;
+        count_pages(&w, b);
+    }
+    if (!w.why && w.requested != h->c.requested) w.why = "requested bytes differ from the live blocks' sum";
+    if (!w.why && w.allocated != h->c.allocated) w.why = "allocated bytes differ from the live blocks' sum";
+    if (!w.why && w.allocated != live_b) w.why = "the policy's live bytes differ from the live blocks'";
+    if (!w.why && w.n != h->c.active) w.why = "active allocation count differs from the live blocks";
+    if (!w.why && free_b + live_b != h->va_size) w.why = "free + live bytes differ from the virtual range";
+    for (uint32_t v = 0; !w.why && v < h->pages.nva; v++)
+        if (w.live[v] != h->pages.live[v]) w.why = "a page's reference count differs from the blocks over it";
+    free(w.live);
+    why = w.why;
+    if (!why) return CUMA_OK;
+bad:
+    return cuma_fail(CUMA_ERR_CORRUPT, "cuma_validate: %s", why);
+}
+
+cuma_status cuma_validate(cuma_heap *h) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_validate: heap is NULL");
+    pthread_mutex_lock(&h->lock);
+    cuma_status st = cuma_heap_check(h);
+    pthread_mutex_unlock(&h->lock);
+    return st;
+}
+
+cuma_status cuma_sim_set_time(cuma_heap *h, uint64_t ns) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_set_time: heap is NULL");
+    pthread_mutex_lock(&h->lock);
+    cuma_status st = cuma_simbe_set_time(h->be, ns);
+    pthread_mutex_unlock(&h->lock);
+    return st;
+}
+
+cuma_status cuma_sim_get_time(cuma_heap *h, uint64_t *ns) {
+    if (!h || !ns) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_get_time: NULL argument");
+    *ns = h->be->ops->now_ns(h->be);
+    return CUMA_OK;
+}
+
+cuma_status cuma_sim_hold_stream(cuma_heap *h, cuma_stream s) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_hold_stream: heap is NULL");
+    pthread_mutex_lock(&h->lock);
+    cuma_status st = cuma_simbe_hold(h->be, s, true);
+    pthread_mutex_unlock(&h->lock);
+    return st;
+}
+
+cuma_status cuma_sim_release_stream(cuma_heap *h, cuma_stream s) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_release_stream: heap is NULL");
+    pthread_mutex_lock(&h->lock);
+    cuma_status st = cuma_simbe_hold(h->be, s, false);
+    pthread_mutex_unlock(&h->lock);
+    return st;
+}

@@ -1,0 +1,289 @@
+#include "pages.h"
+#include "error.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define STEAL_SCAN 64 /* idle pages examined for one whose fence is complete */
+
+cuma_status cuma_pages_init(cuma_pages *pp, cuma_backend *be, cuma_streams *ss, uint64_t base,
+                            uint64_t va_size) {
+    memset(pp, 0, sizeof *pp);
+    pp->be = be, pp->ss = ss, pp->base = base;
+    pp->page_size = be->page_size;
+    pp->shift = (unsigned)__builtin_ctzll(be->page_size);
+    uint64_t nva = va_size >> pp->shift;
+    if (nva >= CUMA_NIL) return cuma_fail(CUMA_ERR_CONFIG, "virtual range of %llu pages is too large", (unsigned long long)nva);
+    pp->nva = (uint32_t)nva;
+    pp->live = calloc(nva, sizeof *pp->live);
+    pp->phys_of = calloc(nva, sizeof *pp->phys_of);
+    if (!pp->live || !pp->phys_of) {
+        free(pp->live), free(pp->phys_of);
+        return cuma_fail(CUMA_ERR_OOM, "no host memory for a page table of %llu pages", (unsigned long long)nva);
+    }
+    pp->head = pp->tail = pp->free_slot = CUMA_NIL;
+    pp->limit_pages = UINT64_MAX;
+    return CUMA_OK;
+}
+
+static void cache_remove(cuma_pages *pp, uint32_t i) {
+    cuma_phys *p = &pp->phys[i];
+    if (p->prev != CUMA_NIL) pp->phys[p->prev].next = p->next;
+    else pp->head = p->next;
+    if (p->next != CUMA_NIL) pp->phys[p->next].prev = p->prev;
+    else pp->tail = p->prev;
+    p->prev = p->next = CUMA_NIL;
+    p->cached = 0;
+    pp->ncached--;
+}
+
+static void cache_push(cuma_pages *pp, uint32_t i, uint64_t now) {
+    cuma_phys *p = &pp->phys[i];
+    p->idle_since = now;
+    p->prev = CUMA_NIL;
+    p->next = pp->head;
+    if (pp->head != CUMA_NIL) pp->phys[pp->head].prev = i;
+    else pp->tail = i;
+    pp->head = i;
+    p->cached = 1;
+    pp->ncached++;
+}
+
+static uint64_t va_addr(const cuma_pages *pp, uint32_t v) { return pp->base + ((uint64_t)v << pp->shift); }
+
+static cuma_status unmap_page(cuma_pages *pp, uint32_t i) {
+    cuma_phys *p = &pp->phys[i];
+    if (p->va == CUMA_NIL) return CUMA_OK;
+    cuma_status st = pp->be->ops->unmap(pp->be, va_addr(pp, p->va));
+    if (st) return st;
+    pp->phys_of[p->va] = 0;
+    p->va = CUMA_NIL;
+    pp->unmaps++;
+    return CUMA_OK;
+}
+
+static cuma_status new_slot(cuma_pages *pp, uint32_t *out) {
+    *out = CUMA_NIL;
+    if (pp->free_slot != CUMA_NIL) {
+        *out = pp->free_slot;
+        pp->free_slot = pp->phys[*out].next;
+    } else {
+        if (pp->nslots == pp->capslots) {
+            uint32_t nc = pp->capslots ? pp->capslots * 2 : 256;
+            cuma_phys *n = realloc(pp->phys, (size_t)nc * sizeof *n);
+            if (!n) return cuma_fail(CUMA_ERR_OOM, "no host memory for the physical page table");
+            pp->phys = n, pp->capslots = nc;
+        }
+        *out = pp->nslots++;
+    }
+    cuma_phys *p = &pp->phys[*out];
+    memset(p, 0, sizeof *p);
+    p->va = p->prev = p->next = CUMA_NIL;
+    p->used = 1;
+    return CUMA_OK;
+}
+
+static void drop_slot(cuma_pages *pp, uint32_t i) {
+    pp->phys[i].used = 0;
+    pp->phys[i].next = pp->free_slot;
+    pp->free_slot = i;
+}
+
+/* A new physical page, not mapped and not cached. */
+static cuma_status create_page(cuma_pages *pp, uint32_t *out) {
+    *out = CUMA_NIL;
+    if (pp->nreserved >= pp->limit_pages)
+        return cuma_fail(pp->limit_is_device ? CUMA_ERR_OOM : CUMA_ERR_LIMIT, "limit of %llu pages reached",
+                         (unsigned long long)pp->limit_pages);
+    uint32_t i = CUMA_NIL;
+    cuma_status st = new_slot(pp, &i);
+    if (st) return st;
+    st = pp->be->ops->page_create(pp->be, &pp->phys[i].handle);
+    if (st) {
+        drop_slot(pp, i);
+        return st;
+    }
+    pp->nreserved++;
+    pp->creates++;
+    *out = i;
+    return CUMA_OK;
+}
+
+static void release_page(cuma_pages *pp, uint32_t i) {
+    pp->be->ops->page_release(pp->be, pp->phys[i].handle);
+    drop_slot(pp, i);
+    pp->nreserved--;
+    pp->releases++;
+}
+
+/* An idle page whose fence is complete, taken off the cache and unmapped. */
+static bool steal(cuma_pages *pp, uint32_t *out) {
+    int n = 0;
+    for (uint32_t i = pp->head; i != CUMA_NIL && n < STEAL_SCAN; n++) {
+        cuma_phys *p = &pp->phys[i];
+        uint32_t next = p->next;
+        if (cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, false) && unmap_page(pp, i) == CUMA_OK) {
+            cache_remove(pp, i);
+            *out = i;
+            return true;
+        }
+        i = next;
+    }
+    return false;
+}
+
+/* Backs virtual page v, whose live count just went from 0 to 1. */
+static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now) {
+    uint32_t i = CUMA_NIL;
+    if (pp->phys_of[v]) { /* idle in place: no driver call */
+        uint32_t x = pp->phys_of[v] - 1, h = pp->head;
+        if (h != x) {
+            /* The cache counts idle pages by age, newest reused first: taking page x out of
+             * the middle would leave the newer pages to age in its stead. So the newest idle
+             * page takes x's place and age, as if it had been the one reused. */
+            cuma_phys *px = &pp->phys[x], *ph = &pp->phys[h];
+            cache_remove(pp, h);
+            ph->idle_since = px->idle_since;
+            ph->prev = px->prev, ph->next = px->next;
+            if (ph->prev != CUMA_NIL) pp->phys[ph->prev].next = h;
+            else pp->head = h;
+            if (ph->next != CUMA_NIL) pp->phys[ph->next].prev = h;
+            else pp->tail = h;
+            ph->cached = 1;
+            pp->ncached++;
+            px->prev = px->next = CUMA_NIL;
+            px->cached = 0;
+            pp->ncached--;
+        } else {
+            cache_remove(pp, x);
+        }
+        pp->nmapped++;
+        return CUMA_OK;
+    }
+    bool created = false;
+    if (!steal(pp, &i)) {
+        cuma_status st = create_page(pp, &i);
+        if (st) return st;
+        created = true;
+    }
+    cuma_status st = pp->be->ops->map(pp->be, va_addr(pp, v), pp->phys[i].handle);
+    if (st) {
+        if (created) release_page(pp, i);
+        else cache_push(pp, i, now); /* back to the cache, unmapped */
+        return st;
+    }
+    pp->maps++;
+    pp->phys[i].va = v;
+    pp->phys[i].fence_seq = 0;
+    pp->phys_of[v] = i + 1;
+    pp->nmapped++;
+    return CUMA_OK;
+}
+
+cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now) {
+    uint32_t first = (uint32_t)(off >> pp->shift), last = (uint32_t)((off + len - 1) >> pp->shift);
+    uint64_t need = 0;
+    for (uint32_t v = first; v <= last; v++) need += !pp->live[v];
+    /* A request that cannot fit even with every idle page reused fails before touching any. */
+    if (pp->nmapped + need > pp->limit_pages)
+        return cuma_fail(pp->limit_is_device ? CUMA_ERR_OOM : CUMA_ERR_LIMIT,
+                         "%llu more pages needed, %llu of a %llu-page limit in use", (unsigned long long)need,
+                         (unsigned long long)pp->nmapped, (unsigned long long)pp->limit_pages);
+    for (uint32_t v = first; v <= last; v++) {
+        if (pp->live[v]++) continue;
+        cuma_status st = acquire(pp, v, now);
+        if (st == CUMA_OK) continue;
+        pp->live[v]--;
+        /* Undo this call's references; pages it backed go back to the cache as fresh. */
+        if (v > first) cuma_pages_unref(pp, off, ((uint64_t)v << pp->shift) - off, now, 0, 0);
+        return st;
+    }
+    return CUMA_OK;
+}
+
+void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, uint16_t fstream,
+                      uint64_t fseq) {
+    uint32_t first = (uint32_t)(off >> pp->shift), last = (uint32_t)((off + len - 1) >> pp->shift);
+    for (uint32_t v = first; v <= last; v++) {
+        cuma_phys *p = &pp->phys[pp->phys_of[v] - 1];
+        if (fseq) cuma_fence_join(pp->ss, &p->fence_stream, &p->fence_seq, fstream, fseq);
+        if (--pp->live[v]) continue;
+        pp->nmapped--;
+        cache_push(pp, pp->phys_of[v] - 1, now);
+    }
+}
+
+uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint64_t max_cached, bool wait) {
+    uint64_t released = 0;
+    uint32_t i = pp->tail;
+    while (i != CUMA_NIL) {
+        cuma_phys *p = &pp->phys[i];
+        uint32_t prev = p->prev;
+        bool old = delay_ns >= 0 && now >= p->idle_since && now - p->idle_since >= (uint64_t)delay_ns;
+        bool over = pp->ncached > max_cached;
+        if (!old && !over) break; /* newer pages are younger still */
+        if (!p->pinned && cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, wait) && unmap_page(pp, i) == CUMA_OK) {
+            cache_remove(pp, i);
+            release_page(pp, i);
+            released++;
+        }
+        i = prev;
+    }
+    return released;
+}
+
+cuma_status cuma_pages_prefill(cuma_pages *pp, uint64_t n, uint64_t now) {
+    for (uint64_t k = 0; k < n; k++) {
+        uint32_t i;
+        cuma_status st = create_page(pp, &i);
+        if (st) return st;
+        pp->phys[i].pinned = 1;
+        pp->npinned++;
+        cache_push(pp, i, now);
+    }
+    return CUMA_OK;
+}
+
+uint64_t cuma_pages_oldest_idle(const cuma_pages *pp) {
+    return pp->tail == CUMA_NIL ? UINT64_MAX : pp->phys[pp->tail].idle_since;
+}
+
+void cuma_pages_destroy(cuma_pages *pp) {
+    for (uint32_t i = 0; i < pp->nslots; i++) {
+        if (!pp->phys[i].used) continue;
+        if (pp->phys[i].va != CUMA_NIL) pp->be->ops->unmap(pp->be, va_addr(pp, pp->phys[i].va));
+        pp->be->ops->page_release(pp->be, pp->phys[i].handle);
+    }
+    free(pp->phys), free(pp->live), free(pp->phys_of);
+    memset(pp, 0, sizeof *pp);
+}
+
+bool cuma_pages_validate(const cuma_pages *pp, const char **why) {
+    uint64_t used = 0, cached = 0, mapped_live = 0;
+    for (uint32_t i = 0; i < pp->nslots; i++) {
+        const cuma_phys *p = &pp->phys[i];
+        if (!p->used) continue;
+        used++;
+        if (p->va != CUMA_NIL && pp->phys_of[p->va] != i + 1) return *why = "pages: physical page and page table disagree", false;
+        bool idle = p->va == CUMA_NIL || pp->live[p->va] == 0;
+        if (idle != !!p->cached) return *why = "pages: a page is cached iff it has no live byte", false;
+        cached += p->cached;
+        if (!idle) mapped_live++;
+    }
+    if (used != pp->nreserved) return *why = "pages: reserved count differs from pages held", false;
+    if (cached != pp->ncached || mapped_live != pp->nmapped) return *why = "pages: cached/mapped counts wrong", false;
+    uint64_t n = 0, prev_t = UINT64_MAX;
+    for (uint32_t i = pp->head; i != CUMA_NIL; i = pp->phys[i].next) {
+        if (++n > cached) return *why = "pages: cache list has a cycle", false;
+        if (pp->phys[i].idle_since > prev_t) return *why = "pages: cache list not ordered newest first", false;
+        prev_t = pp->phys[i].idle_since;
+        if (pp->phys[i].next != CUMA_NIL && pp->phys[pp->phys[i].next].prev != i) return *why = "pages: cache links broken", false;
+    }
+    if (n != cached) return *why = "pages: cache list misses cached pages", false;
+    for (uint32_t v = 0; v < pp->nva; v++) {
+        if (pp->live[v] && !pp->phys_of[v]) return *why = "pages: live bytes on an unmapped page", false;
+        if (pp->phys_of[v] && (pp->phys_of[v] > pp->nslots || !pp->phys[pp->phys_of[v] - 1].used || pp->phys[pp->phys_of[v] - 1].va != v))
+            return *why = "pages: page table points at a wrong physical page", false;
+    }
+    return true;
+}

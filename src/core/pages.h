@@ -1,0 +1,88 @@
+/* Physical pages under the virtual range: a page is mapped while at least one live allocation
+ * overlaps it (a reference count per virtual page) and idles in the cache when the count drops
+ * to zero.
+ *
+ * An idle page stays mapped where it was (so a block placed there again costs no driver call)
+ * until another virtual page needs backing (it is then moved: unmap, map) or the release policy
+ * gives it back. The cache is one list, newest first: a page that needs backing takes the
+ * newest idle page, the release policy takes the oldest. A page is unmapped only after the
+ * work of the streams that last freed memory in it is complete (its fence).
+ *
+ * Not thread-safe: the heap lock protects everything here.
+ */
+#ifndef CUMA_CORE_PAGES_H
+#define CUMA_CORE_PAGES_H
+
+#include "backend/backend.h"
+#include "streams.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define CUMA_NIL UINT32_MAX
+
+/* One physical page. Invariants: va == CUMA_NIL or phys_of[va] == index + 1; cached iff on
+ * the cache list iff (va == CUMA_NIL or live[va] == 0); an unmapped page is always cached. */
+typedef struct cuma_phys {
+    uint64_t handle;
+    uint64_t idle_since; /* ns, when it joined the cache */
+    uint64_t fence_seq;
+    uint32_t va;         /* virtual page it is mapped at, or CUMA_NIL */
+    uint32_t prev, next; /* cache list, or free-slot list */
+    uint16_t fence_stream;
+    uint8_t cached;
+    uint8_t pinned; /* preallocated: never given back */
+    uint8_t used;   /* slot holds a page */
+} cuma_phys;
+
+/* Invariants (cuma_pages_validate): nreserved == slots in use == nmapped + ncached;
+ * nreserved <= limit_pages unless the limit was lowered below it; live[v] > 0 implies
+ * phys_of[v] != 0; the cache list is ordered by idle_since, newest first. */
+typedef struct cuma_pages {
+    cuma_backend *be;
+    cuma_streams *ss;
+    uint64_t base;      /* address of virtual page 0 */
+    uint64_t page_size;
+    unsigned shift;
+    uint32_t nva;       /* virtual pages */
+    uint32_t *live;     /* per virtual page: live allocations overlapping it */
+    uint32_t *phys_of;  /* per virtual page: physical slot + 1, 0 = unmapped */
+    cuma_phys *phys;
+    uint32_t nslots, capslots, free_slot;
+    uint32_t head, tail; /* cache list */
+    uint64_t ncached, nmapped, nreserved, npinned;
+    uint64_t limit_pages;
+    bool limit_is_device; /* the limit is the device size: hitting it is OOM, not LIMIT */
+    uint64_t creates, releases, maps, unmaps;
+} cuma_pages;
+
+cuma_status cuma_pages_init(cuma_pages *pp, cuma_backend *be, cuma_streams *ss, uint64_t base,
+                            uint64_t va_size);
+/* Releases every page and unmaps everything (the caller frees the range). */
+void cuma_pages_destroy(cuma_pages *pp);
+
+/* References the pages under [off, off+len) (offsets from base), backing those that had no
+ * live byte. On failure nothing changed; CUMA_ERR_LIMIT or CUMA_ERR_OOM (device full),
+ * or CUMA_ERR_BACKEND. */
+cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now);
+
+/* Drops the references of [off, off+len); pages left without a live byte join the cache with
+ * the given fence. */
+void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, uint16_t fstream,
+                      uint64_t fseq);
+
+/* Gives back idle pages: those idle for at least delay_ns (delay_ns < 0: none by age), then the
+ * oldest while more than max_cached pages idle. Pages whose fence is not complete stay.
+ * Returns pages released. */
+uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint64_t max_cached,
+                            bool wait);
+
+/* Creates `n` pinned pages into the cache (preallocation): never given back. */
+cuma_status cuma_pages_prefill(cuma_pages *pp, uint64_t n, uint64_t now);
+
+/* Oldest idle_since among cached pages (UINT64_MAX if none), to schedule the next release. */
+uint64_t cuma_pages_oldest_idle(const cuma_pages *pp);
+
+bool cuma_pages_validate(const cuma_pages *pp, const char **why);
+
+#endif

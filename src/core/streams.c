@@ -1,0 +1,97 @@
+#include "streams.h"
+#include "error.h"
+
+#include <stdlib.h>
+
+cuma_status cuma_streams_init(cuma_streams *ss, cuma_backend *be) {
+    ss->be = be;
+    ss->n = 0;
+    ss->gseq = 0;
+    ss->events_recorded = 0;
+    ss->slot = calloc(CUMA_MAX_STREAMS, sizeof *ss->slot);
+    if (!ss->slot) return cuma_fail(CUMA_ERR_OOM, "no host memory for the stream table");
+    return CUMA_OK;
+}
+
+void cuma_streams_destroy(cuma_streams *ss) {
+    if (!ss->slot) return;
+    for (unsigned i = 0; i < ss->n; i++) {
+        cuma_stream_slot *s = &ss->slot[i];
+        for (unsigned k = 0; k < s->npending; k++)
+            ss->be->ops->event_release(ss->be, s->ring[(s->head + k) % CUMA_FENCE_RING].event);
+    }
+    free(ss->slot);
+    ss->slot = NULL;
+}
+
+int cuma_streams_index(cuma_streams *ss, cuma_stream handle) {
+    for (unsigned i = 0; i < ss->n; i++)
+        if (ss->slot[i].handle == handle) return (int)i;
+    if (ss->n == CUMA_MAX_STREAMS) return -1;
+    ss->slot[ss->n].handle = handle;
+    return (int)ss->n++;
+}
+
+/* Retires completed events from the front of the ring. */
+static void retire(cuma_streams *ss, cuma_stream_slot *s, bool wait) {
+    cuma_backend *be = ss->be;
+    while (s->npending) {
+        uint64_t ev = s->ring[s->head].event;
+        int q = be->ops->event_query(be, ev);
+        if (q == 0 && wait && be->ops->event_wait(be, ev) == CUMA_OK) q = 1;
+        if (q <= 0) return; /* an error counts as not done: memory stays held, never reused early */
+        s->done = s->ring[s->head].covers;
+        be->ops->event_release(be, ev);
+        s->head = (s->head + 1) % CUMA_FENCE_RING;
+        s->npending--;
+    }
+}
+
+static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
+    cuma_stream_slot *s = &ss->slot[i];
+    if (s->done >= seq) return true;
+    retire(ss, s, false);
+    if (s->done >= seq) return true;
+    if (s->fenced < seq && s->npending < CUMA_FENCE_RING) {
+        uint64_t ev;
+        if (ss->be->ops->event_record(ss->be, s->handle, &ev) == CUMA_OK) {
+            s->ring[(s->head + s->npending) % CUMA_FENCE_RING].event = ev;
+            s->ring[(s->head + s->npending) % CUMA_FENCE_RING].covers = s->last;
+            s->npending++;
+            s->fenced = s->last;
+            ss->events_recorded++;
+        }
+    }
+    retire(ss, s, wait);
+    return s->done >= seq;
+}
+
+bool cuma_fence_poll(cuma_streams *ss, unsigned stream, uint64_t seq, bool wait) {
+    if (cuma_fence_known_done(ss, stream, seq)) return true;
+    if (stream != CUMA_FENCE_MULTI) return poll_one(ss, stream, seq, wait);
+    bool all = true;
+    for (unsigned i = 0; i < ss->n; i++) {
+        cuma_stream_slot *s = &ss->slot[i];
+        all &= poll_one(ss, i, s->last < seq ? s->last : seq, wait);
+    }
+    return all;
+}
+
+bool cuma_streams_validate(const cuma_streams *ss, const char **why) {
+    if (ss->n > CUMA_MAX_STREAMS) return *why = "stream count over the table size", false;
+    for (unsigned i = 0; i < ss->n; i++) {
+        const cuma_stream_slot *s = &ss->slot[i];
+        if (s->done > s->fenced || s->fenced > s->last || s->last > ss->gseq)
+            return *why = "stream fence counters out of order (done <= fenced <= last <= gseq)", false;
+        if (s->npending > CUMA_FENCE_RING) return *why = "stream fence ring overfull", false;
+        uint64_t prev = s->done;
+        for (unsigned k = 0; k < s->npending; k++) {
+            uint64_t c = s->ring[(s->head + k) % CUMA_FENCE_RING].covers;
+            if (c < prev || c <= s->done) return *why = "stream fence ring not increasing", false;
+            prev = c;
+        }
+        for (unsigned j = 0; j < i; j++)
+            if (ss->slot[j].handle == s->handle) return *why = "stream listed twice", false;
+    }
+    return true;
+}

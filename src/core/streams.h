@@ -1,0 +1,84 @@
+/* Stream fences: when may memory freed on one stream be reused by another, or unmapped?
+ *
+ * Every free gets a heap-wide sequence number (gseq) and is tagged (stream index, gseq).
+ * Events are recorded lazily, only when someone needs to know whether a tag is complete, and
+ * each event covers every free issued on its stream before it. So a program that frees and
+ * reallocates on one stream records no event at all on its hot path.
+ *
+ * Not thread-safe: the heap lock protects the whole table.
+ */
+#ifndef CUMA_CORE_STREAMS_H
+#define CUMA_CORE_STREAMS_H
+
+#include "backend/backend.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define CUMA_MAX_STREAMS 256
+#define CUMA_FENCE_MULTI 0xFFFFu /* tag of memory freed by several streams */
+#define CUMA_FENCE_RING 8
+
+/* Invariants: done <= fenced <= last (in gseq); the ring holds npending events with
+ * non-decreasing `covers`, each > done. */
+typedef struct cuma_stream_slot {
+    cuma_stream handle;
+    uint64_t last;   /* gseq of the last free tagged with this stream */
+    uint64_t fenced; /* highest gseq that a recorded event covers */
+    uint64_t done;   /* every free on this stream with gseq <= done has completed */
+    struct {
+        uint64_t event, covers;
+    } ring[CUMA_FENCE_RING];
+    unsigned head, npending;
+} cuma_stream_slot;
+
+typedef struct cuma_streams {
+    cuma_backend *be;
+    cuma_stream_slot *slot; /* CUMA_MAX_STREAMS entries, the first n in use */
+    unsigned n;
+    uint64_t gseq;            /* last sequence number handed out */
+    uint64_t events_recorded; /* statistics */
+} cuma_streams;
+
+cuma_status cuma_streams_init(cuma_streams *ss, cuma_backend *be);
+void cuma_streams_destroy(cuma_streams *ss);
+
+/* The index of a stream, adding it on first sight; -1 when the table is full. */
+int cuma_streams_index(cuma_streams *ss, cuma_stream handle);
+
+/* Tags a free on stream index i: returns its gseq. */
+static inline uint64_t cuma_streams_note_free(cuma_streams *ss, unsigned i) {
+    return ss->slot[i].last = ++ss->gseq;
+}
+
+/* Whether a tag is known complete, without asking the device. Tag (any, 0) is clean. */
+static inline bool cuma_fence_known_done(const cuma_streams *ss, unsigned stream, uint64_t seq) {
+    if (seq == 0) return true;
+    if (stream != CUMA_FENCE_MULTI) return ss->slot[stream].done >= seq;
+    for (unsigned i = 0; i < ss->n; i++) {
+        const cuma_stream_slot *s = &ss->slot[i];
+        if (s->done < (s->last < seq ? s->last : seq)) return false;
+    }
+    return true;
+}
+
+/* Whether a tag is complete now: asks the device, recording an event if none covers the
+ * tag yet. With `wait`, blocks until complete where the backend can. */
+bool cuma_fence_poll(cuma_streams *ss, unsigned stream, uint64_t seq, bool wait);
+
+/* Combines two tags of memory that becomes one (a merged block, a page freed by two
+ * streams). */
+static inline void cuma_fence_join(const cuma_streams *ss, uint16_t *stream, uint64_t *seq,
+                                   uint16_t ostream, uint64_t oseq) {
+    if (cuma_fence_known_done(ss, ostream, oseq)) return;
+    if (cuma_fence_known_done(ss, *stream, *seq)) {
+        *stream = ostream, *seq = oseq;
+        return;
+    }
+    if (*stream != ostream) *stream = CUMA_FENCE_MULTI;
+    if (oseq > *seq) *seq = oseq;
+}
+
+bool cuma_streams_validate(const cuma_streams *ss, const char **why);
+
+#endif

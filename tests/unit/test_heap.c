@@ -1,0 +1,245 @@
+/* The heap through its public API on the simulated device: placement, pages, cache, release
+ * policy, OOM ladder, bad input. */
+#include "check.h"
+#include "cuma/sim.h"
+
+#include <stdint.h>
+#include <string.h>
+
+#define MB (1024ull * 1024)
+
+static cuma_heap *make(const char *conf) {
+    cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+    cuma_heap *h = NULL;
+    CHECK_OK(cuma_heap_create(&cfg, &h));
+    return h;
+}
+
+static cuma_stats stats(cuma_heap *h) {
+    cuma_stats s;
+    CHECK_OK(cuma_get_stats(h, &s));
+    return s;
+}
+
+static void test_basic(const char *policy) {
+    char conf[128];
+    snprintf(conf, sizeof conf, "capacity:64M,page_size:2M,sim_clock:manual,host_backing:on,policy:%s", policy);
+    cuma_heap *h = make(conf);
+    void *a, *b, *c;
+    CHECK_OK(cuma_alloc(h, 1000, NULL, &a));
+    CHECK_OK(cuma_alloc(h, 3 * MB, NULL, &b));
+    CHECK_OK(cuma_alloc(h, 1, NULL, &c));
+    CHECK(((uintptr_t)a & 511) == 0 && ((uintptr_t)b & 511) == 0 && ((uintptr_t)c & 511) == 0);
+    memset(a, 0xA5, 1000);
+    memset(b, 0x5A, 3 * MB);
+    ((char *)c)[0] = 7;
+    cuma_stats s = stats(h);
+    CHECK(s.requested_bytes == 1000 + 3 * MB + 1);
+    CHECK(s.active_allocs == 3);
+    CHECK(s.reserved_bytes >= s.requested_bytes);
+    CHECK(s.reserved_bytes <= 8 * MB);
+    size_t bs;
+    CHECK_OK(cuma_block_size(h, b, &bs));
+    CHECK(bs >= 3 * MB);
+    CHECK_OK(cuma_validate(h));
+    CHECK(((unsigned char *)a)[999] == 0xA5 && ((unsigned char *)b)[3 * MB - 1] == 0x5A);
+    CHECK_OK(cuma_free(h, b, NULL));
+    CHECK_OK(cuma_free(h, a, NULL));
+    CHECK_OK(cuma_free(h, c, NULL));
+    s = stats(h);
+    CHECK(s.requested_bytes == 0 && s.mapped_bytes == 0 && s.active_allocs == 0);
+    CHECK(s.cached_bytes == s.reserved_bytes && s.reserved_bytes > 0);
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_trim(h, 0));
+    s = stats(h);
+    CHECK(s.reserved_bytes == 0 && s.page_releases == s.page_creates);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
+static void test_bad_input(void) {
+    cuma_heap *h = make("capacity:64M,sim_clock:manual");
+    void *p, *q;
+    CHECK_ST(cuma_alloc(h, 0, NULL, &p), CUMA_ERR_INVALID);
+    CHECK_ST(cuma_alloc(h, SIZE_MAX, NULL, &p), CUMA_ERR_INVALID);
+    CHECK_ST(cuma_alloc(h, SIZE_MAX - 100, NULL, &p), CUMA_ERR_INVALID);
+    CHECK_ST(cuma_alloc(h, 16, NULL, NULL), CUMA_ERR_INVALID);
+    CHECK_ST(cuma_alloc(NULL, 16, NULL, &p), CUMA_ERR_INVALID);
+    CHECK_OK(cuma_alloc(h, 4096, NULL, &p));
+    CHECK_ST(cuma_free(h, (char *)p + 512, NULL), CUMA_ERR_BAD_POINTER);
+    CHECK(strstr(cuma_last_error(), "inside the heap"));
+    CHECK_ST(cuma_free(h, (void *)(uintptr_t)0x1234, NULL), CUMA_ERR_BAD_POINTER);
+    CHECK(strstr(cuma_last_error(), "not allocated by this heap"));
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_ST(cuma_free(h, p, NULL), CUMA_ERR_BAD_POINTER); /* double free */
+    CHECK_OK(cuma_free(h, NULL, NULL));
+    CHECK_OK(cuma_validate(h));
+    /* More than the device: a clear OOM, the heap still valid. */
+    CHECK_ST(cuma_alloc(h, 65 * MB, NULL, &q), CUMA_ERR_OOM);
+    CHECK(strstr(cuma_last_error(), "out of memory"));
+    CHECK_OK(cuma_validate(h));
+    cuma_stats s = stats(h);
+    CHECK(s.failed_allocs == 1 && s.active_allocs == 0 && s.mapped_bytes == 0);
+    CHECK_ST(cuma_record_stream(h, (void *)(uintptr_t)0x1234, NULL), CUMA_ERR_BAD_POINTER);
+    cuma_heap_destroy(h);
+    cuma_config bad = {.conf = "capacity:64M,bogus:1", .flags = CUMA_CONFIG_NO_ENV};
+    CHECK_ST(cuma_heap_create(&bad, &h), CUMA_ERR_CONFIG);
+    CHECK(strstr(cuma_last_error(), "bogus"));
+}
+
+static void test_release_delay(void) {
+    cuma_heap *h = make("capacity:64M,sim_clock:manual,release_delay_ms:100");
+    void *p;
+    CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &p));
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK(stats(h).cached_bytes == 8 * MB);
+    CHECK_OK(cuma_sim_set_time(h, 99 * 1000000ull));
+    CHECK_OK(cuma_poll(h));
+    CHECK(stats(h).cached_bytes == 8 * MB); /* not yet idle long enough */
+    CHECK_OK(cuma_sim_set_time(h, 100 * 1000000ull));
+    CHECK_OK(cuma_poll(h));
+    CHECK(stats(h).reserved_bytes == 0);
+    /* Reuse from the cache costs no new page. */
+    CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &p));
+    CHECK_OK(cuma_free(h, p, NULL));
+    uint64_t creates = stats(h).page_creates;
+    CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &p));
+    CHECK(stats(h).page_creates == creates);
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
+static void test_limit_and_max_cached(void) {
+    cuma_heap *h = make("capacity:64M,sim_clock:manual,limit:8M,max_cached:2M");
+    void *p, *q;
+    CHECK_OK(cuma_alloc(h, 6 * MB, NULL, &p));
+    CHECK_ST(cuma_alloc(h, 4 * MB, NULL, &q), CUMA_ERR_LIMIT);
+    CHECK(strstr(cuma_last_error(), "limit"));
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK(stats(h).cached_bytes == 2 * MB); /* the cap released the rest at once */
+    CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &q));
+    CHECK_OK(cuma_free(h, q, NULL));
+    CHECK_OK(cuma_set_limit(h, 4 * MB));
+    CHECK(stats(h).reserved_bytes <= 4 * MB);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
+typedef struct oomctx {
+    void *victim;
+    int calls;
+} oomctx;
+
+static int oom_free_victim(void *user, cuma_heap *h, size_t size, cuma_stream s) {
+    (void)size, (void)s;
+    oomctx *o = user;
+    o->calls++;
+    if (!o->victim) return CUMA_OOM_PASS;
+    CHECK_OK(cuma_free(h, o->victim, NULL));
+    o->victim = NULL;
+    return CUMA_OOM_RETRY;
+}
+
+static int oom_pass(void *user, cuma_heap *h, size_t size, cuma_stream s) {
+    (void)h, (void)size, (void)s;
+    (*(int *)user)++;
+    return CUMA_OOM_PASS;
+}
+
+static void test_oom_ladder(void) {
+    cuma_heap *h = make("capacity:16M,sim_clock:manual");
+    int passes = 0;
+    oomctx o = {0};
+    int id1, id2;
+    CHECK_OK(cuma_add_oom_callback(h, oom_pass, &passes, &id1));
+    CHECK_OK(cuma_add_oom_callback(h, oom_free_victim, &o, &id2));
+    CHECK_OK(cuma_alloc(h, 12 * MB, NULL, &o.victim));
+    void *p;
+    CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &p)); /* callbacks free the victim, then it fits */
+    CHECK(passes == 1 && o.calls == 1 && o.victim == NULL);
+    cuma_stats s = stats(h);
+    CHECK(s.num_ooms == 1 && s.oom_callbacks == 2 && s.num_alloc_retries == 1);
+    CHECK_ST(cuma_alloc(h, 12 * MB, NULL, &o.victim), CUMA_ERR_OOM); /* nobody can help */
+    CHECK(passes == 2 && o.calls == 2);
+    CHECK_OK(cuma_remove_oom_callback(h, id1));
+    CHECK_ST(cuma_remove_oom_callback(h, id1), CUMA_ERR_INVALID);
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, p, NULL));
+    cuma_heap_destroy(h);
+
+    /* Managed fallback when the device is full. */
+    h = make("capacity:16M,sim_clock:manual,managed_fallback:on");
+    void *big;
+    CHECK_OK(cuma_alloc(h, 32 * MB, NULL, &big));
+    s = stats(h);
+    CHECK(s.managed_fallbacks == 1 && s.managed_bytes == 32 * MB && s.reserved_bytes == 0);
+    CHECK_OK(cuma_free(h, big, NULL));
+    CHECK(stats(h).managed_bytes == 0);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
+static void test_streams(void) {
+    cuma_heap *h = make("capacity:64M,sim_clock:manual,release_delay_ms:0");
+    cuma_stream s1 = (cuma_stream)(uintptr_t)0x1000, s2 = (cuma_stream)(uintptr_t)0x2000;
+    void *a, *b;
+    CHECK_OK(cuma_alloc(h, 4 * MB, s1, &a));
+    CHECK_OK(cuma_sim_hold_stream(h, s1));
+    CHECK_OK(cuma_free(h, a, s1));
+    /* Same stream: reused at once. */
+    CHECK_OK(cuma_alloc(h, 4 * MB, s1, &b));
+    CHECK(b == a);
+    CHECK_OK(cuma_free(h, b, s1));
+    /* Another stream: not while s1 is busy, and the pages stay. */
+    CHECK_OK(cuma_alloc(h, 4 * MB, s2, &b));
+    CHECK(b != a);
+    CHECK_OK(cuma_free(h, b, s2));
+    CHECK_OK(cuma_trim(h, 0));
+    cuma_stats st = stats(h);
+    CHECK(st.reserved_bytes >= 4 * MB); /* a's pages wait for s1 */
+    CHECK_OK(cuma_sim_release_stream(h, s1));
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK(stats(h).reserved_bytes == 0);
+    CHECK_OK(cuma_alloc(h, 4 * MB, s2, &b));
+    CHECK_OK(cuma_validate(h));
+    /* record_stream: not reusable even by its own stream until the other stream is done. */
+    CHECK_OK(cuma_record_stream(h, b, s1));
+    CHECK_OK(cuma_sim_hold_stream(h, s1));
+    CHECK_OK(cuma_free(h, b, NULL));
+    void *c;
+    CHECK_OK(cuma_alloc(h, 4 * MB, s2, &c));
+    CHECK(c != b);
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_sim_release_stream(h, s1));
+    CHECK_OK(cuma_free(h, c, NULL));
+    CHECK_OK(cuma_poll(h));
+    CHECK(stats(h).active_allocs == 0);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
+static void test_json(void) {
+    cuma_heap *h = make("capacity:64M,sim_clock:manual");
+    char buf[4096];
+    size_t need;
+    CHECK_OK(cuma_stats_json(h, buf, sizeof buf, &need));
+    CHECK(need == strlen(buf) && buf[0] == '{' && buf[need - 1] == '}');
+    CHECK(strstr(buf, "\"reserved_bytes\":0") && strstr(buf, "\"release_delay_ms\":1000"));
+    CHECK_ST(cuma_stats_json(h, buf, 10, &need), CUMA_ERR_INVALID);
+    cuma_heap_destroy(h);
+}
+
+int main(void) {
+    test_basic("tlsf");
+    test_basic("buddy");
+    test_bad_input();
+    test_release_delay();
+    test_limit_and_max_cached();
+    test_oom_ladder();
+    test_streams();
+    test_json();
+    printf("test_heap: all passed\n");
+    return 0;
+}
