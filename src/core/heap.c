@@ -341,6 +341,12 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
     } else {
         release_block(h, b, (uint16_t)si, seq, t);
     }
+    /* With several streams, memory freed on one is reusable by the others only once its fence
+     * is known complete: ask every so often, so that it does not wait for a shortage. */
+    if (h->streams.n > 1 && seq - h->last_fence_tick >= 256) {
+        h->last_fence_tick = seq;
+        for (unsigned i = 0; i < h->streams.n; i++) cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, false);
+    }
     cuma_heap_release_policy(h, t);
     pthread_mutex_unlock(&h->lock);
     return CUMA_OK;

@@ -42,6 +42,7 @@ struct cuma_heap {
     cuma_pages pages;
     cuma_map live;        /* address -> cuma_block of every live allocation */
     cuma_map managed;     /* address -> size (as a pointer-sized integer) of managed fallbacks */
+    uint64_t last_fence_tick; /* gseq of the last periodic fence poll */
     cuma_block *deferred; /* freed blocks waiting on record_stream fences (linked by fnext) */
     uint64_t limit_bytes; /* effective limit on reserved bytes */
     int64_t release_delay_ns;

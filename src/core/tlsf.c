@@ -106,38 +106,6 @@ static bool next_bin(const tlsf *t, unsigned *fl, unsigned *sl) {
     return true;
 }
 
-static cuma_block *tlsf_alloc(cuma_policy *p, uint64_t size, unsigned stream) {
-    tlsf *t = (tlsf *)p;
-    unsigned fl, sl;
-    mapping(size, &fl, &sl);
-    cuma_block *best = scan_bin(t, t->bins[fl][sl], size, stream);
-    /* Every block of a higher bin fits; the first bin with a usable block holds the
-     * smallest ones. */
-    for (unsigned nsl = sl + 1; !best && next_bin(t, &fl, &nsl); nsl++)
-        best = scan_bin(t, t->bins[fl][nsl], size, stream);
-    if (!best) return NULL;
-    unlink_free(t, best);
-    if (best->size - size >= CUMA_GRANULE) {
-        cuma_block *r = cuma_block_new(&t->pool);
-        if (r) {
-            r->off = best->off + size;
-            r->size = best->size - size;
-            r->prev = best, r->next = best->next;
-            if (r->next) r->next->prev = r;
-            best->next = r;
-            r->is_free = 1;
-            r->fence_seq = best->fence_seq, r->fence_stream = best->fence_stream;
-            r->range_end = best->range_end, best->range_end = 0;
-            best->size = size;
-            insert(t, r);
-        }
-    }
-    best->is_free = 0;
-    best->fence_seq = 0;
-    best->req = 0;
-    return best;
-}
-
 /* Free neighbours merge when their memory is equally reusable: both complete, or both waiting
  * on the same stream. Merging pending memory into complete memory would make the complete part
  * unusable for other streams until the fence completes; with a single stream there are no other
@@ -160,6 +128,49 @@ static void absorb(tlsf *t, cuma_block *b, cuma_block *n) {
     if (b->next) b->next->prev = b;
     b->range_end = n->range_end;
     cuma_block_delete(&t->pool, n);
+}
+
+static cuma_block *tlsf_alloc(cuma_policy *p, uint64_t size, unsigned stream) {
+    tlsf *t = (tlsf *)p;
+    unsigned fl, sl;
+    mapping(size, &fl, &sl);
+    cuma_block *best = scan_bin(t, t->bins[fl][sl], size, stream);
+    /* Every block of a higher bin fits; the first bin with a usable block holds the
+     * smallest ones. */
+    for (unsigned nsl = sl + 1; !best && next_bin(t, &fl, &nsl); nsl++)
+        best = scan_bin(t, t->bins[fl][nsl], size, stream);
+    if (!best) return NULL;
+    unlink_free(t, best);
+    /* Fences complete after blocks were freed: neighbours left apart then may merge now, and
+     * the remainder of the split below is larger for it. */
+    for (cuma_block *n; (n = best->range_end ? NULL : best->next) && n->is_free && mergeable(t, best, n);) {
+        unlink_free(t, n);
+        absorb(t, best, n);
+    }
+    for (cuma_block *pv; (pv = best->prev) && pv->is_free && mergeable(t, pv, best);) {
+        unlink_free(t, pv);
+        absorb(t, pv, best);
+        best = pv;
+    }
+    if (best->size - size >= CUMA_GRANULE) {
+        cuma_block *r = cuma_block_new(&t->pool);
+        if (r) {
+            r->off = best->off + size;
+            r->size = best->size - size;
+            r->prev = best, r->next = best->next;
+            if (r->next) r->next->prev = r;
+            best->next = r;
+            r->is_free = 1;
+            r->fence_seq = best->fence_seq, r->fence_stream = best->fence_stream;
+            r->range_end = best->range_end, best->range_end = 0;
+            best->size = size;
+            insert(t, r);
+        }
+    }
+    best->is_free = 0;
+    best->fence_seq = 0;
+    best->req = 0;
+    return best;
 }
 
 static cuma_block *tlsf_free(cuma_policy *p, cuma_block *b, uint16_t fstream, uint64_t fseq) {

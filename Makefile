@@ -1,0 +1,49 @@
+# The two set-up commands: `make run` (the main job) and `make test` (every test).
+# Both install what they need on a Debian machine first (scripts/deps.sh).
+JOBS ?= $(shell nproc)
+BUILD ?= build
+TRACES := $(wildcard tests/data/*.csv.gz)
+CMAKE_FLAGS ?=
+
+.PHONY: all build run test test-unit test-asan test-tsan test-python bench format install clean
+
+all: build
+
+build:
+	@scripts/deps.sh build
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS) >/dev/null
+	cmake --build $(BUILD) -j$(JOBS)
+
+# The main job: replay the bundled PyTorch traces on the simulated device (sizes x16, GPU
+# scale) with the default policy and with the seed's buddy, and print the report.
+run: build
+	@scripts/run.sh $(BUILD)
+
+test: 
+	@scripts/deps.sh test
+	$(MAKE) --no-print-directory test-unit test-asan test-tsan test-python
+
+test-unit: build
+	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
+
+test-asan:
+	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUMA_SANITIZE=address >/dev/null
+	cmake --build build-asan -j$(JOBS)
+	cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 CUMA_STRESS_OPS=400000 ctest --output-on-failure -j$(JOBS) -E 'replay_(goals|buddy)'
+
+test-tsan:
+	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUMA_SANITIZE=thread >/dev/null
+	cmake --build build-tsan -j$(JOBS) --target test_stress
+	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 CUMA_STRESS_OPS=300000 ctest --output-on-failure -R '^test_stress'
+
+test-python: build
+	@if [ -d python/tests ]; then scripts/pytest.sh $(BUILD); else echo "no python tests yet"; fi
+
+format:
+	clang-format -i $$(git ls-files '*.c' '*.h')
+
+install: build
+	cmake --install $(BUILD)
+
+clean:
+	rm -rf build build-asan build-tsan
