@@ -61,8 +61,9 @@ static const key_desc keys[] = {
      "sim: real = monotonic clock; manual = moved only by cuma_sim_set_time (replays)"},
     {"managed_fallback", K_BOOL, F(managed_fallback), "off", NULL,
      "serve a request from managed memory when the device is full"},
-    {"release_thread_ms", K_MS, F(release_thread_ms), "0", NULL,
-     "period of a background thread that runs the release policy; 0 = none"},
+    {"release_thread", K_BOOL, F(release_thread), "on", NULL,
+     "a background thread gives idle pages back when their delay ends, also while the program "
+     "makes no allocator call (not with sim_clock:manual, whose time only moves when told)"},
     {"small_size", K_SIZE, F(small_size), "0", NULL,
      "requests up to this size are packed by size class; 0 = off"},
     {"device", K_INT, F(device), "0", NULL, "CUDA device ordinal"},

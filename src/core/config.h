@@ -29,7 +29,7 @@ typedef struct cuma_settings {
     bool host_backing;              /* sim: back pages with host memory */
     bool sim_clock_manual;          /* sim: clock driven by cuma_sim_set_time */
     bool managed_fallback;          /* serve from managed memory when the device is full */
-    int64_t release_thread_ms;      /* background release period; 0 = no thread */
+    bool release_thread;            /* background thread that gives idle pages back on time */
     uint64_t small_size;            /* requests <= this go to size classes; 0 = off */
     int device;
 } cuma_settings;

@@ -68,8 +68,12 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         if (st) goto fail_all;
     }
     pthread_mutex_init(&h->lock, NULL);
-    pthread_cond_init(&h->wake, NULL);
-    if (h->set.release_thread_ms > 0) {
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&h->wake, &ca);
+    pthread_condattr_destroy(&ca);
+    if (h->set.release_thread && !(h->set.sim_clock_manual && !strcmp(h->be->name, "sim")) && h->release_delay_ns >= 0) {
         if (pthread_create(&h->thread, NULL, release_thread, h)) {
             st = cuma_fail(CUMA_ERR_BACKEND, "could not start the release thread");
             pthread_mutex_destroy(&h->lock);
@@ -145,7 +149,9 @@ static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_
     h->c.requested -= b->req;
     h->c.allocated -= b->size;
     h->c.active--;
+    bool was_empty = h->pages.ncached == 0;
     cuma_pages_unref(&h->pages, b->off, b->req, t, fstream, fseq);
+    if (was_empty && h->pages.ncached && h->thread_running) pthread_cond_signal(&h->wake);
     h->pol->ops->free(h->pol, b, fstream, fseq);
 }
 
@@ -400,17 +406,26 @@ cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
     return CUMA_OK;
 }
 
-/* Gives idle memory back while the program runs, even when it makes no allocator call. */
+/* Gives idle memory back while the program runs, even when it makes no allocator call: sleeps
+ * until the oldest idle page's delay ends (or a page goes idle in an empty cache). */
 static void *release_thread(void *arg) {
     cuma_heap *h = arg;
     pthread_mutex_lock(&h->lock);
     while (!h->stopping) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        uint64_t ns = (uint64_t)ts.tv_nsec + (uint64_t)h->set.release_thread_ms * 1000000;
-        ts.tv_sec += (time_t)(ns / 1000000000);
-        ts.tv_nsec = (long)(ns % 1000000000);
-        pthread_cond_timedwait(&h->wake, &h->lock, &ts);
+        uint64_t t = now(h), oldest = cuma_pages_oldest_idle(&h->pages), wait_ns = 1000000000ull;
+        if (oldest != UINT64_MAX) {
+            uint64_t due = oldest + (uint64_t)h->release_delay_ns;
+            wait_ns = due > t ? due - t : 0;
+            if (wait_ns > 1000000000ull) wait_ns = 1000000000ull;
+        }
+        if (wait_ns) {
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            uint64_t ns = (uint64_t)ts.tv_nsec + wait_ns + 100000; /* a little late, never early */
+            ts.tv_sec += (time_t)(ns / 1000000000ull);
+            ts.tv_nsec = (long)(ns % 1000000000ull);
+            pthread_cond_timedwait(&h->wake, &h->lock, &ts);
+        }
         if (!h->stopping) cuma_heap_release_policy(h, now(h));
     }
     pthread_mutex_unlock(&h->lock);

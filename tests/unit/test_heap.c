@@ -5,6 +5,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #define MB (1024ull * 1024)
 
@@ -231,7 +232,38 @@ static void test_json(void) {
     cuma_heap_destroy(h);
 }
 
+/* Idle memory goes back on time without any allocator call (the release thread). */
+static void test_release_thread(void) {
+    cuma_heap *h = make("capacity:64M,release_delay_ms:30");
+    void *p;
+    CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &p));
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK(stats(h).cached_bytes == 8 * MB);
+    uint64_t due;
+    CHECK_OK(cuma_next_release(h, &due));
+    CHECK(due != UINT64_MAX);
+    for (int i = 0; i < 200 && stats(h).reserved_bytes; i++) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    CHECK(stats(h).reserved_bytes == 0);
+    CHECK_OK(cuma_next_release(h, &due));
+    CHECK(due == UINT64_MAX);
+    cuma_heap_destroy(h);
+    /* release_thread:off keeps it until a call runs the policy. */
+    h = make("capacity:64M,release_delay_ms:1,release_thread:off");
+    CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &p));
+    CHECK_OK(cuma_free(h, p, NULL));
+    struct timespec ts = {0, 50 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    CHECK(stats(h).cached_bytes == 8 * MB);
+    CHECK_OK(cuma_poll(h));
+    CHECK(stats(h).reserved_bytes == 0);
+    cuma_heap_destroy(h);
+}
+
 int main(void) {
+    test_release_thread();
     test_basic("tlsf");
     test_basic("buddy");
     test_bad_input();

@@ -1,0 +1,69 @@
+/* Reader of RAPIDS RMM's CSV event log, the trace format `cuma replay` consumes.
+ *
+ *   Thread,Time,Action,Pointer,Size,Stream
+ *   0,00:00:00:000108,allocate,0x7f0000000400,472,0
+ *
+ * Time is HH:MM:SS:micro (HH:MM:SS.micro is accepted too); Action is `allocate`, `free` or
+ * `allocate failure`; Pointer is hex with 0x; Size is decimal; Stream is decimal or 0x-hex.
+ * Plain and gzip-compressed files are both read (zlib detects which).
+ *
+ * Thread safety: cuma_trace_load and cuma_trace_free touch only their arguments, so distinct
+ * traces may be loaded and freed from several threads at once.
+ */
+#ifndef CUMA_TRACE_TRACE_H
+#define CUMA_TRACE_TRACE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cuma/cuma.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    CUMA_TRACE_ALLOC = 0,
+    CUMA_TRACE_FREE = 1,
+    CUMA_TRACE_ALLOC_FAIL = 2,
+} cuma_trace_action;
+
+/* One line of the log. Times are kept as written: lines from several threads interleave, so
+ * a time may go backwards; a consumer that needs a monotonic clock clamps it. */
+typedef struct cuma_trace_event {
+    uint64_t time_us; /* microseconds since the start of the log */
+    uint64_t ptr;     /* identifies the block only; reused after its free */
+    uint64_t size;    /* bytes */
+    uint64_t stream;  /* 0 is the default stream */
+    uint32_t thread;  /* thread id; ids wider than 32 bits are folded (high ^ low half) */
+    uint32_t action;  /* cuma_trace_action */
+    /* For a FREE: the index of the ALLOC it frees, or -1 when the pointer was not live (never
+     * allocated in the log, or already freed). For an ALLOC: the index of the FREE that frees
+     * it, or -1 when it is still live at the end. -1 for an ALLOC_FAIL. */
+    int64_t match;
+} cuma_trace_event;
+
+typedef struct cuma_trace {
+    char *path;           /* as passed to cuma_trace_load (owned copy) */
+    cuma_trace_event *ev; /* n events in file order */
+    size_t n;
+    size_t unmatched_frees; /* FREE events with match == -1 */
+} cuma_trace;
+
+/* Reads a whole log into *out (which is overwritten; free it with cuma_trace_free).
+ * CUMA_ERR_IO: the file cannot be opened or read (the message names the path and the cause).
+ * CUMA_ERR_PARSE: an empty file, a missing header, or a malformed line; the message reads
+ * "FILE:LINE: what is wrong (the offending text)".
+ * CUMA_ERR_OOM: host memory ran out. On failure *out is left empty. */
+cuma_status cuma_trace_load(const char *path, cuma_trace *out);
+
+/* Frees what cuma_trace_load allocated and empties *t. NULL and an empty trace are fine. */
+void cuma_trace_free(cuma_trace *t);
+
+/* "allocate", "free", "allocate failure" (the log's spelling), or "?" for another value. */
+const char *cuma_trace_action_name(uint32_t action);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

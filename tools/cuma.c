@@ -1,0 +1,149 @@
+/* main of the `cuma` command: a table of subcommands, so adding one (stats, top, exporter)
+ * is one function and one row. */
+#include "cli.h"
+
+#include "cuma/cuma.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct subcommand {
+    const char *name;
+    int (*run)(int argc, char **argv);
+    const char *summary; /* one line for the overview */
+    const char *usage;   /* the full text for `cuma help NAME` */
+} subcommand;
+
+static int cmd_config(int argc, char **argv);
+static int cmd_version(int argc, char **argv);
+static int cmd_help(int argc, char **argv);
+
+#define CONFIG_USAGE                                                                               \
+    "usage: cuma config [--check STR]\n"                                                           \
+    "  Without options: every configuration key (CUMA_CONF grammar \"key:value,...\"), its\n"      \
+    "  default and its meaning.\n"                                                                 \
+    "  --check STR   validate a settings string; on a bad key or value print the error and\n"      \
+    "                exit with status 2\n"
+
+/* Rows for `stats`, `top` and `exporter` go here when they land. */
+static const subcommand commands[] = {
+    {"replay", cuma_cmd_replay, "replay RMM traces on the simulated device and measure them",
+     CUMA_REPLAY_USAGE},
+    {"config", cmd_config, "list the configuration keys, or check a settings string", CONFIG_USAGE},
+    {"version", cmd_version, "print the version", "usage: cuma version\n"},
+    {"help", cmd_help, "print this overview, or the usage of one subcommand",
+     "usage: cuma help [SUBCOMMAND]\n"},
+};
+
+#define NCOMMANDS (sizeof commands / sizeof commands[0])
+
+static const subcommand *find(const char *name) {
+    for (size_t i = 0; i < NCOMMANDS; i++)
+        if (!strcmp(commands[i].name, name)) return &commands[i];
+    return NULL;
+}
+
+/* The overview followed by every subcommand's usage, so one `cuma --help` says everything. */
+static void usage(FILE *f) {
+    fprintf(f, "usage: cuma SUBCOMMAND [ARGS...]\n\nsubcommands:\n");
+    for (size_t i = 0; i < NCOMMANDS; i++)
+        fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
+    for (size_t i = 0; i < NCOMMANDS; i++) fprintf(f, "\n%s", commands[i].usage);
+    fprintf(f, "\nCUMA_CONF=\"key:value,...\" sets defaults for every heap (`cuma config` lists "
+               "the keys).\n");
+}
+
+static int is_help(const char *a) {
+    return !strcmp(a, "-h") || !strcmp(a, "--help");
+}
+
+static int cmd_help(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stdout);
+        return CUMA_EXIT_OK;
+    }
+    const subcommand *c = find(argv[1]);
+    if (!c) {
+        fprintf(stderr, "cuma help: unknown subcommand '%s'\n\n", argv[1]);
+        usage(stderr);
+        return CUMA_EXIT_USAGE;
+    }
+    fputs(c->usage, stdout);
+    return CUMA_EXIT_OK;
+}
+
+static int cmd_version(int argc, char **argv) {
+    (void)argv;
+    if (argc > 1) {
+        fputs("usage: cuma version\n", stderr);
+        return CUMA_EXIT_USAGE;
+    }
+    printf("cuma %d.%d.%d\n", CUMA_VERSION_MAJOR, CUMA_VERSION_MINOR, CUMA_VERSION_PATCH);
+    return CUMA_EXIT_OK;
+}
+
+/* Prints cuma_config_describe()'s table, sized by a first call that only measures. */
+static int print_config_table(void) {
+    size_t needed = 0;
+    cuma_config_describe(NULL, 0, &needed); /* fails by design: it only reports the size */
+    char *buf = malloc(needed + 1);
+    if (!buf) {
+        fprintf(stderr, "cuma config: out of memory\n");
+        return CUMA_EXIT_FAIL;
+    }
+    cuma_status st = cuma_config_describe(buf, needed + 1, NULL);
+    if (st != CUMA_OK) {
+        fprintf(stderr, "cuma config: %s\n", cuma_last_error());
+        free(buf);
+        return CUMA_EXIT_FAIL;
+    }
+    fputs(buf, stdout);
+    free(buf);
+    return CUMA_EXIT_OK;
+}
+
+static int cmd_config(int argc, char **argv) {
+    if (argc == 1) return print_config_table();
+    if (argc == 2 && is_help(argv[1])) {
+        fputs(CONFIG_USAGE, stdout);
+        return CUMA_EXIT_OK;
+    }
+    const char *check = NULL;
+    if (argc == 3 && !strcmp(argv[1], "--check"))
+        check = argv[2];
+    else if (argc == 2 && !strncmp(argv[1], "--check=", 8))
+        check = argv[1] + 8;
+    if (!check) {
+        fputs(CONFIG_USAGE, stderr);
+        return CUMA_EXIT_USAGE;
+    }
+    if (cuma_config_check(check) != CUMA_OK) {
+        /* The library's message already starts with where the string came from. */
+        fprintf(stderr, "cuma: %s\n", cuma_last_error());
+        return CUMA_EXIT_USAGE;
+    }
+    printf("ok\n");
+    return CUMA_EXIT_OK;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return CUMA_EXIT_USAGE;
+    }
+    const char *name = argv[1];
+    if (is_help(name))
+        name = "help";
+    else if (!strcmp(name, "--version"))
+        name = "version";
+    const subcommand *c = find(name);
+    if (!c) {
+        fprintf(stderr, "cuma: unknown subcommand '%s'\n\n", argv[1]);
+        usage(stderr);
+        return CUMA_EXIT_USAGE;
+    }
+    /* `cuma --help` is `cuma help`: it reaches cmd_help with no further argument. */
+    if (c->run == cmd_help && is_help(argv[1])) return cmd_help(1, argv + 1);
+    return c->run(argc - 1, argv + 1);
+}

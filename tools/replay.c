@@ -1,0 +1,518 @@
+/* `cuma replay`: replays RMM event logs on the simulated device.
+ *
+ * Each trace is replayed twice on fresh heaps with the same settings:
+ *  1. measuring: the heap's clock follows the trace's timestamps, so time-based release acts as
+ *     it would have in the recorded run, and the stats are read after every event to get the
+ *     peaks, the time integrals of reserved and requested bytes, and the driver-call counts;
+ *  2. timing: the same alloc/free calls with nothing else in the loop but a clock update every
+ *     1024 events, timed as a whole, for ns per operation.
+ * The trace is parsed before either pass, so parsing is never timed.
+ */
+#include "cli.h"
+
+#include "cuma/cuma.h"
+#include "cuma/sim.h"
+#include "trace/trace.h"
+
+#include <limits.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* The replay owns the clock and the backend; the user's settings come after and win. */
+#define BASE_CONF             "backend:sim,sim_clock:manual"
+#define DEFAULT_RELEASE_DELAY 1000 /* ms; the core's default, used if nothing says otherwise */
+#define CLOCK_STRIDE          1024 /* pass 2 moves the clock once per this many events */
+
+typedef struct options {
+    char *user_conf; /* --conf and --policy pieces, comma-joined in command-line order */
+    uint64_t scale;
+    int json;
+} options;
+
+/* What one trace's replay measured. Integrals are in byte-microseconds. */
+typedef struct result {
+    const char *path;
+    size_t events;
+    uint64_t allocs, frees;    /* cuma_alloc / cuma_free calls made in pass 1 */
+    uint64_t failed_allocs;    /* cuma_alloc calls that failed in pass 1 */
+    uint64_t skipped_failures; /* `allocate failure` lines: nothing to replay */
+    uint64_t unmatched_frees;  /* frees of pointers the trace never allocated */
+    uint64_t orphan_frees;     /* frees of allocations that failed in the replay */
+    uint64_t zero_allocs;      /* allocations of 0 bytes: nothing to replay */
+    uint64_t peak_requested, peak_reserved, end_reserved;
+    double int_requested, int_reserved;
+    int64_t release_delay_ms; /* -1: the heap never releases by time */
+    char policy[32];
+    cuma_stats final; /* the heap's stats after the end-of-trace release */
+    int measured;     /* pass 1 ran to the end: the figures are worth printing */
+    uint64_t ops;     /* calls made in pass 2 */
+    double ns_per_op;
+} result;
+
+/* ---- small helpers ----------------------------------------------------------------------- */
+
+/* Appends `piece` to the comma-separated list *list (NULL = empty). */
+static int append_conf(char **list, const char *piece) {
+    if (!*piece) return 0;
+    size_t old = *list ? strlen(*list) : 0, add = strlen(piece);
+    char *s = realloc(*list, old + add + 2);
+    if (!s) return -1;
+    if (old) s[old++] = ',';
+    memcpy(s + old, piece, add + 1);
+    *list = s;
+    return 0;
+}
+
+static const char *base_name(const char *path) {
+    const char *slash = strrchr(path, '/');
+    return slash ? slash + 1 : path;
+}
+
+/* size * scale, or 0 when the product does not fit a size_t (counted as a failed alloc). */
+static size_t scaled(uint64_t size, uint64_t scale) {
+    if (size > SIZE_MAX / scale) return 0;
+    return (size_t)(size * scale);
+}
+
+/* Traces carry the stream as a number; on the simulated device any value is a stream. */
+static cuma_stream stream_of(const cuma_trace_event *e) {
+    return (cuma_stream)(uintptr_t)e->stream;
+}
+
+static double now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
+
+/* The text after `"key":` in flat JSON, or NULL. The heap's stats JSON has each settings key
+ * once; this is not a general JSON reader and does not need to be. */
+static const char *json_value(const char *json, const char *key) {
+    size_t klen = strlen(key);
+    for (const char *p = json; (p = strchr(p, '"')) != NULL; p++) {
+        if (strncmp(p + 1, key, klen) || p[1 + klen] != '"') continue;
+        const char *v = p + 2 + klen;
+        while (*v == ' ') v++;
+        if (*v != ':') continue;
+        for (v++; *v == ' ';) v++;
+        return v;
+    }
+    return NULL;
+}
+
+/* The value of the last `key:` item of a settings string (the one that wins), or NULL. */
+static const char *conf_value(const char *conf, const char *key, size_t *len) {
+    const char *found = NULL;
+    size_t klen = strlen(key);
+    for (const char *item = conf; item;) {
+        while (*item == ' ') item++;
+        if (!strncmp(item, key, klen) && item[klen] == ':') found = item + klen + 1;
+        const char *comma = strchr(item, ',');
+        item = comma ? comma + 1 : NULL;
+    }
+    if (found) *len = strcspn(found, ",");
+    return found;
+}
+
+/* The heap's stats JSON in a malloc'ed string, or NULL. A first call only measures. */
+static char *stats_json(cuma_heap *h) {
+    char probe[1];
+    size_t needed = 0;
+    cuma_stats_json(h, probe, sizeof probe, &needed);
+    char *buf = malloc(needed + 1);
+    if (buf && cuma_stats_json(h, buf, needed + 1, NULL) == CUMA_OK) return buf;
+    free(buf);
+    return NULL;
+}
+
+/* Reads the release delay and the policy the heap really runs with from its stats JSON, so
+ * CUMA_CONF and defaults count too; falls back on the settings string we built. */
+static void heap_settings(cuma_heap *h, const char *conf, result *r) {
+    r->release_delay_ms = DEFAULT_RELEASE_DELAY;
+    snprintf(r->policy, sizeof r->policy, "default");
+    char *json = stats_json(h);
+    const char *v;
+    size_t len = 0;
+    if (json && (v = json_value(json, "release_delay_ms")) != NULL)
+        r->release_delay_ms = strtoll(v, NULL, 10);
+    else if ((v = conf_value(conf, "release_delay_ms", &len)) != NULL)
+        r->release_delay_ms = !strncmp(v, "never", 5) ? -1 : strtoll(v, NULL, 10);
+    if (json && (v = json_value(json, "policy")) != NULL && *v == '"')
+        snprintf(r->policy, sizeof r->policy, "%.*s", (int)strcspn(v + 1, "\""), v + 1);
+    else if ((v = conf_value(conf, "policy", &len)) != NULL)
+        snprintf(r->policy, sizeof r->policy, "%.*s", (int)len, v);
+    free(json);
+}
+
+static int make_heap(const char *conf, const char *path, cuma_heap **h) {
+    cuma_config cfg = {.conf = conf, .flags = 0};
+    cuma_status st = cuma_heap_create(&cfg, h);
+    if (st == CUMA_OK) return CUMA_EXIT_OK;
+    fprintf(stderr, "cuma replay: %s: cannot create the heap: %s\n", path, cuma_last_error());
+    return st == CUMA_ERR_CONFIG ? CUMA_EXIT_USAGE : CUMA_EXIT_FAIL;
+}
+
+static int heap_error(const char *path, size_t i, const char *what) {
+    fprintf(stderr, "cuma replay: %s: event %zu: %s: %s\n", path, i, what, cuma_last_error());
+    return CUMA_EXIT_FAIL;
+}
+
+/* ---- pass 1: measure --------------------------------------------------------------------- */
+
+static int measure(const cuma_trace *t, const char *conf, uint64_t scale, void **ptrs, result *r) {
+    cuma_heap *h;
+    int rc = make_heap(conf, t->path, &h);
+    if (rc != CUMA_EXIT_OK) return rc;
+    heap_settings(h, conf, r);
+
+    uint64_t now_us = 0, requested = 0, reserved = 0;
+    cuma_stats s;
+    for (size_t i = 0; i < t->n && rc == CUMA_EXIT_OK; i++) {
+        const cuma_trace_event *e = &t->ev[i];
+        /* Threads interleave, so a time may step back; the heap's clock may not. */
+        uint64_t when = e->time_us > now_us ? e->time_us : now_us;
+        /* Idle memory goes back while the program runs (the heap's release thread wakes at
+         * cuma_next_release): let every release that falls before this event happen at its
+         * own time, so the gap is integrated at the levels the device really saw. */
+        uint64_t next_ns;
+        while (cuma_next_release(h, &next_ns) == CUMA_OK && next_ns < when * 1000) {
+            uint64_t at_us = (next_ns + 999) / 1000;
+            if (at_us < now_us) at_us = now_us;
+            if (at_us >= when) break;
+            r->int_requested += (double)requested * (double)(at_us - now_us);
+            r->int_reserved += (double)reserved * (double)(at_us - now_us);
+            now_us = at_us;
+            if (cuma_sim_set_time(h, now_us * 1000) != CUMA_OK || cuma_poll(h) != CUMA_OK ||
+                cuma_get_stats(h, &s) != CUMA_OK) {
+                rc = heap_error(t->path, i, "release between events");
+                break;
+            }
+            reserved = s.reserved_bytes;
+        }
+        /* The levels after the previous event held until this one. */
+        r->int_requested += (double)requested * (double)(when - now_us);
+        r->int_reserved += (double)reserved * (double)(when - now_us);
+        now_us = when;
+        if (cuma_sim_set_time(h, now_us * 1000) != CUMA_OK) {
+            rc = heap_error(t->path, i, "cuma_sim_set_time");
+            break;
+        }
+        if (e->action == CUMA_TRACE_ALLOC) {
+            size_t size = scaled(e->size, scale);
+            ptrs[i] = NULL;
+            if (e->size == 0) {
+                r->zero_allocs++;
+            } else {
+                r->allocs++;
+                if (size && cuma_alloc(h, size, stream_of(e), &ptrs[i]) == CUMA_OK) {
+                    requested += size;
+                } else {
+                    ptrs[i] = NULL;
+                    r->failed_allocs++;
+                }
+            }
+        } else if (e->action == CUMA_TRACE_FREE) {
+            if (e->match < 0) {
+                r->unmatched_frees++;
+            } else if (!ptrs[e->match]) {
+                r->orphan_frees++; /* its allocation failed (or was of 0 bytes) */
+            } else {
+                r->frees++;
+                if (cuma_free(h, ptrs[e->match], NULL) != CUMA_OK)
+                    rc = heap_error(t->path, i, "cuma_free of a live allocation failed");
+                requested -= scaled(t->ev[e->match].size, scale);
+            }
+        } else {
+            r->skipped_failures++;
+        }
+        if (cuma_get_stats(h, &s) != CUMA_OK) {
+            rc = heap_error(t->path, i, "cuma_get_stats");
+            break;
+        }
+        reserved = s.reserved_bytes;
+        if (requested > r->peak_requested) r->peak_requested = requested;
+        if (reserved > r->peak_reserved) r->peak_reserved = reserved;
+    }
+
+    if (rc == CUMA_EXIT_OK) {
+        /* Let the idle delay run out after the last event, then see what the heap kept. */
+        uint64_t delay_ms = r->release_delay_ms > 0 ? (uint64_t)r->release_delay_ms : 0;
+        uint64_t end_ns = now_us * 1000 + (delay_ms + 1) * 1000000;
+        if (cuma_sim_set_time(h, end_ns) != CUMA_OK || cuma_poll(h) != CUMA_OK ||
+            cuma_get_stats(h, &r->final) != CUMA_OK) {
+            rc = heap_error(t->path, t->n, "end-of-trace release");
+        } else {
+            r->measured = 1;
+            r->end_reserved = r->final.reserved_bytes;
+            /* A transient peak inside one call is real device memory too. */
+            if (r->final.peak_reserved_bytes > r->peak_reserved)
+                r->peak_reserved = r->final.peak_reserved_bytes;
+        }
+    }
+    if (rc == CUMA_EXIT_OK && cuma_validate(h) != CUMA_OK) {
+        fprintf(stderr, "cuma replay: %s: heap check failed after the replay: %s\n", t->path,
+                cuma_last_error());
+        rc = CUMA_EXIT_FAIL;
+    }
+    cuma_heap_destroy(h);
+    return rc;
+}
+
+/* ---- pass 2: time ------------------------------------------------------------------------ */
+
+static int time_ops(const cuma_trace *t, const char *conf, uint64_t scale, void **ptrs, result *r) {
+    cuma_heap *h;
+    int rc = make_heap(conf, t->path, &h);
+    if (rc != CUMA_EXIT_OK) return rc;
+    memset(ptrs, 0, t->n * sizeof *ptrs);
+    const uint64_t max_size = SIZE_MAX / scale;
+    uint64_t clock_us = 0, ops = 0, bad = 0;
+
+    double t0 = now_ns();
+    for (size_t i = 0; i < t->n; i++) {
+        const cuma_trace_event *e = &t->ev[i];
+        /* Often enough for time-based release to act much as in pass 1, rarely enough to
+         * cost nothing measurable. */
+        if ((i & (CLOCK_STRIDE - 1)) == 0) {
+            if (e->time_us > clock_us) clock_us = e->time_us;
+            bad += cuma_sim_set_time(h, clock_us * 1000) != CUMA_OK;
+        }
+        if (e->action == CUMA_TRACE_ALLOC) {
+            if (e->size == 0 || e->size > max_size) continue;
+            ops++;
+            if (cuma_alloc(h, (size_t)(e->size * scale), stream_of(e), &ptrs[i]) != CUMA_OK)
+                ptrs[i] = NULL;
+        } else if (e->action == CUMA_TRACE_FREE && e->match >= 0 && ptrs[e->match]) {
+            ops++;
+            bad += cuma_free(h, ptrs[e->match], NULL) != CUMA_OK;
+        }
+    }
+    double elapsed = now_ns() - t0;
+
+    cuma_heap_destroy(h);
+    r->ops = ops;
+    r->ns_per_op = ops ? elapsed / (double)ops : 0;
+    if (bad) {
+        fprintf(stderr, "cuma replay: %s: %llu clock or free calls failed in the timing pass\n",
+                t->path, (unsigned long long)bad);
+        rc = CUMA_EXIT_FAIL;
+    }
+    return rc;
+}
+
+/* ---- output ------------------------------------------------------------------------------ */
+
+static double ratio(double num, double den) {
+    return den > 0 ? num / den : 0;
+}
+
+#define MIB(x) ((double)(x) / (1024.0 * 1024.0))
+
+static void print_json_string(const char *s) {
+    putchar('"');
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\')
+            printf("\\%c", c);
+        else if (c < 0x20)
+            printf("\\u%04x", c);
+        else
+            putchar(c);
+    }
+    putchar('"');
+}
+
+static void print_json(const result *r, const options *o, const char *conf) {
+    const cuma_stats *s = &r->final;
+    printf("{\"trace\":");
+    print_json_string(base_name(r->path));
+    printf(",\"path\":");
+    print_json_string(r->path);
+    printf(",\"events\":%zu,\"allocs\":%llu,\"frees\":%llu,\"failed_allocs\":%llu,"
+           "\"heap_failed_allocs\":%llu,\"trace_alloc_failures\":%llu,\"unmatched_frees\":%llu,"
+           "\"orphan_frees\":%llu,\"zero_size_allocs\":%llu,",
+           r->events, (unsigned long long)r->allocs, (unsigned long long)r->frees,
+           (unsigned long long)r->failed_allocs, (unsigned long long)s->failed_allocs,
+           (unsigned long long)r->skipped_failures, (unsigned long long)r->unmatched_frees,
+           (unsigned long long)r->orphan_frees, (unsigned long long)r->zero_allocs);
+    printf("\"peak_requested_bytes\":%llu,\"peak_reserved_bytes\":%llu,\"overhead_ratio\":%.4f,"
+           "\"time_avg_ratio\":%.4f,\"end_reserved_bytes\":%llu,",
+           (unsigned long long)r->peak_requested, (unsigned long long)r->peak_reserved,
+           ratio((double)r->peak_reserved, (double)r->peak_requested),
+           ratio(r->int_reserved, r->int_requested), (unsigned long long)r->end_reserved);
+    printf("\"page_creates\":%llu,\"page_releases\":%llu,\"maps\":%llu,\"unmaps\":%llu,"
+           "\"num_alloc_retries\":%llu,\"release_delay_ms\":%lld,\"ops\":%llu,"
+           "\"ns_per_op\":%.1f,\"policy\":",
+           (unsigned long long)s->page_creates, (unsigned long long)s->page_releases,
+           (unsigned long long)s->maps, (unsigned long long)s->unmaps,
+           (unsigned long long)s->num_alloc_retries, (long long)r->release_delay_ms,
+           (unsigned long long)r->ops, r->ns_per_op);
+    print_json_string(r->policy);
+    printf(",\"scale\":%llu,\"conf\":", (unsigned long long)o->scale);
+    print_json_string(conf);
+    printf("}\n");
+}
+
+static void print_row(const result *r, int *header_done) {
+    if (!*header_done) {
+        printf("%-24s %8s %9s %9s %8s %8s %9s %8s %7s %8s\n", "trace", "events", "req MiB",
+               "res MiB", "overhead", "time-avg", "end MiB", "creates", "failed", "ns/op");
+        *header_done = 1;
+    }
+    printf("%-24s %8zu %9.1f %9.1f %8.4f %8.4f %9.1f %8llu %7llu %8.1f\n", base_name(r->path),
+           r->events, MIB(r->peak_requested), MIB(r->peak_reserved),
+           ratio((double)r->peak_reserved, (double)r->peak_requested),
+           ratio(r->int_reserved, r->int_requested), MIB(r->end_reserved),
+           (unsigned long long)r->final.page_creates, (unsigned long long)r->failed_allocs,
+           r->ns_per_op);
+    /* Said on stderr so the table stays machine-readable by column. */
+    if (r->unmatched_frees || r->skipped_failures || r->zero_allocs)
+        fprintf(stderr,
+                "cuma replay: %s: skipped %llu unmatched frees, %llu allocate failures, %llu "
+                "zero-size allocations\n",
+                base_name(r->path), (unsigned long long)r->unmatched_frees,
+                (unsigned long long)r->skipped_failures, (unsigned long long)r->zero_allocs);
+}
+
+/* ---- driver ------------------------------------------------------------------------------ */
+
+static int replay_one(const char *path, const char *conf, const options *o, int *header_done) {
+    cuma_trace t;
+    if (cuma_trace_load(path, &t) != CUMA_OK) {
+        fprintf(stderr, "cuma replay: %s\n", cuma_last_error());
+        return CUMA_EXIT_USAGE;
+    }
+    /* One slot per event, indexed like the trace, so matching a free costs one load. */
+    void **ptrs = calloc(t.n ? t.n : 1, sizeof *ptrs);
+    if (!ptrs) {
+        fprintf(stderr, "cuma replay: %s: out of memory\n", path);
+        cuma_trace_free(&t);
+        return CUMA_EXIT_FAIL;
+    }
+    result r = {.path = path, .events = t.n};
+    int rc = measure(&t, conf, o->scale, ptrs, &r);
+    if (rc == CUMA_EXIT_OK) rc = time_ops(&t, conf, o->scale, ptrs, &r);
+    /* After a failed heap check the figures are still printed (without a timing): they help
+     * to find what went wrong. */
+    if (r.measured) {
+        if (o->json)
+            print_json(&r, o, conf);
+        else
+            print_row(&r, header_done);
+        fflush(stdout);
+    }
+    free(ptrs);
+    cuma_trace_free(&t);
+    return rc;
+}
+
+static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int usage_error(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "cuma replay: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n%s", CUMA_REPLAY_USAGE);
+    va_end(ap);
+    return CUMA_EXIT_USAGE;
+}
+
+/* The value of option `name` at argv[*i], as "--name VALUE" or "--name=VALUE"; NULL when
+ * argv[*i] is another option. Sets *missing when the value is absent. */
+static const char *option_value(int argc, char **argv, int *i, const char *name, int *missing) {
+    size_t n = strlen(name);
+    if (strncmp(argv[*i], name, n)) return NULL;
+    if (argv[*i][n] == '=') return argv[*i] + n + 1;
+    if (argv[*i][n] != 0) return NULL;
+    if (*i + 1 >= argc) {
+        *missing = 1;
+        return NULL;
+    }
+    return argv[++*i];
+}
+
+/* --policy NAME is --conf policy:NAME; the core checks the name with the rest. */
+static int add_policy(options *o, const char *name) {
+    char piece[64];
+    if (!*name || strchr(name, ',') || strlen(name) > 40)
+        return usage_error("bad policy name '%s'", name);
+    snprintf(piece, sizeof piece, "policy:%s", name);
+    return append_conf(&o->user_conf, piece) ? CUMA_EXIT_FAIL : CUMA_EXIT_OK;
+}
+
+static int parse_scale(const char *s, uint64_t *out) {
+    char *end;
+    if (*s < '0' || *s > '9') return -1;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (*end || v == 0 || v == ULLONG_MAX) return -1;
+    *out = v;
+    return 0;
+}
+
+/* Options may come before, between or after the traces (as with most GNU tools); "--" ends
+ * them. The traces are collected in *traces, in order. */
+static int parse_args(int argc, char **argv, options *o, char **traces, int *ntraces) {
+    int only_traces = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        int missing = 0, rc = CUMA_EXIT_OK;
+        if (only_traces || a[0] != '-' || !a[1]) {
+            traces[(*ntraces)++] = argv[i];
+        } else if (!strcmp(a, "--")) {
+            only_traces = 1;
+        } else if (!strcmp(a, "--json")) {
+            o->json = 1;
+        } else if ((v = option_value(argc, argv, &i, "--conf", &missing)) != NULL) {
+            if (append_conf(&o->user_conf, v)) rc = CUMA_EXIT_FAIL;
+        } else if ((v = option_value(argc, argv, &i, "--policy", &missing)) != NULL) {
+            rc = add_policy(o, v);
+        } else if ((v = option_value(argc, argv, &i, "--scale", &missing)) != NULL) {
+            if (parse_scale(v, &o->scale))
+                rc = usage_error("--scale wants a positive integer, not '%s'", v);
+        } else if (missing) {
+            rc = usage_error("%s needs a value", a);
+        } else {
+            rc = usage_error("unknown option '%s'", a);
+        }
+        if (rc != CUMA_EXIT_OK) return rc;
+    }
+    if (*ntraces == 0) return usage_error("no trace given");
+    return CUMA_EXIT_OK;
+}
+
+int cuma_cmd_replay(int argc, char **argv) {
+    for (int i = 1; i < argc && strcmp(argv[i], "--"); i++) {
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            fputs(CUMA_REPLAY_USAGE, stdout);
+            return CUMA_EXIT_OK;
+        }
+    }
+    options o = {.scale = 1};
+    int ntraces = 0;
+    char **traces = malloc((size_t)argc * sizeof *traces), *conf = NULL;
+    int rc = traces ? parse_args(argc, argv, &o, traces, &ntraces) : CUMA_EXIT_FAIL;
+    if (rc == CUMA_EXIT_OK &&
+        (append_conf(&conf, BASE_CONF) || (o.user_conf && append_conf(&conf, o.user_conf))))
+        rc = CUMA_EXIT_FAIL;
+    if (!traces || rc == CUMA_EXIT_FAIL) fprintf(stderr, "cuma replay: out of memory\n");
+    /* Check the settings once, before any trace is read, so a typo costs nothing. */
+    if (rc == CUMA_EXIT_OK && cuma_config_check(conf) != CUMA_OK) {
+        fprintf(stderr, "cuma replay: bad --conf: %s\n", cuma_last_error());
+        rc = CUMA_EXIT_USAGE;
+    }
+    /* Every trace is replayed even after a bad one: the others' figures still count. */
+    int header_done = 0, worst = CUMA_EXIT_OK;
+    for (int i = 0; rc == CUMA_EXIT_OK && i < ntraces; i++) {
+        int r = replay_one(traces[i], conf, &o, &header_done);
+        if (r > worst) worst = r;
+    }
+    if (worst > rc) rc = worst;
+    free(traces);
+    free(conf);
+    free(o.user_conf);
+    return rc;
+}
