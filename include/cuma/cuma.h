@@ -75,6 +75,15 @@ cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed);
 /* Checks a settings string without creating a heap. */
 cuma_status cuma_config_check(const char *conf);
 
+/* The process-wide heap of a device, created on first use from CUMA_CONF with that device
+ * ordinal (backend:auto when CUMA_CONF names no backend and a CUDA driver is present, else the
+ * simulated device). The framework entry points (PyTorch, LD_PRELOAD) use these. Thread-safe;
+ * the heap lives until cuma_default_heaps_shutdown() or process exit. */
+cuma_status cuma_default_heap(int device, cuma_heap **out);
+
+/* Destroys every default heap (tests; a framework's shutdown). */
+void cuma_default_heaps_shutdown(void);
+
 /* Creates a heap. cfg may be NULL: defaults, then CUMA_CONF. */
 cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out);
 
