@@ -112,12 +112,28 @@ static cuma_status sim_unmap(cuma_backend *be, uint64_t addr) {
     return CUMA_OK;
 }
 
+/* Segments are charged in pages against the capacity, like pages are. */
 static cuma_status sim_seg_alloc(cuma_backend *be, uint64_t size, uint64_t *addr) {
-    (void)be, (void)size, (void)addr;
-    return cuma_fail(CUMA_ERR_UNSUPPORTED, "sim: segments are not simulated");
+    sim *s = (sim *)be;
+    uint64_t pages = (size + be->page_size - 1) / be->page_size;
+    if (s->used_pages + pages > s->npages)
+        return cuma_fail(CUMA_ERR_OOM, "sim: device full: a %llu-byte segment does not fit", (unsigned long long)size);
+    if (s->backing) {
+        void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED) return cuma_fail(CUMA_ERR_OOM, "sim: segment of %llu bytes: %s", (unsigned long long)size, strerror(errno));
+        *addr = (uint64_t)(uintptr_t)p;
+    } else {
+        *addr = atomic_fetch_add(&fake_next, (size + 0x1fffff) & ~0x1fffffull);
+    }
+    s->used_pages += pages;
+    return CUMA_OK;
 }
 
-static void sim_seg_free(cuma_backend *be, uint64_t addr, uint64_t size) { (void)be, (void)addr, (void)size; }
+static void sim_seg_free(cuma_backend *be, uint64_t addr, uint64_t size) {
+    sim *s = (sim *)be;
+    if (s->backing) munmap((void *)(uintptr_t)addr, size);
+    s->used_pages -= (size + be->page_size - 1) / be->page_size;
+}
 
 static cuma_status sim_managed_alloc(cuma_backend *be, uint64_t size, uint64_t *addr) {
     sim *s = (sim *)be;
@@ -224,7 +240,8 @@ cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out
     if (!s) return cuma_fail(CUMA_ERR_OOM, "sim: no host memory");
     s->be.ops = &sim_ops;
     s->be.name = "sim";
-    s->be.caps = CUMA_CAP_VMM | CUMA_CAP_MANAGED | (set->host_backing ? CUMA_CAP_HOST_ACCESS : 0);
+    s->be.caps = (set->sim_segments ? CUMA_CAP_SEGMENTS : CUMA_CAP_VMM) | CUMA_CAP_MANAGED |
+                 (set->host_backing ? CUMA_CAP_HOST_ACCESS : 0);
     s->be.page_size = set->page_size;
     s->be.capacity = set->capacity;
     snprintf(s->be.device_id, sizeof s->be.device_id, "sim");

@@ -59,6 +59,9 @@ static const key_desc keys[] = {
      "sim: back simulated pages with host memory so data can be written and read"},
     {"sim_clock", K_NAME, F(sim_clock_manual), "real", "real|manual",
      "sim: real = monotonic clock; manual = moved only by cuma_sim_set_time (replays)"},
+    {"sim_segments", K_BOOL, F(sim_segments), "off", NULL,
+     "sim: simulate a device without virtual memory management, so the heap runs in segment "
+     "mode (whole segments, as backend:segment does with cuMemAlloc)"},
     {"managed_fallback", K_BOOL, F(managed_fallback), "off", NULL,
      "serve a request from managed memory when the device is full"},
     {"release_thread", K_BOOL, F(release_thread), "on", NULL,

@@ -28,6 +28,7 @@ typedef struct cuma_settings {
     uint64_t segment_size;          /* segment backend: smallest segment */
     bool host_backing;              /* sim: back pages with host memory */
     bool sim_clock_manual;          /* sim: clock driven by cuma_sim_set_time */
+    bool sim_segments;              /* sim: a device without virtual memory management */
     bool managed_fallback;          /* serve from managed memory when the device is full */
     bool release_thread;            /* background thread that gives idle pages back on time */
     uint64_t small_size;            /* requests <= this go to size classes; 0 = off */

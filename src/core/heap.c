@@ -21,8 +21,13 @@ void cuma_heap_refresh_limit(cuma_heap *h) {
     }
     if (!h->set.growth && h->set.preallocate < lim) lim = h->set.preallocate;
     h->limit_bytes = lim;
-    h->pages.limit_pages = lim / h->pages.page_size;
-    h->pages.limit_is_device = lim == h->be->capacity;
+    if (h->vmm) {
+        h->pages.limit_pages = lim / h->pages.page_size;
+        h->pages.limit_is_device = lim == h->be->capacity;
+    } else {
+        h->segs.limit_bytes = lim;
+        h->segs.limit_is_device = lim == h->be->capacity;
+    }
 }
 
 static void *release_thread(void *arg);
@@ -37,32 +42,43 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     if (st) goto fail_free;
     st = cuma_backend_create(&h->set, &h->be);
     if (st) goto fail_free;
-    if (!(h->be->caps & CUMA_CAP_VMM)) {
-        st = cuma_fail(CUMA_ERR_UNSUPPORTED, "backend %s: segment mode is not available in this build", h->be->name);
+    h->vmm = (h->be->caps & CUMA_CAP_VMM) != 0;
+    if (!h->vmm && !(h->be->caps & CUMA_CAP_SEGMENTS)) {
+        st = cuma_fail(CUMA_ERR_UNSUPPORTED, "backend %s offers neither pages nor segments", h->be->name);
+        goto fail_be;
+    }
+    bool buddy = !strcmp(h->set.policy, "buddy");
+    if (!h->vmm && buddy) {
+        st = cuma_fail(CUMA_ERR_CONFIG, "policy:buddy needs a virtual range; backend %s has segments only (use policy:tlsf)",
+                       h->be->name);
         goto fail_be;
     }
     st = cuma_streams_init(&h->streams, h->be);
     if (st) goto fail_be;
-    h->va_size = h->set.virtual_size ? h->set.virtual_size : 4 * h->be->capacity;
-    h->va_size = round_pow2(h->va_size);
-    if (h->va_size < h->be->page_size) h->va_size = h->be->page_size;
-    /* Aligned to its size, the buddy's orders line up with real addresses and pages. */
-    uint64_t align = h->va_size < (1ull << 30) ? h->va_size : (1ull << 30);
-    st = h->be->ops->reserve(h->be, h->va_size, align, &h->base);
+    const cuma_policy_ops *pol = buddy ? &cuma_buddy_ops : &cuma_tlsf_ops;
+    st = pol->create(&h->pol, &h->streams, h->vmm ? CUMA_POLICY_KEEP_TOP_CLEAN : 0);
     if (st) goto fail_streams;
-    st = cuma_pages_init(&h->pages, h->be, &h->streams, h->base, h->va_size);
-    if (st) goto fail_reserve;
-    const cuma_policy_ops *pol = strcmp(h->set.policy, "buddy") ? &cuma_tlsf_ops : &cuma_buddy_ops;
-    st = pol->create(&h->pol, &h->streams);
-    if (st) goto fail_pages;
-    st = h->pol->ops->add_range(h->pol, 0, h->va_size);
-    if (st) goto fail_pol;
+    if (h->vmm) {
+        h->va_size = h->set.virtual_size ? h->set.virtual_size : 4 * h->be->capacity;
+        h->va_size = round_pow2(h->va_size);
+        if (h->va_size < h->be->page_size) h->va_size = h->be->page_size;
+        /* Aligned to its size, the buddy's orders line up with real addresses and pages. */
+        uint64_t align = h->va_size < (1ull << 30) ? h->va_size : (1ull << 30);
+        st = h->be->ops->reserve(h->be, h->va_size, align, &h->base);
+        if (st) goto fail_pol;
+        st = cuma_pages_init(&h->pages, h->be, &h->streams, h->base, h->va_size);
+        if (st) goto fail_reserve;
+        st = h->pol->ops->add_range(h->pol, 0, h->va_size);
+        if (st) goto fail_pages;
+    } else {
+        cuma_segs_init(&h->segs, h->be, &h->streams, h->pol, h->set.segment_size);
+    }
     cuma_map_init(&h->live);
     cuma_map_init(&h->managed);
     h->release_delay_ns = h->set.release_delay_ms < 0 ? -1 : h->set.release_delay_ms * 1000000;
-    h->max_cached_pages = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached / h->be->page_size;
+    h->max_cached_bytes = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached;
     cuma_heap_refresh_limit(h);
-    if (h->set.preallocate) {
+    if (h->set.preallocate && h->vmm) {
         st = cuma_pages_prefill(&h->pages, (h->set.preallocate + h->be->page_size - 1) / h->be->page_size,
                                 h->be->ops->now_ns(h->be));
         if (st) goto fail_all;
@@ -87,12 +103,13 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
 fail_all:
     cuma_map_destroy(&h->live);
     cuma_map_destroy(&h->managed);
+    if (!h->vmm) cuma_segs_destroy(&h->segs);
+fail_pages:
+    if (h->vmm) cuma_pages_destroy(&h->pages);
+fail_reserve:
+    if (h->vmm) h->be->ops->unreserve(h->be, h->base, h->va_size);
 fail_pol:
     h->pol->ops->destroy(h->pol);
-fail_pages:
-    cuma_pages_destroy(&h->pages);
-fail_reserve:
-    h->be->ops->unreserve(h->be, h->base, h->va_size);
 fail_streams:
     cuma_streams_destroy(&h->streams);
 fail_be:
@@ -120,9 +137,13 @@ void cuma_heap_destroy(cuma_heap *h) {
     cuma_map_each(&h->managed, free_managed, h);
     cuma_map_destroy(&h->managed);
     cuma_map_destroy(&h->live);
+    if (h->vmm) {
+        cuma_pages_destroy(&h->pages);
+        h->be->ops->unreserve(h->be, h->base, h->va_size);
+    } else {
+        cuma_segs_destroy(&h->segs);
+    }
     h->pol->ops->destroy(h->pol);
-    cuma_pages_destroy(&h->pages);
-    h->be->ops->unreserve(h->be, h->base, h->va_size);
     cuma_streams_destroy(&h->streams);
     h->be->ops->destroy(h->be);
     pthread_mutex_destroy(&h->lock);
@@ -140,7 +161,7 @@ static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size) {
     c->allocs++;
     if (c->requested > c->peak_requested) c->peak_requested = c->requested;
     if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
-    uint64_t reserved = h->pages.nreserved * h->pages.page_size;
+    uint64_t reserved = cuma_heap_reserved(h);
     if (reserved > c->peak_reserved) c->peak_reserved = reserved;
 }
 
@@ -149,10 +170,11 @@ static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_
     h->c.requested -= b->req;
     h->c.allocated -= b->size;
     h->c.active--;
-    bool was_empty = h->pages.ncached == 0;
-    cuma_pages_unref(&h->pages, b->off, b->req, t, fstream, fseq);
-    if (was_empty && h->pages.ncached && h->thread_running) pthread_cond_signal(&h->wake);
-    h->pol->ops->free(h->pol, b, fstream, fseq);
+    bool was_empty = cuma_heap_cached(h) == 0;
+    if (h->vmm) cuma_pages_unref(&h->pages, b->off, b->req, t, fstream, fseq);
+    cuma_block *m = h->pol->ops->free(h->pol, b, fstream, fseq);
+    if (!h->vmm) cuma_segs_on_free(&h->segs, m, t);
+    if (was_empty && cuma_heap_cached(h) && h->thread_running) pthread_cond_signal(&h->wake);
 }
 
 /* Releases deferred blocks whose record_stream fences completed. */
@@ -171,13 +193,36 @@ static void process_deferred(cuma_heap *h, bool wait) {
     }
 }
 
+void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_cached_bytes, bool wait) {
+    if (h->vmm) {
+        uint64_t ps = h->pages.page_size;
+        cuma_pages_release(&h->pages, t, delay_ns, max_cached_bytes == UINT64_MAX ? UINT64_MAX : max_cached_bytes / ps,
+                           wait);
+    } else {
+        cuma_segs_release(&h->segs, t, delay_ns, max_cached_bytes, wait);
+    }
+}
+
+static void on_whole_segment(void *ctx, cuma_block *whole) {
+    cuma_heap *h = ctx;
+    cuma_segs_on_free(&h->segs, whole, now(h));
+}
+
+/* Merges free blocks whose fences completed since they were freed; in segment mode that is
+ * how a segment freed by several streams becomes whole again and can go back. */
+static void coalesce(cuma_heap *h, bool wait) {
+    if (h->streams.n <= 1) return;
+    for (unsigned i = 0; i < h->streams.n; i++) cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, wait);
+    h->pol->ops->coalesce(h->pol, h->vmm ? NULL : on_whole_segment, h);
+}
+
 void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
     if (h->deferred) process_deferred(h, false);
-    uint64_t oldest = cuma_pages_oldest_idle(&h->pages);
+    uint64_t oldest = cuma_heap_oldest_idle(h);
     bool aged = h->release_delay_ns >= 0 && oldest != UINT64_MAX && t >= oldest &&
                 t - oldest >= (uint64_t)h->release_delay_ns;
-    if (aged || h->pages.ncached > h->max_cached_pages)
-        cuma_pages_release(&h->pages, t, h->release_delay_ns, h->max_cached_pages, false);
+    if (aged || cuma_heap_cached(h) > h->max_cached_bytes)
+        cuma_heap_release(h, t, h->release_delay_ns, h->max_cached_bytes, false);
 }
 
 /* One placement attempt: a block and the pages under it, or a status. */
@@ -188,13 +233,23 @@ static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si
         for (unsigned i = 0; i < h->streams.n; i++) cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, false);
         b = h->pol->ops->alloc(h->pol, n, si);
     }
-    if (!b)
+    if (!h->vmm) {
+        if (!b) {
+            cuma_status st = cuma_segs_grow(&h->segs, n);
+            if (st) return st;
+            b = h->pol->ops->alloc(h->pol, n, si);
+            if (!b) return cuma_fail(CUMA_ERR_OOM, "a new segment could not hold %" PRIu64 " bytes", n);
+        }
+        cuma_segs_on_alloc(&h->segs, b);
+    } else if (!b) {
         return cuma_fail(CUMA_ERR_OOM, "no free block of %" PRIu64 " bytes in the %" PRIu64 "-byte virtual range", n,
                          h->va_size);
-    cuma_status st = cuma_pages_ref(&h->pages, b->off, req, t);
-    if (st) {
-        h->pol->ops->free(h->pol, b, 0, 0);
-        return st;
+    } else {
+        cuma_status st = cuma_pages_ref(&h->pages, b->off, req, t);
+        if (st) {
+            h->pol->ops->free(h->pol, b, 0, 0);
+            return st;
+        }
     }
     b->req = req;
     b->stream = (uint16_t)si;
@@ -203,12 +258,11 @@ static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si
 }
 
 static cuma_status fail_oom(cuma_heap *h, cuma_status st, size_t size) {
-    uint64_t ps = h->pages.page_size;
     return cuma_fail(st,
-                     "out of memory: %zu bytes requested; %" PRIu64 " reserved (%" PRIu64 " mapped, %" PRIu64
-                     " cached) of a %" PRIu64 "-byte limit, %" PRIu64 " bytes live (%s)",
-                     size, h->pages.nreserved * ps, h->pages.nmapped * ps, h->pages.ncached * ps, h->limit_bytes,
-                     h->c.requested, st == CUMA_ERR_LIMIT ? "limit reached" : "device full");
+                     "out of memory: %zu bytes requested; %" PRIu64 " reserved (%" PRIu64 " cached) of a %" PRIu64
+                     "-byte limit, %" PRIu64 " bytes live (%s)",
+                     size, cuma_heap_reserved(h), cuma_heap_cached(h), h->limit_bytes, h->c.requested,
+                     st == CUMA_ERR_LIMIT ? "limit reached" : "device full");
 }
 
 /* The out-of-memory ladder: release the cache and retry, call the callbacks and retry, fall
@@ -219,7 +273,8 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
     h->c.retries++;
     h->c.trims++;
     process_deferred(h, true);
-    cuma_pages_release(&h->pages, now(h), 0, 0, true);
+    coalesce(h, true);
+    cuma_heap_release(h, now(h), 0, 0, true);
     st = try_alloc(h, size, n, si, now(h), out);
     if (st != CUMA_ERR_OOM && st != CUMA_ERR_LIMIT) return st;
     if (!h->in_oom && h->noom) {
@@ -236,7 +291,8 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
             h->in_oom--;
             if (r != CUMA_OOM_RETRY) continue;
             process_deferred(h, true);
-            cuma_pages_release(&h->pages, now(h), 0, 0, true);
+            coalesce(h, true);
+            cuma_heap_release(h, now(h), 0, 0, true);
             st = try_alloc(h, size, n, si, now(h), out);
             if (st != CUMA_ERR_OOM && st != CUMA_ERR_LIMIT) return st;
         }
@@ -261,9 +317,10 @@ cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr
     *ptr = NULL;
     if (size == 0) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size 0");
     uint64_t n = h->pol->ops->round(size);
-    if (!n || size > h->va_size)
-        return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size %zu is larger than the %" PRIu64 "-byte virtual range", size,
-                         h->va_size);
+    uint64_t room = h->vmm ? h->va_size : h->be->capacity;
+    if (!n || size > room)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size %zu is larger than the %" PRIu64 "-byte %s", size, room,
+                         h->vmm ? "virtual range" : "device");
     pthread_mutex_lock(&h->lock);
     cuma_status st;
     int si = cuma_streams_index(&h->streams, stream);
@@ -351,7 +408,11 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
      * is known complete: ask every so often, so that it does not wait for a shortage. */
     if (h->streams.n > 1 && seq - h->last_fence_tick >= 256) {
         h->last_fence_tick = seq;
-        for (unsigned i = 0; i < h->streams.n; i++) cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, false);
+        if (h->vmm) {
+            for (unsigned i = 0; i < h->streams.n; i++) cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, false);
+        } else {
+            coalesce(h, false);
+        }
     }
     cuma_heap_release_policy(h, t);
     pthread_mutex_unlock(&h->lock);
@@ -383,7 +444,8 @@ cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
     pthread_mutex_lock(&h->lock);
     h->c.trims++;
     process_deferred(h, true);
-    cuma_pages_release(&h->pages, now(h), -1, keep_bytes / h->pages.page_size, true);
+    coalesce(h, true);
+    cuma_heap_release(h, now(h), -1, keep_bytes, true);
     pthread_mutex_unlock(&h->lock);
     return CUMA_OK;
 }
@@ -399,7 +461,7 @@ cuma_status cuma_poll(cuma_heap *h) {
 cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
     if (!h || !ns) return cuma_fail(CUMA_ERR_INVALID, "cuma_next_release: NULL argument");
     pthread_mutex_lock(&h->lock);
-    uint64_t oldest = cuma_pages_oldest_idle(&h->pages);
+    uint64_t oldest = cuma_heap_oldest_idle(h);
     *ns = UINT64_MAX;
     if (h->release_delay_ns >= 0 && oldest != UINT64_MAX) *ns = oldest + (uint64_t)h->release_delay_ns;
     pthread_mutex_unlock(&h->lock);
@@ -412,7 +474,7 @@ static void *release_thread(void *arg) {
     cuma_heap *h = arg;
     pthread_mutex_lock(&h->lock);
     while (!h->stopping) {
-        uint64_t t = now(h), oldest = cuma_pages_oldest_idle(&h->pages), wait_ns = 1000000000ull;
+        uint64_t t = now(h), oldest = cuma_heap_oldest_idle(h), wait_ns = 1000000000ull;
         if (oldest != UINT64_MAX) {
             uint64_t due = oldest + (uint64_t)h->release_delay_ns;
             wait_ns = due > t ? due - t : 0;

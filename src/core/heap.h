@@ -8,6 +8,7 @@
 #include "hashmap.h"
 #include "pages.h"
 #include "policy.h"
+#include "segments.h"
 #include "streams.h"
 
 #include <pthread.h>
@@ -39,14 +40,16 @@ struct cuma_heap {
     uint64_t va_size;     /* constant */
     cuma_policy *pol;
     cuma_streams streams;
+    bool vmm;             /* page mode (pages) or segment mode (segs); constant */
     cuma_pages pages;
+    cuma_segs segs;
     cuma_map live;        /* address -> cuma_block of every live allocation */
     cuma_map managed;     /* address -> size (as a pointer-sized integer) of managed fallbacks */
     uint64_t last_fence_tick; /* gseq of the last periodic fence poll */
     cuma_block *deferred; /* freed blocks waiting on record_stream fences (linked by fnext) */
     uint64_t limit_bytes; /* effective limit on reserved bytes */
     int64_t release_delay_ns;
-    uint64_t max_cached_pages;
+    uint64_t max_cached_bytes;
     cuma_counters c;
     cuma_oom_slot oom[CUMA_MAX_OOM_CALLBACKS];
     int noom, next_oom_id;
@@ -56,6 +59,20 @@ struct cuma_heap {
     pthread_cond_t wake;
     bool thread_running, stopping;
 };
+
+/* The physical layer, whichever mode: bytes held from the device, idle in the cache, in use. */
+static inline uint64_t cuma_heap_reserved(const cuma_heap *h) {
+    return h->vmm ? h->pages.nreserved * h->pages.page_size : h->segs.reserved;
+}
+static inline uint64_t cuma_heap_cached(const cuma_heap *h) {
+    return h->vmm ? h->pages.ncached * h->pages.page_size : h->segs.idle_bytes;
+}
+static inline uint64_t cuma_heap_oldest_idle(const cuma_heap *h) {
+    return h->vmm ? cuma_pages_oldest_idle(&h->pages) : cuma_segs_oldest_idle(&h->segs);
+}
+/* Gives back idle memory: older than delay_ns (< 0: none by age), then the oldest while more
+ * than max_cached_bytes idle. */
+void cuma_heap_release(cuma_heap *h, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes, bool wait);
 
 /* Locked helpers shared by heap.c and heap_api.c. */
 void cuma_heap_refresh_limit(cuma_heap *h);

@@ -12,10 +12,10 @@ cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
     h->set.limit = bytes ? bytes : CUMA_UNLIMITED;
     cuma_heap_refresh_limit(h);
     /* Over the new limit: the cache goes first; live memory stays until freed. */
-    if (h->pages.nreserved > h->pages.limit_pages) {
-        uint64_t excess = h->pages.nreserved - h->pages.limit_pages;
-        uint64_t keep = h->pages.ncached > excess ? h->pages.ncached - excess : 0;
-        cuma_pages_release(&h->pages, h->be->ops->now_ns(h->be), -1, keep, true);
+    uint64_t reserved = cuma_heap_reserved(h), cached = cuma_heap_cached(h);
+    if (reserved > h->limit_bytes) {
+        uint64_t excess = reserved - h->limit_bytes;
+        cuma_heap_release(h, h->be->ops->now_ns(h->be), -1, cached > excess ? cached - excess : 0, true);
     }
     pthread_mutex_unlock(&h->lock);
     return CUMA_OK;
@@ -80,6 +80,7 @@ typedef struct walk {
 } walk;
 
 static void count_pages(walk *w, const cuma_block *b) {
+    if (!w->live) return;
     unsigned sh = w->h->pages.shift;
     for (uint64_t v = b->off >> sh; v <= (b->off + b->req - 1) >> sh; v++) w->live[v]++;
 }
@@ -104,9 +105,9 @@ cuma_status cuma_heap_check(cuma_heap *h) {
     if (!h->pol->ops->validate(h->pol, &why, &free_b, &live_b)) goto bad;
     if (!cuma_map_validate(&h->live, &why) || !cuma_map_validate(&h->managed, &why)) goto bad;
     if (!cuma_streams_validate(&h->streams, &why)) goto bad;
-    if (!cuma_pages_validate(&h->pages, &why)) goto bad;
-    walk w = {h, calloc(h->pages.nva, sizeof(uint32_t)), 0, 0, 0, NULL};
-    if (!w.live) return cuma_fail(CUMA_ERR_OOM, "cuma_validate: no host memory for the page count check");
+    if (h->vmm ? !cuma_pages_validate(&h->pages, &why) : !cuma_segs_validate(&h->segs, &why)) goto bad;
+    walk w = {h, h->vmm ? calloc(h->pages.nva, sizeof(uint32_t)) : NULL, 0, 0, 0, NULL};
+    if (h->vmm && !w.live) return cuma_fail(CUMA_ERR_OOM, "cuma_validate: no host memory for the page count check");
     cuma_map_each(&h->live, check_live, &w);
     for (cuma_block *b = h->deferred; b && !w.why; b = b->fnext) {
         w.requested += b->req, w.allocated += b->size, w.n++;
@@ -116,8 +117,9 @@ cuma_status cuma_heap_check(cuma_heap *h) {
     if (!w.why && w.allocated != h->c.allocated) w.why = "allocated bytes differ from the live blocks' sum";
     if (!w.why && w.allocated != live_b) w.why = "the policy's live bytes differ from the live blocks'";
     if (!w.why && w.n != h->c.active) w.why = "active allocation count differs from the live blocks";
-    if (!w.why && free_b + live_b != h->va_size) w.why = "free + live bytes differ from the virtual range";
-    for (uint32_t v = 0; !w.why && v < h->pages.nva; v++)
+    if (!w.why && free_b + live_b != (h->vmm ? h->va_size : h->segs.reserved))
+        w.why = "free + live bytes differ from the address space the policy manages";
+    for (uint32_t v = 0; !w.why && h->vmm && v < h->pages.nva; v++)
         if (w.live[v] != h->pages.live[v]) w.why = "a page's reference count differs from the blocks over it";
     free(w.live);
     why = w.why;

@@ -21,7 +21,9 @@ typedef struct cuma_policy_ops {
     const char *name;
     /* Rounds a request to the size the policy will hand out (0 on overflow). */
     uint64_t (*round)(uint64_t size);
-    cuma_status (*create)(cuma_policy **out, cuma_streams *ss);
+    /* flags: CUMA_POLICY_KEEP_TOP_CLEAN (one large range whose untouched top should stay
+     * usable by every stream). */
+    cuma_status (*create)(cuma_policy **out, cuma_streams *ss, unsigned flags);
     void (*destroy)(cuma_policy *p);
     /* Adds a range of free address space [off, off+size). The buddy needs a power-of-two
      * size and alignment. */
@@ -35,10 +37,15 @@ typedef struct cuma_policy_ops {
     cuma_block *(*free)(cuma_policy *p, cuma_block *b, uint16_t fence_stream, uint64_t fence_seq);
     /* Removes a range that is entirely one free block (segments). */
     void (*remove_range)(cuma_policy *p, cuma_block *whole);
+    /* Merges free neighbours that fences now allow to merge (they complete after the free);
+     * calls fn for every free block that then spans a whole range. */
+    void (*coalesce)(cuma_policy *p, void (*fn)(void *ctx, cuma_block *whole), void *ctx);
     /* Largest free block (bytes), for stats. */
     uint64_t (*largest_free)(cuma_policy *p);
     bool (*validate)(cuma_policy *p, const char **why, uint64_t *free_bytes, uint64_t *live_bytes);
 } cuma_policy_ops;
+
+#define CUMA_POLICY_KEEP_TOP_CLEAN 1u
 
 struct cuma_policy {
     const cuma_policy_ops *ops;

@@ -8,16 +8,16 @@
 
 static void snapshot(cuma_heap *h, cuma_stats *s) {
     const cuma_counters *c = &h->c;
-    uint64_t ps = h->pages.page_size;
+    uint64_t ps = h->vmm ? h->pages.page_size : h->be->page_size;
     memset(s, 0, sizeof *s);
     s->requested_bytes = c->requested;
     s->peak_requested_bytes = c->peak_requested;
     s->allocated_bytes = c->allocated;
     s->peak_allocated_bytes = c->peak_allocated;
-    s->reserved_bytes = h->pages.nreserved * ps;
+    s->reserved_bytes = cuma_heap_reserved(h);
     s->peak_reserved_bytes = c->peak_reserved > s->reserved_bytes ? c->peak_reserved : s->reserved_bytes;
-    s->mapped_bytes = h->pages.nmapped * ps;
-    s->cached_bytes = h->pages.ncached * ps;
+    s->cached_bytes = cuma_heap_cached(h);
+    s->mapped_bytes = h->vmm ? h->pages.nmapped * ps : s->reserved_bytes - s->cached_bytes;
     s->managed_bytes = c->managed;
     s->virtual_bytes = h->va_size;
     s->limit_bytes = h->limit_bytes;
@@ -30,8 +30,8 @@ static void snapshot(cuma_heap *h, cuma_stats *s) {
     s->num_ooms = c->ooms;
     s->oom_callbacks = c->oom_calls;
     s->managed_fallbacks = c->managed_fallbacks;
-    s->page_creates = h->pages.creates;
-    s->page_releases = h->pages.releases;
+    s->page_creates = h->vmm ? h->pages.creates : h->segs.creates;
+    s->page_releases = h->vmm ? h->pages.releases : h->segs.releases;
     s->maps = h->pages.maps;
     s->unmaps = h->pages.unmaps;
     s->events_recorded = h->streams.events_recorded;
@@ -56,7 +56,7 @@ cuma_status cuma_reset_peaks(cuma_heap *h) {
     pthread_mutex_lock(&h->lock);
     h->c.peak_requested = h->c.requested;
     h->c.peak_allocated = h->c.allocated;
-    h->c.peak_reserved = h->pages.nreserved * h->pages.page_size;
+    h->c.peak_reserved = cuma_heap_reserved(h);
     pthread_mutex_unlock(&h->lock);
     return CUMA_OK;
 }
@@ -83,8 +83,8 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     out o = {buf, len, 0};
     if (buf && len) buf[0] = 0;
 #define U(name) put(&o, "\"" #name "\":%llu,", (unsigned long long)s.name)
-    put(&o, "{\"version\":\"%d.%d.%d\",\"backend\":\"%s\",\"device\":\"%s\",\"policy\":\"%s\",", CUMA_VERSION_MAJOR,
-        CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->be->name, h->be->device_id, h->pol->ops->name);
+    put(&o, "{\"version\":\"%d.%d.%d\",\"mode\":\"%s\",\"backend\":\"%s\",\"device\":\"%s\",\"policy\":\"%s\",", CUMA_VERSION_MAJOR,
+        CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->vmm ? "pages" : "segments", h->be->name, h->be->device_id, h->pol->ops->name);
     U(requested_bytes); U(peak_requested_bytes); U(allocated_bytes); U(peak_allocated_bytes);
     U(reserved_bytes); U(peak_reserved_bytes); U(mapped_bytes); U(cached_bytes); U(managed_bytes);
     U(virtual_bytes); U(limit_bytes); U(device_total_bytes); U(device_free_bytes); U(page_size);

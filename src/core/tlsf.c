@@ -26,6 +26,7 @@
 typedef struct tlsf {
     cuma_policy base;
     cuma_streams *ss;
+    unsigned flags;
     uint64_t fl_map;
     uint32_t sl_map[FL_COUNT];
     cuma_block *bins[FL_COUNT][SL_COUNT];
@@ -117,7 +118,7 @@ static bool mergeable(const tlsf *t, const cuma_block *a, const cuma_block *b) {
     if (ad && bd) return true;
     if (!ad && !bd) return a->fence_stream == b->fence_stream;
     if (t->ss->n > 1) return false;
-    return !(ad ? a : b)->range_end;
+    return !((t->flags & CUMA_POLICY_KEEP_TOP_CLEAN) && (ad ? a : b)->range_end);
 }
 
 /* Absorbs `n` (the next block, free and unlinked) into `b`. */
@@ -233,6 +234,24 @@ static uint64_t tlsf_largest_free(cuma_policy *p) {
     return m;
 }
 
+static void tlsf_coalesce(cuma_policy *p, void (*fn)(void *, cuma_block *), void *ctx) {
+    tlsf *t = (tlsf *)p;
+    for (size_t r = 0; r < t->nranges; r++) {
+        for (cuma_block *b = t->ranges[r]; b; b = b->range_end ? NULL : b->next) {
+            if (!b->is_free) continue;
+            bool merged = false;
+            for (cuma_block *n; (n = b->range_end ? NULL : b->next) && n->is_free && mergeable(t, b, n);) {
+                if (!merged) unlink_free(t, b);
+                merged = true;
+                unlink_free(t, n);
+                absorb(t, b, n);
+            }
+            if (merged) insert(t, b);
+            if (!b->prev && b->range_end && fn) fn(ctx, b);
+        }
+    }
+}
+
 static uint64_t tlsf_round(uint64_t size) {
     if (size > (1ull << 47)) return 0;
     if (size == 0) size = 1;
@@ -280,11 +299,12 @@ static bool tlsf_validate(cuma_policy *p, const char **why, uint64_t *free_bytes
     return true;
 }
 
-static cuma_status tlsf_create(cuma_policy **out, cuma_streams *ss) {
+static cuma_status tlsf_create(cuma_policy **out, cuma_streams *ss, unsigned flags) {
     tlsf *t = calloc(1, sizeof *t);
     if (!t) return cuma_fail(CUMA_ERR_OOM, "no host memory for the tlsf index");
     t->base.ops = &cuma_tlsf_ops;
     t->ss = ss;
+    t->flags = flags;
     cuma_blockpool_init(&t->pool);
     *out = &t->base;
     return CUMA_OK;
@@ -307,6 +327,7 @@ const cuma_policy_ops cuma_tlsf_ops = {
     .alloc = tlsf_alloc,
     .free = tlsf_free,
     .remove_range = tlsf_remove_range,
+    .coalesce = tlsf_coalesce,
     .largest_free = tlsf_largest_free,
     .validate = tlsf_validate,
 };

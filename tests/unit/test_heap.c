@@ -262,7 +262,39 @@ static void test_release_thread(void) {
     cuma_heap_destroy(h);
 }
 
+/* Segment mode: whole segments, given back only when entirely free. */
+static void test_segments(void) {
+    cuma_heap *h = make("capacity:256M,sim_clock:manual,sim_segments:on,host_backing:on,release_delay_ms:10");
+    void *small[8], *big;
+    for (int i = 0; i < 8; i++) {
+        CHECK_OK(cuma_alloc(h, 1000, NULL, &small[i]));
+        memset(small[i], i, 1000);
+    }
+    CHECK(stats(h).reserved_bytes == 2 * MB); /* small requests share one 2 MiB segment */
+    CHECK_OK(cuma_alloc(h, 5 * MB, NULL, &big));
+    CHECK(stats(h).reserved_bytes == 22 * MB); /* mid-size requests get a 20 MiB segment */
+    for (int i = 0; i < 7; i++) CHECK_OK(cuma_free(h, small[i], NULL));
+    CHECK(((unsigned char *)small[7])[999] == 7);
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK(stats(h).reserved_bytes == 22 * MB); /* the small segment still has a live block */
+    CHECK_OK(cuma_free(h, small[7], NULL));
+    CHECK_OK(cuma_sim_set_time(h, 10 * 1000000ull));
+    CHECK_OK(cuma_poll(h));
+    CHECK(stats(h).reserved_bytes == 20 * MB); /* idle past the delay: given back */
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, big, NULL));
+    CHECK_OK(cuma_trim(h, 0));
+    cuma_stats s = stats(h);
+    CHECK(s.reserved_bytes == 0 && s.page_creates == 2 && s.page_releases == 2);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+    cuma_config bad = {.conf = "sim_segments:on,policy:buddy", .flags = CUMA_CONFIG_NO_ENV};
+    CHECK_ST(cuma_heap_create(&bad, &h), CUMA_ERR_CONFIG);
+    CHECK(strstr(cuma_last_error(), "buddy"));
+}
+
 int main(void) {
+    test_segments();
     test_release_thread();
     test_basic("tlsf");
     test_basic("buddy");
