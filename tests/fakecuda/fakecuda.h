@@ -1,0 +1,101 @@
+/*
+ * fakecuda.h - test-control API of the fake CUDA driver (libcuda.so.1 built
+ * from tests/fakecuda). These functions are exported by the same library as
+ * the cu* driver entry points; see fakecuda.c for the model.
+ *
+ * Misuse of this API (unknown API or kind name, invalid stream, calling
+ * stream functions before cuInit) is a bug in the test: the fake prints a
+ * message to stderr and aborts.
+ *
+ * Environment (read once, at the first call into the library; a malformed
+ * value aborts the process with a message):
+ *   FAKECUDA_DEVICES          number of devices, 0..64 (default 1)
+ *   FAKECUDA_CAPACITY         bytes per device, suffix K/M/G/T (default 80G);
+ *                             a multiple of the granularity
+ *   FAKECUDA_GRANULARITY      power of two >= page size (default 2M)
+ *   FAKECUDA_NO_VMM=1         no virtual memory management support
+ *   FAKECUDA_NO_PEER=1        cuDeviceCanAccessPeer reports 0
+ *   FAKECUDA_SYNC_TIMEOUT_MS  how long a synchronize waits for held work
+ *                             before aborting (default 10000)
+ *   FAKECUDA_FAIL             initial fault-injection spec (see below)
+ */
+#ifndef CUMA_FAKECUDA_H
+#define CUMA_FAKECUDA_H
+
+#include <stddef.h>
+#include <cuda.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * Mark stream `s` as having work in flight. Events recorded on it stay
+ * incomplete (cuEventQuery -> CUDA_ERROR_NOT_READY), cuStreamQuery returns
+ * CUDA_ERROR_NOT_READY, and cuStreamSynchronize / cuEventSynchronize /
+ * cuCtxSynchronize block until fakecuda_stream_release(s) (or abort the
+ * process after FAKECUDA_SYNC_TIMEOUT_MS). NULL, CU_STREAM_LEGACY and
+ * CU_STREAM_PER_THREAD name the pseudo streams of the calling thread's
+ * current context's device (device 0 if the thread has no context).
+ * Holding an already held stream is a no-op (holds do not nest).
+ */
+void fakecuda_stream_hold(CUstream s);
+
+/*
+ * Complete all work recorded on `s` so far: every event recorded on it while
+ * held becomes complete, the stream is no longer held, and threads blocked in
+ * a synchronize call are woken. Also accepts a stream that was destroyed
+ * while held (its events complete and the stream is then freed). Releasing a
+ * stream that is not held is a no-op.
+ */
+void fakecuda_stream_release(CUstream s);
+
+/*
+ * Replace the fault-injection spec. Grammar (same as FAKECUDA_FAIL):
+ *   spec  := entry ("," entry)*
+ *   entry := api ":" (n | "*")
+ * where api is a driver API base name ("cuMemCreate"; a trailing "_v2" is
+ * accepted and ignored) and n >= 1. The n-th call of api counted from this
+ * call (1-based) returns CUDA_ERROR_OUT_OF_MEMORY without side effects; "*"
+ * fails every call. The same api may appear several times. NULL or "" clears
+ * all injected failures. Resets the per-API position counters used for "n".
+ * Returns 0, or -1 (leaving the previous spec in place) for a bad spec.
+ */
+int fakecuda_set_fail(const char *spec);
+
+/*
+ * Number of calls of `api` (base name, e.g. "cuMemAlloc"; "_v2" suffix
+ * accepted) since the library was loaded or since the last
+ * fakecuda_reset_counters(). Calls that failed (for any reason, including
+ * injected failures and CUDA_ERROR_NOT_INITIALIZED) are counted.
+ */
+unsigned long fakecuda_calls(const char *api);
+
+/* Reset all call counters to zero (does not touch fault-injection positions). */
+void fakecuda_reset_counters(void);
+
+/*
+ * Number of live objects of one kind:
+ *   "handles"      cuMemCreate handles not yet passed to cuMemRelease
+ *   "mappings"     cuMemMap mappings not yet unmapped
+ *   "reservations" cuMemAddressReserve ranges not yet freed
+ *   "allocs"       cuMemAlloc allocations not yet freed
+ *   "managed"      cuMemAllocManaged allocations not yet freed
+ *   "streams"      cuStreamCreate streams not yet destroyed
+ *   "events"       cuEventCreate events not yet destroyed
+ */
+long fakecuda_live(const char *kind);
+
+/*
+ * Bytes charged to `device`'s capacity: cuMemCreate physical memory that is
+ * still allocated (a released handle stays charged until its last mapping is
+ * unmapped), cuMemAlloc and cuMemAllocManaged sizes rounded up to the
+ * granularity.
+ */
+size_t fakecuda_used_bytes(int device);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CUMA_FAKECUDA_H */

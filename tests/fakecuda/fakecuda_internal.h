@@ -1,0 +1,164 @@
+/*
+ * fakecuda_internal.h - state shared by the fake CUDA driver's source files.
+ * Everything here is hidden (not exported from libcuda.so.1).
+ * All mutable state is protected by fc_mu unless noted otherwise.
+ */
+#ifndef CUMA_FAKECUDA_INTERNAL_H
+#define CUMA_FAKECUDA_INTERNAL_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fakecuda.h"
+
+#define FC_HIDDEN __attribute__((visibility("hidden")))
+#define FC_EXPORT __attribute__((visibility("default")))
+
+#define FC_MAX_DEVICES    64
+#define FC_DRIVER_VERSION 13000
+
+/* Every driver API the fake implements, by base name without the "cu" prefix
+ * (so that cuda.h's "#define cuMemAlloc cuMemAlloc_v2" cannot interfere). */
+#define FC_API_LIST(X)                                                                             \
+    X(Init)                                                                                        \
+    X(DriverGetVersion)                                                                            \
+    X(DeviceGet)                                                                                   \
+    X(DeviceGetCount)                                                                              \
+    X(DeviceGetName)                                                                               \
+    X(DeviceGetUuid)                                                                               \
+    X(DeviceGetAttribute)                                                                          \
+    X(DeviceTotalMem)                                                                              \
+    X(DeviceCanAccessPeer)                                                                         \
+    X(DevicePrimaryCtxRetain)                                                                      \
+    X(DevicePrimaryCtxRelease)                                                                     \
+    X(CtxSetCurrent)                                                                               \
+    X(CtxGetCurrent)                                                                               \
+    X(CtxGetDevice)                                                                                \
+    X(CtxSynchronize)                                                                              \
+    X(MemGetInfo)                                                                                  \
+    X(MemAlloc)                                                                                    \
+    X(MemFree)                                                                                     \
+    X(MemAllocManaged)                                                                             \
+    X(MemAddressReserve)                                                                           \
+    X(MemAddressFree)                                                                              \
+    X(MemCreate)                                                                                   \
+    X(MemRelease)                                                                                  \
+    X(MemMap)                                                                                      \
+    X(MemUnmap)                                                                                    \
+    X(MemSetAccess)                                                                                \
+    X(MemGetAllocationGranularity)                                                                 \
+    X(StreamCreate)                                                                                \
+    X(StreamDestroy)                                                                               \
+    X(StreamSynchronize)                                                                           \
+    X(StreamQuery)                                                                                 \
+    X(StreamWaitEvent)                                                                             \
+    X(EventCreate)                                                                                 \
+    X(EventDestroy)                                                                                \
+    X(EventRecord)                                                                                 \
+    X(EventQuery)                                                                                  \
+    X(EventSynchronize)                                                                            \
+    X(MemsetD8)                                                                                    \
+    X(MemcpyHtoD)                                                                                  \
+    X(MemcpyDtoH)                                                                                  \
+    X(GetErrorString)                                                                              \
+    X(GetErrorName)                                                                                \
+    X(GetProcAddress)
+
+enum fc_api {
+#define FC_API_ENUM(n) FC_API_##n,
+    FC_API_LIST(FC_API_ENUM)
+#undef FC_API_ENUM
+        FC_API_COUNT
+};
+
+/* Configuration read once from the environment (immutable afterwards). */
+struct fc_config {
+    int ndev;
+    uint64_t capacity;
+    uint64_t gran;
+    int no_vmm;
+    int no_peer;
+    long sync_timeout_ms;
+};
+
+/* Sorted vector of fixed-size elements whose first member is a uint64_t key. */
+struct fc_vec {
+    unsigned char *data;
+    size_t n, cap, esz;
+};
+
+struct CUctx_st {
+    int dev;
+    int refcount; /* primary context retain count; 0 = inactive */
+};
+
+struct CUstream_st {
+    int dev;
+    unsigned flags;
+    int held;      /* work in flight (set only by fakecuda_stream_hold) */
+    int destroyed; /* cuStreamDestroy'ed while held: kept until released */
+    int pseudo;    /* per-device NULL/legacy or per-thread stream */
+};
+
+struct CUevent_st {
+    int dev;
+    struct CUstream_st *pending; /* held stream it was recorded on, or NULL */
+};
+
+struct fc_device {
+    int memfd;
+    uint64_t file_size;
+    uint64_t used;                  /* bytes charged against capacity */
+    struct fc_vec free_ext;         /* struct fc_extent, sorted by offset */
+    struct CUctx_st ctx;            /* the primary context */
+    struct CUstream_st null_stream; /* NULL stream and CU_STREAM_LEGACY */
+    struct CUstream_st pt_stream;   /* CU_STREAM_PER_THREAD */
+};
+
+struct fc_live_counts {
+    long handles, mappings, reservations, allocs, managed, streams, events;
+};
+
+extern FC_HIDDEN struct fc_config fc_cfg;
+extern FC_HIDDEN pthread_mutex_t fc_mu;
+extern FC_HIDDEN pthread_cond_t fc_cv;
+extern FC_HIDDEN int fc_initialized;
+extern FC_HIDDEN struct fc_device fc_dev[FC_MAX_DEVICES];
+extern FC_HIDDEN struct fc_live_counts fc_live_n;
+extern FC_HIDDEN _Thread_local struct CUctx_st *fc_tls_ctx;
+
+/* fakecuda.c */
+FC_HIDDEN void fc_die(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)));
+FC_HIDDEN void fc_config_once(void);
+FC_HIDDEN CUresult fc_enter(enum fc_api api, int need_init);
+FC_HIDDEN CUresult fc_current_dev_locked(int *dev);
+FC_HIDDEN void fc_lock(void);
+FC_HIDDEN void fc_unlock(void);
+
+/* Count the call, apply fault injection, check cuInit. */
+#define FC_ENTER(name)                                                                             \
+    do {                                                                                           \
+        CUresult fc_rc_ = fc_enter(FC_API_##name, 1);                                              \
+        if (fc_rc_ != CUDA_SUCCESS) return fc_rc_;                                                 \
+    } while (0)
+#define FC_ENTER_NOINIT(name)                                                                      \
+    do {                                                                                           \
+        CUresult fc_rc_ = fc_enter(FC_API_##name, 0);                                              \
+        if (fc_rc_ != CUDA_SUCCESS) return fc_rc_;                                                 \
+    } while (0)
+
+/* fc_vec (fakecuda_mem.c) */
+FC_HIDDEN void fc_vec_init(struct fc_vec *v, size_t esz);
+FC_HIDDEN void *fc_vec_at(const struct fc_vec *v, size_t i);
+FC_HIDDEN size_t fc_vec_lower(const struct fc_vec *v, uint64_t key);
+FC_HIDDEN int fc_vec_insert(struct fc_vec *v, size_t i, const void *elem);
+FC_HIDDEN void fc_vec_erase(struct fc_vec *v, size_t i, size_t count);
+
+/* fakecuda_mem.c: per-device setup at cuInit; 0 or -1 (errno set). */
+FC_HIDDEN int fc_mem_init_device(struct fc_device *d);
+
+/* fakecuda_stream.c: per-device setup at cuInit. */
+FC_HIDDEN void fc_stream_init_device(struct fc_device *d, int dev);
+
+#endif /* CUMA_FAKECUDA_INTERNAL_H */
