@@ -192,6 +192,11 @@ static int measure(const cuma_trace *t, const char *conf, uint64_t scale, void *
                 break;
             }
             reserved = s.reserved_bytes;
+            uint64_t again;
+            if (cuma_next_release(h, &again) == CUMA_OK && again <= next_ns) {
+                rc = heap_error(t->path, i, "the release deadline did not move after a poll");
+                break;
+            }
         }
         /* The levels after the previous event held until this one. */
         r->int_requested += (double)requested * (double)(when - now_us);

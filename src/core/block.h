@@ -4,6 +4,7 @@
 #ifndef CUMA_CORE_BLOCK_H
 #define CUMA_CORE_BLOCK_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -14,6 +15,8 @@
  * - a free block is on exactly one free list, a live block on none;
  * - live: req <= size, stream is a valid stream index; free: req == 0;
  * - off and size are multiples of the policy's granule (512 B);
+ * - gen is odd while the program holds the block, even otherwise (see tcache.h);
+ * - live: mapped_len is the length from off whose pages it references (<= size);
  * - extra[] holds the streams cuma_record_stream added (CUMA_NO_STREAM = empty slot);
  *   extra_all means "more than fit": wait for every stream. */
 typedef struct cuma_block {
@@ -21,6 +24,8 @@ typedef struct cuma_block {
     struct cuma_block *prev, *next;   /* address neighbours in the same range */
     struct cuma_block *fprev, *fnext; /* free list (policy-owned) */
     uint64_t req;                     /* live: bytes requested */
+    uint64_t mapped_len;              /* live or cached: bytes from off whose pages it holds */
+    _Atomic uint64_t gen;             /* hand-over count; survives descriptor recycling */
     uint64_t fence_seq;               /* free: gseq of the last free in it (0 = clean) */
     uint16_t fence_stream;            /* free: stream index of that free, or FENCE_MULTI */
     uint16_t stream;                  /* live: stream index it was allocated on */

@@ -66,6 +66,8 @@ static bool usable(const buddy *b, const cuma_block *x, unsigned stream) {
            cuma_fence_known_done(b->ss, x->fence_stream, x->fence_seq);
 }
 
+static bool merge_ok(const buddy *b, const cuma_block *x, const cuma_block *y);
+
 static uint64_t buddy_round(uint64_t size) {
     if (size > (1ull << 46)) return 0;
     return order_size(order_of(size ? size : 1));
@@ -83,6 +85,9 @@ static cuma_block *buddy_alloc(cuma_policy *p, uint64_t size, unsigned stream) {
             /* Lowest address first keeps live blocks packed into few pages. */
             if (!x || c->off < x->off) x = c;
         }
+        /* The usable blocks of this order may all sit past the first SCAN. */
+        for (cuma_block *c = b->lists[j]; c && !x; c = c->fnext)
+            if (usable(b, c, stream)) x = c;
     }
     if (!x) return NULL;
     j--;
@@ -128,10 +133,7 @@ static cuma_block *buddy_free(cuma_policy *p, cuma_block *x, uint16_t fstream, u
         cuma_block *y = cuma_map_get(&b->byoff, boff);
         if (!y || y->bin_or_order != k) break;
         /* As in tlsf.c: merge equally reusable memory only, any memory with one stream. */
-        bool xd = cuma_fence_known_done(b->ss, x->fence_stream, x->fence_seq);
-        bool yd = cuma_fence_known_done(b->ss, y->fence_stream, y->fence_seq);
-        bool ok = b->ss->n <= 1 || ((xd || yd) ? xd && yd : x->fence_stream == y->fence_stream);
-        if (!ok) break;
+        if (!merge_ok(b, x, y)) break;
         pull(b, y);
         cuma_fence_join(b->ss, &x->fence_stream, &x->fence_seq, y->fence_stream, y->fence_seq);
         if (y->off < x->off) x->off = y->off;
@@ -171,9 +173,39 @@ static void buddy_remove_range(cuma_policy *p, cuma_block *whole) {
     }
 }
 
-/* Buddies merge at free time only; a later pass would have to find them by offset. The heap
- * uses the buddy over one virtual range, where unmerged buddies cost address space alone. */
-static void buddy_coalesce(cuma_policy *p, void (*fn)(void *, cuma_block *), void *ctx) { (void)p, (void)fn, (void)ctx; }
+static bool merge_ok(const buddy *b, const cuma_block *x, const cuma_block *y) {
+    bool xd = cuma_fence_known_done(b->ss, x->fence_stream, x->fence_seq);
+    bool yd = cuma_fence_known_done(b->ss, y->fence_stream, y->fence_seq);
+    return b->ss->n <= 1 || ((xd || yd) ? xd && yd : x->fence_stream == y->fence_stream);
+}
+
+/* Merges free buddies that were kept apart by fences that have completed since. */
+static void buddy_coalesce(cuma_policy *p, void (*fn)(void *, cuma_block *), void *ctx) {
+    buddy *b = (buddy *)p;
+    for (unsigned k = 0; k + 1 < MAX_ORDER; k++) {
+        for (cuma_block *x = b->lists[k], *nx; x; x = nx) {
+            nx = x->fnext;
+            uint64_t boff = x->off ^ x->size;
+            cuma_block *y = cuma_map_get(&b->byoff, boff);
+            if (!y || y->bin_or_order != k || !in_one_range(b, x->off < boff ? x->off : boff, x->size * 2) ||
+                !merge_ok(b, x, y))
+                continue;
+            if (nx == y) nx = y->fnext;
+            pull(b, x);
+            pull(b, y);
+            cuma_fence_join(b->ss, &x->fence_stream, &x->fence_seq, y->fence_stream, y->fence_seq);
+            if (y->off < x->off) x->off = y->off;
+            x->size *= 2;
+            cuma_block_delete(&b->pool, y);
+            push(b, x, k + 1); /* met again when order k+1 is walked */
+        }
+    }
+    if (!fn) return;
+    for (unsigned i = 0; i < b->nranges; i++) {
+        cuma_block *w = cuma_map_get(&b->byoff, b->ranges[i].off);
+        if (w && w->size == b->ranges[i].size) fn(ctx, w);
+    }
+}
 
 static uint64_t buddy_largest_free(cuma_policy *p) {
     buddy *b = (buddy *)p;

@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,8 +68,13 @@ static const key_desc keys[] = {
     {"release_thread", K_BOOL, F(release_thread), "on", NULL,
      "a background thread gives idle pages back when their delay ends, also while the program "
      "makes no allocator call (not with sim_clock:manual, whose time only moves when told)"},
-    {"small_size", K_SIZE, F(small_size), "0", NULL,
-     "requests up to this size are packed by size class; 0 = off"},
+    {"tcache", K_BOOL, F(tcache), "on", NULL,
+     "per-thread caches of freed blocks: the fast path, without the heap lock"},
+    {"tcache_bytes", K_SIZE, F(tcache_bytes), "64M", NULL, "most bytes one thread's cache holds"},
+    {"tcache_max", K_SIZE, F(tcache_max), "64M", NULL, "largest block a thread cache holds"},
+    {"tcache_age_ms", K_MS, F(tcache_age_ms), "50", NULL,
+     "blocks idle in a thread cache longer than this go back to the heap (and from there to the "
+     "device after release_delay_ms)"},
     {"device", K_INT, F(device), "0", NULL, "CUDA device ordinal"},
 };
 
@@ -124,7 +130,7 @@ static const char *kind_hint(enum kind k) {
     switch (k) {
     case K_SIZE: return "a size like 512, 64K, 2M or 80G";
     case K_SIZE_OR_NONE: return "a size like 2M or 80G, or none";
-    case K_MS: return "milliseconds (an integer >= 0) or never";
+    case K_MS: return "milliseconds (an integer from 0 to 9223372036854) or never";
     case K_FRACTION: return "a number between 0 and 1";
     case K_BOOL: return "on or off";
     case K_INT: return "an integer";
@@ -152,7 +158,8 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
         char *end;
         errno = 0;
         long long x = strtoll(v, &end, 10);
-        ok = end != v && !*end && !errno && x >= 0;
+        /* Kept in nanoseconds as int64: at most about 106 days. */
+        ok = end != v && !*end && !errno && x >= 0 && x <= INT64_MAX / 1000000;
         if (ok) *(int64_t *)field = x;
         break;
     }
@@ -254,8 +261,6 @@ cuma_status cuma_settings_validate(const cuma_settings *s) {
                          (unsigned long long)s->limit);
     if (!s->growth && !s->preallocate)
         return cuma_fail(CUMA_ERR_CONFIG, "growth:off needs preallocate:SIZE");
-    if (s->small_size > (1u << 20))
-        return cuma_fail(CUMA_ERR_CONFIG, "small_size %llu is over 1M", (unsigned long long)s->small_size);
     return CUMA_OK;
 }
 
@@ -286,7 +291,7 @@ static void put(out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3
 static void put(out *o, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    size_t room = o->used < o->len ? o->len - o->used : 0;
+    size_t room = o->buf && o->used < o->len ? o->len - o->used : 0;
     int n = vsnprintf(room ? o->buf + o->used : NULL, room, fmt, ap);
     va_end(ap);
     if (n > 0) o->used += (size_t)n;

@@ -31,7 +31,10 @@ typedef struct cuma_settings {
     bool sim_segments;              /* sim: a device without virtual memory management */
     bool managed_fallback;          /* serve from managed memory when the device is full */
     bool release_thread;            /* background thread that gives idle pages back on time */
-    uint64_t small_size;            /* requests <= this go to size classes; 0 = off */
+    bool tcache;                    /* per-thread caches (the fast path) */
+    uint64_t tcache_bytes;          /* most bytes one thread's cache holds */
+    uint64_t tcache_max;            /* largest block a thread cache holds */
+    int64_t tcache_age_ms;          /* blocks idle longer go back to the heap */
     int device;
 } cuma_settings;
 

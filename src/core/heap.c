@@ -76,6 +76,10 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     cuma_map_init(&h->live);
     cuma_map_init(&h->managed);
     h->release_delay_ns = h->set.release_delay_ms < 0 ? -1 : h->set.release_delay_ms * 1000000;
+    h->tc_on = h->set.tcache;
+    h->tc_bytes = h->set.tcache_bytes;
+    h->tc_max = h->set.tcache_max;
+    h->tc_age_ns = h->set.tcache_age_ms < 0 ? INT64_MAX : h->set.tcache_age_ms * 1000000;
     h->max_cached_bytes = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached;
     cuma_heap_refresh_limit(h);
     if (h->set.preallocate && h->vmm) {
@@ -98,6 +102,8 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         }
         h->thread_running = true;
     }
+    atomic_store(&h->coarse_now, h->be->ops->now_ns(h->be));
+    h->id = cuma_tcache_register_heap(h);
     *out = h;
     return CUMA_OK;
 fail_all:
@@ -134,6 +140,8 @@ void cuma_heap_destroy(cuma_heap *h) {
         pthread_mutex_unlock(&h->lock);
         pthread_join(h->thread, NULL);
     }
+    cuma_tcache_unregister_heap(h);
+    cuma_tcache_destroy_all(h);
     cuma_map_each(&h->managed, free_managed, h);
     cuma_map_destroy(&h->managed);
     cuma_map_destroy(&h->live);
@@ -153,25 +161,36 @@ void cuma_heap_destroy(cuma_heap *h) {
 
 static uint64_t now(cuma_heap *h) { return h->be->ops->now_ns(h->be); }
 
-static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size) {
+static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache *tc) {
     cuma_counters *c = &h->c;
     c->requested += req;
     c->allocated += size;
     c->active++;
     c->allocs++;
-    if (c->requested > c->peak_requested) c->peak_requested = c->requested;
-    if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
+    atomic_store_explicit(&h->req_global, (int64_t)c->requested, memory_order_relaxed);
+    /* The peaks count the calling thread's cache; other threads' caches move them only when
+     * those threads allocate (documented in cuma.h). */
+    int64_t mine = tc ? atomic_load_explicit(&tc->requested, memory_order_relaxed) : 0;
+    int64_t mine_a = tc ? atomic_load_explicit(&tc->allocated, memory_order_relaxed) : 0;
+    uint64_t total = (uint64_t)((int64_t)c->requested + mine), peak = atomic_load(&h->peak_req);
+    while (total > peak && !atomic_compare_exchange_weak(&h->peak_req, &peak, total)) {
+    }
+    uint64_t total_a = (uint64_t)((int64_t)c->allocated + mine_a);
+    if (total_a > c->peak_allocated) c->peak_allocated = total_a;
     uint64_t reserved = cuma_heap_reserved(h);
     if (reserved > c->peak_reserved) c->peak_reserved = reserved;
 }
 
 /* Gives a block back to the policy and its pages to the cache. */
-static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_t fseq, uint64_t t) {
-    h->c.requested -= b->req;
-    h->c.allocated -= b->size;
-    h->c.active--;
+static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_t fseq, uint64_t t, bool counted) {
+    if (counted) {
+        h->c.requested -= b->req;
+        h->c.allocated -= b->size;
+        h->c.active--;
+        atomic_store_explicit(&h->req_global, (int64_t)h->c.requested, memory_order_relaxed);
+    }
     bool was_empty = cuma_heap_cached(h) == 0;
-    if (h->vmm) cuma_pages_unref(&h->pages, b->off, b->req, t, fstream, fseq);
+    if (h->vmm) cuma_pages_unref(&h->pages, b->off, b->mapped_len, t, fstream, fseq);
     cuma_block *m = h->pol->ops->free(h->pol, b, fstream, fseq);
     if (!h->vmm) cuma_segs_on_free(&h->segs, m, t);
     if (was_empty && cuma_heap_cached(h) && h->thread_running) pthread_cond_signal(&h->wake);
@@ -186,11 +205,33 @@ static void process_deferred(cuma_heap *h, bool wait) {
         if (cuma_fence_poll(&h->streams, b->fence_stream, b->fence_seq, wait)) {
             *pp = b->fnext;
             b->fnext = NULL;
-            release_block(h, b, 0, 0, t); /* its work is complete: the memory is clean */
+            release_block(h, b, 0, 0, t, true); /* its work is complete: the memory is clean */
         } else {
             pp = &b->fnext;
         }
     }
+}
+
+void cuma_heap_give_cached(cuma_heap *h, cuma_block *b) {
+    cuma_map_remove(&h->live, h->base + b->off);
+    /* Freed into the cache at some point before now: a fence taken now covers that free. */
+    uint64_t seq = cuma_streams_note_free(&h->streams, b->stream);
+    release_block(h, b, b->stream, seq, now(h), false);
+}
+
+void cuma_heap_flush_tcaches(cuma_heap *h) {
+    if (h->tcaches) cuma_tcache_flush_all(h, UINT64_MAX, cuma_heap_give_cached);
+}
+
+/* Blocks idle in thread caches longer than tcache_age_ms go back. Walking every cache is not
+ * free, so it runs only when something is due: after a walk, the oldest block left (or any
+ * block pushed later, stamped later) is due no earlier than tc_due. */
+static void age_tcaches(cuma_heap *h, uint64_t t) {
+    atomic_store_explicit(&h->coarse_now, t, memory_order_relaxed);
+    if (!h->tcaches || h->tc_age_ns == INT64_MAX || t < h->tc_due) return;
+    if (t >= (uint64_t)h->tc_age_ns) cuma_tcache_flush_all(h, t - (uint64_t)h->tc_age_ns + 1, cuma_heap_give_cached);
+    uint64_t oldest = cuma_tcache_oldest(h);
+    h->tc_due = (oldest < t ? oldest : t) + (uint64_t)h->tc_age_ns;
 }
 
 void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_cached_bytes, bool wait) {
@@ -218,6 +259,7 @@ static void coalesce(cuma_heap *h, bool wait) {
 
 void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
     if (h->deferred) process_deferred(h, false);
+    age_tcaches(h, t);
     uint64_t oldest = cuma_heap_oldest_idle(h);
     bool aged = h->release_delay_ns >= 0 && oldest != UINT64_MAX && t >= oldest &&
                 t - oldest >= (uint64_t)h->release_delay_ns;
@@ -252,6 +294,7 @@ static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si
         }
     }
     b->req = req;
+    b->mapped_len = req;
     b->stream = (uint16_t)si;
     *out = b;
     return CUMA_OK;
@@ -272,6 +315,7 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
     if (st != CUMA_ERR_OOM && st != CUMA_ERR_LIMIT) return st;
     h->c.retries++;
     h->c.trims++;
+    cuma_heap_flush_tcaches(h);
     process_deferred(h, true);
     coalesce(h, true);
     cuma_heap_release(h, now(h), 0, 0, true);
@@ -290,6 +334,7 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
             pthread_mutex_lock(&h->lock);
             h->in_oom--;
             if (r != CUMA_OOM_RETRY) continue;
+            cuma_heap_flush_tcaches(h); /* what the callback freed may sit in its thread's cache */
             process_deferred(h, true);
             coalesce(h, true);
             cuma_heap_release(h, now(h), 0, 0, true);
@@ -321,6 +366,8 @@ cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr
     if (!n || size > room)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size %zu is larger than the %" PRIu64 "-byte %s", size, room,
                          h->vmm ? "virtual range" : "device");
+    cuma_tcache *tc = cuma_tcache_get(h);
+    if (tc && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
     pthread_mutex_lock(&h->lock);
     cuma_status st;
     int si = cuma_streams_index(&h->streams, stream);
@@ -336,13 +383,20 @@ cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr
     st = try_alloc(h, size, n, (unsigned)si, t, &b);
     if (st) st = recover(h, st, size, n, (unsigned)si, stream, &b, &managed_addr);
     if (st == CUMA_OK && b) {
-        if (!cuma_map_put(&h->live, h->base + b->off, b)) {
-            release_block(h, b, 0, 0, t);
+        uint64_t addr = h->base + b->off;
+        if (!cuma_map_put(&h->live, addr, b)) {
+            release_block(h, b, 0, 0, t, false);
             b = NULL;
             st = cuma_fail(CUMA_ERR_OOM, "no host memory for the pointer table");
         } else {
-            account_alloc(h, size, b->size);
-            *ptr = (void *)(uintptr_t)(h->base + b->off);
+            atomic_store_explicit(&b->gen, atomic_load_explicit(&b->gen, memory_order_relaxed) + 1,
+                                  memory_order_release);
+            account_alloc(h, size, b->size, tc);
+            if (tc) {
+                cuma_tcache_note_stream(tc, stream, (unsigned)si);
+                cuma_tcache_note_alloc(tc, b, addr);
+            }
+            *ptr = (void *)(uintptr_t)addr;
         }
     } else if (st == CUMA_OK) {
         *ptr = (void *)(uintptr_t)managed_addr;
@@ -368,8 +422,18 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_free: heap is NULL");
     if (!ptr) return CUMA_OK;
     uint64_t a = (uint64_t)(uintptr_t)ptr;
+    cuma_tcache *tc = cuma_tcache_get(h);
+    if (tc && cuma_tcache_free(tc, a, stream)) return CUMA_OK;
     pthread_mutex_lock(&h->lock);
     cuma_block *b = cuma_map_get(&h->live, a);
+    uint64_t g = b ? atomic_load_explicit(&b->gen, memory_order_acquire) : 0;
+    if (b && (!(g & 1) || !atomic_compare_exchange_strong(&b->gen, &g, g + 1))) {
+        /* Even: it sits in a thread cache, so the program freed it already. A failed exchange:
+         * another thread's free of the same pointer won. */
+        cuma_status st = bad_pointer(h, ptr, "cuma_free");
+        pthread_mutex_unlock(&h->lock);
+        return st;
+    }
     if (!b) {
         void *msize = cuma_map_remove(&h->managed, a);
         cuma_status st = CUMA_OK;
@@ -402,7 +466,7 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
         h->deferred = b;
         process_deferred(h, false);
     } else {
-        release_block(h, b, (uint16_t)si, seq, t);
+        release_block(h, b, (uint16_t)si, seq, t, true);
     }
     /* With several streams, memory freed on one is reusable by the others only once its fence
      * is known complete: ask every so often, so that it does not wait for a shortage. */
@@ -424,6 +488,7 @@ cuma_status cuma_record_stream(cuma_heap *h, void *ptr, cuma_stream stream) {
     pthread_mutex_lock(&h->lock);
     cuma_status st = CUMA_OK;
     cuma_block *b = cuma_map_get(&h->live, (uint64_t)(uintptr_t)ptr);
+    if (b && !(atomic_load(&b->gen) & 1)) b = NULL; /* in a thread cache: freed */
     if (!b) {
         st = cuma_map_get(&h->managed, (uint64_t)(uintptr_t)ptr) ? CUMA_OK : bad_pointer(h, ptr, "cuma_record_stream");
     } else {
@@ -443,6 +508,7 @@ cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_trim: heap is NULL");
     pthread_mutex_lock(&h->lock);
     h->c.trims++;
+    cuma_heap_flush_tcaches(h);
     process_deferred(h, true);
     coalesce(h, true);
     cuma_heap_release(h, now(h), -1, keep_bytes, true);
@@ -464,6 +530,14 @@ cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
     uint64_t oldest = cuma_heap_oldest_idle(h);
     *ns = UINT64_MAX;
     if (h->release_delay_ns >= 0 && oldest != UINT64_MAX) *ns = oldest + (uint64_t)h->release_delay_ns;
+    if (h->tcaches && h->tc_age_ns != INT64_MAX) {
+        /* A cache block is due at tc_due at the earliest; whether one is there is only known
+         * by walking the caches, so report tc_due only when some cache holds a block. */
+        uint64_t oldest = cuma_tcache_oldest(h);
+        uint64_t due = oldest == UINT64_MAX ? UINT64_MAX : oldest + (uint64_t)h->tc_age_ns;
+        if (due != UINT64_MAX && due < h->tc_due) due = h->tc_due;
+        if (due < *ns) *ns = due;
+    }
     pthread_mutex_unlock(&h->lock);
     return CUMA_OK;
 }
@@ -475,10 +549,12 @@ static void *release_thread(void *arg) {
     pthread_mutex_lock(&h->lock);
     while (!h->stopping) {
         uint64_t t = now(h), oldest = cuma_heap_oldest_idle(h), wait_ns = 1000000000ull;
+        if (h->tcaches && h->tc_age_ns != INT64_MAX) wait_ns = (uint64_t)h->tc_age_ns / 2 + 1;
+        if (wait_ns > 1000000000ull) wait_ns = 1000000000ull;
         if (oldest != UINT64_MAX) {
             uint64_t due = oldest + (uint64_t)h->release_delay_ns;
-            wait_ns = due > t ? due - t : 0;
-            if (wait_ns > 1000000000ull) wait_ns = 1000000000ull;
+            if (due <= t) wait_ns = 0;
+            else if (due - t < wait_ns) wait_ns = due - t;
         }
         if (wait_ns) {
             struct timespec ts;

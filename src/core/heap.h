@@ -10,6 +10,7 @@
 #include "policy.h"
 #include "segments.h"
 #include "streams.h"
+#include "tcache.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -34,6 +35,7 @@ typedef struct cuma_counters {
  * the live blocks' requests; the policy, pages and streams hold their own invariants. */
 struct cuma_heap {
     pthread_mutex_t lock; /* guards everything below unless a field says otherwise */
+    uint64_t id;          /* registry id (tcache.c); constant */
     cuma_settings set;    /* constant after creation, except limit fields (under lock) */
     cuma_backend *be;     /* constant after creation */
     uint64_t base;        /* address of offset 0 of the virtual range; constant */
@@ -54,6 +56,15 @@ struct cuma_heap {
     cuma_oom_slot oom[CUMA_MAX_OOM_CALLBACKS];
     int noom, next_oom_id;
     int in_oom; /* an OOM callback is running: no recursion into callbacks */
+    /* Thread caches (tcache.h): settings constant after creation; the list under the lock. */
+    bool tc_on;
+    uint64_t tc_bytes, tc_max;
+    int64_t tc_age_ns;
+    uint64_t tc_due; /* no thread-cache block is due to go back before this (coarse time) */
+    cuma_tcache *tcaches;
+    _Atomic uint64_t coarse_now;   /* the clock as of the last slow path (fast paths stamp with it) */
+    _Atomic int64_t req_global;    /* c.requested, for the fast path's peak check */
+    _Atomic uint64_t peak_req;     /* peak requested bytes (fast and slow paths) */
     /* Background release thread. */
     pthread_t thread;
     pthread_cond_t wake;
@@ -73,6 +84,12 @@ static inline uint64_t cuma_heap_oldest_idle(const cuma_heap *h) {
 /* Gives back idle memory: older than delay_ns (< 0: none by age), then the oldest while more
  * than max_cached_bytes idle. */
 void cuma_heap_release(cuma_heap *h, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes, bool wait);
+
+/* Takes back a block a thread cache held (heap lock held). */
+void cuma_heap_give_cached(cuma_heap *h, cuma_block *b);
+
+/* Flushes every thread cache (heap lock held). */
+void cuma_heap_flush_tcaches(cuma_heap *h);
 
 /* Locked helpers shared by heap.c and heap_api.c. */
 void cuma_heap_refresh_limit(cuma_heap *h);

@@ -9,6 +9,7 @@
 cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_set_limit: heap is NULL");
     pthread_mutex_lock(&h->lock);
+    cuma_heap_flush_tcaches(h);
     h->set.limit = bytes ? bytes : CUMA_UNLIMITED;
     cuma_heap_refresh_limit(h);
     /* Over the new limit: the cache goes first; live memory stays until freed. */
@@ -64,6 +65,7 @@ cuma_status cuma_block_size(cuma_heap *h, const void *ptr, size_t *size) {
     pthread_mutex_lock(&h->lock);
     cuma_status st = CUMA_OK;
     cuma_block *b = cuma_map_get(&h->live, (uint64_t)(uintptr_t)ptr);
+    if (b && !(atomic_load(&b->gen) & 1)) b = NULL; /* in a thread cache: freed */
     void *m = b ? NULL : cuma_map_get(&h->managed, (uint64_t)(uintptr_t)ptr);
     if (b) *size = b->size;
     else if (m) *size = (size_t)(uintptr_t)m;
@@ -75,14 +77,14 @@ cuma_status cuma_block_size(cuma_heap *h, const void *ptr, size_t *size) {
 typedef struct walk {
     cuma_heap *h;
     uint32_t *live;
-    uint64_t requested, allocated, n;
+    uint64_t requested, allocated, n, cached, all_sizes;
     const char *why;
 } walk;
 
 static void count_pages(walk *w, const cuma_block *b) {
     if (!w->live) return;
     unsigned sh = w->h->pages.shift;
-    for (uint64_t v = b->off >> sh; v <= (b->off + b->req - 1) >> sh; v++) w->live[v]++;
+    for (uint64_t v = b->off >> sh; v <= (b->off + b->mapped_len - 1) >> sh; v++) w->live[v]++;
 }
 
 static bool check_live(void *ctx, uint64_t key, void *val) {
@@ -91,11 +93,17 @@ static bool check_live(void *ctx, uint64_t key, void *val) {
     if (key != w->h->base + b->off) return w->why = "live table key differs from the block's address", false;
     if (b->is_free) return w->why = "a live pointer maps to a free block", false;
     if (!b->req || b->req > b->size) return w->why = "a live block's request is 0 or over its size", false;
+    if (b->mapped_len > b->size || (w->h->vmm && !b->mapped_len)) return w->why = "a live block's mapped length is wrong", false;
     if (b->stream >= w->h->streams.n) return w->why = "a live block names an unknown stream", false;
+    w->all_sizes += b->size;
+    count_pages(w, b);
+    if (!(atomic_load(&b->gen) & 1)) { /* in a thread cache */
+        w->cached++;
+        return true;
+    }
     w->requested += b->req;
     w->allocated += b->size;
     w->n++;
-    count_pages(w, b);
     return true;
 }
 
@@ -106,17 +114,24 @@ cuma_status cuma_heap_check(cuma_heap *h) {
     if (!cuma_map_validate(&h->live, &why) || !cuma_map_validate(&h->managed, &why)) goto bad;
     if (!cuma_streams_validate(&h->streams, &why)) goto bad;
     if (h->vmm ? !cuma_pages_validate(&h->pages, &why) : !cuma_segs_validate(&h->segs, &why)) goto bad;
-    walk w = {h, h->vmm ? calloc(h->pages.nva, sizeof(uint32_t)) : NULL, 0, 0, 0, NULL};
+    walk w = {h, h->vmm ? calloc(h->pages.nva, sizeof(uint32_t)) : NULL, 0, 0, 0, 0, 0, NULL};
     if (h->vmm && !w.live) return cuma_fail(CUMA_ERR_OOM, "cuma_validate: no host memory for the page count check");
     cuma_map_each(&h->live, check_live, &w);
     for (cuma_block *b = h->deferred; b && !w.why; b = b->fnext) {
-        w.requested += b->req, w.allocated += b->size, w.n++;
+        w.requested += b->req, w.allocated += b->size, w.n++, w.all_sizes += b->size;
         count_pages(&w, b);
     }
-    if (!w.why && w.requested != h->c.requested) w.why = "requested bytes differ from the live blocks' sum";
-    if (!w.why && w.allocated != h->c.allocated) w.why = "allocated bytes differ from the live blocks' sum";
-    if (!w.why && w.allocated != live_b) w.why = "the policy's live bytes differ from the live blocks'";
-    if (!w.why && w.n != h->c.active) w.why = "active allocation count differs from the live blocks";
+    int64_t tq, ta, tn;
+    uint64_t tallocs, tfrees, slots = 0;
+    cuma_tcache_sums(h, &tq, &ta, &tn, &tallocs, &tfrees);
+    for (cuma_tcache *tc = h->tcaches; tc; tc = tc->next)
+        for (unsigned i = 0; i < CUMA_TC_BINS; i++)
+            for (unsigned k = 0; k < CUMA_TC_DEPTH; k++) slots += atomic_load(&tc->bins[i].slot[k]) != NULL;
+    if (!w.why && w.requested != h->c.requested + (uint64_t)tq) w.why = "requested bytes differ from the live blocks' sum";
+    if (!w.why && w.allocated != h->c.allocated + (uint64_t)ta) w.why = "allocated bytes differ from the live blocks' sum";
+    if (!w.why && w.all_sizes != live_b) w.why = "the policy's live bytes differ from the live and cached blocks'";
+    if (!w.why && w.n != h->c.active + (uint64_t)tn) w.why = "active allocation count differs from the live blocks";
+    if (!w.why && w.cached != slots) w.why = "blocks marked cached differ from the blocks in thread caches";
     if (!w.why && free_b + live_b != (h->vmm ? h->va_size : h->segs.reserved))
         w.why = "free + live bytes differ from the address space the policy manages";
     for (uint32_t v = 0; !w.why && h->vmm && v < h->pages.nva; v++)
@@ -140,6 +155,7 @@ cuma_status cuma_sim_set_time(cuma_heap *h, uint64_t ns) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_set_time: heap is NULL");
     pthread_mutex_lock(&h->lock);
     cuma_status st = cuma_simbe_set_time(h->be, ns);
+    if (st == CUMA_OK) atomic_store_explicit(&h->coarse_now, ns, memory_order_relaxed);
     pthread_mutex_unlock(&h->lock);
     return st;
 }

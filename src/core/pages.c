@@ -116,13 +116,15 @@ static void release_page(cuma_pages *pp, uint32_t i) {
     pp->releases++;
 }
 
-/* An idle page whose fence is complete, taken off the cache and unmapped. */
-static bool steal(cuma_pages *pp, uint32_t *out) {
+/* An idle page whose fence is complete, taken off the cache and unmapped; never one idling
+ * inside [keep_first, keep_last], the range being backed, which reuses those in place. */
+static bool steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t keep_last) {
     int n = 0;
     for (uint32_t i = pp->head; i != CUMA_NIL && n < STEAL_SCAN; n++) {
         cuma_phys *p = &pp->phys[i];
         uint32_t next = p->next;
-        if (cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, false) && unmap_page(pp, i) == CUMA_OK) {
+        bool own = p->va != CUMA_NIL && p->va >= keep_first && p->va <= keep_last;
+        if (!own && cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, false) && unmap_page(pp, i) == CUMA_OK) {
             cache_remove(pp, i);
             *out = i;
             return true;
@@ -133,7 +135,7 @@ static bool steal(cuma_pages *pp, uint32_t *out) {
 }
 
 /* Backs virtual page v, whose live count just went from 0 to 1. */
-static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now) {
+static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t last) {
     uint32_t i = CUMA_NIL;
     if (pp->phys_of[v]) { /* idle in place: no driver call */
         uint32_t x = pp->phys_of[v] - 1, h = pp->head;
@@ -161,7 +163,7 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now) {
         return CUMA_OK;
     }
     bool created = false;
-    if (!steal(pp, &i)) {
+    if (!steal(pp, &i, v, last)) {
         cuma_status st = create_page(pp, &i);
         if (st) return st;
         created = true;
@@ -191,7 +193,7 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
                          (unsigned long long)pp->nmapped, (unsigned long long)pp->limit_pages);
     for (uint32_t v = first; v <= last; v++) {
         if (pp->live[v]++) continue;
-        cuma_status st = acquire(pp, v, now);
+        cuma_status st = acquire(pp, v, now, last);
         if (st == CUMA_OK) continue;
         pp->live[v]--;
         /* Undo this call's references; pages it backed go back to the cache as fresh. */

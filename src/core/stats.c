@@ -8,12 +8,16 @@
 
 static void snapshot(cuma_heap *h, cuma_stats *s) {
     const cuma_counters *c = &h->c;
+    int64_t tq, ta, tn;
+    uint64_t tallocs, tfrees;
+    cuma_tcache_sums(h, &tq, &ta, &tn, &tallocs, &tfrees);
     uint64_t ps = h->vmm ? h->pages.page_size : h->be->page_size;
     memset(s, 0, sizeof *s);
-    s->requested_bytes = c->requested;
-    s->peak_requested_bytes = c->peak_requested;
-    s->allocated_bytes = c->allocated;
-    s->peak_allocated_bytes = c->peak_allocated;
+    s->requested_bytes = c->requested + (uint64_t)tq;
+    s->peak_requested_bytes = atomic_load(&h->peak_req);
+    if (s->peak_requested_bytes < s->requested_bytes) s->peak_requested_bytes = s->requested_bytes;
+    s->allocated_bytes = c->allocated + (uint64_t)ta;
+    s->peak_allocated_bytes = c->peak_allocated > s->allocated_bytes ? c->peak_allocated : s->allocated_bytes;
     s->reserved_bytes = cuma_heap_reserved(h);
     s->peak_reserved_bytes = c->peak_reserved > s->reserved_bytes ? c->peak_reserved : s->reserved_bytes;
     s->cached_bytes = cuma_heap_cached(h);
@@ -22,9 +26,9 @@ static void snapshot(cuma_heap *h, cuma_stats *s) {
     s->virtual_bytes = h->va_size;
     s->limit_bytes = h->limit_bytes;
     s->page_size = ps;
-    s->active_allocs = c->active;
-    s->num_allocs = c->allocs;
-    s->num_frees = c->frees;
+    s->active_allocs = c->active + (uint64_t)tn;
+    s->num_allocs = c->allocs + tallocs;
+    s->num_frees = c->frees + tfrees;
     s->failed_allocs = c->failed;
     s->num_alloc_retries = c->retries;
     s->num_ooms = c->ooms;
@@ -36,7 +40,7 @@ static void snapshot(cuma_heap *h, cuma_stats *s) {
     s->unmaps = h->pages.unmaps;
     s->events_recorded = h->streams.events_recorded;
     s->trims = c->trims;
-    s->fragmentation = s->mapped_bytes ? 1.0 - (double)c->requested / (double)s->mapped_bytes : 0.0;
+    s->fragmentation = s->mapped_bytes ? 1.0 - (double)s->requested_bytes / (double)s->mapped_bytes : 0.0;
     if (s->fragmentation < 0) s->fragmentation = 0;
 }
 
@@ -54,8 +58,10 @@ cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
 cuma_status cuma_reset_peaks(cuma_heap *h) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_reset_peaks: heap is NULL");
     pthread_mutex_lock(&h->lock);
-    h->c.peak_requested = h->c.requested;
-    h->c.peak_allocated = h->c.allocated;
+    cuma_stats s;
+    snapshot(h, &s);
+    atomic_store(&h->peak_req, s.requested_bytes);
+    h->c.peak_allocated = s.allocated_bytes;
     h->c.peak_reserved = cuma_heap_reserved(h);
     pthread_mutex_unlock(&h->lock);
     return CUMA_OK;
@@ -70,7 +76,7 @@ static void put(out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3
 static void put(out *o, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    size_t room = o->used < o->len ? o->len - o->used : 0;
+    size_t room = o->buf && o->used < o->len ? o->len - o->used : 0;
     int n = vsnprintf(room ? o->buf + o->used : NULL, room, fmt, ap);
     va_end(ap);
     if (n > 0) o->used += (size_t)n;
@@ -93,7 +99,7 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(events_recorded); U(trims);
 #undef U
     put(&o, "\"fragmentation\":%.6f,\"config\":{", s.fragmentation);
-    size_t room = o.used < o.len ? o.len - o.used : 0;
+    size_t room = o.buf && o.used < o.len ? o.len - o.used : 0;
     o.used += cuma_settings_json(&h->set, room ? o.buf + o.used : NULL, room);
     put(&o, "}}");
     if (needed) *needed = o.used;

@@ -82,11 +82,11 @@ static bool better(const cuma_block *b, const cuma_block *best) {
     return !best || b->size < best->size || (b->size == best->size && b->off < best->off);
 }
 
-/* The smallest usable block of at least `size` among the first SCAN of a bin. */
-static cuma_block *scan_bin(tlsf *t, cuma_block *head, uint64_t size, unsigned stream) {
+/* The smallest usable block of at least `size` among the first `limit` of a bin. */
+static cuma_block *scan_bin(tlsf *t, cuma_block *head, uint64_t size, unsigned stream, uint64_t limit) {
     cuma_block *best = NULL;
-    int n = 0;
-    for (cuma_block *b = head; b && n < SCAN; b = b->fnext, n++) {
+    uint64_t n = 0;
+    for (cuma_block *b = head; b && n < limit; b = b->fnext, n++) {
         if (b->size < size || !better(b, best) || !usable(t, b, stream)) continue;
         best = b;
         if (b->size == size) break;
@@ -135,11 +135,17 @@ static cuma_block *tlsf_alloc(cuma_policy *p, uint64_t size, unsigned stream) {
     tlsf *t = (tlsf *)p;
     unsigned fl, sl;
     mapping(size, &fl, &sl);
-    cuma_block *best = scan_bin(t, t->bins[fl][sl], size, stream);
+    cuma_block *best = scan_bin(t, t->bins[fl][sl], size, stream, SCAN);
     /* Every block of a higher bin fits; the first bin with a usable block holds the
-     * smallest ones. */
-    for (unsigned nsl = sl + 1; !best && next_bin(t, &fl, &nsl); nsl++)
-        best = scan_bin(t, t->bins[fl][nsl], size, stream);
+     * smallest ones. A bin's usable blocks may all sit past the first SCAN (behind blocks
+     * still fenced by another stream), so a bin that yields none is walked whole. */
+    unsigned ofl = fl;
+    for (unsigned nsl = sl + 1; !best && next_bin(t, &fl, &nsl); nsl++) {
+        best = scan_bin(t, t->bins[fl][nsl], size, stream, SCAN);
+        if (!best) best = scan_bin(t, t->bins[fl][nsl], size, stream, UINT64_MAX);
+    }
+    /* Last resort: the request's own bin, whole (its first blocks may all be too small). */
+    if (!best) best = scan_bin(t, t->bins[ofl][sl], size, stream, UINT64_MAX);
     if (!best) return NULL;
     unlink_free(t, best);
     /* Fences complete after blocks were freed: neighbours left apart then may merge now, and
@@ -352,14 +358,17 @@ cuma_block *cuma_block_new(cuma_blockpool *bp) {
             if (!n) return NULL;
             bp->chunks = n, bp->capchunks = nc;
         }
-        cuma_block *c = malloc(CHUNK * sizeof *c);
+        cuma_block *c = calloc(CHUNK, sizeof *c);
         if (!c) return NULL;
         bp->chunks[bp->nchunks++] = c;
         for (int i = CHUNK - 1; i >= 0; i--) c[i].fnext = bp->free_list, bp->free_list = &c[i];
     }
     cuma_block *b = bp->free_list;
     bp->free_list = b->fnext;
+    /* The generation only grows, also across recycling, so a stale reference never matches. */
+    uint64_t gen = atomic_load_explicit(&b->gen, memory_order_relaxed);
     memset(b, 0, sizeof *b);
+    atomic_store_explicit(&b->gen, (gen + 2) & ~1ull, memory_order_relaxed);
     b->extra[0] = b->extra[1] = CUMA_NO_STREAM;
     bp->live++;
     return b;

@@ -9,8 +9,12 @@
 
 #define MB (1024ull * 1024)
 
+/* Thread caches off: these tests check the heap's own accounting step by step (test_tcache.c
+ * covers the caches). */
 static cuma_heap *make(const char *conf) {
-    cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+    char full[512];
+    snprintf(full, sizeof full, "tcache:off,%s", conf);
+    cuma_config cfg = {.conf = full, .flags = CUMA_CONFIG_NO_ENV};
     cuma_heap *h = NULL;
     CHECK_OK(cuma_heap_create(&cfg, &h));
     return h;
@@ -264,7 +268,7 @@ static void test_release_thread(void) {
 
 /* Segment mode: whole segments, given back only when entirely free. */
 static void test_segments(void) {
-    cuma_heap *h = make("capacity:256M,sim_clock:manual,sim_segments:on,host_backing:on,release_delay_ms:10");
+    cuma_heap *h = make("capacity:256M,sim_clock:manual,sim_segments:on,host_backing:on,release_delay_ms:10,tcache:off");
     void *small[8], *big;
     for (int i = 0; i < 8; i++) {
         CHECK_OK(cuma_alloc(h, 1000, NULL, &small[i]));

@@ -1,0 +1,200 @@
+"""Finding and loading libcuma.so, and the ctypes prototypes of the C API.
+
+The library is loaded on first use, not at import, so ``import cuma`` never fails for want
+of it; the first call that needs it raises :class:`cuma.LibraryNotFoundError` listing every
+place that was tried. Places, in order:
+
+1. ``$CUMA_LIBRARY``: a file, or a directory holding libcuma.so. An explicit setting wins
+   over anything found by looking around, so that a stale copy cannot shadow it.
+2. next to the package: ``cuma/libcuma.so``, then the directory that holds ``cuma/``
+   (an installed copy of the package beside the library);
+3. the build tree when running from the source checkout: ``<repo>/build/lib``;
+4. the system: ``ctypes.util.find_library("cuma")``, then ``libcuma.so`` / ``libcuma.so.0``
+   through the dynamic loader's own search (LD_LIBRARY_PATH, ldconfig cache).
+"""
+
+import ctypes
+import ctypes.util
+import os
+import threading
+
+from .errors import LibraryNotFoundError, error_for_status
+
+_NAMES = ("libcuma.so", "libcuma.so.0")
+
+_lock = threading.Lock()
+_lib = None
+_path = None
+
+# The OOM callback type of cuma.h: int (*)(void *user, cuma_heap *heap, size_t size,
+# cuma_stream stream). ctypes takes the GIL when C calls it, from any thread.
+OOM_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+
+
+class Config(ctypes.Structure):
+    """struct cuma_config."""
+
+    _fields_ = [("conf", ctypes.c_char_p), ("flags", ctypes.c_uint), ("device", ctypes.c_int)]
+
+
+def _candidates():
+    """(description, path or bare name) pairs, in search order."""
+    env = os.environ.get("CUMA_LIBRARY")
+    if env:
+        if os.path.isdir(env):
+            for n in _NAMES:
+                yield "$CUMA_LIBRARY directory", os.path.join(env, n)
+        else:
+            yield "$CUMA_LIBRARY", env
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    for d, what in ((pkg, "package directory"), (os.path.dirname(pkg), "next to the package")):
+        for n in _NAMES:
+            yield what, os.path.join(d, n)
+    repo = os.path.dirname(os.path.dirname(pkg))  # python/cuma -> python -> repo
+    for n in _NAMES:
+        yield "source tree build", os.path.join(repo, "build", "lib", n)
+    found = ctypes.util.find_library("cuma")
+    if found:
+        yield "ctypes.util.find_library", found
+    for n in _NAMES:
+        yield "dynamic loader search", n
+
+
+def _prototype(lib):
+    c = ctypes
+    vp, sz, st = c.c_void_p, c.c_size_t, c.c_int
+    protos = {
+        "cuma_status_string": (c.c_char_p, [st]),
+        "cuma_last_error": (c.c_char_p, []),
+        "cuma_config_describe": (st, [c.c_char_p, sz, c.POINTER(sz)]),
+        "cuma_config_check": (st, [c.c_char_p]),
+        "cuma_default_heap": (st, [c.c_int, c.POINTER(vp)]),
+        "cuma_default_heaps_shutdown": (None, []),
+        "cuma_heap_create": (st, [c.POINTER(Config), c.POINTER(vp)]),
+        "cuma_heap_destroy": (None, [vp]),
+        "cuma_alloc": (st, [vp, sz, vp, c.POINTER(vp)]),
+        "cuma_free": (st, [vp, vp, vp]),
+        "cuma_record_stream": (st, [vp, vp, vp]),
+        "cuma_trim": (st, [vp, sz]),
+        "cuma_poll": (st, [vp]),
+        "cuma_next_release": (st, [vp, c.POINTER(c.c_uint64)]),
+        "cuma_set_limit": (st, [vp, c.c_uint64]),
+        "cuma_set_memory_fraction": (st, [vp, c.c_double]),
+        "cuma_reset_peaks": (st, [vp]),
+        "cuma_stats_json": (st, [vp, c.c_char_p, sz, c.POINTER(sz)]),
+        "cuma_validate": (st, [vp]),
+        "cuma_add_oom_callback": (st, [vp, OOM_CALLBACK, vp, c.POINTER(c.c_int)]),
+        "cuma_remove_oom_callback": (st, [vp, c.c_int]),
+        "cuma_block_size": (st, [vp, vp, c.POINTER(sz)]),
+        "cuma_sim_set_time": (st, [vp, c.c_uint64]),
+        "cuma_sim_get_time": (st, [vp, c.POINTER(c.c_uint64)]),
+        "cuma_sim_hold_stream": (st, [vp, vp]),
+        "cuma_sim_release_stream": (st, [vp, vp]),
+        "cuma_torch_malloc": (vp, [c.c_ssize_t, c.c_int, vp]),
+        "cuma_torch_free": (None, [vp, c.c_ssize_t, c.c_int, vp]),
+        "cuma_torch_init": (None, [c.c_int]),
+        "cuma_torch_reset": (None, []),
+        "cuma_torch_memory_fraction": (None, [c.c_double, c.c_int]),
+        "cuma_torch_record_stream": (None, [vp, vp]),
+        "cuma_torch_stats_json": (c.c_int, [c.c_int, c.c_char_p, sz]),
+        "cuma_torch_created_heap": (vp, [c.c_int]),
+    }
+    missing = []
+    for name, (res, args) in protos.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            missing.append(name)
+            continue
+        fn.restype = res
+        fn.argtypes = args
+    return missing
+
+
+def lib():
+    """The loaded libcuma (a ctypes.CDLL with prototypes set); loads it on first call."""
+    global _lib, _path
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        tried = []
+        for what, path in _candidates():
+            if os.sep in path and not os.path.exists(path):
+                tried.append("%s: %s (no such file)" % (what, path))
+                continue
+            try:
+                handle = ctypes.CDLL(path)
+            except OSError as e:
+                tried.append("%s: %s (%s)" % (what, path, e))
+                continue
+            missing = _prototype(handle)
+            if missing:
+                # An old or foreign libcuma: say so instead of failing later on one symbol.
+                tried.append("%s: %s (lacks %s)" % (what, path, ", ".join(missing)))
+                continue
+            _path = getattr(handle, "_name", path)
+            if os.sep in _path:
+                _path = os.path.abspath(_path)
+            _lib = handle
+            return _lib
+        raise LibraryNotFoundError(
+            "libcuma.so not found; build it (cmake -S . -B build && cmake --build build) and set "
+            "CUMA_LIBRARY=/path/to/libcuma.so, or copy it next to the cuma package. Tried:\n  "
+            + "\n  ".join(tried)
+        )
+
+
+def path():
+    """The file libcuma was loaded from (loading it if needed).
+
+    A bare name ("libcuma.so", found through the loader's search) is resolved through
+    /proc/self/maps, since PyTorch's CUDAPluggableAllocator wants a path it can dlopen to the
+    same library."""
+    lib()
+    if os.sep in _path:
+        return _path
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                p = line.split()[-1] if len(line.split()) >= 6 else ""
+                if os.path.basename(p).startswith("libcuma.so"):
+                    return p
+    except OSError:
+        pass
+    return _path
+
+
+def last_error():
+    """The calling thread's libcuma error message (str)."""
+    msg = lib().cuma_last_error()
+    return msg.decode("utf-8", "replace") if msg else ""
+
+
+def check(status, what=None):
+    """Raises the CumaError subclass for a failed status, with libcuma's message."""
+    if status == 0:
+        return
+    msg = last_error()
+    if not msg:
+        s = lib().cuma_status_string(status)
+        msg = s.decode() if s else "status %d" % status
+        if what:
+            msg = "%s: %s" % (what, msg)
+    raise error_for_status(status, msg)
+
+
+def read_json_text(call):
+    """Runs a C function of the shape call(buf, len, needed_ptr) -> status that fills a
+    buffer, growing the buffer until the text fits. Returns the text."""
+    size = 8192
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        needed = ctypes.c_size_t(0)
+        st = call(buf, size, ctypes.byref(needed))
+        if st == 0:
+            return buf.value.decode("utf-8", "replace")
+        if needed.value + 1 > size:
+            size = needed.value + 1
+            continue
+        check(st)

@@ -1,0 +1,532 @@
+"""cuma heaps from Python: :class:`Heap` (a heap you own) and the process-wide default heaps.
+
+Pointers are plain ints (device addresses); streams are ints (a cudaStream_t's value, 0 for
+the default stream), None, or an object with a ``cuda_stream`` (torch.cuda.Stream) or ``ptr``
+(cupy) attribute holding one.
+
+Thread safety: every method may be called from any thread at any time, concurrently, like
+the C API, except :meth:`Heap.close`, which must not race with other calls on the same heap.
+ctypes releases the GIL during each C call, so threads allocate in parallel.
+"""
+
+import json
+import operator
+import os
+import threading
+import warnings
+import ctypes
+
+from . import _lib
+
+__all__ = [
+    "Heap",
+    "default_heap",
+    "on_oom",
+    "remove_oom",
+    "shutdown_default_heaps",
+    "check_config",
+    "config_keys",
+    "config_table",
+    "ConfigKey",
+    "MAX_DEVICES",
+]
+
+MAX_DEVICES = 64  # default heaps exist for device ordinals 0..63 (src/shim/default_heap.h)
+OOM_PASS = 0
+OOM_RETRY = 1
+
+
+# --- argument checks: bad Python arguments fail here, with Python exceptions, before C ---
+
+
+def _int_arg(value, name, minimum=0):
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError("%s must be an int, not %s" % (name, type(value).__name__))
+    v = operator.index(value)
+    if v < minimum:
+        raise ValueError("%s must be >= %d, got %d" % (name, minimum, v))
+    return v
+
+
+def _size_arg(size, name="size"):
+    v = _int_arg(size, name, 0)
+    if v == 0:
+        raise ValueError("%s must be > 0, got 0" % name)
+    if v >= 1 << 64:
+        raise ValueError("%s %d does not fit in 64 bits" % (name, v))
+    return v
+
+
+def _ptr_arg(ptr):
+    if ptr is None:
+        return None
+    v = _int_arg(ptr, "ptr", 0)
+    if v >= 1 << 64:
+        raise ValueError("ptr %#x does not fit in 64 bits" % v)
+    return v or None
+
+
+def _stream_arg(stream):
+    """A stream argument as the integer value of the handle (None for the default stream)."""
+    if stream is None:
+        return None
+    for attr in ("cuda_stream", "ptr"):
+        if not isinstance(stream, (int,)) and hasattr(stream, attr):
+            stream = getattr(stream, attr)
+            break
+    if isinstance(stream, bool) or not hasattr(stream, "__index__"):
+        raise TypeError(
+            "stream must be an int handle, None, or an object with a cuda_stream/ptr attribute, not %s"
+            % type(stream).__name__
+        )
+    v = operator.index(stream)
+    if v < 0 or v >= 1 << 64:
+        raise ValueError("stream handle %d is not a valid pointer value" % v)
+    return v or None
+
+
+def _device_arg(device):
+    v = _int_arg(device, "device", 0)
+    if v >= MAX_DEVICES:
+        raise ValueError("device must be in 0..%d, got %d" % (MAX_DEVICES - 1, v))
+    return v
+
+
+def _wants_retry(result):
+    """An OOM callback's answer: True, 1 or "retry" ask for a retry; anything else passes."""
+    if result is True:
+        return True
+    if isinstance(result, str):
+        return result.strip().lower() == "retry"
+    if isinstance(result, int) and not isinstance(result, bool):
+        return result == OOM_RETRY
+    return False
+
+
+class Heap:
+    """A cuma heap for one device.
+
+    ``Heap(conf)`` creates a heap of its own from a settings string ("key:value,..."; see
+    :func:`config_keys`), applied after the CUMA_CONF environment variable unless
+    ``use_env=False``. Any backend works, the simulated device included::
+
+        with cuma.Heap("backend:sim,capacity:1G") as h:
+            p = h.alloc(1 << 20)
+            h.free(p)
+
+    :func:`default_heap` returns the process-wide heap of a device instead (the one PyTorch
+    uses after cuma.torch.enable()); closing that one does nothing.
+    """
+
+    def __init__(self, conf=None, device=0, use_env=True):
+        if conf is not None and not isinstance(conf, str):
+            raise TypeError("conf must be a str like 'backend:sim,capacity:1G', not %s" % type(conf).__name__)
+        device = _device_arg(device)
+        self._init_common(device, owned=True)
+        lib = _lib.lib()
+        cfg = _lib.Config(conf.encode() if conf is not None else None, 0 if use_env else 1, device)
+        handle = ctypes.c_void_p()
+        _lib.check(lib.cuma_heap_create(ctypes.byref(cfg), ctypes.byref(handle)))
+        self._h = handle.value
+
+    def _init_common(self, device, owned):
+        self._h = None
+        self._owned = owned
+        self.device = device
+        self._cb_lock = threading.Lock()
+        self._callbacks = {}  # id -> (ctypes function, Python callable): keeps them alive
+        self._retired = []  # removed callbacks, alive until the heap is gone (see remove_oom)
+        self._tls = threading.local()
+
+    @classmethod
+    def _borrow(cls, handle, device):
+        self = cls.__new__(cls)
+        self._init_common(device, owned=False)
+        self._h = handle
+        return self
+
+    # --- life cycle ---
+
+    @property
+    def handle(self):
+        """The C cuma_heap pointer as an int (for other ctypes/C code)."""
+        return self._handle()
+
+    @property
+    def closed(self):
+        return self._h is None
+
+    def _handle(self):
+        if self._h is None:
+            raise ValueError("the heap is closed")
+        return self._h
+
+    def close(self):
+        """Destroys the heap: every page goes back to the device; pointers from it become
+        invalid. Idempotent. Must not race with other calls on the heap.
+
+        Does nothing for a default heap: it is shared with everything else in the process and
+        lives until :func:`shutdown_default_heaps` (its OOM callbacks stay registered)."""
+        if not self._owned:
+            return
+        h, self._h = self._h, None
+        if h is not None:
+            _lib.lib().cuma_heap_destroy(h)
+        with self._cb_lock:
+            self._callbacks.clear()
+            self._retired.clear()
+
+    def __enter__(self):
+        self._handle()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            if getattr(self, "_owned", False) and self._h is not None:
+                self.close()
+        except Exception:
+            pass  # interpreter shutdown: the library may be gone already
+
+    def __repr__(self):
+        if self._h is None:
+            return "<cuma.Heap closed>"
+        kind = "default heap" if not self._owned else "heap"
+        return "<cuma.Heap %s of device %d at %#x>" % (kind, self.device, self._h)
+
+    # --- allocation ---
+
+    def alloc(self, size, stream=0):
+        """Allocates ``size`` bytes usable on ``stream``; returns the device address (int).
+
+        Raises OutOfMemoryError (a MemoryError) when the heap cannot serve it after every
+        recovery step (cache release, the OOM callbacks, managed fallback where configured)."""
+        size = _size_arg(size)
+        stream = _stream_arg(stream)
+        h = self._handle()
+        out = ctypes.c_void_p()
+        self._tls.cb_errors = []
+        self._tls.in_alloc = True
+        try:
+            st = _lib.lib().cuma_alloc(h, size, stream, ctypes.byref(out))
+            msg = _lib.last_error() if st else None
+        finally:
+            self._tls.in_alloc = False
+            errors, self._tls.cb_errors = self._tls.cb_errors, []
+        if st:
+            exc = _lib.error_for_status(st, msg)
+            raise exc from (errors[0] if errors else None)
+        for e in errors:
+            warnings.warn("cuma OOM callback raised %r (allocation succeeded anyway)" % (e,), RuntimeWarning, 2)
+        return out.value
+
+    def free(self, ptr, stream=0):
+        """Frees a pointer from :meth:`alloc`. ``stream`` is the stream the memory was last
+        used on (0/None: the allocation's stream). None or 0 is a no-op. A pointer the heap
+        did not hand out, or a second free, raises BadPointerError and changes nothing."""
+        ptr = _ptr_arg(ptr)
+        stream = _stream_arg(stream)
+        h = self._handle()
+        if ptr is None:
+            return
+        _lib.check(_lib.lib().cuma_free(h, ptr, stream))
+
+    def record_stream(self, ptr, stream):
+        """Notes that ``stream`` also uses the allocation at ``ptr``: its memory is not reused
+        until the work issued on ``stream`` up to the free has completed."""
+        ptr = _ptr_arg(ptr)
+        if ptr is None:
+            raise ValueError("record_stream: ptr must be a live allocation, not 0/None")
+        stream = _stream_arg(stream)
+        _lib.check(_lib.lib().cuma_record_stream(self._handle(), ptr, stream))
+
+    def block_size(self, ptr):
+        """The rounded size the heap reserved for the live allocation at ``ptr``."""
+        ptr = _ptr_arg(ptr)
+        if ptr is None:
+            raise ValueError("block_size: ptr must be a live allocation, not 0/None")
+        out = ctypes.c_size_t()
+        _lib.check(_lib.lib().cuma_block_size(self._handle(), ptr, ctypes.byref(out)))
+        return out.value
+
+    # --- release policy and limits ---
+
+    def trim(self, keep_bytes=0):
+        """Returns cached memory to the device until at most ``keep_bytes`` of cached pages
+        remain (0: the whole cache, like torch.cuda.empty_cache())."""
+        keep_bytes = _int_arg(keep_bytes, "keep_bytes", 0)
+        _lib.check(_lib.lib().cuma_trim(self._handle(), keep_bytes))
+
+    def poll(self):
+        """Runs the time-based release policy now (idle pages past release_delay_ms go back)."""
+        _lib.check(_lib.lib().cuma_poll(self._handle()))
+
+    def next_release(self):
+        """When the release policy will next give memory back (ns on the heap's clock), or
+        None when nothing is waiting."""
+        out = ctypes.c_uint64()
+        _lib.check(_lib.lib().cuma_next_release(self._handle(), ctypes.byref(out)))
+        return None if out.value == (1 << 64) - 1 else out.value
+
+    def set_limit(self, nbytes):
+        """Sets the hard limit on reserved bytes (0 or None: no limit beyond the device)."""
+        nbytes = 0 if nbytes is None else _int_arg(nbytes, "nbytes", 0)
+        if nbytes >= 1 << 64:
+            raise ValueError("nbytes %d does not fit in 64 bits" % nbytes)
+        _lib.check(_lib.lib().cuma_set_limit(self._handle(), nbytes))
+
+    def set_memory_fraction(self, fraction):
+        """Sets the limit as a fraction of the device's memory, in (0, 1]."""
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise TypeError("fraction must be a number, not %s" % type(fraction).__name__)
+        if not (0 < fraction <= 1):
+            raise ValueError("fraction must be in (0, 1], got %r" % (fraction,))
+        _lib.check(_lib.lib().cuma_set_memory_fraction(self._handle(), float(fraction)))
+
+    # --- observation ---
+
+    def stats(self):
+        """Counters, gauges, backend and configuration as a dict (cuma_stats_json)."""
+        h = self._handle()
+        lib = _lib.lib()
+        return json.loads(_lib.read_json_text(lambda buf, n, needed: lib.cuma_stats_json(h, buf, n, needed)))
+
+    def reset_peaks(self):
+        """Resets the peak_* gauges to the current values."""
+        _lib.check(_lib.lib().cuma_reset_peaks(self._handle()))
+
+    def validate(self):
+        """Checks every invariant of the heap; raises CorruptionError naming a broken one."""
+        _lib.check(_lib.lib().cuma_validate(self._handle()))
+
+    # --- out of memory ---
+
+    def on_oom(self, callback):
+        """Registers ``callback(size, stream)`` to run when an allocation of ``size`` bytes
+        failed even after the cache was released; callbacks run in registration order.
+
+        The callback may free memory (also on this heap). Returning True, 1 or "retry" has the
+        allocation retried; anything else lets the next callback (or the failure) follow. An
+        exception in a callback counts as "pass": it becomes the ``__cause__`` of the
+        OutOfMemoryError if the allocation fails, a RuntimeWarning otherwise. Returns an id
+        for :meth:`remove_oom`. At most 16 callbacks per heap."""
+        if not callable(callback):
+            raise TypeError("callback must be callable, not %s" % type(callback).__name__)
+        h = self._handle()
+        tls = self._tls  # not self: no reference cycle, so a dropped heap closes at once
+
+        def trampoline(user, heap, size, stream):
+            try:
+                return OOM_RETRY if _wants_retry(callback(size, stream or 0)) else OOM_PASS
+            except BaseException as e:  # never let an exception unwind through C
+                if getattr(tls, "in_alloc", False):
+                    tls.cb_errors.append(e)
+                else:
+                    warnings.warn("cuma OOM callback %r raised %r" % (callback, e), RuntimeWarning)
+                return OOM_PASS
+
+        fn = _lib.OOM_CALLBACK(trampoline)
+        cb_id = ctypes.c_int()
+        with self._cb_lock:
+            _lib.check(_lib.lib().cuma_add_oom_callback(h, fn, None, ctypes.byref(cb_id)))
+            self._callbacks[cb_id.value] = (fn, callback)
+        return cb_id.value
+
+    def remove_oom(self, callback_id):
+        """Removes a callback registered by :meth:`on_oom` (by the id it returned)."""
+        callback_id = _int_arg(callback_id, "callback_id", 0)
+        with self._cb_lock:
+            _lib.check(_lib.lib().cuma_remove_oom_callback(self._handle(), callback_id))
+            # The C function stays alive until the heap is closed: the heap calls a copy of
+            # its callback list without its lock, so another thread's allocation may still be
+            # inside it (or about to enter it) after the removal returned.
+            entry = self._callbacks.pop(callback_id, None)
+            if entry is not None:
+                self._retired.append(entry)
+
+    # --- simulated device controls (backend:sim only; UnsupportedError elsewhere) ---
+
+    def sim_set_time(self, ns):
+        """Sets the simulated clock (needs sim_clock:manual)."""
+        _lib.check(_lib.lib().cuma_sim_set_time(self._handle(), _int_arg(ns, "ns", 0)))
+
+    def sim_time(self):
+        """The heap's clock in nanoseconds (any backend)."""
+        out = ctypes.c_uint64()
+        _lib.check(_lib.lib().cuma_sim_get_time(self._handle(), ctypes.byref(out)))
+        return out.value
+
+    def sim_hold_stream(self, stream):
+        """Holds a simulated stream busy: work recorded on it stays incomplete."""
+        _lib.check(_lib.lib().cuma_sim_hold_stream(self._handle(), _stream_arg(stream)))
+
+    def sim_release_stream(self, stream):
+        """Completes everything recorded on a held simulated stream."""
+        _lib.check(_lib.lib().cuma_sim_release_stream(self._handle(), _stream_arg(stream)))
+
+
+# --- the process-wide default heaps ---
+
+_defaults_lock = threading.Lock()
+_defaults = {}  # device -> Heap wrapper; keeps module-level OOM callbacks alive
+
+
+def default_heap(device=0):
+    """The process-wide heap of ``device``, created on first use from CUMA_CONF (backend:auto
+    when CUMA_CONF names none, falling back to the simulated device without a CUDA driver;
+    the stats' "backend" says which). The same heap PyTorch uses after cuma.torch.enable()."""
+    device = _device_arg(device)
+    with _defaults_lock:
+        w = _defaults.get(device)
+        out = ctypes.c_void_p()
+        _lib.check(_lib.lib().cuma_default_heap(device, ctypes.byref(out)))
+        if w is not None and w._h == out.value:
+            return w
+        # First use, or the C heaps were shut down and recreated behind our back.
+        w = Heap._borrow(out.value, device)
+        _defaults[device] = w
+        return w
+
+
+def _created_default_heaps():
+    """{device: handle} of the default heaps that exist now (creates none)."""
+    lib = _lib.lib()
+    out = {}
+    for d in range(MAX_DEVICES):
+        h = lib.cuma_torch_created_heap(d)
+        if h:
+            out[d] = h
+    return out
+
+
+def on_oom(callback, device=0):
+    """Registers ``callback(size, stream)`` on the default heap of ``device`` (an int, or an
+    iterable of ints for several devices); see :meth:`Heap.on_oom`. Returns the callback id
+    (a list of ids for several devices)."""
+    if isinstance(device, (list, tuple, range, set, frozenset)):
+        return [default_heap(d).on_oom(callback) for d in device]
+    return default_heap(device).on_oom(callback)
+
+
+def remove_oom(callback_id, device=0):
+    """Removes a callback that :func:`on_oom` registered on ``device``'s default heap."""
+    default_heap(device).remove_oom(callback_id)
+
+
+def shutdown_default_heaps():
+    """Destroys every default heap (their memory goes back to the device). For tests and an
+    orderly shutdown only: nothing may use a default heap concurrently or afterwards through
+    old pointers, and PyTorch must not be using cuma any more. The next use creates fresh
+    heaps (reading CUMA_CONF again)."""
+    with _defaults_lock:
+        _lib.lib().cuma_default_heaps_shutdown()
+        for w in _defaults.values():
+            w._h = None
+            w._callbacks.clear()
+            w._retired.clear()
+        _defaults.clear()
+
+
+def _apply_default_conf(conf, who):
+    """Makes ``conf`` the CUMA_CONF of default heaps created from now on; refuses (with a
+    RuntimeError) when default heaps exist already and the settings differ, since they would
+    silently not apply to them."""
+    if conf is None:
+        return
+    if not isinstance(conf, str):
+        raise TypeError("%s: conf must be a str like 'limit:8G', not %s" % (who, type(conf).__name__))
+    check_config(conf)
+    current = os.environ.get("CUMA_CONF")
+    if current == conf:
+        return
+    if _created_default_heaps():
+        raise RuntimeError(
+            "%s: the default heaps already exist (created with CUMA_CONF=%r), so %r would not apply "
+            "to them; pass the settings before the first allocation, or call "
+            "cuma.shutdown_default_heaps() first" % (who, current, conf)
+        )
+    os.environ["CUMA_CONF"] = conf
+
+
+# --- configuration ---
+
+
+def check_config(conf):
+    """Checks a settings string without creating a heap; raises ConfigError naming the key."""
+    if not isinstance(conf, str):
+        raise TypeError("conf must be a str, not %s" % type(conf).__name__)
+    _lib.check(_lib.lib().cuma_config_check(conf.encode()))
+
+
+class ConfigKey(tuple):
+    """One configuration key: (name, default, meaning, choices); choices is a tuple of names
+    for keys that take one (e.g. backend), else empty."""
+
+    __slots__ = ()
+
+    def __new__(cls, name, default, meaning, choices=()):
+        return tuple.__new__(cls, (name, default, meaning, tuple(choices)))
+
+    name = property(lambda self: self[0])
+    default = property(lambda self: self[1])
+    meaning = property(lambda self: self[2])
+    choices = property(lambda self: self[3])
+
+    def __repr__(self):
+        return "ConfigKey(name=%r, default=%r, choices=%r)" % (self.name, self.default, self.choices)
+
+
+def config_table():
+    """cuma_config_describe's table as text (what `cuma config` prints)."""
+    lib = _lib.lib()
+    return _lib.read_json_text(lambda buf, n, needed: lib.cuma_config_describe(buf, n, needed))
+
+
+def config_keys():
+    """Every configuration key as a list of :class:`ConfigKey`, in the table's order."""
+    keys = []
+    for line in config_table().splitlines()[1:]:  # first line is the header
+        parts = line.split(None, 2)
+        if len(parts) < 3:
+            continue
+        name, default, meaning = parts
+        choices = ()
+        if meaning.endswith("]") and " [" in meaning:
+            meaning, _, ch = meaning.rpartition(" [")
+            choices = tuple(ch[:-1].split("|"))
+        keys.append(ConfigKey(name, default, meaning, choices))
+    return keys
+
+
+def _parse_conf(conf):
+    """A settings string as an ordered dict key -> value (lenient: for merging only)."""
+    out = {}
+    for item in (conf or "").split(","):
+        if not item.strip():
+            continue
+        k, sep, v = item.partition(":")
+        out[k.strip()] = v.strip() if sep else ""
+    return out
+
+
+def _format_conf(d):
+    return ",".join("%s:%s" % (k, v) for k, v in d.items())
+
+
+def _update_env_conf(updates, removals=()):
+    """Merges key changes into CUMA_CONF (checked before it is set); returns the new string."""
+    d = _parse_conf(os.environ.get("CUMA_CONF"))
+    for k in removals:
+        d.pop(k, None)
+    d.update(updates)
+    conf = _format_conf(d)
+    check_config(conf)
+    if conf:
+        os.environ["CUMA_CONF"] = conf
+    else:
+        os.environ.pop("CUMA_CONF", None)
+    return conf
+

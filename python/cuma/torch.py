@@ -1,0 +1,268 @@
+"""cuma as PyTorch's CUDA allocator, and PyTorch-style statistics.
+
+::
+
+    import cuma
+    cuma.torch.enable("release_delay_ms:2000")   # before the first CUDA tensor
+    ...
+    print(cuma.torch.memory_summary())
+    cuma.torch.empty_cache()
+
+enable() needs a CUDA build of PyTorch 2.x (``torch.cuda.memory.CUDAPluggableAllocator``) and
+a libcuma with the CUDA backends. memory_stats(), memory_summary() and empty_cache() work on
+the default heaps without PyTorch, on any backend (the simulated one included).
+
+PyTorch is imported lazily: importing this module does not import torch.
+"""
+
+import ctypes
+import json
+import threading
+
+from . import _lib
+from .heap import _apply_default_conf, _device_arg
+
+__all__ = ["enable", "is_enabled", "wired_hooks", "memory_stats", "memory_summary", "empty_cache"]
+
+_lock = threading.Lock()
+_allocator = None  # the CUDAPluggableAllocator once enabled (kept alive: PyTorch holds a copy)
+_conf_at_enable = None
+_hooks = []
+
+# PyTorch's optional allocator hooks and the libcuma functions behind them. PyTorch 2.x sets
+# them on the C++ allocator object (alloc.allocator().set_init_fn(fn_ptr), ...); some builds
+# and forks spell them with a leading underscore or on the Python wrapper, so every spelling
+# is tried and missing ones are skipped.
+_HOOKS = (
+    ("init_fn", "cuma_torch_init"),
+    ("reset_fn", "cuma_torch_reset"),
+    ("memory_fraction_fn", "cuma_torch_memory_fraction"),
+    ("record_stream_fn", "cuma_torch_record_stream"),
+)
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise RuntimeError("cuma.torch.enable(): PyTorch is not installed (%s)" % e) from e
+    return torch
+
+
+def is_enabled():
+    """Whether enable() switched this process's PyTorch to cuma."""
+    return _allocator is not None
+
+
+def wired_hooks():
+    """The optional PyTorch hooks enable() could wire (e.g. ["init_fn", "reset_fn", ...])."""
+    return list(_hooks)
+
+
+def enable(conf=None):
+    """Makes cuma PyTorch's CUDA allocator for this process.
+
+    ``conf`` (optional) becomes CUMA_CONF, the settings of the default heaps, which are
+    created on first use. Must be called before the first CUDA allocation: PyTorch cannot
+    swap allocators under live tensors. Raises RuntimeError, saying exactly why, when this
+    PyTorch has no CUDA or no CUDAPluggableAllocator (PyTorch < 2.0, CPU-only builds), when
+    CUDA memory was already allocated, or when the default heap is on the simulated device
+    (its addresses are not device memory: PyTorch's kernels would fault on them).
+    Calling it again with the same (or no) settings does nothing. Returns the allocator."""
+    global _allocator, _conf_at_enable, _hooks
+    torch = _import_torch()
+    with _lock:
+        if _allocator is not None:
+            if conf is not None and conf != _conf_at_enable:
+                raise RuntimeError(
+                    "cuma.torch.enable(%r): cuma is already PyTorch's allocator with settings %r; "
+                    "settings cannot change once tensors may exist" % (conf, _conf_at_enable)
+                )
+            return _allocator
+        problems = []
+        if getattr(torch.version, "cuda", None) is None and getattr(torch.version, "hip", None) is None:
+            problems.append("this PyTorch (%s) is built without CUDA (torch.version.cuda is None)" % torch.__version__)
+        mem = getattr(torch.cuda, "memory", None)
+        if mem is None or not hasattr(mem, "CUDAPluggableAllocator") or not hasattr(mem, "change_current_allocator"):
+            problems.append(
+                "this PyTorch (%s) has no torch.cuda.memory.CUDAPluggableAllocator / change_current_allocator "
+                "(added in PyTorch 2.0)" % torch.__version__
+            )
+        if problems:
+            raise RuntimeError("cuma.torch.enable(): cannot make cuma PyTorch's allocator: " + "; ".join(problems))
+        if torch.cuda.is_initialized():
+            used = 0
+            if hasattr(torch.cuda, "memory_allocated"):
+                try:
+                    used = torch.cuda.memory_allocated()
+                except Exception:
+                    used = 0
+            if used > 0:
+                raise RuntimeError(
+                    "cuma.torch.enable(): PyTorch already allocated %d bytes of CUDA memory with its own "
+                    "allocator; call enable() before the first CUDA tensor is created" % used
+                )
+        _apply_default_conf(conf, "cuma.torch.enable()")
+        # Create device 0's heap now: a settings error or a missing CUDA backend shows up
+        # here, as a Python exception, rather than as a NULL from malloc deep inside PyTorch.
+        from .heap import default_heap
+
+        backend = default_heap(0).stats().get("backend", "")
+        if backend.startswith("sim"):
+            raise RuntimeError(
+                "cuma.torch.enable(): the default heap is on the simulated device (backend %r): its "
+                "addresses are not device memory. Build libcuma with the CUDA backends and run where "
+                "a CUDA driver is present, or set CUMA_CONF=backend:vmm" % backend
+            )
+        lib_path = _lib.path()
+        alloc = mem.CUDAPluggableAllocator(lib_path, "cuma_torch_malloc", "cuma_torch_free")
+        _hooks = _wire_hooks(alloc)
+        try:
+            mem.change_current_allocator(alloc)
+        except RuntimeError as e:
+            raise RuntimeError(
+                "cuma.torch.enable(): PyTorch refused to switch allocators (%s); call enable() before "
+                "the first CUDA allocation" % e
+            ) from e
+        _allocator = alloc
+        _conf_at_enable = conf
+        return alloc
+
+
+def _wire_hooks(alloc):
+    lib = _lib.lib()
+    targets = []
+    get_cpp = getattr(alloc, "allocator", None)
+    if callable(get_cpp):
+        try:
+            targets.append(get_cpp())
+        except Exception:
+            pass
+    targets.append(alloc)
+    wired = []
+    for hook, symbol in _HOOKS:
+        fn_ptr = ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
+        for target in targets:
+            setter = getattr(target, "set_" + hook, None) or getattr(target, "_set_" + hook, None)
+            if setter is None:
+                continue
+            setter(fn_ptr)
+            wired.append(hook)
+            break
+    return wired
+
+
+def empty_cache():
+    """Gives every default heap's cached memory back to the device (what PyTorch's
+    torch.cuda.empty_cache() does through the reset hook once cuma is enabled)."""
+    _lib.lib().cuma_torch_reset()
+
+
+def _raw_stats(device):
+    lib = _lib.lib()
+    size = 8192
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = lib.cuma_torch_stats_json(device, buf, size)
+        if n < 0:
+            _lib.check(-n)
+        if n < size:
+            return json.loads(buf.value.decode("utf-8", "replace"))
+        size = n + 1
+
+
+# PyTorch's memory_stats() keys that mean the same thing in cuma, and where they come from.
+# PyTorch counts "allocated" bytes after its rounding (cuma: allocated_bytes, after the
+# placement policy's rounding), "requested" bytes as asked for, "reserved" bytes held from the
+# device (cuma: mapped + cached pages), "active" bytes as allocated plus blocks waiting on
+# stream events (cuma keeps those in allocated_bytes until their events complete).
+_TORCH_KEYS = (
+    ("allocated_bytes.all.current", "allocated_bytes"),
+    ("allocated_bytes.all.peak", "peak_allocated_bytes"),
+    ("reserved_bytes.all.current", "reserved_bytes"),
+    ("reserved_bytes.all.peak", "peak_reserved_bytes"),
+    ("active_bytes.all.current", "allocated_bytes"),
+    ("active_bytes.all.peak", "peak_allocated_bytes"),
+    ("requested_bytes.all.current", "requested_bytes"),
+    ("requested_bytes.all.peak", "peak_requested_bytes"),
+    ("allocation.all.current", "active_allocs"),
+    ("allocation.all.allocated", "num_allocs"),
+    ("allocation.all.freed", "num_frees"),
+    ("active.all.current", "active_allocs"),
+    ("num_alloc_retries", "num_alloc_retries"),
+    ("num_ooms", "num_ooms"),
+    ("num_device_alloc", "page_creates"),
+    ("num_device_free", "page_releases"),
+)
+
+
+def memory_stats(device=0):
+    """The default heap's statistics as a flat dict: PyTorch's key names where they mean the
+    same thing ("allocated_bytes.all.current", "reserved_bytes.all.peak", "num_ooms",
+    "num_device_alloc" = pages created, ...), plus every cuma value under "cuma.<name>" and
+    the settings under "cuma.config.<key>". Creates the default heap if needed."""
+    device = _device_arg(device)
+    raw = _raw_stats(device)
+    out = {}
+    for tkey, ckey in _TORCH_KEYS:
+        if ckey in raw:
+            out[tkey] = raw[ckey]
+    for k, v in raw.items():
+        if k == "config" and isinstance(v, dict):
+            for ck, cv in v.items():
+                out["cuma.config." + ck] = cv
+        else:
+            out["cuma." + k] = v
+    return out
+
+
+def _fmt_bytes(n):
+    if not isinstance(n, (int, float)):
+        return str(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return ("%d %s" % (n, unit)) if unit == "B" else ("%.2f %s" % (n, unit))
+        n /= 1024.0
+    return str(n)
+
+
+def memory_summary(device=0):
+    """A readable table of the default heap's memory (like torch.cuda.memory_summary())."""
+    s = memory_stats(device)
+    rows = [
+        ("Requested memory", s.get("requested_bytes.all.current"), s.get("requested_bytes.all.peak")),
+        ("Allocated memory", s.get("allocated_bytes.all.current"), s.get("allocated_bytes.all.peak")),
+        ("Reserved memory", s.get("reserved_bytes.all.current"), s.get("reserved_bytes.all.peak")),
+        ("  mapped (under live bytes)", s.get("cuma.mapped_bytes"), None),
+        ("  cached (idle pages)", s.get("cuma.cached_bytes"), None),
+        ("Managed fallback memory", s.get("cuma.managed_bytes"), None),
+        ("Limit", s.get("cuma.limit_bytes"), None),
+        ("Device total / free", s.get("cuma.device_total_bytes"), s.get("cuma.device_free_bytes")),
+    ]
+    counts = [
+        ("Live allocations", s.get("allocation.all.current")),
+        ("Allocations / frees", "%s / %s" % (s.get("allocation.all.allocated"), s.get("allocation.all.freed"))),
+        ("Alloc retries (cache released)", s.get("num_alloc_retries")),
+        ("OOMs (callbacks reached) / failed", "%s / %s" % (s.get("num_ooms"), s.get("cuma.failed_allocs"))),
+        ("Pages created / released", "%s / %s" % (s.get("num_device_alloc"), s.get("num_device_free"))),
+        ("Page maps / unmaps", "%s / %s" % (s.get("cuma.maps"), s.get("cuma.unmaps"))),
+        ("Fragmentation (mapped not live)", "%.2f%%" % (100.0 * (s.get("cuma.fragmentation") or 0.0))),
+    ]
+    width = 74
+    line = "|" + "=" * (width - 2) + "|"
+    lines = [
+        line,
+        "| %-*s |" % (width - 4, ("cuma memory summary, device %d, policy %s" % (device, s.get("cuma.policy")))[: width - 4]),
+        "| %-*s |" % (width - 4, ("backend: %s" % s.get("cuma.backend"))[: width - 4]),
+        line,
+        "| %-34s | %16s | %16s |" % ("Metric", "Current", "Peak / other"),
+        "|" + "-" * (width - 2) + "|",
+    ]
+    for name, cur, peak in rows:
+        lines.append("| %-34s | %16s | %16s |" % (name, _fmt_bytes(cur), "" if peak is None else _fmt_bytes(peak)))
+    lines.append("|" + "-" * (width - 2) + "|")
+    for name, val in counts:
+        lines.append("| %-34s | %35s |" % (name, val))
+    lines.append(line)
+    return "\n".join(lines)
+

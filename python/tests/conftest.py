@@ -1,0 +1,45 @@
+"""Shared fixtures: every test starts with no default heaps and no CUMA_CONF, and leaves none
+behind, since the default heaps are process-wide and read CUMA_CONF when created."""
+
+import pytest
+
+import cuma
+from cuma import _lib
+
+
+@pytest.fixture(autouse=True)
+def fresh_default_heaps(monkeypatch):
+    monkeypatch.delenv("CUMA_CONF", raising=False)
+    cuma.shutdown_default_heaps()
+    yield
+    cuma.shutdown_default_heaps()
+
+
+@pytest.fixture
+def lib():
+    """The loaded libcuma (ctypes), for calling the C entry points directly."""
+    return _lib.lib()
+
+
+@pytest.fixture
+def sim_heap():
+    with cuma.Heap("backend:sim,capacity:64M,page_size:2M", use_env=False) as h:
+        yield h
+
+
+MB = 1 << 20
+
+_driver = None
+
+
+def cuda_driver_present():
+    """Whether backend:auto gets a real device here (a CUDA driver and libcuma's CUDA
+    backends). Without one, the default heaps fall back to the simulated device."""
+    global _driver
+    if _driver is None:
+        try:
+            cuma.Heap("backend:auto", use_env=False).close()
+            _driver = True
+        except cuma.NoDeviceError:
+            _driver = False
+    return _driver

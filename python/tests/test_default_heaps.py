@@ -1,0 +1,272 @@
+"""The process-wide default heaps and the PyTorch entry points of libcuma
+(src/shim/default_heap.c, src/shim/torch_alloc.c), called through ctypes, plus the Python
+layers over them: cuma.default_heap, cuma.on_oom, cuma.torch.memory_stats,
+cuma.CudaMemoryAllocator."""
+
+import ctypes
+import threading
+
+import pytest
+
+import cuma
+import cuma.torch as ctorch
+from conftest import cuda_driver_present
+
+MB = 1 << 20
+FALLBACK = "sim (fallback"
+
+
+def test_no_backend_named_falls_back_to_sim_visibly(monkeypatch):
+    monkeypatch.setenv("CUMA_CONF", "capacity:1G")
+    s = cuma.default_heap(0).stats()
+    if cuda_driver_present():
+        assert not s["backend"].startswith("sim"), s["backend"]
+        return
+    # No CUDA driver (or a libcuma without CUDA backends): backend:auto fell back to the sim
+    assert s["backend"].startswith(FALLBACK), s["backend"]
+    assert s["config"]["backend"] == "sim"
+    assert s["device_total_bytes"] == 1 << 30  # CUMA_CONF's other keys still apply
+
+
+def test_named_backend_gets_exactly_that(monkeypatch):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:1G")
+    assert cuma.default_heap(0).stats()["backend"] == "sim"
+    cuma.shutdown_default_heaps()
+    monkeypatch.setenv("CUMA_CONF", "backend:auto")  # explicit: no fallback
+    if cuda_driver_present():
+        assert not cuma.default_heap(0).stats()["backend"].startswith("sim")
+    else:
+        with pytest.raises(cuma.NoDeviceError):
+            cuma.default_heap(0)
+
+
+def test_default_heap_is_per_device_and_shared(monkeypatch, lib):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:256M")
+    h0, h1 = cuma.default_heap(0), cuma.default_heap(1)
+    assert h0 is cuma.default_heap(0) and h0.handle != h1.handle
+    assert lib.cuma_torch_created_heap(0) == h0.handle
+    assert lib.cuma_torch_created_heap(2) is None
+    assert h1.stats()["config"]["device"] == 1
+    h0.close()  # a default heap cannot be closed through a wrapper
+    assert not h0.closed and cuma.default_heap(0) is h0
+
+
+def test_other_device_falls_back_only_without_driver(monkeypatch, lib):
+    monkeypatch.setenv("CUMA_CONF", "capacity:256M")
+    if cuda_driver_present():
+        # A missing ordinal on a machine with a driver is an error, never simulated memory.
+        with pytest.raises(cuma.NoDeviceError):
+            cuma.default_heap(63)
+    else:
+        assert cuma.default_heap(3).stats()["backend"].startswith(FALLBACK)
+    assert lib.cuma_torch_created_heap(0)  # device 0 was asked whether a driver exists
+
+
+def test_config_error_is_not_remembered(monkeypatch):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:nope")
+    with pytest.raises(cuma.ConfigError, match="capacity"):
+        cuma.default_heap(0)
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M")
+    assert cuma.default_heap(0).stats()["config"]["capacity"] == 64 * MB
+
+
+def test_torch_malloc_free_entry_points(monkeypatch, lib):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M")
+    p = lib.cuma_torch_malloc(3000, 0, None)
+    assert p
+    q = lib.cuma_torch_malloc(5000, 0, ctypes.c_void_p(42))
+    s = cuma.default_heap(0).stats()
+    assert s["requested_bytes"] == 8000 and s["active_allocs"] == 2
+    lib.cuma_torch_free(p, 3000, 0, None)
+    lib.cuma_torch_free(q, 5000, 0, ctypes.c_void_p(42))
+    lib.cuma_torch_free(None, 0, 0, None)
+    assert cuma.default_heap(0).stats()["active_allocs"] == 0
+    cuma.default_heap(0).validate()
+
+
+def test_torch_malloc_zero_negative_and_failures(monkeypatch, lib):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M")
+    assert lib.cuma_torch_malloc(0, 0, None) is None
+    assert cuma._lib.last_error() == ""
+    assert lib.cuma_torch_malloc(-5, 0, None) is None
+    assert "negative size -5" in cuma._lib.last_error()
+    assert lib.cuma_torch_malloc(16, 64, None) is None
+    assert "device 64" in cuma._lib.last_error()
+    assert lib.cuma_torch_malloc(100 * MB, 0, None) is None
+    assert "out of memory" in cuma._lib.last_error()
+
+
+def test_free_with_the_wrong_device_still_frees(monkeypatch, lib, capfd):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M")
+    p = lib.cuma_torch_malloc(4096, 0, None)
+    lib.cuma_torch_free(p, 4096, 1, None)
+    assert cuma.default_heap(0).stats()["active_allocs"] == 0
+    assert capfd.readouterr().err == ""
+    lib.cuma_torch_free(p, 4096, 0, None)  # now a double free: reported, not fatal
+    err = capfd.readouterr().err
+    assert err.startswith("cuma: free:") and "not a live allocation" in err
+
+
+def test_record_stream_hook_finds_the_owner(monkeypatch, lib, capfd):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M")
+    cuma.default_heap(0)
+    p = lib.cuma_torch_malloc(MB, 1, ctypes.c_void_p(1))  # on device 1's heap
+    h1 = cuma.default_heap(1)
+    h1.sim_hold_stream(2)
+    lib.cuma_torch_record_stream(p, ctypes.c_void_p(2))
+    lib.cuma_torch_free(p, MB, 1, ctypes.c_void_p(1))
+    assert h1.stats()["requested_bytes"] == MB  # waits for stream 2
+    h1.sim_release_stream(2)
+    h1.poll()
+    assert h1.stats()["requested_bytes"] == 0
+    assert capfd.readouterr().err == ""
+    lib.cuma_torch_record_stream(ctypes.c_void_p(0x1000), ctypes.c_void_p(2))
+    assert "cuma: record_stream:" in capfd.readouterr().err
+
+
+def test_reset_and_memory_fraction_hooks(monkeypatch, lib, capfd):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M")
+    for d in (0, 1):
+        lib.cuma_torch_free(lib.cuma_torch_malloc(4 * MB, d, None), 0, d, None)
+        assert cuma.default_heap(d).stats()["reserved_bytes"] == 4 * MB  # kept for reuse
+    lib.cuma_torch_reset()
+    for d in (0, 1):
+        assert cuma.default_heap(d).stats()["reserved_bytes"] == 0
+    lib.cuma_torch_memory_fraction(0.25, 1)
+    assert cuma.default_heap(1).stats()["limit_bytes"] == 16 * MB
+    assert capfd.readouterr().err == ""
+    lib.cuma_torch_memory_fraction(2.0, 1)
+    assert "cuma: memory_fraction:" in capfd.readouterr().err
+
+
+def test_init_hook_reports_bad_settings(monkeypatch, lib, capfd):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,colour:blue")
+    lib.cuma_torch_init(1)
+    err = capfd.readouterr().err
+    assert "cuma: init: CUMA_CONF" in err and "colour" in err
+    monkeypatch.setenv("CUMA_CONF", "backend:sim")
+    lib.cuma_torch_init(2)
+    assert capfd.readouterr().err == ""
+    assert lib.cuma_torch_created_heap(0) is None  # init creates nothing
+
+
+def test_stats_json_reports_the_length_needed(monkeypatch, lib):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M")
+    small = ctypes.create_string_buffer(16)
+    n = lib.cuma_torch_stats_json(0, small, 16)
+    assert n > 16
+    big = ctypes.create_string_buffer(n + 1)
+    assert lib.cuma_torch_stats_json(0, big, n + 1) == n
+    assert big.value.startswith(b'{"version"') and len(big.value) == n
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:bad")
+    cuma.shutdown_default_heaps()
+    assert lib.cuma_torch_stats_json(0, big, n + 1) == -5  # -CUMA_ERR_CONFIG
+
+
+def test_first_use_from_many_threads_creates_one_heap(monkeypatch, lib):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:256M")
+    n = 16
+    barrier = threading.Barrier(n)
+    ptrs = [None] * n
+
+    def work(i):
+        barrier.wait()
+        got = [lib.cuma_torch_malloc(4096 + i, 0, None) for _ in range(50)]
+        ptrs[i] = got
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    h = cuma.default_heap(0)
+    flat = [p for got in ptrs for p in got]
+    assert all(flat) and len(set(flat)) == n * 50
+    for p in flat:
+        assert h.block_size(p) >= 4096  # every one from the same heap
+    assert h.stats()["active_allocs"] == n * 50
+    for p in flat:
+        lib.cuma_torch_free(p, 0, 0, None)
+    h.validate()
+
+
+def test_memory_stats_uses_pytorch_key_names(monkeypatch, lib):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:1G")
+    p = lib.cuma_torch_malloc(3000, 0, None)
+    q = lib.cuma_torch_malloc(3 * MB, 0, None)
+    s = ctorch.memory_stats(0)
+    assert s["requested_bytes.all.current"] == 3000 + 3 * MB
+    assert s["allocated_bytes.all.current"] >= s["requested_bytes.all.current"]
+    assert s["active_bytes.all.current"] == s["allocated_bytes.all.current"]
+    assert s["reserved_bytes.all.current"] == 4 * MB  # two 2 MiB pages under live bytes
+    assert s["allocation.all.current"] == 2 and s["active.all.current"] == 2
+    assert s["num_device_alloc"] == 2 and s["num_device_free"] == 0
+    assert s["num_alloc_retries"] == 0 and s["num_ooms"] == 0
+    lib.cuma_torch_free(q, 0, 0, None)
+    lib.cuma_torch_free(p, 0, 0, None)
+    ctorch.empty_cache()
+    s = ctorch.memory_stats(0)
+    assert s["reserved_bytes.all.current"] == 0 and s["reserved_bytes.all.peak"] == 4 * MB
+    assert s["allocated_bytes.all.current"] == 0 and s["allocated_bytes.all.peak"] >= 3000 + 3 * MB
+    assert s["requested_bytes.all.peak"] == 3000 + 3 * MB
+    assert s["num_device_free"] == 2 and s["allocation.all.freed"] == 2
+    assert s["cuma.backend"] == "sim" and s["cuma.config.capacity"] == 1 << 30
+    assert s["cuma.page_creates"] == 2 and "cuma.fragmentation" in s
+    text = ctorch.memory_summary(0)
+    assert "Reserved memory" in text and "backend: sim" in text and "4.00 MiB" in text
+
+
+def test_memory_stats_counts_ooms_and_retries(monkeypatch):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M")
+    alloc = cuma.CudaMemoryAllocator()
+    p = alloc.allocate(60 * MB)
+    calls = []
+    cuma.on_oom(lambda size, stream: calls.append(size))  # passes: the failure follows
+    with pytest.raises(cuma.OutOfMemoryError):
+        alloc.allocate(60 * MB)
+    s = ctorch.memory_stats()
+    assert calls == [60 * MB]
+    assert s["num_ooms"] == 1 and s["num_alloc_retries"] >= 1
+    assert s["num_alloc_retries"] == s["cuma.num_alloc_retries"] and s["cuma.failed_allocs"] == 1
+    assert s["cuma.oom_callbacks"] == 1
+    alloc.free(p)
+
+
+def test_module_level_on_oom(monkeypatch):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M")
+    alloc = cuma.CudaMemoryAllocator()
+    held = [alloc.allocate(48 * MB)]
+    seen = []
+
+    def shed(size, stream):
+        seen.append(size)
+        if held:
+            alloc.free(held.pop())
+            return "retry"
+        return False
+
+    ids = cuma.on_oom(shed, device=[0, 1])
+    assert len(ids) == 2
+    p = alloc.allocate(32 * MB)
+    assert seen == [32 * MB]
+    alloc.free(p)
+    cuma.remove_oom(ids[0], device=0)
+    assert ctorch.memory_stats(0)["num_ooms"] == 1
+
+
+def test_cuda_memory_allocator_conf(monkeypatch, lib):
+    a = cuma.CudaMemoryAllocator("backend:sim,capacity:128M")
+    assert a.allocate(0) == 0
+    p = a.allocate(MB, device=0, stream=3)
+    assert a.stats(0)["config"]["capacity"] == 128 * MB
+    a.free(p, device=0, stream=3)
+    a.free(0)
+    b = cuma.CudaMemoryAllocator("backend:sim,capacity:256M")
+    with pytest.raises(RuntimeError, match="already exist"):
+        b.allocate(MB)
+    with pytest.raises(cuma.ConfigError, match="wrong"):
+        cuma.CudaMemoryAllocator("backend:sim,wrong:1").allocate(1)
+    with pytest.raises(ValueError, match="device must be in 0..63"):
+        a.allocate(16, device=99)
+    with pytest.raises(cuma.BadPointerError):
+        a.free(p)

@@ -1,0 +1,295 @@
+"""cuma.Heap on the simulated device: allocation, stats, trim, validate, errors, OOM
+callbacks, argument checks."""
+
+import threading
+
+import pytest
+
+import cuma
+
+MB = 1 << 20
+SIM = "backend:sim,capacity:64M,page_size:2M"
+
+
+def test_alloc_free_stats_trim_validate(sim_heap):
+    h = sim_heap
+    a = h.alloc(1000)
+    b = h.alloc(3 * MB, stream=0)
+    assert isinstance(a, int) and a % 256 == 0 and b % 256 == 0 and a != b
+    assert h.block_size(a) >= 1000
+    s = h.stats()
+    assert s["backend"] == "sim"
+    assert s["requested_bytes"] == 1000 + 3 * MB
+    assert s["active_allocs"] == 2 and s["num_allocs"] == 2
+    assert s["reserved_bytes"] >= s["requested_bytes"]
+    assert s["config"]["capacity"] == 64 * MB
+    h.validate()
+    h.free(b)
+    h.free(a)
+    s = h.stats()
+    assert s["requested_bytes"] == 0 and s["active_allocs"] == 0 and s["num_frees"] == 2
+    assert s["reserved_bytes"] > 0  # kept for reuse (page cache or the thread's cache)
+    h.trim(0)
+    s = h.stats()
+    assert s["reserved_bytes"] == 0 and s["page_releases"] == s["page_creates"]
+    assert s["peak_requested_bytes"] == 1000 + 3 * MB
+    h.reset_peaks()
+    assert h.stats()["peak_requested_bytes"] == 0
+    h.poll()
+    h.validate()
+
+
+def test_trim_keeps_bytes(sim_heap):
+    h = sim_heap
+    ptrs = [h.alloc(2 * MB) for _ in range(4)]
+    for p in ptrs:
+        h.free(p)
+    assert h.stats()["reserved_bytes"] == 8 * MB
+    h.trim(4 * MB)
+    assert h.stats()["cached_bytes"] == 4 * MB
+    h.validate()
+
+
+def test_free_none_and_zero_are_noops(sim_heap):
+    sim_heap.free(None)
+    sim_heap.free(0)
+    assert sim_heap.stats()["num_frees"] == 0
+
+
+def test_double_free_raises_bad_pointer(sim_heap):
+    p = sim_heap.alloc(4096)
+    sim_heap.free(p)
+    with pytest.raises(cuma.BadPointerError) as ei:
+        sim_heap.free(p)
+    assert "freed twice" in str(ei.value) and hex(p)[2:] in str(ei.value)
+    assert isinstance(ei.value, cuma.CumaError) and isinstance(ei.value, ValueError)
+    assert ei.value.status == 4
+    with pytest.raises(cuma.BadPointerError, match="not allocated by this heap"):
+        sim_heap.free(0x1234)
+    sim_heap.validate()
+
+
+def test_oom_raises_out_of_memory_with_message(sim_heap):
+    keep = sim_heap.alloc(60 * MB)
+    with pytest.raises(cuma.OutOfMemoryError) as ei:
+        sim_heap.alloc(10 * MB)
+    e = ei.value
+    assert isinstance(e, MemoryError) and isinstance(e, cuma.CumaError)
+    msg = str(e)
+    assert "out of memory" in msg and str(10 * MB) in msg
+    assert sim_heap.stats()["failed_allocs"] == 1
+    sim_heap.free(keep)
+    sim_heap.validate()
+
+
+def test_limit_raises_limit_exceeded(sim_heap):
+    sim_heap.set_limit(8 * MB)
+    assert sim_heap.stats()["limit_bytes"] == 8 * MB
+    with pytest.raises(cuma.OutOfMemoryError) as ei:
+        sim_heap.alloc(16 * MB)
+    assert isinstance(ei.value, cuma.LimitExceededError) and ei.value.status == 3
+    assert "limit" in str(ei.value)
+    sim_heap.set_limit(None)
+    p = sim_heap.alloc(16 * MB)
+    sim_heap.free(p)
+    sim_heap.set_memory_fraction(0.5)
+    assert sim_heap.stats()["limit_bytes"] == 32 * MB
+
+
+def test_oom_callbacks_run_in_order_and_retry(sim_heap):
+    h = sim_heap
+    big = h.alloc(48 * MB)
+    calls = []
+
+    def first(size, stream):
+        calls.append(("first", size))
+        return None  # pass
+
+    def second(size, stream):
+        calls.append(("second", size))
+        h.free(big)  # a callback may free memory on the same heap
+        return "retry"
+
+    h.on_oom(first)
+    h.on_oom(second)
+    p = h.alloc(32 * MB)
+    assert calls == [("first", 32 * MB), ("second", 32 * MB)]
+    s = h.stats()
+    assert s["num_ooms"] == 1 and s["oom_callbacks"] == 2 and s["active_allocs"] == 1
+    h.free(p)
+    h.validate()
+
+
+def test_oom_callback_true_means_retry_and_remove(sim_heap):
+    h = sim_heap
+    held = [h.alloc(48 * MB)]
+
+    def cb(size, stream):
+        if held:
+            h.free(held.pop())
+        return True
+
+    cid = h.on_oom(cb)
+    h.free(h.alloc(32 * MB))
+    h.remove_oom(cid)
+    keep = h.alloc(48 * MB)
+    with pytest.raises(cuma.OutOfMemoryError):
+        h.alloc(32 * MB)  # no callback left
+    h.free(keep)
+    with pytest.raises(cuma.InvalidArgumentError, match="no callback with id"):
+        h.remove_oom(cid)
+
+
+def test_oom_callback_exception_is_the_cause(sim_heap):
+    h = sim_heap
+    keep = h.alloc(60 * MB)
+
+    def broken(size, stream):
+        raise KeyError("boom")
+
+    h.on_oom(broken)
+    with pytest.raises(cuma.OutOfMemoryError) as ei:
+        h.alloc(10 * MB)
+    assert isinstance(ei.value.__cause__, KeyError)
+    h.free(keep)
+
+
+def test_record_stream_defers_reuse_until_the_stream_is_done(sim_heap):
+    h = sim_heap
+    p = h.alloc(MB, stream=1)
+    h.record_stream(p, 2)
+    h.sim_hold_stream(2)
+    h.free(p, stream=1)
+    assert h.stats()["requested_bytes"] == MB  # stream 2 may still use it
+    h.sim_release_stream(2)
+    h.poll()
+    assert h.stats()["requested_bytes"] == 0
+    h.validate()
+
+
+class FakeTorchStream:
+    cuda_stream = 7
+
+
+def test_stream_objects_are_accepted(sim_heap):
+    p = sim_heap.alloc(4096, stream=FakeTorchStream())
+    sim_heap.free(p, stream=FakeTorchStream())
+
+
+def test_threads_allocate_concurrently(sim_heap):
+    errors = []
+
+    def work(seed):
+        try:
+            ptrs = []
+            for i in range(300):
+                ptrs.append(sim_heap.alloc(512 + (seed * 131 + i * 977) % 70000, stream=seed % 3))
+                if i % 3 == 2:
+                    sim_heap.free(ptrs.pop(0))
+            for p in ptrs:
+                sim_heap.free(p)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    s = sim_heap.stats()
+    assert s["active_allocs"] == 0 and s["num_allocs"] == 8 * 300
+    sim_heap.validate()
+
+
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda h: h.alloc(-1), ValueError, "size must be >= 0"),
+        (lambda h: h.alloc(0), ValueError, "size must be > 0"),
+        (lambda h: h.alloc(1.5), TypeError, "size must be an int, not float"),
+        (lambda h: h.alloc("10"), TypeError, "size must be an int, not str"),
+        (lambda h: h.alloc(True), TypeError, "size must be an int, not bool"),
+        (lambda h: h.alloc(1 << 70), ValueError, "does not fit in 64 bits"),
+        (lambda h: h.alloc(10, stream="s"), TypeError, "stream must be an int handle"),
+        (lambda h: h.alloc(10, stream=-1), ValueError, "not a valid pointer"),
+        (lambda h: h.free("p"), TypeError, "ptr must be an int"),
+        (lambda h: h.free(-5), ValueError, "ptr must be >= 0"),
+        (lambda h: h.trim(-1), ValueError, "keep_bytes must be >= 0"),
+        (lambda h: h.set_limit(-1), ValueError, "nbytes must be >= 0"),
+        (lambda h: h.set_memory_fraction(1.5), ValueError, "fraction must be in (0, 1]"),
+        (lambda h: h.set_memory_fraction("half"), TypeError, "fraction must be a number"),
+        (lambda h: h.on_oom(5), TypeError, "callback must be callable"),
+        (lambda h: h.record_stream(0, 1), ValueError, "must be a live allocation"),
+    ],
+)
+def test_bad_arguments_raise_python_errors(sim_heap, call, exc, words):
+    with pytest.raises(exc) as ei:
+        call(sim_heap)
+    assert words in str(ei.value)
+    assert not isinstance(ei.value, cuma.CumaError)  # caught before C
+
+
+def test_numpy_ints_are_accepted(sim_heap):
+    np = pytest.importorskip("numpy")
+    p = sim_heap.alloc(np.int64(4096))
+    sim_heap.free(np.uint64(p))
+
+
+def test_closed_heap_and_context_manager():
+    with cuma.Heap(SIM, use_env=False) as h:
+        h.free(h.alloc(100))
+    assert h.closed
+    with pytest.raises(ValueError, match="closed"):
+        h.alloc(100)
+    h.close()  # idempotent
+    assert "closed" in repr(h)
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(cuma.ConfigError) as ei:
+        cuma.Heap("backend:sim,bogus_key:1")
+    assert "bogus_key" in str(ei.value) and isinstance(ei.value, ValueError)
+    with pytest.raises(cuma.ConfigError, match="'capacity'"):
+        cuma.Heap("backend:sim,capacity:lots")
+    with pytest.raises(cuma.ConfigError, match="backend"):
+        cuma.check_config("backend:tpu")
+    cuma.check_config("backend:sim,limit:2G")
+    with pytest.raises(TypeError, match="conf must be a str"):
+        cuma.Heap(conf=5)
+    with pytest.raises(ValueError, match="device must be in 0..63"):
+        cuma.Heap("backend:sim", device=64)
+
+
+def test_heap_reads_cuma_conf_unless_told_not_to(monkeypatch):
+    monkeypatch.setenv("CUMA_CONF", "capacity:32M")
+    with cuma.Heap("backend:sim") as h:
+        assert h.stats()["config"]["capacity"] == 32 * MB
+    with cuma.Heap("backend:sim", use_env=False) as h:
+        assert h.stats()["config"]["capacity"] != 32 * MB
+
+
+def test_config_keys_table():
+    keys = {k.name: k for k in cuma.config_keys()}
+    assert {"backend", "capacity", "limit", "growth", "preallocate"} <= set(keys)
+    assert "auto" in keys["backend"].choices and keys["backend"].default == "sim"
+    assert keys["capacity"].meaning
+    assert "KEY" in cuma.config_table().splitlines()[0]
+
+
+def test_sim_clock_controls():
+    with cuma.Heap(SIM + ",sim_clock:manual,release_delay_ms:10", use_env=False) as h:
+        h.sim_set_time(1000)
+        assert h.sim_time() == 1000
+        h.free(h.alloc(MB))
+        assert h.stats()["reserved_bytes"] == 2 * MB
+        # Idle memory goes back once the clock passes the release delay (plus any time it
+        # sits in a thread cache first); poll() runs the policy at the simulated time.
+        t = 1000
+        while h.stats()["reserved_bytes"] and t < 10**9:
+            due = h.next_release()
+            t = max(t + 1000000, due if due is not None else 0)
+            h.sim_set_time(t)
+            h.poll()
+        assert h.stats()["reserved_bytes"] == 0 and t < 10**9
+        assert h.next_release() is None

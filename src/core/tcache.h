@@ -1,0 +1,109 @@
+/* Per-thread caches: the fast path.
+ *
+ * A training loop frees and reallocates the same sizes over and over. A thread's cache keeps
+ * blocks it freed, by exact rounded size and stream, with their pages still mapped, and hands
+ * them out again without the heap lock, the policy or the page table: an alloc+free pair
+ * costs a few loads and stores, one atomic exchange and one compare-and-swap.
+ *
+ * Ownership: a cache belongs to one thread (its owner) and one heap. Only the owner pushes to
+ * and pops from its bins and touches its pointer table. Any thread holding the heap lock may
+ * flush a cache (to give memory back: trim, out-of-memory, idle age, limit): it takes blocks out
+ * of the slots with atomic exchanges, so owner and flusher never both get a block.
+ *
+ * Block generations (cuma_block.gen): odd while the program holds the block, even otherwise;
+ * each hand-over bumps it. The owner's pointer table remembers the generation it handed out, so
+ * a stale entry (the block freed meanwhile by another thread) is recognised, and a free racing
+ * another free of the same pointer loses a compare-and-swap instead of corrupting the heap.
+ *
+ * Memory: a cache holds at most `tcache_bytes` per thread, blocks of at most `tcache_max` bytes,
+ * and its blocks go back to the heap when they have sat longer than `tcache_age_ms` (the release
+ * thread and every slow path check), so it costs memory only for a moment.
+ */
+#ifndef CUMA_CORE_TCACHE_H
+#define CUMA_CORE_TCACHE_H
+
+#include "block.h"
+#include "cuma/cuma.h"
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#define CUMA_TC_BINS 64
+#define CUMA_TC_DEPTH 8
+#define CUMA_TC_STREAMS 8
+
+struct cuma_heap;
+
+/* Invariants: every non-NULL slot lies in [0, n); all its blocks have `size` bytes, stream
+ * `stream` and an even generation. size, stream, n and stamp are the owner's; slots are
+ * shared (atomic). */
+typedef struct cuma_tc_bin {
+    uint64_t size;
+    uint16_t stream;
+    unsigned n;
+    _Atomic uint64_t stamp; /* coarse time of the last push (owner writes, flushers read) */
+    _Atomic(cuma_block *) slot[CUMA_TC_DEPTH];
+} cuma_tc_bin;
+
+typedef struct cuma_tc_entry {
+    uint64_t key; /* address; 0 = empty */
+    cuma_block *b;
+    uint64_t gen;
+} cuma_tc_entry;
+
+/* Owner-only fields are marked; the counters are written by the owner alone (plain stores to
+ * atomics) and read by snapshots; `next` is under the heap lock. */
+typedef struct cuma_tcache {
+    struct cuma_heap *heap;
+    uint64_t heap_id;
+    cuma_tc_bin bins[CUMA_TC_BINS];
+    cuma_tc_entry *tab; /* owner: pointer table, open addressing, tabcap a power of two */
+    uint32_t tabcap, tabn;
+    struct {
+        cuma_stream handle;
+        uint16_t index;
+    } streams[CUMA_TC_STREAMS]; /* owner: stream handle -> heap stream index */
+    unsigned nstreams;
+    uint64_t held; /* owner: bytes it believes its bins hold */
+    _Atomic int64_t requested, allocated, active;
+    _Atomic uint64_t allocs, frees;
+    struct cuma_tcache *next;
+} cuma_tcache;
+
+/* The calling thread's cache for heap h, created on first use; NULL if the heap disables caches
+ * or no memory could be had (the caller then takes the slow path). */
+cuma_tcache *cuma_tcache_get(struct cuma_heap *h);
+
+/* Fast paths: true when done, false to take the slow path (nothing changed then). */
+bool cuma_tcache_alloc(cuma_tcache *tc, uint64_t size, uint64_t n, cuma_stream stream, void **ptr);
+bool cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream);
+
+/* Slow-path hooks for the calling thread (heap lock held): remember a block it was handed and
+ * the index of a stream it used, so that its next free and alloc can go fast. */
+void cuma_tcache_note_alloc(cuma_tcache *tc, cuma_block *b, uint64_t addr);
+void cuma_tcache_note_stream(cuma_tcache *tc, cuma_stream handle, unsigned index);
+
+/* Takes blocks out of every cache of the heap (heap lock held): all of them, or those idle
+ * since before `older_than` (coarse time). Calls give(h, block) for each. */
+void cuma_tcache_flush_all(struct cuma_heap *h, uint64_t older_than, void (*give)(struct cuma_heap *, cuma_block *));
+
+/* Oldest stamp among non-empty bins of the heap's caches (UINT64_MAX if none). Heap lock held;
+ * a racing owner may make it stale, which only moves a flush a little. */
+uint64_t cuma_tcache_oldest(struct cuma_heap *h);
+
+/* Frees every cache of a heap being destroyed (heap lock held, no other thread inside). */
+void cuma_tcache_destroy_all(struct cuma_heap *h);
+
+/* Heap registry, so that a thread's exit can tell whether a heap it cached still lives. */
+uint64_t cuma_tcache_register_heap(struct cuma_heap *h);
+void cuma_tcache_unregister_heap(struct cuma_heap *h);
+
+/* A cache leaves its heap (its thread ended; heap lock held): its counters join the heap's. */
+void cuma_tcache_sums_retire(struct cuma_heap *h, cuma_tcache *tc);
+
+/* Sums of the caches' counters (heap lock held). */
+void cuma_tcache_sums(struct cuma_heap *h, int64_t *requested, int64_t *allocated, int64_t *active, uint64_t *allocs,
+                      uint64_t *frees);
+
+#endif

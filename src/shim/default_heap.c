@@ -1,0 +1,144 @@
+/* The process-wide default heaps: one per device ordinal, created on first use.
+ *
+ * Framework entry points (the PyTorch allocator hooks, the LD_PRELOAD interposer, the Python
+ * package's module-level helpers) have no place to keep a heap handle, so they share these.
+ *
+ * Thread safety: cuma_default_heap may be called from any thread at any time. A created heap
+ * is published with a release store and read with an acquire load, so the fast path (every
+ * allocation after the first) is one atomic load and no lock. Creation takes `create_lock`, so
+ * two threads that race to create the same device's heap create it once.
+ * cuma_default_heaps_shutdown must not race with any other use of a default heap (like
+ * cuma_heap_destroy).
+ */
+#include "default_heap.h"
+
+#include "core/error.h"
+#include "core/heap.h"
+
+#include <ctype.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Written under create_lock (creation, shutdown); read by anyone without it. */
+static _Atomic(cuma_heap *) heaps[CUMA_MAX_DEFAULT_HEAPS];
+static pthread_mutex_t create_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* The name the stats show for a default heap that fell back from backend:auto to the
+ * simulated device. It starts with "sim" so that tools keying on the backend still see a
+ * simulated device, and says why, so that nobody mistakes it for a GPU. */
+static const char sim_fallback_name[] = "sim (fallback: backend:auto found no CUDA driver)";
+
+/* Whether a settings string names the backend key. Parsed leniently: the full check happens
+ * in cuma_heap_create, which reports a malformed string with the key that is wrong. */
+static bool names_backend(const char *conf) {
+    if (!conf) return false;
+    const char *p = conf;
+    while (*p) {
+        while (*p == ',' || isspace((unsigned char)*p)) p++;
+        const char *key = p;
+        while (*p && *p != ':' && *p != ',') p++;
+        const char *end = p;
+        while (end > key && isspace((unsigned char)end[-1])) end--;
+        if ((size_t)(end - key) == 7 && !strncmp(key, "backend", 7)) return true;
+        while (*p && *p != ',') p++;
+    }
+    return false;
+}
+
+/* Creates the heap of `device`. Called with create_lock held. */
+static cuma_status create_default(int device, cuma_heap **out) {
+    /* The ordinal goes into the settings string as well as cfg.device: the string is applied
+     * after CUMA_CONF, so a "device:N" in CUMA_CONF cannot send every default heap to one
+     * device. */
+    char conf[64];
+    bool auto_backend = !names_backend(getenv("CUMA_CONF"));
+    snprintf(conf, sizeof conf, "%sdevice:%d", auto_backend ? "backend:auto," : "", device);
+    cuma_config cfg = {.conf = conf, .flags = 0, .device = device};
+    cuma_status st = cuma_heap_create(&cfg, out);
+    if (st != CUMA_ERR_NO_DEVICE || !auto_backend) return st;
+    if (device != 0) {
+        /* NO_DEVICE also means "no such ordinal" on a machine that has a driver, and handing
+         * a framework simulated addresses for a real GPU would crash it. Device 0 tells the
+         * two apart: it exists wherever a driver does. Its heap is a default heap anyway. */
+        cuma_heap *h0 = atomic_load_explicit(&heaps[0], memory_order_relaxed);
+        char why[256];
+        snprintf(why, sizeof why, "%s", cuma_last_error());
+        if (!h0 && create_default(0, &h0) == CUMA_OK)
+            atomic_store_explicit(&heaps[0], h0, memory_order_release);
+        if (h0 && h0->be->name != sim_fallback_name)
+            return cuma_fail(st, "default heap %d: %s", device, why);
+        cuma_fail(st, "%s", why);
+    }
+    /* No CUDA driver (or a libcuma built without the CUDA backends): fall back to the
+     * simulated device, so that code written against the default heap (the Python package,
+     * tests, `cuma` tools, a CPU-only CI machine) runs everywhere without configuration.
+     * The choice is only ever implicit: a CUMA_CONF that names a backend gets exactly that
+     * backend or an error. A framework that needs real device memory must check the backend
+     * (the Python layer's cuma.torch.enable() refuses a simulated heap), which is why the
+     * fallback is visible in the stats' "backend" field rather than silent. */
+    char why[256];
+    snprintf(why, sizeof why, "%s", cuma_last_error());
+    snprintf(conf, sizeof conf, "backend:sim,device:%d", device);
+    st = cuma_heap_create(&cfg, out);
+    if (st) {
+        /* Both failed: report the sim's reason, which is the actionable one (the settings),
+         * and keep the driver's reason next to it. */
+        char sim_why[320];
+        snprintf(sim_why, sizeof sim_why, "%s", cuma_last_error());
+        return cuma_fail(st, "default heap %d: %s (backend:auto failed first: %s)", device, sim_why,
+                         why);
+    }
+    /* The heap is not published yet, so no other thread can read the name while it changes;
+     * the core only compares the name at creation (release thread choice), which is over. */
+    (*out)->be->name = sim_fallback_name;
+    return CUMA_OK;
+}
+
+cuma_status cuma_default_heap(int device, cuma_heap **out) {
+    if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_default_heap: out is NULL");
+    *out = NULL;
+    if (device < 0 || device >= CUMA_MAX_DEFAULT_HEAPS)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_default_heap: device %d is not in 0..%d", device,
+                         CUMA_MAX_DEFAULT_HEAPS - 1);
+    cuma_heap *h = atomic_load_explicit(&heaps[device], memory_order_acquire);
+    if (h) {
+        *out = h;
+        return CUMA_OK;
+    }
+    pthread_mutex_lock(&create_lock);
+    cuma_status st = CUMA_OK;
+    h = atomic_load_explicit(&heaps[device], memory_order_relaxed); /* another thread won */
+    if (!h) {
+        st = create_default(device, &h);
+        /* A failure is not remembered: the next call tries again, so a program can fix
+         * CUMA_CONF (or load a driver) and retry without restarting. */
+        if (st == CUMA_OK) atomic_store_explicit(&heaps[device], h, memory_order_release);
+    }
+    pthread_mutex_unlock(&create_lock);
+    *out = h;
+    return st;
+}
+
+cuma_heap *cuma_default_heap_peek(int device) {
+    if (device < 0 || device >= CUMA_MAX_DEFAULT_HEAPS) return NULL;
+    return atomic_load_explicit(&heaps[device], memory_order_acquire);
+}
+
+/* Not registered with atexit, on purpose: a framework may still free memory while the process
+ * exits (C++ static destructors run interleaved with atexit handlers, in reverse order of
+ * registration, and Python frees tensors during interpreter finalization), and a free into a
+ * destroyed heap is a use-after-free. The operating system and the driver take every page
+ * back at exit anyway; an owner that knows every user is done (a test, a framework's orderly
+ * shutdown) calls this. */
+void cuma_default_heaps_shutdown(void) {
+    pthread_mutex_lock(&create_lock);
+    for (int i = 0; i < CUMA_MAX_DEFAULT_HEAPS; i++) {
+        cuma_heap *h = atomic_exchange_explicit(&heaps[i], NULL, memory_order_acq_rel);
+        cuma_heap_destroy(h);
+    }
+    pthread_mutex_unlock(&create_lock);
+}

@@ -1,0 +1,111 @@
+/* PyTorch's pluggable allocator entry points over the default heaps (include/cuma/torch.h).
+ *
+ * Thin on purpose: PyTorch calls malloc and free on every tensor, so they are one default
+ * heap lookup (an atomic load once the heap exists) plus the heap call. Everything here is
+ * thread-safe because the heap API and cuma_default_heap are.
+ */
+#include "cuma/torch.h"
+
+#include "core/error.h"
+#include "default_heap.h"
+
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* The hooks PyTorch cannot get a status from report here, so a misuse is not silent. */
+static void report(const char *hook) {
+    fprintf(stderr, "cuma: %s: %s\n", hook, cuma_last_error());
+}
+
+void *cuma_torch_malloc(ssize_t size, int device, cudaStream_t stream) {
+    if (size == 0) {
+        cuma_clear_error(); /* not a failure: PyTorch's empty tensors have no storage */
+        return NULL;
+    }
+    if (size < 0) {
+        cuma_fail(CUMA_ERR_INVALID, "cuma_torch_malloc: negative size %zd", size);
+        return NULL;
+    }
+    cuma_heap *h;
+    if (cuma_default_heap(device, &h) != CUMA_OK) return NULL;
+    void *p = NULL;
+    if (cuma_alloc(h, (size_t)size, (cuma_stream)stream, &p) != CUMA_OK) return NULL;
+    return p;
+}
+
+void cuma_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream) {
+    (void)size; /* the heap knows the block's size; PyTorch's may be rounded differently */
+    if (!ptr) return;
+    cuma_heap *h = cuma_default_heap_peek(device);
+    if (h && cuma_free(h, ptr, (cuma_stream)stream) == CUMA_OK) return;
+    /* Not on the device PyTorch named (or that heap does not exist): a wrong device ordinal
+     * must not leak the block, so ask the others before calling it a bad pointer. */
+    for (int d = 0; d < CUMA_MAX_DEFAULT_HEAPS; d++) {
+        cuma_heap *o = cuma_default_heap_peek(d);
+        size_t bs;
+        if (!o || o == h || cuma_block_size(o, ptr, &bs) != CUMA_OK) continue;
+        if (cuma_free(o, ptr, (cuma_stream)stream) != CUMA_OK) report("free");
+        return;
+    }
+    cuma_fail(
+        CUMA_ERR_BAD_POINTER,
+        "cuma_torch_free: pointer %p (device %d) is not a live allocation of any default heap", ptr,
+        device);
+    report("free");
+}
+
+void cuma_torch_init(int device_count) {
+    if (device_count > CUMA_MAX_DEFAULT_HEAPS)
+        fprintf(stderr, "cuma: init: %d devices; only ordinals 0..%d get a heap\n", device_count,
+                CUMA_MAX_DEFAULT_HEAPS - 1);
+    const char *conf = getenv("CUMA_CONF");
+    if (conf && cuma_config_check(conf) != CUMA_OK) report("init: CUMA_CONF");
+}
+
+void cuma_torch_reset(void) {
+    for (int d = 0; d < CUMA_MAX_DEFAULT_HEAPS; d++) {
+        cuma_heap *h = cuma_default_heap_peek(d);
+        if (h) cuma_trim(h, 0);
+    }
+}
+
+void cuma_torch_memory_fraction(double fraction, int device) {
+    cuma_heap *h;
+    cuma_status st = cuma_default_heap(device, &h);
+    if (st == CUMA_OK) st = cuma_set_memory_fraction(h, fraction);
+    if (st != CUMA_OK) report("memory_fraction");
+}
+
+void cuma_torch_record_stream(void *ptr, cudaStream_t stream) {
+    if (!ptr) return;
+    /* PyTorch does not say which device: the heap whose live table holds ptr is the owner.
+     * At most a few heaps exist and each lookup is one hash probe. */
+    for (int d = 0; d < CUMA_MAX_DEFAULT_HEAPS; d++) {
+        cuma_heap *h = cuma_default_heap_peek(d);
+        size_t bs;
+        if (!h || cuma_block_size(h, ptr, &bs) != CUMA_OK) continue;
+        if (cuma_record_stream(h, ptr, (cuma_stream)stream) != CUMA_OK) report("record_stream");
+        return;
+    }
+    cuma_fail(CUMA_ERR_BAD_POINTER,
+              "cuma_torch_record_stream: pointer %p is not a live allocation of any default heap",
+              ptr);
+    report("record_stream");
+}
+
+int cuma_torch_stats_json(int device, char *buf, size_t len) {
+    cuma_heap *h;
+    cuma_status st = cuma_default_heap(device, &h);
+    if (st != CUMA_OK) return -(int)st;
+    size_t needed = 0;
+    st = cuma_stats_json(h, buf, len, &needed);
+    /* A short buffer is not a failure here: the length tells the caller what to retry with. */
+    if (st != CUMA_OK && needed < len) return -(int)st;
+    if (st != CUMA_OK) cuma_clear_error();
+    return needed > INT_MAX ? INT_MAX : (int)needed;
+}
+
+cuma_heap *cuma_torch_created_heap(int device) {
+    return cuma_default_heap_peek(device);
+}

@@ -1,0 +1,109 @@
+/* The process-wide default heaps and the PyTorch entry points (src/shim): creation on first
+ * use from many threads at once, the backend:auto -> sim fallback and its visibility in the
+ * stats, the hooks' edge cases, shutdown. */
+#include "check.h"
+#include "cuma/torch.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NTHREADS   16
+#define PER_THREAD 200
+
+static pthread_barrier_t start;
+static cuma_heap *seen[NTHREADS];
+static void *ptrs[NTHREADS][PER_THREAD];
+
+static void *racer(void *arg) {
+    int id = (int)(intptr_t)arg;
+    pthread_barrier_wait(&start);
+    CHECK_OK(cuma_default_heap(0, &seen[id]));
+    for (int i = 0; i < PER_THREAD; i++) {
+        ptrs[id][i] = cuma_torch_malloc(512 + 64 * i + id, 0, NULL);
+        CHECK(ptrs[id][i] != NULL);
+    }
+    for (int i = 0; i < PER_THREAD; i += 2) cuma_torch_free(ptrs[id][i], 0, 0, NULL);
+    return NULL;
+}
+
+static void test_first_use_race(void) {
+    setenv("CUMA_CONF", "backend:sim,capacity:1G", 1);
+    cuma_default_heaps_shutdown();
+    CHECK(cuma_torch_created_heap(0) == NULL);
+    pthread_t t[NTHREADS];
+    pthread_barrier_init(&start, NULL, NTHREADS);
+    for (int i = 0; i < NTHREADS; i++)
+        CHECK(pthread_create(&t[i], NULL, racer, (void *)(intptr_t)i) == 0);
+    for (int i = 0; i < NTHREADS; i++) pthread_join(t[i], NULL);
+    pthread_barrier_destroy(&start);
+    for (int i = 1; i < NTHREADS; i++) CHECK(seen[i] == seen[0]); /* created once */
+    CHECK(cuma_torch_created_heap(0) == seen[0]);
+    for (int i = 0; i < NTHREADS; i++)
+        for (int j = 1; j < PER_THREAD; j += 2) cuma_torch_free(ptrs[i][j], 0, 0, NULL);
+    cuma_stats s;
+    CHECK_OK(cuma_get_stats(seen[0], &s));
+    CHECK(s.active_allocs == 0 && s.requested_bytes == 0);
+    CHECK_OK(cuma_validate(seen[0]));
+    cuma_default_heaps_shutdown();
+    CHECK(cuma_torch_created_heap(0) == NULL);
+}
+
+static void test_fallback_is_visible(void) {
+    setenv("CUMA_CONF", "capacity:256M", 1); /* no backend named: auto, else the sim */
+    cuma_default_heaps_shutdown();
+    cuma_heap *h;
+    cuma_status st = cuma_default_heap(0, &h);
+    CHECK_OK(st);
+    char buf[8192];
+    CHECK(cuma_torch_stats_json(0, buf, sizeof buf) > 0);
+    if (strstr(buf, "\"backend\":\"sim")) {
+        /* No driver here: the fallback must say so, and device 3 falls back as well. */
+        CHECK(strstr(buf, "\"backend\":\"sim (fallback") != NULL);
+        cuma_heap *h3;
+        CHECK_OK(cuma_default_heap(3, &h3));
+        CHECK(h3 != h);
+        /* Named explicitly, auto gets no fallback. */
+        setenv("CUMA_CONF", "backend:auto", 1);
+        cuma_default_heaps_shutdown();
+        CHECK_ST(cuma_default_heap(0, &h), CUMA_ERR_NO_DEVICE);
+        CHECK(h == NULL);
+    }
+    cuma_default_heaps_shutdown();
+}
+
+static void test_entry_point_edges(void) {
+    setenv("CUMA_CONF", "backend:sim,capacity:64M", 1);
+    cuma_default_heaps_shutdown();
+    cuma_heap *h;
+    CHECK_ST(cuma_default_heap(64, &h), CUMA_ERR_INVALID);
+    CHECK_ST(cuma_default_heap(-1, &h), CUMA_ERR_INVALID);
+    CHECK(cuma_torch_malloc(0, 0, NULL) == NULL && cuma_last_error()[0] == 0);
+    CHECK(cuma_torch_malloc(-1, 0, NULL) == NULL && strstr(cuma_last_error(), "negative"));
+    CHECK(cuma_torch_malloc(1 << 20, 64, NULL) == NULL && strstr(cuma_last_error(), "device 64"));
+    void *p = cuma_torch_malloc(4 << 20, 1, NULL);
+    CHECK(p != NULL);
+    cuma_torch_record_stream(p, (cudaStream_t)(uintptr_t)5);
+    cuma_torch_free(p, 4 << 20, 1, NULL);
+    cuma_torch_reset();
+    CHECK_OK(cuma_default_heap(1, &h));
+    cuma_stats s;
+    CHECK_OK(cuma_get_stats(h, &s));
+    CHECK(s.reserved_bytes == 0 && s.active_allocs == 0);
+    cuma_torch_memory_fraction(0.5, 1);
+    CHECK_OK(cuma_get_stats(h, &s));
+    CHECK(s.limit_bytes == 32 << 20);
+    char small[8];
+    int n = cuma_torch_stats_json(1, small, sizeof small);
+    CHECK(n > (int)sizeof small);
+    cuma_default_heaps_shutdown();
+}
+
+int main(void) {
+    test_first_use_race();
+    test_fallback_is_visible();
+    test_entry_point_edges();
+    unsetenv("CUMA_CONF");
+    printf("test_default_heap: ok\n");
+    return 0;
+}

@@ -1,0 +1,355 @@
+/* Stream fences (src/core/streams.c) over the simulated device: the stream table, lazy event
+ * recording (none until someone asks, one event for many frees), held streams, the event
+ * ring, MULTI tags, cuma_fence_join and cuma_streams_validate. */
+#include "check.h"
+#include "backend/backend.h"
+#include "core/config.h"
+#include "core/streams.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#define S(x) ((cuma_stream)(uintptr_t)(x))
+
+static cuma_backend *be;
+
+static void setup(cuma_streams *ss) {
+    cuma_settings set;
+    cuma_settings_default(&set);
+    CHECK_OK(cuma_settings_parse(&set, "capacity:64M,page_size:2M,sim_clock:manual", "test"));
+    CHECK_OK(cuma_sim_backend_create(&set, &be));
+    CHECK_OK(cuma_streams_init(ss, be));
+    CHECK(ss->n == 0 && ss->gseq == 0 && ss->events_recorded == 0 && ss->slot);
+}
+
+static void teardown(cuma_streams *ss) {
+    cuma_streams_destroy(ss);
+    CHECK(ss->slot == NULL);
+    cuma_streams_destroy(ss); /* twice is harmless */
+    be->ops->destroy(be);
+    be = NULL;
+}
+
+static void validate(const cuma_streams *ss) {
+    const char *why = NULL;
+    if (!cuma_streams_validate(ss, &why)) {
+        fprintf(stderr, "cuma_streams_validate: %s\n", why ? why : "(no reason)");
+        CHECK(0);
+    }
+}
+
+static void hold(cuma_stream s, bool on) {
+    CHECK_OK(cuma_simbe_hold(be, s, on));
+}
+
+static void test_table(void) {
+    cuma_streams ss;
+    setup(&ss);
+    CHECK(cuma_streams_index(&ss, NULL) == 0); /* the default stream is a stream */
+    CHECK(cuma_streams_index(&ss, S(0x10)) == 1);
+    CHECK(cuma_streams_index(&ss, NULL) == 0 && cuma_streams_index(&ss, S(0x10)) == 1);
+    CHECK(ss.n == 2 && ss.slot[1].handle == S(0x10));
+    CHECK(ss.slot[1].last == 0 && ss.slot[1].done == 0 && ss.slot[1].fenced == 0);
+    validate(&ss);
+    /* Fill the table. */
+    for (unsigned i = 2; i < CUMA_MAX_STREAMS; i++)
+        CHECK(cuma_streams_index(&ss, S(0x1000 + i)) == (int)i);
+    CHECK(ss.n == CUMA_MAX_STREAMS);
+    validate(&ss);
+    CHECK(cuma_streams_index(&ss, S(0xdead)) == -1);
+    CHECK(cuma_streams_index(&ss, S(0xbeef)) == -1);
+    CHECK(ss.n == CUMA_MAX_STREAMS);
+    /* Known streams are still found when it is full. */
+    CHECK(cuma_streams_index(&ss, NULL) == 0);
+    CHECK(cuma_streams_index(&ss, S(0x1000 + CUMA_MAX_STREAMS - 1)) == CUMA_MAX_STREAMS - 1);
+    /* Fences work on the last slot too. */
+    uint64_t q = cuma_streams_note_free(&ss, CUMA_MAX_STREAMS - 1);
+    CHECK(cuma_fence_poll(&ss, CUMA_MAX_STREAMS - 1, q, false));
+    validate(&ss);
+    teardown(&ss);
+}
+
+static void test_lazy(void) {
+    cuma_streams ss;
+    setup(&ss);
+    unsigned a = (unsigned)cuma_streams_index(&ss, S(0xA)),
+             b = (unsigned)cuma_streams_index(&ss, S(0xB));
+    /* Frees take increasing heap-wide sequence numbers; nothing is recorded. */
+    uint64_t prev = 0;
+    for (int i = 0; i < 1000; i++) {
+        uint64_t q = cuma_streams_note_free(&ss, i % 3 ? a : b);
+        CHECK(q == prev + 1 && q == ss.gseq);
+        prev = q;
+    }
+    CHECK(ss.slot[a].last == 999 && ss.slot[b].last == 1000);
+    CHECK(ss.events_recorded == 0);
+    CHECK(ss.slot[a].fenced == 0 && ss.slot[a].done == 0 && ss.slot[a].npending == 0);
+    validate(&ss);
+    /* Tag (any, 0) is clean; known_done does not ask the device. */
+    CHECK(cuma_fence_known_done(&ss, a, 0) && cuma_fence_known_done(&ss, CUMA_FENCE_MULTI, 0));
+    CHECK(!cuma_fence_known_done(&ss, a, 1));
+    CHECK(ss.events_recorded == 0);
+    CHECK(cuma_fence_poll(&ss, a, 0, false)); /* clean: no event */
+    CHECK(ss.events_recorded == 0);
+    /* One poll records one event, which covers every free on the stream so far. */
+    CHECK(cuma_fence_poll(&ss, a, 2, false));
+    CHECK(ss.events_recorded == 1);
+    CHECK(ss.slot[a].done == 999 && ss.slot[a].fenced == 999 && ss.slot[a].npending == 0);
+    CHECK(ss.slot[b].done == 0 && ss.slot[b].fenced == 0); /* the other stream is untouched */
+    for (uint64_t q = 1; q <= 999; q++) CHECK(cuma_fence_known_done(&ss, a, q));
+    CHECK(cuma_fence_poll(&ss, a, 999, false) && cuma_fence_poll(&ss, a, 500, true));
+    CHECK(ss.events_recorded == 1);
+    validate(&ss);
+    /* More frees: the next poll records again. */
+    uint64_t q = cuma_streams_note_free(&ss, a);
+    CHECK(!cuma_fence_known_done(&ss, a, q));
+    CHECK(cuma_fence_poll(&ss, a, q, false) && ss.events_recorded == 2 && ss.slot[a].done == q);
+    validate(&ss);
+    teardown(&ss);
+}
+
+static void test_held(void) {
+    cuma_streams ss;
+    setup(&ss);
+    unsigned a = (unsigned)cuma_streams_index(&ss, S(0xA)),
+             b = (unsigned)cuma_streams_index(&ss, S(0xB));
+    uint64_t q1 = cuma_streams_note_free(&ss, a);
+    uint64_t q2 = cuma_streams_note_free(&ss, a);
+    uint64_t qb = cuma_streams_note_free(&ss, b);
+    uint64_t q3 = cuma_streams_note_free(&ss, a);
+    hold(S(0xA), true);
+    /* A held stream keeps `done` behind; one event covers q1..q3 and is not recorded twice. */
+    CHECK(!cuma_fence_poll(&ss, a, q1, false));
+    CHECK(ss.events_recorded == 1 && ss.slot[a].fenced == q3 && ss.slot[a].npending == 1);
+    CHECK(ss.slot[a].done == 0);
+    CHECK(!cuma_fence_poll(&ss, a, q3, false) && !cuma_fence_poll(&ss, a, q2, false));
+    CHECK(ss.events_recorded == 1);
+    /* Waiting on a held simulated stream would never end: the poll says not done. */
+    CHECK(!cuma_fence_poll(&ss, a, q1, true));
+    CHECK(ss.slot[a].done == 0 && ss.events_recorded == 1);
+    validate(&ss);
+    /* Other streams are not held. */
+    CHECK(cuma_fence_poll(&ss, b, qb, false) && ss.slot[b].done == qb);
+    /* A free after the event needs a second one, also held. */
+    uint64_t q4 = cuma_streams_note_free(&ss, a);
+    CHECK(!cuma_fence_poll(&ss, a, q4, false));
+    CHECK(ss.events_recorded == 3 && ss.slot[a].npending == 2 && ss.slot[a].fenced == q4);
+    validate(&ss);
+    /* Released: both events complete at the next poll, without a new one. */
+    hold(S(0xA), false);
+    CHECK(!cuma_fence_known_done(&ss, a, q1)); /* nobody asked yet */
+    CHECK(cuma_fence_poll(&ss, a, q1, false));
+    CHECK(ss.slot[a].done == q4 && ss.slot[a].npending == 0 && ss.events_recorded == 3);
+    CHECK(cuma_fence_known_done(&ss, a, q4));
+    validate(&ss);
+    /* Held again: events recorded before the new hold are complete, later ones are not. */
+    uint64_t q5 = cuma_streams_note_free(&ss, a);
+    CHECK(cuma_fence_poll(&ss, a, q5, false)); /* not held: done at once */
+    hold(S(0xA), true);
+    uint64_t q6 = cuma_streams_note_free(&ss, a);
+    CHECK(!cuma_fence_poll(&ss, a, q6, false));
+    CHECK(ss.slot[a].done == q5);
+    hold(S(0xA), false);
+    CHECK(cuma_fence_poll(&ss, a, q6, true) && ss.slot[a].done == q6);
+    validate(&ss);
+    teardown(&ss);
+}
+
+/* The ring holds CUMA_FENCE_RING events; beyond it no event is recorded and the tags wait. */
+static void test_ring(void) {
+    cuma_streams ss;
+    setup(&ss);
+    unsigned a = (unsigned)cuma_streams_index(&ss, S(0xA));
+    hold(S(0xA), true);
+    uint64_t qs[CUMA_FENCE_RING + 3];
+    for (int i = 0; i < CUMA_FENCE_RING + 3; i++) {
+        qs[i] = cuma_streams_note_free(&ss, a);
+        CHECK(!cuma_fence_poll(&ss, a, qs[i], false));
+        uint64_t want = i < CUMA_FENCE_RING ? (uint64_t)i + 1 : CUMA_FENCE_RING;
+        CHECK(ss.events_recorded == want && ss.slot[a].npending == want);
+        validate(&ss);
+    }
+    CHECK(ss.slot[a].fenced == qs[CUMA_FENCE_RING - 1]);
+    hold(S(0xA), false);
+    /* The first poll retires the whole ring. */
+    CHECK(cuma_fence_poll(&ss, a, qs[0], false));
+    CHECK(ss.slot[a].done >= qs[CUMA_FENCE_RING - 1]);
+    validate(&ss);
+    CHECK(cuma_fence_poll(&ss, a, qs[CUMA_FENCE_RING + 2], false));
+    CHECK(ss.slot[a].done == qs[CUMA_FENCE_RING + 2] && ss.slot[a].npending == 0);
+    CHECK(ss.events_recorded == CUMA_FENCE_RING + 1);
+    validate(&ss);
+    /* The ring wraps: many more rounds of held events. */
+    for (int round = 0; round < 5; round++) {
+        hold(S(0xA), true);
+        uint64_t last = 0;
+        for (int i = 0; i < CUMA_FENCE_RING - 1; i++) {
+            last = cuma_streams_note_free(&ss, a);
+            CHECK(!cuma_fence_poll(&ss, a, last, false));
+        }
+        validate(&ss);
+        hold(S(0xA), false);
+        CHECK(cuma_fence_poll(&ss, a, last, false) && ss.slot[a].npending == 0);
+        validate(&ss);
+    }
+    /* Destroy with events still pending releases them (ASan builds see leaks). */
+    hold(S(0xA), true);
+    CHECK(!cuma_fence_poll(&ss, a, cuma_streams_note_free(&ss, a), false));
+    CHECK(ss.slot[a].npending == 1);
+    teardown(&ss);
+}
+
+static void test_multi(void) {
+    cuma_streams ss;
+    setup(&ss);
+    unsigned a = (unsigned)cuma_streams_index(&ss, S(0xA)),
+             b = (unsigned)cuma_streams_index(&ss, S(0xB));
+    unsigned c = (unsigned)cuma_streams_index(&ss, S(0xC)); /* never frees anything */
+    (void)c;
+    uint64_t qa = cuma_streams_note_free(&ss, a);
+    uint64_t qb = cuma_streams_note_free(&ss, b);
+    /* MULTI (seq): every stream's frees up to seq have completed. */
+    CHECK(!cuma_fence_known_done(&ss, CUMA_FENCE_MULTI, qb));
+    hold(S(0xB), true);
+    CHECK(!cuma_fence_poll(&ss, CUMA_FENCE_MULTI, qb, false));
+    CHECK(ss.slot[a].done == qa); /* a was asked too, and is done */
+    CHECK(ss.slot[b].done == 0);
+    CHECK(ss.events_recorded == 2); /* one per stream with frees, none for c */
+    validate(&ss);
+    /* A free on a after the tag: the poll's new event on a covers it too. */
+    uint64_t qa2 = cuma_streams_note_free(&ss, a);
+    CHECK(!cuma_fence_known_done(&ss, CUMA_FENCE_MULTI, qb));
+    hold(S(0xB), false);
+    CHECK(!cuma_fence_known_done(&ss, CUMA_FENCE_MULTI, qb)); /* nobody asked yet */
+    CHECK(cuma_fence_poll(&ss, CUMA_FENCE_MULTI, qb, false));
+    CHECK(ss.slot[b].done == qb && ss.slot[a].done == qa2);
+    CHECK(cuma_fence_known_done(&ss, CUMA_FENCE_MULTI, qb));
+    CHECK(cuma_fence_known_done(&ss, CUMA_FENCE_MULTI, qa2));
+    CHECK(ss.events_recorded == 3);
+    validate(&ss);
+    /* A stream that frees nothing never holds a MULTI tag back. */
+    hold(S(0xC), true);
+    uint64_t qa3 = cuma_streams_note_free(&ss, a);
+    CHECK(cuma_fence_poll(&ss, CUMA_FENCE_MULTI, qa3, false));
+    teardown(&ss);
+}
+
+static void test_join(void) {
+    cuma_streams ss;
+    setup(&ss);
+    unsigned a = (unsigned)cuma_streams_index(&ss, S(0xA)),
+             b = (unsigned)cuma_streams_index(&ss, S(0xB));
+    uint64_t a1 = cuma_streams_note_free(&ss, a), b1 = cuma_streams_note_free(&ss, b);
+    uint64_t a2 = cuma_streams_note_free(&ss, a), b2 = cuma_streams_note_free(&ss, b);
+    uint16_t st;
+    uint64_t sq;
+    /* The other tag is clean: mine stays. */
+    st = (uint16_t)a, sq = a1;
+    cuma_fence_join(&ss, &st, &sq, (uint16_t)b, 0);
+    CHECK(st == a && sq == a1);
+    /* Mine is clean: the other's is taken. */
+    st = 0, sq = 0;
+    cuma_fence_join(&ss, &st, &sq, (uint16_t)b, b1);
+    CHECK(st == b && sq == b1);
+    /* Both pending on one stream: the later. */
+    st = (uint16_t)a, sq = a1;
+    cuma_fence_join(&ss, &st, &sq, (uint16_t)a, a2);
+    CHECK(st == a && sq == a2);
+    st = (uint16_t)a, sq = a2;
+    cuma_fence_join(&ss, &st, &sq, (uint16_t)a, a1);
+    CHECK(st == a && sq == a2);
+    /* Pending on two streams: MULTI with the larger sequence number. */
+    st = (uint16_t)a, sq = a2;
+    cuma_fence_join(&ss, &st, &sq, (uint16_t)b, b1);
+    CHECK(st == CUMA_FENCE_MULTI && sq == a2);
+    st = (uint16_t)a, sq = a1;
+    cuma_fence_join(&ss, &st, &sq, (uint16_t)b, b2);
+    CHECK(st == CUMA_FENCE_MULTI && sq == b2);
+    /* MULTI stays MULTI. */
+    cuma_fence_join(&ss, &st, &sq, (uint16_t)a, a1);
+    CHECK(st == CUMA_FENCE_MULTI && sq == b2);
+    st = (uint16_t)a, sq = a1;
+    cuma_fence_join(&ss, &st, &sq, CUMA_FENCE_MULTI, b1);
+    CHECK(st == CUMA_FENCE_MULTI && sq == b1);
+    /* A tag known complete counts as clean, whatever its number. */
+    CHECK(cuma_fence_poll(&ss, a, a1, false) && ss.slot[a].done == a2);
+    st = (uint16_t)a, sq = a2;
+    cuma_fence_join(&ss, &st, &sq, (uint16_t)b, b1);
+    CHECK(st == b && sq == b1);
+    st = (uint16_t)b, sq = b2;
+    cuma_fence_join(&ss, &st, &sq, (uint16_t)a, a2);
+    CHECK(st == b && sq == b2);
+    /* The joined tag is complete only when both parts are. */
+    uint64_t a3 = cuma_streams_note_free(&ss, a);
+    st = (uint16_t)a, sq = a3;
+    cuma_fence_join(&ss, &st, &sq, (uint16_t)b, b2);
+    CHECK(st == CUMA_FENCE_MULTI);
+    hold(S(0xB), true);
+    CHECK(!cuma_fence_poll(&ss, st, sq, false));
+    CHECK(ss.slot[a].done == a3); /* a's part is done */
+    hold(S(0xB), false);
+    CHECK(cuma_fence_poll(&ss, st, sq, false));
+    validate(&ss);
+    teardown(&ss);
+}
+
+static void test_validate_detects(void) {
+    cuma_streams ss;
+    setup(&ss);
+    unsigned a = (unsigned)cuma_streams_index(&ss, S(0xA));
+    (void)cuma_streams_index(&ss, S(0xB));
+    hold(S(0xA), true);
+    uint64_t q1 = cuma_streams_note_free(&ss, a);
+    CHECK(!cuma_fence_poll(&ss, a, q1, false));
+    uint64_t q2 = cuma_streams_note_free(&ss, a);
+    CHECK(!cuma_fence_poll(&ss, a, q2, false));
+    validate(&ss);
+    cuma_stream_slot saved = ss.slot[a];
+    const char *why;
+    /* done > fenced */
+    ss.slot[a].done = q2 + 1;
+    why = NULL;
+    CHECK(!cuma_streams_validate(&ss, &why) && why);
+    ss.slot[a] = saved;
+    /* last > gseq */
+    ss.slot[a].last = ss.gseq + 1;
+    why = NULL;
+    CHECK(!cuma_streams_validate(&ss, &why) && why);
+    ss.slot[a] = saved;
+    /* ring out of order */
+    unsigned h = ss.slot[a].head;
+    uint64_t c0 = ss.slot[a].ring[h].covers, c1 = ss.slot[a].ring[(h + 1) % CUMA_FENCE_RING].covers;
+    ss.slot[a].ring[h].covers = c1, ss.slot[a].ring[(h + 1) % CUMA_FENCE_RING].covers = c0;
+    why = NULL;
+    CHECK(!cuma_streams_validate(&ss, &why) && why && strstr(why, "ring"));
+    ss.slot[a] = saved;
+    /* ring overfull */
+    ss.slot[a].npending = CUMA_FENCE_RING + 1;
+    why = NULL;
+    CHECK(!cuma_streams_validate(&ss, &why) && why);
+    ss.slot[a] = saved;
+    /* a stream listed twice */
+    cuma_stream hb = ss.slot[1].handle;
+    ss.slot[1].handle = ss.slot[0].handle;
+    why = NULL;
+    CHECK(!cuma_streams_validate(&ss, &why) && why && strstr(why, "twice"));
+    ss.slot[1].handle = hb;
+    validate(&ss);
+    hold(S(0xA), false);
+    CHECK(cuma_fence_poll(&ss, a, q2, false));
+    validate(&ss);
+    teardown(&ss);
+}
+
+int main(void) {
+    test_table();
+    test_lazy();
+    test_held();
+    test_ring();
+    test_multi();
+    test_join();
+    test_validate_detects();
+    printf("test_streams: all passed\n");
+    return 0;
+}

@@ -1,0 +1,161 @@
+/* The per-thread caches (fast path): reuse, accounting, double frees, frees from other threads,
+ * flushes by trim, age and out-of-memory, thread exit. */
+#include "check.h"
+#include "cuma/sim.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MB (1024ull * 1024)
+
+static cuma_heap *make(const char *conf) {
+    cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+    cuma_heap *h = NULL;
+    CHECK_OK(cuma_heap_create(&cfg, &h));
+    return h;
+}
+
+static cuma_stats stats(cuma_heap *h) {
+    cuma_stats s;
+    CHECK_OK(cuma_get_stats(h, &s));
+    return s;
+}
+
+static void test_reuse_and_accounting(void) {
+    cuma_heap *h = make("capacity:64M,sim_clock:manual,tcache_age_ms:100");
+    void *p, *q;
+    CHECK_OK(cuma_alloc(h, 1000, NULL, &p));
+    CHECK_OK(cuma_free(h, p, NULL));
+    cuma_stats s = stats(h);
+    CHECK(s.requested_bytes == 0 && s.active_allocs == 0 && s.num_frees == 1);
+    CHECK(s.mapped_bytes == 2 * MB); /* the cached block keeps its page */
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_alloc(h, 900, NULL, &q)); /* same rounded size: the same block, no lock */
+    CHECK(q == p);
+    s = stats(h);
+    CHECK(s.requested_bytes == 900 && s.active_allocs == 1 && s.num_allocs == 2);
+    CHECK(s.peak_requested_bytes == 1000);
+    CHECK_OK(cuma_validate(h));
+    /* Double free: the second one is refused, the heap stays valid. */
+    CHECK_OK(cuma_free(h, q, NULL));
+    CHECK_ST(cuma_free(h, q, NULL), CUMA_ERR_BAD_POINTER);
+    size_t bs;
+    CHECK_ST(cuma_block_size(h, q, &bs), CUMA_ERR_BAD_POINTER);
+    CHECK_ST(cuma_record_stream(h, q, NULL), CUMA_ERR_BAD_POINTER);
+    CHECK_OK(cuma_validate(h));
+    /* Another stream does not take a block freed on this one from the cache. */
+    cuma_stream s2 = (cuma_stream)(uintptr_t)0x77;
+    CHECK_OK(cuma_alloc(h, 1000, s2, &q));
+    CHECK(q != p);
+    CHECK_OK(cuma_free(h, q, s2));
+    /* trim empties the caches and gives everything back. */
+    CHECK_OK(cuma_trim(h, 0));
+    s = stats(h);
+    CHECK(s.reserved_bytes == 0 && s.mapped_bytes == 0 && s.requested_bytes == 0);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
+static void test_age(void) {
+    cuma_heap *h = make("capacity:64M,sim_clock:manual,tcache_age_ms:50,release_delay_ms:100");
+    void *p;
+    CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &p));
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK(stats(h).mapped_bytes == 4 * MB);
+    uint64_t due;
+    CHECK_OK(cuma_next_release(h, &due));
+    CHECK(due == 50 * 1000000ull);
+    CHECK_OK(cuma_sim_set_time(h, due));
+    CHECK_OK(cuma_poll(h));
+    cuma_stats s = stats(h);
+    CHECK(s.mapped_bytes == 0 && s.cached_bytes == 4 * MB); /* back in the heap, pages idle */
+    CHECK_OK(cuma_next_release(h, &due));
+    CHECK(due == 150 * 1000000ull);
+    CHECK_OK(cuma_sim_set_time(h, due));
+    CHECK_OK(cuma_poll(h));
+    CHECK(stats(h).reserved_bytes == 0);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
+/* A block this thread allocated and cached may be freed (after reuse) by another thread. */
+typedef struct xfree {
+    cuma_heap *h;
+    void *p;
+    cuma_status st;
+} xfree;
+
+static void *free_there(void *arg) {
+    xfree *x = arg;
+    x->st = cuma_free(x->h, x->p, NULL);
+    return NULL;
+}
+
+static void *alloc_there(void *arg) {
+    xfree *x = arg;
+    x->st = cuma_alloc(x->h, 64 * 1024, NULL, &x->p);
+    if (x->st == CUMA_OK) x->st = cuma_free(x->h, x->p, NULL); /* into that thread's cache */
+    return NULL;
+}
+
+static void test_threads(void) {
+    cuma_heap *h = make("capacity:64M,sim_clock:manual");
+    void *p;
+    CHECK_OK(cuma_alloc(h, 64 * 1024, NULL, &p));
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_OK(cuma_alloc(h, 64 * 1024, NULL, &p)); /* from this thread's cache */
+    xfree x = {h, p, CUMA_OK};
+    pthread_t t;
+    CHECK(!pthread_create(&t, NULL, free_there, &x));
+    pthread_join(t, NULL);
+    CHECK_OK(x.st);
+    CHECK_ST(cuma_free(h, p, NULL), CUMA_ERR_BAD_POINTER); /* stale entry here: refused */
+    CHECK(stats(h).active_allocs == 0);
+    CHECK_OK(cuma_validate(h));
+    /* A thread that ends gives its cache back. */
+    xfree y = {h, NULL, CUMA_OK};
+    CHECK(!pthread_create(&t, NULL, alloc_there, &y));
+    pthread_join(t, NULL);
+    CHECK_OK(y.st);
+    CHECK_OK(cuma_validate(h));
+    CHECK(stats(h).mapped_bytes == 0);
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK(stats(h).reserved_bytes == 0);
+    cuma_heap_destroy(h);
+}
+
+static int oom_free(void *user, cuma_heap *h, size_t size, cuma_stream s) {
+    (void)size, (void)s;
+    void **victim = user;
+    if (!*victim) return CUMA_OOM_PASS;
+    CHECK_OK(cuma_free(h, *victim, NULL)); /* lands in this thread's cache */
+    *victim = NULL;
+    return CUMA_OOM_RETRY;
+}
+
+static void test_oom_flushes(void) {
+    cuma_heap *h = make("capacity:16M,sim_clock:manual");
+    void *a, *b, *victim;
+    CHECK_OK(cuma_alloc(h, 6 * MB, NULL, &a));
+    CHECK_OK(cuma_free(h, a, NULL)); /* cached, pages held */
+    CHECK_OK(cuma_alloc(h, 6 * MB, NULL, &victim));
+    CHECK(victim == a);
+    CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &a));
+    CHECK_OK(cuma_free(h, a, NULL)); /* cached: 4 MiB held by the cache */
+    CHECK_OK(cuma_add_oom_callback(h, oom_free, &victim, NULL));
+    CHECK_OK(cuma_alloc(h, 12 * MB, NULL, &b)); /* needs the cache flushed and the victim freed */
+    CHECK(victim == NULL);
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, b, NULL));
+    cuma_heap_destroy(h);
+}
+
+int main(void) {
+    test_reuse_and_accounting();
+    test_age();
+    test_threads();
+    test_oom_flushes();
+    printf("test_tcache: all passed\n");
+    return 0;
+}
