@@ -138,7 +138,7 @@ cuma_tcache *cuma_tcache_get(cuma_heap *h) {
 }
 
 static unsigned bin_of(uint64_t n, unsigned stream) {
-    return (unsigned)(((n >> 9) * 0x9E3779B97F4A7C15ull + stream * 0xC2B2AE3D27D4EB4Full) >> 58) & (CUMA_TC_BINS - 1);
+    return (unsigned)(((n >> 9) * 0x9E3779B97F4A7C15ull + stream * 0xC2B2AE3D27D4EB4Full) >> 57) & (CUMA_TC_BINS - 1);
 }
 
 static uint64_t key_slot(uint64_t key, uint32_t cap) { return ((key >> 9) * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1); }

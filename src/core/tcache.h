@@ -29,8 +29,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define CUMA_TC_BINS 64
-#define CUMA_TC_DEPTH 8
+#define CUMA_TC_BINS 128
+#define CUMA_TC_DEPTH 16
 #define CUMA_TC_STREAMS 8
 
 struct cuma_heap;
