@@ -58,7 +58,7 @@ static void test_reuse_and_accounting(void) {
 }
 
 static void test_age(void) {
-    cuma_heap *h = make("capacity:64M,sim_clock:manual,tcache_age_ms:50,release_delay_ms:100");
+    cuma_heap *h = make("capacity:64M,sim_clock:manual,tcache_age_ms:50,release_delay_ms:100,tcache_max:8M");
     void *p;
     CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &p));
     CHECK_OK(cuma_free(h, p, NULL));
@@ -135,7 +135,7 @@ static int oom_free(void *user, cuma_heap *h, size_t size, cuma_stream s) {
 }
 
 static void test_oom_flushes(void) {
-    cuma_heap *h = make("capacity:16M,sim_clock:manual");
+    cuma_heap *h = make("capacity:16M,sim_clock:manual,tcache_max:8M");
     void *a, *b, *victim;
     CHECK_OK(cuma_alloc(h, 6 * MB, NULL, &a));
     CHECK_OK(cuma_free(h, a, NULL)); /* cached, pages held */
