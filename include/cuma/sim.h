@@ -10,7 +10,8 @@
  * at once, unless a test holds the stream: events recorded while it is held complete only when
  * it is released.
  *
- * Each function returns CUMA_ERR_UNSUPPORTED for a heap that is not on the simulated device.
+ * The stream functions return CUMA_ERR_UNSUPPORTED for a heap that is not on the simulated
+ * device; the clock functions work on every backend.
  * Thread-safe like the rest of the heap API.
  */
 #ifndef CUMA_SIM_H
@@ -22,7 +23,8 @@
 extern "C" {
 #endif
 
-/* Sets the simulated clock (nanoseconds; must not go backwards). Needs sim_clock:manual. */
+/* Sets the heap's clock (nanoseconds; must not go backwards). Needs sim_clock:manual, which
+ * works on every backend (a replay on backend:vmm drives the release policy the same way). */
 cuma_status cuma_sim_set_time(cuma_heap *heap, uint64_t ns);
 
 /* Reads the heap's clock, whatever the backend (nanoseconds). */

@@ -49,7 +49,7 @@ typedef struct cuma_backend_ops {
     int (*event_query)(cuma_backend *be, uint64_t event);
     cuma_status (*event_wait)(cuma_backend *be, uint64_t event);
     void (*event_release)(cuma_backend *be, uint64_t event);
-    /* Nanoseconds on the backend's clock (the sim's may be driven by a replay). */
+    /* Nanoseconds on the backend's monotonic clock (a heap with sim_clock:manual uses its own). */
     uint64_t (*now_ns)(cuma_backend *be);
     void (*destroy)(cuma_backend *be);
 } cuma_backend_ops;
@@ -70,7 +70,6 @@ cuma_status cuma_backend_create(const cuma_settings *s, cuma_backend **out);
 cuma_status cuma_sim_backend_create(const cuma_settings *s, cuma_backend **out);
 
 /* Sim controls behind include/cuma/sim.h; CUMA_ERR_UNSUPPORTED if be is not a sim. */
-cuma_status cuma_simbe_set_time(cuma_backend *be, uint64_t ns);
 cuma_status cuma_simbe_hold(cuma_backend *be, cuma_stream stream, bool hold);
 
 /* CUDA backends (src/backend/cuda_*.c); CUMA_ERR_NO_DEVICE when not built or no driver. */

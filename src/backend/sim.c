@@ -1,7 +1,7 @@
 /* The simulated device: a capacity, a page granularity, streams that tests can hold busy, and a
  * clock that replays can drive. With host backing, pages are pieces of one sparse memfd mapped
  * into a PROT_NONE reservation, so data written through one mapping survives unmap and remap
- * elsewhere, as on a GPU. Without it, addresses are numbers nobody dereferences and the
+ * elsewhere, as on a GPU. (A replay's manual clock belongs to the heap, not to this backend.) Without it, addresses are numbers nobody dereferences and the
  * simulator costs no memory, which lets a replay simulate an 80 GiB device anywhere. */
 #include "backend.h"
 #include "core/error.h"
@@ -30,12 +30,10 @@ typedef struct sim_event {
 } sim_event;
 
 /* Invariants: used_pages <= npages; a page index is either on free_pages or handed out;
- * events on the free list are not referenced by the core. Guarded by the heap lock, except
- * `now`, which is atomic (now_ns may be called without the lock). */
+ * events on the free list are not referenced by the core. Guarded by the heap lock. */
 typedef struct sim {
     cuma_backend be;
-    bool backing, manual;
-    _Atomic uint64_t now;
+    bool backing;
     uint64_t npages, used_pages, next_fresh;
     uint64_t *free_pages;
     uint64_t nfree;
@@ -211,8 +209,7 @@ static void sim_event_release(cuma_backend *be, uint64_t event) {
 }
 
 static uint64_t sim_now(cuma_backend *be) {
-    sim *s = (sim *)be;
-    if (s->manual) return atomic_load_explicit(&s->now, memory_order_relaxed);
+    (void)be;
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
@@ -246,7 +243,6 @@ cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out
     s->be.capacity = set->capacity;
     snprintf(s->be.device_id, sizeof s->be.device_id, "sim");
     s->backing = set->host_backing;
-    s->manual = set->sim_clock_manual;
     s->npages = set->capacity / set->page_size;
     s->free_pages = malloc(s->npages * sizeof *s->free_pages);
     s->free_event = NO_EVENT;
@@ -266,15 +262,6 @@ cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out
         }
     }
     *out = &s->be;
-    return CUMA_OK;
-}
-
-cuma_status cuma_simbe_set_time(cuma_backend *be, uint64_t ns) {
-    sim *s = as_sim(be);
-    if (!s) return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_sim_set_time: the heap is on backend %s, not sim", be->name);
-    if (!s->manual) return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_sim_set_time: the heap needs sim_clock:manual");
-    if (ns < atomic_load(&s->now)) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_set_time: time goes backwards");
-    atomic_store(&s->now, ns);
     return CUMA_OK;
 }
 

@@ -59,7 +59,8 @@ static const key_desc keys[] = {
     {"host_backing", K_BOOL, F(host_backing), "off", NULL,
      "sim: back simulated pages with host memory so data can be written and read"},
     {"sim_clock", K_NAME, F(sim_clock_manual), "real", "real|manual",
-     "sim: real = monotonic clock; manual = moved only by cuma_sim_set_time (replays)"},
+     "the heap's clock: real = the backend's (monotonic); manual = moved only by cuma_sim_set_time "
+     "(replays, on any backend)"},
     {"sim_segments", K_BOOL, F(sim_segments), "off", NULL,
      "sim: simulate a device without virtual memory management, so the heap runs in segment "
      "mode (whole segments, as backend:segment does with cuMemAlloc)"},

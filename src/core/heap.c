@@ -84,7 +84,7 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     cuma_heap_refresh_limit(h);
     if (h->set.preallocate && h->vmm) {
         st = cuma_pages_prefill(&h->pages, (h->set.preallocate + h->be->page_size - 1) / h->be->page_size,
-                                h->be->ops->now_ns(h->be));
+                                cuma_heap_now(h));
         if (st) goto fail_all;
     }
     pthread_mutex_init(&h->lock, NULL);
@@ -93,7 +93,7 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&h->wake, &ca);
     pthread_condattr_destroy(&ca);
-    if (h->set.release_thread && !(h->set.sim_clock_manual && !strcmp(h->be->name, "sim")) && h->release_delay_ns >= 0) {
+    if (h->set.release_thread && !h->set.sim_clock_manual && h->release_delay_ns >= 0) {
         if (pthread_create(&h->thread, NULL, release_thread, h)) {
             st = cuma_fail(CUMA_ERR_BACKEND, "could not start the release thread");
             pthread_mutex_destroy(&h->lock);
@@ -102,7 +102,7 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         }
         h->thread_running = true;
     }
-    atomic_store(&h->coarse_now, h->be->ops->now_ns(h->be));
+    atomic_store(&h->coarse_now, cuma_heap_now(h));
     h->id = cuma_tcache_register_heap(h);
     *out = h;
     return CUMA_OK;
@@ -159,7 +159,7 @@ void cuma_heap_destroy(cuma_heap *h) {
     free(h);
 }
 
-static uint64_t now(cuma_heap *h) { return h->be->ops->now_ns(h->be); }
+static uint64_t now(cuma_heap *h) { return cuma_heap_now(h); }
 
 static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache *tc) {
     cuma_counters *c = &h->c;

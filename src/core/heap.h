@@ -62,6 +62,7 @@ struct cuma_heap {
     int64_t tc_age_ns;
     uint64_t tc_due; /* no thread-cache block is due to go back before this (coarse time) */
     cuma_tcache *tcaches;
+    _Atomic uint64_t manual_now;   /* sim_clock:manual: the time cuma_sim_set_time set */
     _Atomic uint64_t coarse_now;   /* the clock as of the last slow path (fast paths stamp with it) */
     _Atomic int64_t req_global;    /* c.requested, for the fast path's peak check */
     _Atomic uint64_t peak_req;     /* peak requested bytes (fast and slow paths) */
@@ -84,6 +85,13 @@ static inline uint64_t cuma_heap_oldest_idle(const cuma_heap *h) {
 /* Gives back idle memory: older than delay_ns (< 0: none by age), then the oldest while more
  * than max_cached_bytes idle. */
 void cuma_heap_release(cuma_heap *h, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes, bool wait);
+
+/* The heap's clock: the backend's, or with sim_clock:manual (any backend) the time that
+ * cuma_sim_set_time last set, so a replay drives the release policy with trace time. */
+static inline uint64_t cuma_heap_now(cuma_heap *h) {
+    return h->set.sim_clock_manual ? atomic_load_explicit(&h->manual_now, memory_order_relaxed)
+                                   : h->be->ops->now_ns(h->be);
+}
 
 /* Takes back a block a thread cache held (heap lock held). */
 void cuma_heap_give_cached(cuma_heap *h, cuma_block *b);

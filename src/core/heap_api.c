@@ -16,7 +16,7 @@ cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
     uint64_t reserved = cuma_heap_reserved(h), cached = cuma_heap_cached(h);
     if (reserved > h->limit_bytes) {
         uint64_t excess = reserved - h->limit_bytes;
-        cuma_heap_release(h, h->be->ops->now_ns(h->be), -1, cached > excess ? cached - excess : 0, true);
+        cuma_heap_release(h, cuma_heap_now(h), -1, cached > excess ? cached - excess : 0, true);
     }
     pthread_mutex_unlock(&h->lock);
     return CUMA_OK;
@@ -153,16 +153,22 @@ cuma_status cuma_validate(cuma_heap *h) {
 
 cuma_status cuma_sim_set_time(cuma_heap *h, uint64_t ns) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_set_time: heap is NULL");
+    if (!h->set.sim_clock_manual) return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_sim_set_time: the heap needs sim_clock:manual");
     pthread_mutex_lock(&h->lock);
-    cuma_status st = cuma_simbe_set_time(h->be, ns);
-    if (st == CUMA_OK) atomic_store_explicit(&h->coarse_now, ns, memory_order_relaxed);
+    cuma_status st = CUMA_OK;
+    if (ns < atomic_load(&h->manual_now)) {
+        st = cuma_fail(CUMA_ERR_INVALID, "cuma_sim_set_time: time goes backwards");
+    } else {
+        atomic_store(&h->manual_now, ns);
+        atomic_store_explicit(&h->coarse_now, ns, memory_order_relaxed);
+    }
     pthread_mutex_unlock(&h->lock);
     return st;
 }
 
 cuma_status cuma_sim_get_time(cuma_heap *h, uint64_t *ns) {
     if (!h || !ns) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_get_time: NULL argument");
-    *ns = h->be->ops->now_ns(h->be);
+    *ns = cuma_heap_now(h);
     return CUMA_OK;
 }
 
