@@ -33,11 +33,23 @@ test-asan:
 
 test-tsan:
 	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUMA_SANITIZE=thread >/dev/null
-	cmake --build build-tsan -j$(JOBS) --target test_stress
-	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 CUMA_STRESS_OPS=300000 ctest --output-on-failure -R '^test_stress'
+	cmake --build build-tsan -j$(JOBS) --target test_stress test_tcache test_default_heap
+	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 CUMA_STRESS_OPS=300000 ctest --output-on-failure -R '^test_(stress|tcache|default_heap)'
 
 test-python: build
 	@if [ -d python/tests ]; then scripts/pytest.sh $(BUILD); else echo "no python tests yet"; fi
+
+# The speed benchmark (bench/README.md): one table; options in BENCH_ARGS (--json, --quick).
+BENCH_ARGS ?=
+bench: build
+	@scripts/deps.sh bench
+	@scripts/bench.sh $(BUILD) $(BENCH_ARGS)
+
+# Instructions per operation under callgrind (bench/profile.sh), repeatable on a busy machine.
+.PHONY: profile
+profile: build
+	@scripts/deps.sh bench
+	@bench/profile.sh $(BUILD)
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h')

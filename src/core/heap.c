@@ -193,7 +193,11 @@ static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_
     if (h->vmm) cuma_pages_unref(&h->pages, b->off, b->mapped_len, t, fstream, fseq);
     cuma_block *m = h->pol->ops->free(h->pol, b, fstream, fseq);
     if (!h->vmm) cuma_segs_on_free(&h->segs, m, t);
-    if (was_empty && cuma_heap_cached(h) && h->thread_running) pthread_cond_signal(&h->wake);
+    /* Wake the release thread only if it would otherwise sleep past this memory's due time:
+     * a signal per free costs a context switch each. */
+    if (was_empty && cuma_heap_cached(h) && h->thread_running && h->release_delay_ns >= 0 &&
+        h->thread_wake_at > t + (uint64_t)h->release_delay_ns)
+        pthread_cond_signal(&h->wake);
 }
 
 /* Releases deferred blocks whose record_stream fences completed. */
@@ -556,6 +560,7 @@ static void *release_thread(void *arg) {
             if (due <= t) wait_ns = 0;
             else if (due - t < wait_ns) wait_ns = due - t;
         }
+        h->thread_wake_at = t + wait_ns;
         if (wait_ns) {
             struct timespec ts;
             clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -70,6 +70,7 @@ struct cuma_heap {
     pthread_t thread;
     pthread_cond_t wake;
     bool thread_running, stopping;
+    uint64_t thread_wake_at; /* when the release thread plans to wake (heap clock) */
 };
 
 /* The physical layer, whichever mode: bytes held from the device, idle in the cache, in use. */

@@ -1,0 +1,261 @@
+/* Trace replays: the trace is parsed and flattened into operations first; then only the
+ * allocator calls run in the timed loop. Throughput (1 thread), per-operation latency and
+ * scaling (2 threads, each replaying its own copy on the shared heap or malloc). */
+#include "bench.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int bench_ops_load(const char *path, size_t max_events, bench_ops *out) {
+    memset(out, 0, sizeof *out);
+    cuma_trace t;
+    if (cuma_trace_load(path, &t) != CUMA_OK) {
+        fprintf(stderr, "cuma-bench: %s\n", cuma_last_error());
+        return -1;
+    }
+    size_t n = max_events && max_events < t.n ? max_events : t.n;
+    int64_t *slot_of = malloc((n ? n : 1) * sizeof *slot_of);
+    out->op = malloc((n ? n : 1) * sizeof *out->op);
+    if (!slot_of || !out->op) {
+        free(slot_of);
+        free(out->op);
+        out->op = NULL;
+        cuma_trace_free(&t);
+        fprintf(stderr, "cuma-bench: no memory for %zu operations of %s\n", n, path);
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const cuma_trace_event *e = &t.ev[i];
+        slot_of[i] = -1;
+        if (e->action == CUMA_TRACE_ALLOC && e->size > 0) {
+            slot_of[i] = (int64_t)out->nslots;
+            out->op[out->n++] = (bench_op){e->size, (uint32_t)out->nslots++, (uint32_t)e->stream};
+            out->nallocs++;
+        } else if (e->action == CUMA_TRACE_FREE && e->match >= 0 && (size_t)e->match < i &&
+                   slot_of[e->match] >= 0) {
+            out->op[out->n++] = (bench_op){0, (uint32_t)slot_of[e->match], 0};
+        }
+    }
+    free(slot_of);
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    snprintf(out->name, sizeof out->name, "%s", base);
+    char *dot = strstr(out->name, ".csv");
+    if (dot) *dot = 0;
+    cuma_trace_free(&t);
+    return 0;
+}
+
+void bench_ops_free(bench_ops *ops) {
+    free(ops->op);
+    memset(ops, 0, sizeof *ops);
+}
+
+/* ---- the loops ---------------------------------------------------------------------------- */
+
+static uint64_t replay_cuma(cuma_heap *h, const bench_ops *ops, uint64_t scale, void **ptrs) {
+    uint64_t bad = 0;
+    for (size_t i = 0; i < ops->n; i++) {
+        const bench_op *op = &ops->op[i];
+        if (op->size) {
+            cuma_stream s = (cuma_stream)(uintptr_t)op->stream;
+            if (cuma_alloc(h, (size_t)(op->size * scale), s, &ptrs[op->slot]) != CUMA_OK) {
+                ptrs[op->slot] = NULL;
+                bad++;
+            }
+        } else if (ptrs[op->slot]) {
+            bad += cuma_free(h, ptrs[op->slot], NULL) != CUMA_OK;
+            ptrs[op->slot] = NULL;
+        }
+    }
+    return bad;
+}
+
+static uint64_t replay_host(const bench_ops *ops, uint64_t scale, void **ptrs) {
+    uint64_t bad = 0;
+    for (size_t i = 0; i < ops->n; i++) {
+        const bench_op *op = &ops->op[i];
+        if (op->size) {
+            ptrs[op->slot] = malloc((size_t)(op->size * scale));
+            bad += !ptrs[op->slot];
+        } else if (ptrs[op->slot]) {
+            free(ptrs[op->slot]);
+            ptrs[op->slot] = NULL;
+        }
+    }
+    return bad;
+}
+
+/* The same loops with the timer read around every call; lat gets one sample per call. */
+static uint64_t replay_cuma_lat(cuma_heap *h, const bench_ops *ops, uint64_t scale, void **ptrs,
+                                uint32_t *lat, size_t *nlat) {
+    uint64_t bad = 0;
+    size_t k = 0;
+    for (size_t i = 0; i < ops->n; i++) {
+        const bench_op *op = &ops->op[i];
+        uint64_t t0, t1;
+        if (op->size) {
+            cuma_stream s = (cuma_stream)(uintptr_t)op->stream;
+            t0 = bench_ticks();
+            cuma_status st = cuma_alloc(h, (size_t)(op->size * scale), s, &ptrs[op->slot]);
+            t1 = bench_ticks();
+            if (st != CUMA_OK) ptrs[op->slot] = NULL, bad++;
+        } else if (ptrs[op->slot]) {
+            t0 = bench_ticks();
+            cuma_status st = cuma_free(h, ptrs[op->slot], NULL);
+            t1 = bench_ticks();
+            bad += st != CUMA_OK;
+            ptrs[op->slot] = NULL;
+        } else {
+            continue;
+        }
+        lat[k++] = t1 - t0 > UINT32_MAX ? UINT32_MAX : (uint32_t)(t1 - t0);
+    }
+    *nlat = k;
+    return bad;
+}
+
+static uint64_t replay_host_lat(const bench_ops *ops, uint64_t scale, void **ptrs, uint32_t *lat,
+                                size_t *nlat) {
+    uint64_t bad = 0;
+    size_t k = 0;
+    for (size_t i = 0; i < ops->n; i++) {
+        const bench_op *op = &ops->op[i];
+        uint64_t t0, t1;
+        if (op->size) {
+            t0 = bench_ticks();
+            void *p = malloc((size_t)(op->size * scale));
+            t1 = bench_ticks();
+            ptrs[op->slot] = p;
+            bad += !p;
+        } else if (ptrs[op->slot]) {
+            void *p = ptrs[op->slot];
+            t0 = bench_ticks();
+            free(p);
+            t1 = bench_ticks();
+            ptrs[op->slot] = NULL;
+        } else {
+            continue;
+        }
+        lat[k++] = t1 - t0 > UINT32_MAX ? UINT32_MAX : (uint32_t)(t1 - t0);
+    }
+    *nlat = k;
+    return bad;
+}
+
+/* Frees what the trace left live (untimed), so every replay starts from the same state. */
+static void cleanup(const bench_target *t, void **ptrs, size_t nslots) {
+    for (size_t i = 0; i < nslots; i++) {
+        if (!ptrs[i]) continue;
+        if (t->heap)
+            cuma_free(t->heap, ptrs[i], NULL);
+        else
+            free(ptrs[i]);
+        ptrs[i] = NULL;
+    }
+}
+
+static uint64_t replay_once(const bench_target *t, const bench_ops *ops, uint64_t scale,
+                            void **ptrs) {
+    return t->heap ? replay_cuma(t->heap, ops, scale, ptrs) : replay_host(ops, scale, ptrs);
+}
+
+typedef struct replay_job {
+    const bench_target *t;
+    const bench_ops *ops;
+    uint64_t scale;
+    void **ptrs[2];
+    uint64_t bad[2];
+} replay_job;
+
+static void replay_thread(void *arg, int index, bench_span *span) {
+    replay_job *j = arg;
+    bench_span_begin(span);
+    j->bad[index] += replay_once(j->t, j->ops, j->scale, j->ptrs[index]);
+    bench_span_end(span);
+    cleanup(j->t, j->ptrs[index], j->ops->nslots);
+}
+
+uint64_t bench_replay_reps(const bench_target *t, const bench_ops *ops, int reps) {
+    void **ptrs = calloc(ops->nslots ? ops->nslots : 1, sizeof *ptrs);
+    if (!ptrs) return 1;
+    uint64_t bad = 0;
+    for (int r = 0; r <= reps; r++) { /* r == 0: the warm-up */
+        bad += replay_once(t, ops, 1, ptrs);
+        cleanup(t, ptrs, ops->nslots);
+    }
+    free(ptrs);
+    return bad;
+}
+
+static void failed_note(bench_row *row, uint64_t bad) {
+    if (bad) snprintf(row->note, sizeof row->note, "%llu calls failed", (unsigned long long)bad);
+}
+
+void bench_replay(const bench_opts *o, const bench_target *t, const bench_ops *ops,
+                  uint64_t scale) {
+    char name[64];
+    snprintf(name, sizeof name, "%s x%llu", ops->name, (unsigned long long)scale);
+    size_t nslots = ops->nslots ? ops->nslots : 1;
+    replay_job j = {.t = t, .ops = ops, .scale = scale};
+    j.ptrs[0] = calloc(nslots, sizeof(void *));
+    j.ptrs[1] = calloc(nslots, sizeof(void *));
+    uint32_t *lat = malloc((ops->n ? ops->n : 1) * sizeof *lat);
+    if (!j.ptrs[0] || !j.ptrs[1] || !lat) {
+        fprintf(stderr, "cuma-bench: no memory for the replay of %s\n", ops->name);
+        exit(1);
+    }
+    int runs = o->runs < 64 ? o->runs : 64;
+    double v[64], cpu[64], p50[64], p99[64], p999[64];
+    double n = (double)(ops->n ? ops->n : 1);
+
+    /* 1 thread: a warm-up replay, then the timed ones. */
+    bench_run_threads(1, replay_thread, &j);
+    for (int r = 0; r < runs; r++) {
+        bench_time bt = bench_run_threads(1, replay_thread, &j);
+        v[r] = bt.wall_ns / n, cpu[r] = bt.cpu_ns / n;
+    }
+    bench_row one = bench_row_make("replay", name, t->name, 1);
+    one.ns_per_op = bench_median(v, runs);
+    one.cpu_ns = bench_median(cpu, runs);
+    one.ops_per_s = 1e9 / one.ns_per_op;
+    failed_note(&one, j.bad[0]);
+    bench_row_add(&one);
+
+    /* Latency of single calls: the same replay with the timer around each call. */
+    uint64_t bad = 0;
+    for (int r = 0; r < runs; r++) {
+        size_t nlat = 0;
+        bad += t->heap ? replay_cuma_lat(t->heap, ops, scale, j.ptrs[0], lat, &nlat)
+                       : replay_host_lat(ops, scale, j.ptrs[0], lat, &nlat);
+        cleanup(t, j.ptrs[0], ops->nslots);
+        bench_pct p = bench_percentiles(lat, nlat);
+        p50[r] = p.p50, p99[r] = p.p99, p999[r] = p.p999;
+    }
+    bench_row lr = bench_row_make("latency", name, t->name, 1);
+    lr.p50 = bench_median(p50, runs);
+    lr.p99 = bench_median(p99, runs);
+    lr.p999 = bench_median(p999, runs);
+    failed_note(&lr, bad);
+    bench_row_add(&lr);
+
+    /* 2 threads, each its own copy of the trace on the shared heap / malloc. */
+    j.bad[0] = j.bad[1] = 0;
+    bench_run_threads(2, replay_thread, &j);
+    for (int r = 0; r < runs; r++) {
+        bench_time bt = bench_run_threads(2, replay_thread, &j);
+        v[r] = bt.wall_ns / (2 * n), cpu[r] = bt.cpu_ns / (2 * n);
+    }
+    bench_row two = bench_row_make("scaling", name, t->name, 2);
+    two.ns_per_op = bench_median(v, runs);
+    two.cpu_ns = bench_median(cpu, runs);
+    two.ops_per_s = 1e9 / two.ns_per_op;
+    two.scale_2t = two.ops_per_s / one.ops_per_s;
+    failed_note(&two, j.bad[0] + j.bad[1]);
+    bench_row_add(&two);
+
+    free(j.ptrs[0]);
+    free(j.ptrs[1]);
+    free(lat);
+}

@@ -1,0 +1,61 @@
+#!/bin/sh
+# bench_smoke: runs cuma-bench --quick on one trace and checks that it prints every row, as
+# JSON and as the table. Timings are not checked (a benchmark is not a timed test).
+# usage: bench/smoke.sh BENCH TRACE.csv.gz
+set -u
+bench=$1
+trace=$2
+name=$(basename "$trace" .csv.gz)
+out=$(mktemp)
+trap 'rm -f "$out" "$out.table"' EXIT
+fail=0
+
+if ! "$bench" --quick --json "$trace" >"$out"; then
+    echo "bench_smoke: cuma-bench --quick --json failed"
+    exit 1
+fi
+has() { # section case allocator threads
+    if ! grep -qF "{\"section\":\"$1\",\"case\":\"$2\",\"allocator\":\"$3\",\"threads\":$4," "$out"; then
+        echo "bench_smoke: missing row: $1 / $2 / $3 / $4 threads"
+        fail=1
+    fi
+}
+grep -q '^{"section":"machine","nproc":' "$out" || { echo "bench_smoke: no machine line"; fail=1; }
+has cost "clock_gettime(MONOTONIC)" - 1
+has cost "mutex lock+unlock" - 1
+has cost "mutex lock+unlock" - 2
+for size in "64 B" "4 KiB" "64 KiB" "1 MiB" "64 MiB"; do
+    for alloc in cuma glibc mimalloc jemalloc; do
+        has fast "$size" "$alloc" 1
+        has fast "$size" "$alloc" 2
+    done
+done
+has fast "4 KiB" "cuma (real clock)" 1
+has fast "4 KiB" "cuma (real clock)" 2
+for alloc in cuma glibc mimalloc jemalloc; do
+    has replay "$name x1" "$alloc" 1
+    has latency "$name x1" "$alloc" 1
+    has scaling "$name x1" "$alloc" 2
+done
+has replay "$name x16" cuma 1
+has latency "$name x16" cuma 1
+has scaling "$name x16" cuma 2
+# cuma's own rows carry figures, not notes of failure.
+if grep '"allocator":"cuma' "$out" | grep -v '"note":""' | grep -v 'sim_clock:real'; then
+    echo "bench_smoke: a cuma row has a note (failed calls?)"
+    fail=1
+fi
+rows=$(grep -c '^{"section":"[a-z]*","case"' "$out")
+
+if ! "$bench" --quick "$trace" >"$out.table"; then
+    echo "bench_smoke: cuma-bench --quick failed"
+    exit 1
+fi
+table=$(grep -cE '^\| (cost|fast|replay|latency|scaling) ' "$out.table")
+if [ "$table" -ne "$rows" ]; then
+    echo "bench_smoke: the table has $table rows, the JSON $rows"
+    fail=1
+fi
+grep -q '^machine: nproc=' "$out.table" || { echo "bench_smoke: no machine line in the table"; fail=1; }
+[ "$fail" -eq 0 ] && echo "bench_smoke: $rows rows, table and JSON"
+exit "$fail"
