@@ -370,7 +370,7 @@ cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr
     if (!n || size > room)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size %zu is larger than the %" PRIu64 "-byte %s", size, room,
                          h->vmm ? "virtual range" : "device");
-    cuma_tcache *tc = cuma_tcache_get(h);
+    cuma_tcache *tc = cuma_tcache_get(h, h->id);
     if (tc && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
     pthread_mutex_lock(&h->lock);
     cuma_status st;
@@ -426,7 +426,7 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_free: heap is NULL");
     if (!ptr) return CUMA_OK;
     uint64_t a = (uint64_t)(uintptr_t)ptr;
-    cuma_tcache *tc = cuma_tcache_get(h);
+    cuma_tcache *tc = cuma_tcache_get(h, h->id);
     if (tc && cuma_tcache_free(tc, a, stream)) return CUMA_OK;
     pthread_mutex_lock(&h->lock);
     cuma_block *b = cuma_map_get(&h->live, a);

@@ -7,15 +7,11 @@
 
 #define TL_HEAPS 8
 
-/* The calling thread's caches, one per heap it used (at most TL_HEAPS get one). */
-typedef struct tl_slot {
-    cuma_heap *heap;
-    uint64_t heap_id;
-    cuma_tcache *tc;
-} tl_slot;
+_Thread_local cuma_tl_slot cuma_tl_last;
 
-static _Thread_local tl_slot tl[TL_HEAPS];
-static _Thread_local unsigned tl_last;
+/* The calling thread's caches, one per heap it used (at most TL_HEAPS get one). */
+static _Thread_local cuma_tl_slot tl[TL_HEAPS];
+typedef cuma_tl_slot tl_slot;
 
 /* Registry of live heaps: a thread that exits flushes its caches only into heaps that still
  * exist. Lock order: registry_lock, then a heap's lock. */
@@ -92,19 +88,18 @@ static void on_thread_exit(void *unused) {
         }
         s->tc = NULL, s->heap = NULL;
     }
+    cuma_tl_last.tc = NULL, cuma_tl_last.heap = NULL;
     pthread_mutex_unlock(&registry_lock);
 }
 
 static void make_key(void) { pthread_key_create(&exit_key, on_thread_exit); }
 
-cuma_tcache *cuma_tcache_get(cuma_heap *h) {
-    tl_slot *s = &tl[tl_last];
-    if (s->heap == h && s->heap_id == h->id && s->tc) return s->tc;
+cuma_tcache *cuma_tcache_get_slow(cuma_heap *h) {
     if (!h->tc_on || !h->id) return NULL;
     unsigned free_slot = TL_HEAPS;
     for (unsigned i = 0; i < TL_HEAPS; i++) {
         if (tl[i].heap == h && tl[i].heap_id == h->id && tl[i].tc) {
-            tl_last = i;
+            cuma_tl_last = tl[i];
             return tl[i].tc;
         }
         /* A slot whose heap is gone (or was replaced at the same address) is free again; its
@@ -133,7 +128,7 @@ cuma_tcache *cuma_tcache_get(cuma_heap *h) {
     h->tcaches = tc;
     pthread_mutex_unlock(&h->lock);
     tl[free_slot] = (tl_slot){h, h->id, tc};
-    tl_last = free_slot;
+    cuma_tl_last = tl[free_slot];
     return tc;
 }
 
@@ -141,41 +136,37 @@ static unsigned bin_of(uint64_t n, unsigned stream) {
     return (unsigned)(((n >> 9) * 0x9E3779B97F4A7C15ull + stream * 0xC2B2AE3D27D4EB4Full) >> 57) & (CUMA_TC_BINS - 1);
 }
 
-static uint64_t key_slot(uint64_t key, uint32_t cap) { return ((key >> 9) * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1); }
+/* The owner's pointer table: 2-way set-associative by address, no probing and no shifting. An
+ * entry that finds both ways taken is not recorded and its free takes the slow path, which is
+ * always correct (the heap's own table knows every block). */
+static uint32_t key_slot(uint64_t key, uint32_t cap) {
+    return (uint32_t)(((key >> 9) * 0x9E3779B97F4A7C15ull) >> 40) & (cap - 2);
+}
 
 static cuma_tc_entry *tab_find(cuma_tcache *tc, uint64_t key) {
     if (!tc->tabcap) return NULL;
-    for (uint64_t i = key_slot(key, tc->tabcap);; i = (i + 1) & (tc->tabcap - 1)) {
-        cuma_tc_entry *e = &tc->tab[i];
-        if (e->key == key) return e;
-        if (!e->key) return NULL;
-    }
+    cuma_tc_entry *e = &tc->tab[key_slot(key, tc->tabcap)];
+    if (e[0].key == key) return &e[0];
+    if (e[1].key == key) return &e[1];
+    return NULL;
 }
 
 static void tab_remove(cuma_tcache *tc, cuma_tc_entry *e) {
-    uint32_t mask = tc->tabcap - 1, i = (uint32_t)(e - tc->tab);
-    /* Backward-shift deletion: the table is the owner's alone, so entries may move. */
-    for (uint32_t j = (i + 1) & mask; tc->tab[j].key; j = (j + 1) & mask) {
-        uint32_t home = (uint32_t)key_slot(tc->tab[j].key, tc->tabcap);
-        bool stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
-        if (stays) continue;
-        tc->tab[i] = tc->tab[j];
-        i = j;
-    }
-    tc->tab[i].key = 0;
+    e->key = 0;
     tc->tabn--;
 }
 
 static bool tab_grow(cuma_tcache *tc) {
-    uint32_t ncap = tc->tabcap ? tc->tabcap * 2 : 256;
-    if (ncap > (1u << 22)) return false;
+    uint32_t ncap = tc->tabcap ? tc->tabcap * 2 : 1024;
+    if (ncap > (1u << 20)) return false;
     cuma_tc_entry *n = calloc(ncap, sizeof *n);
     if (!n) return false;
     for (uint32_t i = 0; i < tc->tabcap; i++) {
         if (!tc->tab[i].key) continue;
-        uint64_t j = key_slot(tc->tab[i].key, ncap);
-        while (n[j].key) j = (j + 1) & (ncap - 1);
-        n[j] = tc->tab[i];
+        cuma_tc_entry *d = &n[key_slot(tc->tab[i].key, ncap)];
+        if (!d[0].key) d[0] = tc->tab[i];
+        else if (!d[1].key) d[1] = tc->tab[i];
+        else tc->tabn--; /* dropped: that block's free takes the slow path */
     }
     free(tc->tab);
     tc->tab = n, tc->tabcap = ncap;
@@ -183,11 +174,12 @@ static bool tab_grow(cuma_tcache *tc) {
 }
 
 static void tab_put(cuma_tcache *tc, uint64_t key, cuma_block *b, uint64_t gen) {
-    if ((tc->tabn + 1) * 2 > tc->tabcap && !tab_grow(tc)) return; /* its free takes the slow path */
-    uint64_t i = key_slot(key, tc->tabcap);
-    while (tc->tab[i].key && tc->tab[i].key != key) i = (i + 1) & (tc->tabcap - 1);
-    if (!tc->tab[i].key) tc->tabn++;
-    tc->tab[i] = (cuma_tc_entry){key, b, gen};
+    if (tc->tabn * 2 >= tc->tabcap && !tab_grow(tc) && !tc->tabcap) return;
+    cuma_tc_entry *e = &tc->tab[key_slot(key, tc->tabcap)];
+    if (e[0].key && e[0].key != key) e++;
+    if (e->key && e->key != key) return; /* both ways taken: its free takes the slow path */
+    if (!e->key) tc->tabn++;
+    *e = (cuma_tc_entry){key, b, gen};
 }
 
 static int stream_index(const cuma_tcache *tc, cuma_stream s) {

@@ -71,9 +71,22 @@ typedef struct cuma_tcache {
     struct cuma_tcache *next;
 } cuma_tcache;
 
-/* The calling thread's cache for heap h, created on first use; NULL if the heap disables caches
- * or no memory could be had (the caller then takes the slow path). */
-cuma_tcache *cuma_tcache_get(struct cuma_heap *h);
+/* The calling thread's most recently used cache, checked inline on every call. */
+typedef struct cuma_tl_slot {
+    struct cuma_heap *heap;
+    uint64_t heap_id;
+    cuma_tcache *tc;
+} cuma_tl_slot;
+extern _Thread_local cuma_tl_slot cuma_tl_last __attribute__((visibility("hidden")));
+
+cuma_tcache *cuma_tcache_get_slow(struct cuma_heap *h);
+
+/* The calling thread's cache for heap h (whose id is `id`), created on first use; NULL if the
+ * heap disables caches or no memory could be had (the caller then takes the slow path). */
+static inline cuma_tcache *cuma_tcache_get(struct cuma_heap *h, uint64_t id) {
+    if (cuma_tl_last.heap == h && cuma_tl_last.heap_id == id && cuma_tl_last.tc) return cuma_tl_last.tc;
+    return cuma_tcache_get_slow(h);
+}
 
 /* Fast paths: true when done, false to take the slow path (nothing changed then). */
 bool cuma_tcache_alloc(cuma_tcache *tc, uint64_t size, uint64_t n, cuma_stream stream, void **ptr);
