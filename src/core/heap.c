@@ -560,8 +560,11 @@ static void *release_thread(void *arg) {
             if (due <= t) wait_ns = 0;
             else if (due - t < wait_ns) wait_ns = due - t;
         }
+        /* At least 1 ms: a due page whose fence is still pending stays due, and the thread must
+         * not spin on the lock while the stream works. */
+        if (wait_ns < 1000000) wait_ns = 1000000;
         h->thread_wake_at = t + wait_ns;
-        if (wait_ns) {
+        {
             struct timespec ts;
             clock_gettime(CLOCK_MONOTONIC, &ts);
             uint64_t ns = (uint64_t)ts.tv_nsec + wait_ns + 100000; /* a little late, never early */
