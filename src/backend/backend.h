@@ -5,8 +5,9 @@
  * create physical pages, map them anywhere in the range) or segment-based (whole segments from
  * the driver, no remapping); `caps` says which.
  *
- * Thread safety: the core calls a backend under its heap lock, except now_ns, which may be
- * called from any thread at any time. A backend needs no lock of its own for one heap.
+ * Thread safety: the core calls a backend under its heap lock, except now_ns and mem_info, which
+ * may be called from any thread at any time (so they must not touch state the other calls
+ * change). A backend needs no lock of its own for one heap.
  */
 #ifndef CUMA_BACKEND_BACKEND_H
 #define CUMA_BACKEND_BACKEND_H

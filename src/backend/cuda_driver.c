@@ -90,9 +90,12 @@ const char *cuma_cuda_result_text(CUresult r, char *buf, size_t len) {
         if (api.GetErrorName(r, &name) != CUDA_SUCCESS) name = NULL;
         if (api.GetErrorString(r, &text) != CUDA_SUCCESS) text = NULL;
     }
-    if (name && text) snprintf(buf, len, "%s (%s)", name, text);
-    else if (name) snprintf(buf, len, "%s", name);
-    else snprintf(buf, len, "CUresult %d", (int)r);
+    if (name && text)
+        snprintf(buf, len, "%s (%s)", name, text);
+    else if (name)
+        snprintf(buf, len, "%s", name);
+    else
+        snprintf(buf, len, "CUresult %d", (int)r);
     return buf;
 }
 
@@ -100,6 +103,6 @@ cuma_status cuma_cuda_check(CUresult r, const char *what) {
     if (r == CUDA_SUCCESS) return CUMA_OK;
     char text[200];
     cuma_cuda_result_text(r, text, sizeof text);
-    return cuma_fail(r == CUDA_ERROR_OUT_OF_MEMORY ? CUMA_ERR_OOM : CUMA_ERR_BACKEND, "%s: %s", what,
-                     text);
+    return cuma_fail(r == CUDA_ERROR_OUT_OF_MEMORY ? CUMA_ERR_OOM : CUMA_ERR_BACKEND, "%s: %s",
+                     what, text);
 }

@@ -59,7 +59,8 @@
 
 /* Our own pointer types (cuma_cu_Init_fn, ...): the header's prototypes are declarations of
  * functions we must never reference at link time. */
-#define CUMA_CUDA_TYPEDEF(field, sym, params) typedef CUresult(CUDAAPI *cuma_cu_##field##_fn) params;
+#define CUMA_CUDA_TYPEDEF(field, sym, params)                                                      \
+    typedef CUresult(CUDAAPI *cuma_cu_##field##_fn) params;
 CUMA_CUDA_FUNCTIONS(CUMA_CUDA_TYPEDEF)
 #undef CUMA_CUDA_TYPEDEF
 

@@ -36,7 +36,8 @@ static const key_desc keys[] = {
      "(power-of-two buddy system)"},
     {"capacity", K_SIZE, F(capacity), "80G", NULL, "simulated device size"},
     {"page_size", K_SIZE, F(page_size), "2M", NULL,
-     "physical page size (sim); CUDA backends use the device granularity"},
+     "physical page size: the sim's page; on backend:vmm the device's recommended granularity, "
+     "or this value when it is a larger multiple of it"},
     {"limit", K_SIZE_OR_NONE, F(limit), "none", NULL,
      "hard limit on reserved (physical) bytes; none = the device size"},
     {"memory_fraction", K_FRACTION, F(memory_fraction), "0", NULL,

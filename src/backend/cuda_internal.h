@@ -1,0 +1,142 @@
+/* Shared internals of the CUDA backends (cuda_backend.c, cuda_vmm.c, cuda_segment.c).
+ *
+ * vmm: cuMemCreate/cuMemMap pages in a cuMemAddressReserve range. segment: whole cuMemAlloc
+ * segments. managed: whole cuMemAllocManaged segments. All three use the driver that
+ * cuda_driver.c loads at run time, and share contexts, events and the stuck list below.
+ *
+ * Contexts: every op works in the device's primary context, the one the CUDA runtime uses, so
+ * memory from cuma is valid in the program's kernels. The core calls from any thread, and the
+ * program may have another context current there (another device, its own context): an op
+ * makes ours current only when it is not already (one cuCtxGetCurrent, a thread-local read in
+ * the driver) and puts the caller's back before returning, so cuma never changes which device
+ * a program's next launch goes to.
+ *
+ * Failed releases: a cleanup call that fails (cuMemRelease, cuMemUnmap, cuMemAddressFree,
+ * cuMemFree) cannot report to the core, which has already forgotten the object. The backend
+ * keeps such objects on a `stuck` list and retries them at the next related call and in
+ * destroy, so a transient driver failure leaks nothing. A persistent failure (a context broken
+ * by a faulting kernel) cannot be repaired by anyone; the list is then dropped at destroy.
+ *
+ * Thread safety: the core calls ops under its heap lock, one heap per backend, so the mutable
+ * state (events, stuck list) needs no lock. now_ns and mem_info (cuma_get_stats calls it
+ * without the heap lock) touch no mutable state.
+ */
+#ifndef CUMA_BACKEND_CUDA_INTERNAL_H
+#define CUMA_BACKEND_CUDA_INTERNAL_H
+
+#include "backend.h"
+#include "cuda_driver.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* A driver object whose release failed, waiting for a retry. */
+typedef enum cudabe_stuck_kind {
+    STUCK_MAPPING, /* page mapped at `a` whose cuMemUnmap failed */
+    STUCK_HANDLE,  /* cuMemRelease(a) failed */
+    STUCK_RANGE,   /* cuMemAddressFree(a, size) failed */
+    STUCK_MEM,     /* cuMemFree(a) failed (segment or managed memory) */
+} cudabe_stuck_kind;
+
+typedef struct cudabe_stuck {
+    cudabe_stuck_kind kind;
+    uint64_t a, size;
+} cudabe_stuck;
+
+/* A pooled event: created on first need with CU_EVENT_DISABLE_TIMING (cheaper to record and
+ * query), reused for every later fence, destroyed only with the backend. */
+typedef struct cudabe_event {
+    CUevent ev;
+    uint32_t next; /* free list */
+} cudabe_event;
+
+/* Invariants: an event index is on the free list or held by the core, never both; stuck
+ * entries name objects the core no longer references. Everything is constant after creation
+ * except events and stuck, which the heap lock guards. */
+typedef struct cuda_be {
+    cuma_backend be;
+    const cuma_cuda_api *cu;
+    CUdevice dev;
+    int ordinal;
+    CUcontext ctx; /* the retained primary context, NULL until retained */
+    CUmemAllocationProp prop;
+    CUmemAccessDesc *access; /* owner first, then every peer that can access this device */
+    size_t naccess;
+    cudabe_event *events;
+    uint32_t nevents, capevents, free_event;
+    cudabe_stuck *stuck;
+    size_t nstuck, capstuck;
+} cuda_be;
+
+/* ---- context ------------------------------------------------------------------------------ */
+
+typedef struct cudabe_ctx_guard {
+    CUcontext prev;
+    int switched;
+} cudabe_ctx_guard;
+
+/* Makes the primary context current for one op; cudabe_ctx_leave restores the caller's. Sets
+ * no message: void ops and destroy run on failure paths whose message must survive. */
+static inline CUresult cudabe_ctx_switch(const cuda_be *b, cudabe_ctx_guard *g) {
+    CUcontext cur = NULL;
+    g->switched = 0;
+    CUresult r = b->cu->CtxGetCurrent(&cur);
+    if (r != CUDA_SUCCESS || cur == b->ctx) return r;
+    r = b->cu->CtxSetCurrent(b->ctx);
+    if (r != CUDA_SUCCESS) return r;
+    g->prev = cur;
+    g->switched = 1;
+    return CUDA_SUCCESS;
+}
+
+static inline cuma_status cudabe_ctx_enter(const cuda_be *b, cudabe_ctx_guard *g) {
+    CUresult r = cudabe_ctx_switch(b, g);
+    return r == CUDA_SUCCESS ? CUMA_OK : cuma_cuda_check(r, "making the primary context current");
+}
+
+static inline void cudabe_ctx_leave(const cuda_be *b, const cudabe_ctx_guard *g) {
+    /* A failure leaves our context current: harmless to cuma, and nothing better to do. */
+    if (g->switched) b->cu->CtxSetCurrent(g->prev);
+}
+
+/* "what: CUDA_ERROR_... (...)" with a formatted `what`, built only on failure. */
+cuma_status cuma_cudabe_check(CUresult r, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* ---- stuck objects (call with the context current) ---------------------------------------- */
+
+void cuma_cudabe_stuck_add(cuda_be *b, cudabe_stuck_kind kind, uint64_t a, uint64_t size);
+/* Retries the entries of one kind with lo <= a < hi; keeps those that fail again. */
+void cuma_cudabe_stuck_retry(cuda_be *b, cudabe_stuck_kind kind, uint64_t lo, uint64_t hi);
+/* Drops the entry of this kind at a: the object went after all. */
+void cuma_cudabe_stuck_forget(cuda_be *b, cudabe_stuck_kind kind, uint64_t a);
+
+/* ---- ops every CUDA backend shares (cuda_backend.c) --------------------------------------- */
+
+cuma_status cuma_cudabe_mem_info(cuma_backend *be, uint64_t *free_bytes, uint64_t *total_bytes);
+cuma_status cuma_cudabe_event_record(cuma_backend *be, cuma_stream stream, uint64_t *event);
+int cuma_cudabe_event_query(cuma_backend *be, uint64_t event);
+cuma_status cuma_cudabe_event_wait(cuma_backend *be, uint64_t event);
+void cuma_cudabe_event_release(cuma_backend *be, uint64_t event);
+uint64_t cuma_cudabe_now(cuma_backend *be);
+void cuma_cudabe_destroy(cuma_backend *be);
+/* Whole allocations (cuda_segment.c): cuMemAlloc segments, and managed memory, the managed
+ * fallback of every backend; both go back with cuMemFree. */
+cuma_status cuma_cudabe_seg_alloc(cuma_backend *be, uint64_t size, uint64_t *addr);
+cuma_status cuma_cudabe_managed_alloc(cuma_backend *be, uint64_t size, uint64_t *addr);
+void cuma_cudabe_mem_free(cuma_backend *be, uint64_t addr, uint64_t size);
+
+#define CUMA_CUDABE_COMMON_OPS                                                                     \
+    .managed_alloc = cuma_cudabe_managed_alloc, .managed_free = cuma_cudabe_mem_free,              \
+    .mem_info = cuma_cudabe_mem_info, .event_record = cuma_cudabe_event_record,                    \
+    .event_query = cuma_cudabe_event_query, .event_wait = cuma_cudabe_event_wait,                  \
+    .event_release = cuma_cudabe_event_release, .now_ns = cuma_cudabe_now,                         \
+    .destroy = cuma_cudabe_destroy
+
+/* ---- the kinds (ops, name, caps, page size; the device is open) --------------------------- */
+
+cuma_status cuma_cudabe_init_vmm(cuda_be *b, const cuma_settings *s);
+void cuma_cudabe_init_segments(cuda_be *b, bool managed);
+
+#endif

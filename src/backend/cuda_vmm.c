@@ -1,0 +1,168 @@
+/* The vmm backend: physical pages from cuMemCreate, mapped with cuMemMap into one range from
+ * cuMemAddressReserve and made accessible with cuMemSetAccess. See cuda_internal.h. */
+#include "core/error.h"
+#include "cuda_internal.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+
+static cuma_status vmm_reserve(cuma_backend *be, uint64_t size, uint64_t align, uint64_t *addr) {
+    cuda_be *b = (cuda_be *)be;
+    cudabe_ctx_guard g;
+    cuma_status st = cudabe_ctx_enter(b, &g);
+    if (st) return st;
+    CUdeviceptr p = 0;
+    CUresult r = b->cu->MemAddressReserve(&p, (size_t)size, (size_t)align, 0, 0);
+    cudabe_ctx_leave(b, &g);
+    st = cuma_cudabe_check(r, "cuMemAddressReserve of %" PRIu64 " bytes (alignment %" PRIu64 ")",
+                           size, align);
+    if (st == CUMA_OK) *addr = (uint64_t)p;
+    return st;
+}
+
+static void vmm_unreserve(cuma_backend *be, uint64_t addr, uint64_t size) {
+    cuda_be *b = (cuda_be *)be;
+    cudabe_ctx_guard g;
+    if (cudabe_ctx_switch(b, &g) != CUDA_SUCCESS) {
+        cuma_cudabe_stuck_add(b, STUCK_RANGE, addr, size);
+        return;
+    }
+    /* A mapping whose unmap failed would make the free fail: the core is done with the
+     * range, so unmap what is left in it first. */
+    if (b->nstuck) cuma_cudabe_stuck_retry(b, STUCK_MAPPING, addr, addr + size);
+    if (b->cu->MemAddressFree((CUdeviceptr)addr, (size_t)size) != CUDA_SUCCESS)
+        cuma_cudabe_stuck_add(b, STUCK_RANGE, addr, size);
+    cudabe_ctx_leave(b, &g);
+}
+
+static cuma_status vmm_page_create(cuma_backend *be, uint64_t *handle) {
+    cuda_be *b = (cuda_be *)be;
+    cudabe_ctx_guard g;
+    cuma_status st = cudabe_ctx_enter(b, &g);
+    if (st) return st;
+    /* Stuck handles still hold device memory: give it back before asking for more. */
+    if (b->nstuck) cuma_cudabe_stuck_retry(b, STUCK_HANDLE, 0, UINT64_MAX);
+    CUmemGenericAllocationHandle h = 0;
+    CUresult r = b->cu->MemCreate(&h, (size_t)be->page_size, &b->prop, 0);
+    cudabe_ctx_leave(b, &g);
+    st = cuma_cudabe_check(r, "cuMemCreate of %" PRIu64 " bytes on device %d", be->page_size,
+                           b->ordinal);
+    if (st == CUMA_OK) *handle = (uint64_t)h;
+    return st;
+}
+
+static void vmm_page_release(cuma_backend *be, uint64_t handle) {
+    cuda_be *b = (cuda_be *)be;
+    cudabe_ctx_guard g;
+    if (cudabe_ctx_switch(b, &g) != CUDA_SUCCESS) {
+        cuma_cudabe_stuck_add(b, STUCK_HANDLE, handle, 0);
+        return;
+    }
+    if (b->cu->MemRelease((CUmemGenericAllocationHandle)handle) != CUDA_SUCCESS)
+        cuma_cudabe_stuck_add(b, STUCK_HANDLE, handle, 0);
+    else if (b->nstuck)
+        cuma_cudabe_stuck_retry(b, STUCK_HANDLE, 0, UINT64_MAX);
+    cudabe_ctx_leave(b, &g);
+}
+
+static cuma_status vmm_map(cuma_backend *be, uint64_t addr, uint64_t handle) {
+    cuda_be *b = (cuda_be *)be;
+    size_t ps = (size_t)be->page_size;
+    cudabe_ctx_guard g;
+    cuma_status st = cudabe_ctx_enter(b, &g);
+    if (st) return st;
+    /* A failed rollback below may have left a page here that the core believes gone. */
+    if (b->nstuck) cuma_cudabe_stuck_retry(b, STUCK_MAPPING, addr, addr + 1);
+    CUresult r = b->cu->MemMap((CUdeviceptr)addr, ps, 0, (CUmemGenericAllocationHandle)handle, 0);
+    if (r != CUDA_SUCCESS) {
+        cudabe_ctx_leave(b, &g);
+        return cuma_cudabe_check(r, "cuMemMap at 0x%" PRIx64, addr);
+    }
+    r = b->cu->MemSetAccess((CUdeviceptr)addr, ps, b->access, b->naccess);
+    if (r != CUDA_SUCCESS) {
+        /* An inaccessible mapping is useless and the core will not unmap what it thinks
+         * failed to map: undo it here. */
+        if (b->cu->MemUnmap((CUdeviceptr)addr, ps) != CUDA_SUCCESS)
+            cuma_cudabe_stuck_add(b, STUCK_MAPPING, addr, ps);
+        st = cuma_cudabe_check(r, "cuMemSetAccess at 0x%" PRIx64 " for %zu device(s)", addr,
+                               b->naccess);
+    }
+    cudabe_ctx_leave(b, &g);
+    return st;
+}
+
+static cuma_status vmm_unmap(cuma_backend *be, uint64_t addr) {
+    cuda_be *b = (cuda_be *)be;
+    cudabe_ctx_guard g;
+    cuma_status st = cudabe_ctx_enter(b, &g);
+    if (st) return st;
+    CUresult r = b->cu->MemUnmap((CUdeviceptr)addr, (size_t)be->page_size);
+    /* The core keeps a page whose unmap failed and retries, but not at destroy: remember it
+     * until an unmap at this address succeeds or the range is freed. */
+    if (r != CUDA_SUCCESS)
+        cuma_cudabe_stuck_add(b, STUCK_MAPPING, addr, be->page_size);
+    else if (b->nstuck)
+        cuma_cudabe_stuck_forget(b, STUCK_MAPPING, addr);
+    cudabe_ctx_leave(b, &g);
+    return cuma_cudabe_check(r, "cuMemUnmap at 0x%" PRIx64, addr);
+}
+
+static const cuma_backend_ops vmm_ops = {
+    .reserve = vmm_reserve,
+    .unreserve = vmm_unreserve,
+    .page_create = vmm_page_create,
+    .page_release = vmm_page_release,
+    .map = vmm_map,
+    .unmap = vmm_unmap,
+    .seg_alloc = cuma_cudabe_seg_alloc, /* whole segments work on a VMM device too */
+    .seg_free = cuma_cudabe_mem_free,
+    CUMA_CUDABE_COMMON_OPS,
+};
+
+/* The owner and every device that can reach this one's memory get read-write access, so a
+ * tensor can be read by a peer without remapping (one descriptor list for every map). */
+static cuma_status build_access(cuda_be *b) {
+    int n = 0;
+    cuma_status st = cuma_cudabe_check(b->cu->DeviceGetCount(&n), "cuDeviceGetCount");
+    if (st) return st;
+    b->access = calloc((size_t)(n > 0 ? n : 1), sizeof *b->access);
+    if (!b->access) return cuma_fail(CUMA_ERR_OOM, "no host memory for %d access descriptors", n);
+    CUmemAccessDesc own = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = b->dev},
+                           .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    b->access[b->naccess++] = own;
+    for (int i = 0; i < n; i++) {
+        CUdevice peer;
+        int can = 0;
+        if (b->cu->DeviceGet(&peer, i) != CUDA_SUCCESS || peer == b->dev) continue;
+        /* Can contexts on `peer` access memory of our device? */
+        if (b->cu->DeviceCanAccessPeer(&can, peer, b->dev) != CUDA_SUCCESS || !can) continue;
+        CUmemAccessDesc d = own;
+        d.location.id = peer;
+        b->access[b->naccess++] = d;
+    }
+    return CUMA_OK;
+}
+
+cuma_status cuma_cudabe_init_vmm(cuda_be *b, const cuma_settings *s) {
+    b->be.ops = &vmm_ops;
+    b->be.name = "vmm";
+    b->be.caps |= CUMA_CAP_VMM;
+    b->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    b->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    b->prop.location.id = b->dev;
+    size_t gran = 0;
+    cuma_status st = cuma_cudabe_check(
+        b->cu->MemGetAllocationGranularity(&gran, &b->prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+        "cuMemGetAllocationGranularity on device %d", b->ordinal);
+    if (st) return st;
+    if (!gran || (gran & (gran - 1)))
+        return cuma_fail(CUMA_ERR_UNSUPPORTED,
+                         "device %d: allocation granularity %zu is not a power of two", b->ordinal,
+                         gran);
+    /* The device's recommended granularity (2 MiB today), unless the settings ask for larger
+     * pages that it divides: fewer driver calls per byte, at the price of coarser release. A
+     * page_size the granularity does not divide cannot be mapped and is ignored. */
+    b->be.page_size = gran;
+    if (s->page_size > gran && s->page_size % gran == 0) b->be.page_size = s->page_size;
+    return build_access(b);
+}

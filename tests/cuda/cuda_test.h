@@ -1,0 +1,111 @@
+/* Helpers of the CUDA backend tests. They run against the fake driver (tests/fakecuda): its
+ * "device" memory is host memory, so a test writes and reads cuma's pointers directly, and its
+ * controls (fakecuda_*) count driver calls and live objects. The executables link the fake as
+ * well, and CUMA_CUDA_LIBRARY names the same file, so cuma's dlopen returns that copy. */
+#ifndef CUMA_TESTS_CUDA_TEST_H
+#define CUMA_TESTS_CUDA_TEST_H
+
+#include "check.h"
+#include "fakecuda.h"
+
+#include <cuda.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MB (1024ull * 1024)
+
+#define CHECK_CU(expr) CHECK((expr) == CUDA_SUCCESS)
+
+static inline cuma_heap *heap_make(const char *conf) {
+    cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+    cuma_heap *h = NULL;
+    CHECK_OK(cuma_heap_create(&cfg, &h));
+    return h;
+}
+
+static inline cuma_stats heap_stats(cuma_heap *h) {
+    cuma_stats s;
+    CHECK_OK(cuma_get_stats(h, &s));
+    return s;
+}
+
+/* The test thread's own view of device 0, as a CUDA program has: the primary context current
+ * (cuma must neither need nor disturb it) and streams it created. */
+typedef struct test_ctx {
+    CUdevice dev;
+    CUcontext ctx;
+} test_ctx;
+
+static inline test_ctx test_ctx_open(int ordinal) {
+    test_ctx t;
+    CHECK_CU(cuInit(0));
+    CHECK_CU(cuDeviceGet(&t.dev, ordinal));
+    CHECK_CU(cuDevicePrimaryCtxRetain(&t.ctx, t.dev));
+    CHECK_CU(cuCtxSetCurrent(t.ctx));
+    return t;
+}
+
+static inline void test_ctx_close(test_ctx *t) {
+    CHECK_CU(cuCtxSetCurrent(NULL));
+    CHECK_CU(cuDevicePrimaryCtxRelease(t->dev));
+}
+
+static inline CUstream stream_new(void) {
+    CUstream s = NULL;
+    CHECK_CU(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    return s;
+}
+
+/* Fills a block with a pattern derived from its id; pattern_ok checks it. */
+static inline void pattern_fill(void *p, size_t n, unsigned id) {
+    unsigned char v = (unsigned char)(id * 37u + 1u);
+    if (!v) v = 1;
+    memset(p, v, n);
+}
+
+static inline int pattern_ok(const void *p, size_t n, unsigned id) {
+    unsigned char v = (unsigned char)(id * 37u + 1u);
+    if (!v) v = 1;
+    const unsigned char *c = p;
+    for (size_t i = 0; i < n; i++)
+        if (c[i] != v) return 0;
+    return 1;
+}
+
+/* A watchdog: a cuma call that never returns (a deadlock, a thread spinning with the heap
+ * lock) aborts the test with a message instead of running into the ctest timeout. */
+static const char *watchdog_what = "";
+
+static inline void watchdog_fired(int sig) {
+    (void)sig;
+    static const char msg[] = "watchdog: blocked too long in: ";
+    if (write(2, msg, sizeof msg - 1) < 0 || write(2, watchdog_what, strlen(watchdog_what)) < 0 ||
+        write(2, "\n", 1) < 0) {
+    }
+    abort();
+}
+
+/* Arms the watchdog for `seconds` (0 disarms). */
+static inline void watchdog(unsigned seconds, const char *what) {
+    watchdog_what = what;
+    signal(SIGALRM, watchdog_fired);
+    alarm(seconds);
+}
+
+/* Nothing the heap obtained from the driver is left. */
+static inline void check_no_driver_objects(void) {
+    static const char *kinds[] = {"handles", "mappings", "reservations",
+                                  "allocs",  "managed",  "events"};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
+        long n = fakecuda_live(kinds[i]);
+        if (n != 0) {
+            fprintf(stderr, "leak: fakecuda_live(\"%s\") == %ld\n", kinds[i], n);
+            abort();
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,514 @@
+/* The CUDA backends over the fake driver: the vmm heap end to end (data, driver call counts,
+ * trim, destroy), busy streams, backend choice, context hygiene, and the backend ops one by one.
+ *
+ *   test_cuda_backend            everything that needs a VMM device
+ *   test_cuda_backend novmm      FAKECUDA_NO_VMM=1: auto picks segment, vmm is refused
+ *   test_cuda_backend nodriver WHY   no usable driver (CUMA_CUDA_LIBRARY=/nonexistent, a library
+ *                                without the symbols, no device): CUMA_ERR_NO_DEVICE, WHY in
+ *                                the message
+ *   test_cuda_backend twodev     FAKECUDA_DEVICES=2: a heap on device 1, peer access
+ *   test_cuda_backend autofallback   FAKECUDA_FAIL=cuMemGetAllocationGranularity:1: auto falls
+ *                                back to segment when VMM cannot be set up
+ */
+#include "cuda_test.h"
+
+#include "backend/backend.h"
+#include "core/config.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+static uint64_t capacity_env(void) {
+    const char *e = getenv("FAKECUDA_CAPACITY");
+    uint64_t v = 0;
+    CHECK(e && cuma_parse_size(e, &v));
+    return v;
+}
+
+static cuma_backend *backend_make(const char *name, int device) {
+    cuma_settings s;
+    cuma_settings_default(&s);
+    snprintf(s.backend, sizeof s.backend, "%s", name);
+    s.device = device;
+    cuma_backend *be = NULL;
+    CHECK_OK(cuma_backend_create(&s, &be));
+    return be;
+}
+
+static void check_json_device(cuma_heap *h, const char *backend) {
+    char buf[8192];
+    CHECK_OK(cuma_stats_json(h, buf, sizeof buf, NULL));
+    char want[64];
+    snprintf(want, sizeof want, "\"backend\":\"%s\"", backend);
+    CHECK(strstr(buf, want));
+    CHECK(strstr(buf, "\"device\":\"GPU-"));
+}
+
+/* Random allocations and frees with data written into each block and checked before its free
+ * and at the end: pages move between addresses under the heap's feet, data must not. */
+static void test_vmm_churn(void) {
+    cuma_heap *h = heap_make("backend:vmm,release_delay_ms:never,max_cached:16M");
+    check_json_device(h, "vmm");
+    cuma_stats s = heap_stats(h);
+    CHECK(s.device_total_bytes == capacity_env());
+    CHECK(s.page_size == 2 * MB);
+    CHECK(s.virtual_bytes >= 4 * capacity_env());
+    CHECK(fakecuda_live("reservations") == 1);
+    fakecuda_reset_counters();
+
+    enum { N = 48 };
+    void *p[N] = {0};
+    size_t sz[N] = {0};
+    unsigned id[N] = {0};
+    unsigned long long seed = test_seed();
+    for (unsigned op = 0; op < 1500; op++) {
+        unsigned i = (unsigned)(rnd(&seed) % N);
+        if (p[i]) {
+            CHECK(pattern_ok(p[i], sz[i], id[i]));
+            CHECK_OK(cuma_free(h, p[i], NULL));
+            p[i] = NULL;
+        } else {
+            unsigned long long r = rnd(&seed);
+            sz[i] = (size_t)(r % 4 == 0 ? r % (6 * MB) + 1 : r % (256 * 1024) + 1);
+            id[i] = op;
+            CHECK_OK(cuma_alloc(h, sz[i], NULL, &p[i]));
+            pattern_fill(p[i], sz[i], id[i]);
+        }
+        if (op % 100 == 0) CHECK_OK(cuma_validate(h));
+        if (op % 500 == 499) CHECK_OK(cuma_trim(h, 4 * MB));
+    }
+    for (unsigned i = 0; i < N; i++)
+        if (p[i]) CHECK(pattern_ok(p[i], sz[i], id[i]));
+
+    /* The heap's counters are the driver's. */
+    s = heap_stats(h);
+    CHECK(s.page_creates == fakecuda_calls("cuMemCreate"));
+    CHECK(s.maps == fakecuda_calls("cuMemMap"));
+    CHECK(s.maps == fakecuda_calls("cuMemSetAccess"));
+    CHECK(s.unmaps == fakecuda_calls("cuMemUnmap"));
+    CHECK(s.page_releases == fakecuda_calls("cuMemRelease"));
+    CHECK((uint64_t)fakecuda_live("handles") * s.page_size == s.reserved_bytes);
+    CHECK((uint64_t)fakecuda_live("mappings") <= s.reserved_bytes / s.page_size);
+    CHECK(fakecuda_used_bytes(0) == s.reserved_bytes);
+    CHECK(s.page_creates > 0 && s.unmaps > 0 && s.page_releases > 0);
+
+    for (unsigned i = 0; i < N; i++)
+        if (p[i]) CHECK_OK(cuma_free(h, p[i], NULL));
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK(fakecuda_live("handles") == 0 && fakecuda_live("mappings") == 0);
+    CHECK(fakecuda_used_bytes(0) == 0);
+    s = heap_stats(h);
+    CHECK(s.reserved_bytes == 0 && s.page_creates == s.page_releases && s.maps == s.unmaps);
+    CHECK(s.device_free_bytes == s.device_total_bytes);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
+typedef struct releaser {
+    CUstream stream;
+    unsigned long unmaps_at_release;
+} releaser;
+
+static void *release_later(void *arg) {
+    releaser *r = arg;
+    usleep(300 * 1000);
+    r->unmaps_at_release = fakecuda_calls("cuMemUnmap");
+    fakecuda_stream_release(r->stream);
+    return NULL;
+}
+
+/* Memory freed on a busy stream: reused at once by that stream, by no other, and not given
+ * back to the driver before the stream's work is done. */
+static void test_busy_stream(void) {
+    CUstream a = stream_new(), b = stream_new();
+    cuma_heap *h = heap_make("backend:vmm,release_delay_ms:never");
+    void *p, *q, *r;
+    CHECK_OK(cuma_alloc(h, 4 * MB, a, &p));
+    pattern_fill(p, 4 * MB, 1);
+    fakecuda_stream_hold(a);
+    CHECK_OK(cuma_free(h, p, a));
+    CHECK_OK(cuma_alloc(h, 4 * MB, a, &q));
+    CHECK(q == p); /* the freeing stream reuses at once */
+    CHECK_OK(cuma_free(h, q, a));
+    CHECK_OK(cuma_alloc(h, 4 * MB, b, &r));
+    uintptr_t pa = (uintptr_t)p, ra = (uintptr_t)r;
+    CHECK(ra >= pa + 4 * MB || ra + 4 * MB <= pa); /* another stream does not */
+    pattern_fill(r, 4 * MB, 2);
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, r, b));
+
+    /* trim waits for the held work (cuEventSynchronize) instead of unmapping under it: a
+     * thread completes the work later and notes how many unmaps had happened by then. */
+    unsigned long unmaps0 = fakecuda_calls("cuMemUnmap");
+    releaser rel = {a, 0};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, release_later, &rel) == 0);
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK(pthread_join(t, NULL) == 0);
+    CHECK(rel.unmaps_at_release == unmaps0);
+    CHECK(fakecuda_calls("cuMemUnmap") > unmaps0);
+    CHECK(fakecuda_live("handles") == 0 && fakecuda_live("mappings") == 0);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+    CHECK_CU(cuStreamDestroy(a));
+    CHECK_CU(cuStreamDestroy(b));
+}
+
+/* The release policy does not wait: a page under held work stays while the rest goes. (No
+ * thread cache: it would keep both freed blocks for its own age first.) */
+static void test_held_page_stays(void) {
+    CUstream a = stream_new();
+    cuma_heap *h = heap_make("backend:vmm,release_delay_ms:0,tcache:off");
+    void *p, *q;
+    CHECK_OK(cuma_alloc(h, 2 * MB, a, &p));
+    CHECK_OK(cuma_alloc(h, 2 * MB, NULL, &q));
+    fakecuda_stream_hold(a);
+    unsigned long unmaps0 = fakecuda_calls("cuMemUnmap");
+    CHECK_OK(cuma_free(h, p, a));
+    CHECK_OK(cuma_free(h, q, NULL));
+    CHECK_OK(cuma_poll(h)); /* release_delay 0: every idle page whose work is done goes */
+    CHECK(fakecuda_calls("cuMemUnmap") == unmaps0 + 1);
+    CHECK(fakecuda_live("handles") == 1);
+    fakecuda_stream_release(a);
+    CHECK_OK(cuma_poll(h));
+    CHECK(fakecuda_live("handles") == 0 && fakecuda_live("mappings") == 0);
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+    CHECK_CU(cuStreamDestroy(a));
+}
+
+/* While work on a stream is held, idle pages past their release delay cannot go back; the
+ * heap (and its release thread) must keep serving other calls meanwhile. */
+static void test_busy_stream_does_not_block(void) {
+    CUstream a = stream_new();
+    cuma_heap *h = heap_make("backend:vmm,release_delay_ms:0,tcache:off");
+    void *p, *q;
+    CHECK_OK(cuma_alloc(h, 2 * MB, a, &p));
+    fakecuda_stream_hold(a);
+    CHECK_OK(cuma_free(h, p, a));
+    usleep(100 * 1000); /* the page is past its delay, its fence pending */
+    watchdog(20, "cuma_alloc while an idle page waits on a held stream");
+    CHECK_OK(cuma_alloc(h, 2 * MB, NULL, &q));
+    CHECK_OK(cuma_free(h, q, NULL));
+    CHECK_OK(cuma_poll(h));
+    watchdog(0, "");
+    fakecuda_stream_release(a);
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK(fakecuda_live("handles") == 0);
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+    CHECK_CU(cuStreamDestroy(a));
+}
+
+/* Backend ops one by one: a page keeps its data across unmap and remap elsewhere; events
+ * follow held streams; segments, managed memory, device info. */
+static void test_vmm_ops(void) {
+    cuma_backend *be = backend_make("vmm", 0);
+    CHECK(!strcmp(be->name, "vmm"));
+    CHECK(be->caps & CUMA_CAP_VMM);
+    CHECK(be->caps & CUMA_CAP_MANAGED);
+    CHECK(!strncmp(be->device_id, "GPU-", 4) && strlen(be->device_id) == 40);
+    CHECK(be->capacity == capacity_env());
+    CHECK(be->page_size == 2 * MB);
+    const cuma_backend_ops *o = be->ops;
+    uint64_t base, h1, h2;
+    CHECK_OK(o->reserve(be, 64 * MB, 64 * MB, &base));
+    CHECK(base % (64 * MB) == 0);
+    CHECK_OK(o->page_create(be, &h1));
+    CHECK_OK(o->page_create(be, &h2));
+    CHECK(fakecuda_live("handles") == 2);
+    CHECK_OK(o->map(be, base, h1));
+    CHECK_OK(o->map(be, base + 2 * MB, h2));
+    pattern_fill((void *)(uintptr_t)base, 2 * MB, 7);
+    pattern_fill((void *)(uintptr_t)(base + 2 * MB), 2 * MB, 8);
+    CHECK_OK(o->unmap(be, base));
+    CHECK_OK(o->map(be, base + 10 * MB, h1));
+    CHECK(pattern_ok((void *)(uintptr_t)(base + 10 * MB), 2 * MB, 7));
+    /* Mapping over a mapped page is the driver's error, reported with its name. */
+    CHECK_ST(o->map(be, base + 2 * MB, h1), CUMA_ERR_BACKEND);
+    CHECK(strstr(cuma_last_error(), "cuMemMap") && strstr(cuma_last_error(), "CUDA_ERROR_"));
+    CHECK_OK(o->unmap(be, base + 10 * MB));
+    CHECK_OK(o->unmap(be, base + 2 * MB));
+    o->page_release(be, h1);
+    o->page_release(be, h2);
+    o->unreserve(be, base, 64 * MB);
+    CHECK(fakecuda_live("handles") == 0 && fakecuda_live("mappings") == 0 &&
+          fakecuda_live("reservations") == 0);
+
+    /* Events: a held stream's event stays pending; pooled events are reused, not recreated. */
+    CUstream a = stream_new();
+    uint64_t e1, e2, e3;
+    unsigned long creates0 = fakecuda_calls("cuEventCreate");
+    CHECK_OK(o->event_record(be, NULL, &e1));
+    CHECK(o->event_query(be, e1) == 1);
+    CHECK_OK(o->event_wait(be, e1));
+    fakecuda_stream_hold(a);
+    CHECK_OK(o->event_record(be, a, &e2));
+    CHECK(e2 != e1);
+    CHECK(o->event_query(be, e2) == 0);
+    fakecuda_stream_release(a);
+    CHECK(o->event_query(be, e2) == 1);
+    CHECK(o->event_query(be, 12345) < 0);
+    o->event_release(be, e1);
+    o->event_release(be, e2);
+    CHECK_OK(o->event_record(be, a, &e3));
+    CHECK(e3 == e1 || e3 == e2);
+    o->event_release(be, e3);
+    CHECK(fakecuda_calls("cuEventCreate") == creates0 + 2);
+    CHECK(fakecuda_live("events") == 2);
+
+    uint64_t m, fr, tot;
+    CHECK_OK(o->managed_alloc(be, 3 * MB, &m));
+    pattern_fill((void *)(uintptr_t)m, 3 * MB, 9);
+    CHECK(fakecuda_live("managed") == 1);
+    CHECK_OK(o->mem_info(be, &fr, &tot));
+    CHECK(tot == capacity_env() && fr < tot);
+    o->managed_free(be, m, 3 * MB);
+    CHECK(fakecuda_live("managed") == 0);
+    uint64_t t0 = o->now_ns(be), t1 = o->now_ns(be);
+    CHECK(t1 >= t0 && t0 > 0);
+    o->destroy(be);
+    check_no_driver_objects();
+    CHECK_CU(cuStreamDestroy(a));
+}
+
+/* The segment and managed backends on a VMM device (they work anywhere). */
+static void test_segment_ops(const char *name) {
+    cuma_backend *be = backend_make(name, 0);
+    CHECK(!strcmp(be->name, name));
+    CHECK((be->caps & CUMA_CAP_SEGMENTS) && !(be->caps & CUMA_CAP_VMM));
+    CHECK(be->page_size == 2 * MB);
+    const cuma_backend_ops *o = be->ops;
+    const char *kind = strcmp(name, "managed") ? "allocs" : "managed";
+    uint64_t a, b, x;
+    CHECK_OK(o->seg_alloc(be, 20 * MB, &a));
+    CHECK_OK(o->seg_alloc(be, 2 * MB, &b));
+    CHECK(fakecuda_live(kind) == 2);
+    pattern_fill((void *)(uintptr_t)a, 20 * MB, 3);
+    pattern_fill((void *)(uintptr_t)b, 2 * MB, 4);
+    CHECK(pattern_ok((void *)(uintptr_t)a, 20 * MB, 3));
+    CHECK_ST(o->reserve(be, 64 * MB, 2 * MB, &x), CUMA_ERR_UNSUPPORTED);
+    CHECK_ST(o->page_create(be, &x), CUMA_ERR_UNSUPPORTED);
+    CHECK_ST(o->map(be, a, 1), CUMA_ERR_UNSUPPORTED);
+    CHECK_ST(o->unmap(be, a), CUMA_ERR_UNSUPPORTED);
+    /* Bigger than the device: the driver's OOM becomes cuma's. */
+    CHECK_ST(o->seg_alloc(be, capacity_env() + 2 * MB, &x), CUMA_ERR_OOM);
+    CHECK(strstr(cuma_last_error(), "CUDA_ERROR_OUT_OF_MEMORY"));
+    o->seg_free(be, a, 20 * MB);
+    o->seg_free(be, b, 2 * MB);
+    CHECK(fakecuda_live(kind) == 0);
+    o->destroy(be);
+    check_no_driver_objects();
+}
+
+/* cuma switches to its context for a call and puts the caller's back. */
+static void test_context_restored(test_ctx *t) {
+    cuma_heap *h = heap_make("backend:vmm");
+    void *p;
+    CUcontext cur = (CUcontext)1;
+    CHECK_CU(cuCtxSetCurrent(NULL));
+    CHECK_OK(cuma_alloc(h, 1 * MB, NULL, &p));
+    CHECK_CU(cuCtxGetCurrent(&cur));
+    CHECK(cur == NULL);
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_OK(cuma_trim(h, 0));
+    cuma_heap_destroy(h);
+    CHECK_CU(cuCtxGetCurrent(&cur));
+    CHECK(cur == NULL);
+    CHECK_CU(cuCtxSetCurrent(t->ctx));
+    check_no_driver_objects();
+}
+
+/* page_size: the granularity, or a larger multiple of it that the settings ask for. */
+static void test_page_size(void) {
+    static const struct {
+        uint64_t asked, got;
+    } cases[] = {{2 * MB, 2 * MB}, {4 * MB, 4 * MB}, {1 * MB, 2 * MB}, {64 * 1024, 2 * MB}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        cuma_settings s;
+        cuma_settings_default(&s);
+        snprintf(s.backend, sizeof s.backend, "vmm");
+        s.page_size = cases[i].asked;
+        cuma_backend *be = NULL;
+        CHECK_OK(cuma_backend_create(&s, &be));
+        CHECK(be->page_size == cases[i].got);
+        be->ops->destroy(be);
+    }
+    cuma_heap *h = heap_make("backend:vmm,page_size:8M");
+    void *p;
+    CHECK_OK(cuma_alloc(h, 1 * MB, NULL, &p));
+    CHECK(heap_stats(h).reserved_bytes == 8 * MB);
+    CHECK(fakecuda_used_bytes(0) == 8 * MB);
+    CHECK_OK(cuma_free(h, p, NULL));
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
+typedef struct worker {
+    cuma_heap *h;
+    CUcontext ctx; /* current on the worker, or NULL: cuma must work either way */
+    unsigned id;
+} worker;
+
+static void *churn_thread(void *arg) {
+    worker *w = arg;
+    CHECK_CU(cuCtxSetCurrent(w->ctx));
+    enum { N = 16 };
+    void *p[N] = {0};
+    size_t sz[N] = {0};
+    unsigned long long seed = 0x1234567ull * (w->id + 1);
+    for (unsigned op = 0; op < 600; op++) {
+        unsigned i = (unsigned)(rnd(&seed) % N);
+        unsigned tag = w->id * 64 + i;
+        if (p[i]) {
+            CHECK(pattern_ok(p[i], sz[i], tag));
+            CHECK_OK(cuma_free(w->h, p[i], NULL));
+            p[i] = NULL;
+        } else {
+            sz[i] = (size_t)(rnd(&seed) % (3 * MB) + 1);
+            CHECK_OK(cuma_alloc(w->h, sz[i], NULL, &p[i]));
+            pattern_fill(p[i], sz[i], tag);
+        }
+        if (op % 200 == 0) CHECK_OK(cuma_trim(w->h, 0));
+    }
+    for (unsigned i = 0; i < N; i++)
+        if (p[i]) CHECK_OK(cuma_free(w->h, p[i], NULL));
+    CUcontext cur = (CUcontext)1;
+    CHECK_CU(cuCtxGetCurrent(&cur));
+    CHECK(cur == w->ctx);
+    return NULL;
+}
+
+/* Threads with and without a current context share one heap. */
+static void test_threads(test_ctx *t) {
+    cuma_heap *h = heap_make("backend:vmm,release_delay_ms:0");
+    enum { T = 4 };
+    pthread_t th[T];
+    worker w[T];
+    for (unsigned i = 0; i < T; i++) {
+        w[i] = (worker){h, i % 2 ? t->ctx : NULL, i};
+        CHECK(pthread_create(&th[i], NULL, churn_thread, &w[i]) == 0);
+    }
+    for (unsigned i = 0; i < T; i++) CHECK(pthread_join(th[i], NULL) == 0);
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK(fakecuda_live("handles") == 0 && fakecuda_live("mappings") == 0);
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
+static void test_auto(const char *want) {
+    cuma_backend *be = backend_make("auto", 0);
+    CHECK(!strcmp(be->name, want));
+    be->ops->destroy(be);
+    check_no_driver_objects();
+}
+
+static void test_bad_device(void) {
+    cuma_config cfg = {.conf = "backend:vmm", .flags = CUMA_CONFIG_NO_ENV, .device = 7};
+    cuma_heap *h = NULL;
+    CHECK_ST(cuma_heap_create(&cfg, &h), CUMA_ERR_NO_DEVICE);
+    CHECK(h == NULL && strstr(cuma_last_error(), "device 7"));
+    check_no_driver_objects();
+}
+
+static void run_novmm(void) {
+    test_auto("segment");
+    cuma_settings s;
+    cuma_settings_default(&s);
+    snprintf(s.backend, sizeof s.backend, "vmm");
+    cuma_backend *be = NULL;
+    CHECK_ST(cuma_backend_create(&s, &be), CUMA_ERR_UNSUPPORTED);
+    CHECK(be == NULL && strstr(cuma_last_error(), "virtual memory management"));
+    test_segment_ops("segment");
+    test_segment_ops("managed");
+    check_no_driver_objects();
+}
+
+/* No usable driver: every CUDA backend fails with CUMA_ERR_NO_DEVICE and a message that
+ * contains `why` (the library path, the missing symbol, cuInit's error). */
+static void run_nodriver(const char *why) {
+    static const char *names[] = {"vmm", "segment", "managed", "auto"};
+    for (int i = 0; i < 4; i++) {
+        char conf[64];
+        snprintf(conf, sizeof conf, "backend:%s", names[i]);
+        cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+        cuma_heap *h = (cuma_heap *)1;
+        CHECK_ST(cuma_heap_create(&cfg, &h), CUMA_ERR_NO_DEVICE);
+        CHECK(h == NULL);
+        CHECK(strstr(cuma_last_error(), why));
+        fprintf(stderr, "backend:%s without a driver: %s\n", names[i], cuma_last_error());
+    }
+    /* The sim needs no driver. */
+    cuma_heap *h = heap_make("backend:sim,capacity:64M");
+    cuma_heap_destroy(h);
+}
+
+/* Two devices: a heap on device 1 works in device 1's context, grants device 0 access, and
+ * leaves the caller's device 0 context current. */
+static void run_twodev(void) {
+    test_ctx t = test_ctx_open(0);
+    cuma_backend *b0 = backend_make("vmm", 0), *b1 = backend_make("vmm", 1);
+    CHECK(strcmp(b0->device_id, b1->device_id) != 0);
+    b0->ops->destroy(b0);
+    b1->ops->destroy(b1);
+    cuma_config cfg = {.conf = "backend:vmm", .flags = CUMA_CONFIG_NO_ENV, .device = 1};
+    cuma_heap *h = NULL;
+    CHECK_OK(cuma_heap_create(&cfg, &h));
+    void *p;
+    fakecuda_reset_counters();
+    CHECK_OK(cuma_alloc(h, 3 * MB, NULL, &p));
+    pattern_fill(p, 3 * MB, 5);
+    CHECK(fakecuda_used_bytes(1) == 4 * MB && fakecuda_used_bytes(0) == 0);
+    CUcontext cur = NULL;
+    CHECK_CU(cuCtxGetCurrent(&cur));
+    CHECK(cur == t.ctx);
+    CHECK(pattern_ok(p, 3 * MB, 5));
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK(fakecuda_used_bytes(1) == 0);
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+    test_ctx_close(&t);
+}
+
+int main(int argc, char **argv) {
+    const char *mode = argc > 1 ? argv[1] : "";
+    watchdog(240, mode[0] ? mode : "the default run");
+    if (!strcmp(mode, "nodriver")) {
+        CHECK(argc > 2);
+        run_nodriver(argv[2]);
+    } else if (!strcmp(mode, "novmm")) {
+        test_ctx t = test_ctx_open(0);
+        run_novmm();
+        test_ctx_close(&t);
+    } else if (!strcmp(mode, "autofallback")) {
+        test_ctx t = test_ctx_open(0);
+        test_auto("segment"); /* the first granularity query fails */
+        test_auto("vmm");
+        test_ctx_close(&t);
+    } else if (!strcmp(mode, "twodev")) {
+        run_twodev();
+    } else {
+        test_ctx t = test_ctx_open(0);
+        test_auto("vmm");
+        test_bad_device();
+        test_vmm_ops();
+        test_segment_ops("segment");
+        test_segment_ops("managed");
+        test_vmm_churn();
+        test_busy_stream();
+        test_held_page_stays();
+        test_busy_stream_does_not_block();
+        test_context_restored(&t);
+        test_page_size();
+        test_threads(&t);
+        test_ctx_close(&t);
+    }
+    fprintf(stderr, "test_cuda_backend %s: ok\n", mode);
+    return 0;
+}

@@ -1,0 +1,151 @@
+/* Driver failures, one at a time: for each driver call the vmm heap makes and each position n
+ * at which a fixed script of allocations, frees and trims makes it, the n-th call fails
+ * (CUDA_ERROR_OUT_OF_MEMORY, no side effect). Every cuma call must return a status, the heap
+ * must stay valid after every step, and once everything is freed, trimmed and the heap
+ * destroyed, no handle, mapping, reservation or event may be left in the driver. Then each
+ * call fails every time ("api:*") until the script ends, and the same must hold once the
+ * driver recovers.
+ *
+ *   test_cuda_faults [vmm|segment|managed]   (default vmm)
+ */
+#include "cuda_test.h"
+
+#include <stdlib.h>
+
+enum { NPTR = 12 };
+
+typedef struct script_state {
+    cuma_heap *h;
+    void *p[NPTR];
+    size_t sz[NPTR];
+    CUstream b;
+    unsigned failures; /* calls that returned an error */
+} script_state;
+
+static void step_ok(script_state *st, cuma_status s) {
+    if (s != CUMA_OK) {
+        st->failures++;
+        /* A failure is a status with a message, never a broken heap. */
+        CHECK(cuma_last_error()[0] != 0);
+    }
+    CHECK_OK(cuma_validate(st->h));
+}
+
+static void s_alloc(script_state *st, int i, size_t size, CUstream stream) {
+    cuma_status s = cuma_alloc(st->h, size, stream, &st->p[i]);
+    if (s == CUMA_OK) {
+        st->sz[i] = size;
+        /* The memory is really there (a half-mapped block would fault here). */
+        pattern_fill(st->p[i], size, (unsigned)i);
+    } else {
+        CHECK(st->p[i] == NULL);
+    }
+    step_ok(st, s);
+}
+
+static void s_free(script_state *st, int i, CUstream stream) {
+    if (!st->p[i]) return;
+    CHECK(pattern_ok(st->p[i], st->sz[i], (unsigned)i));
+    step_ok(st, cuma_free(st->h, st->p[i], stream));
+    st->p[i] = NULL;
+}
+
+/* The fixed script: growth, a page cache under a cap, two streams (one busy for a while, so
+ * that fences stay pending and the event pool grows), partial and full trims, page moves
+ * (freed pages reused at other addresses). While stream b is held the script only frees and
+ * polls: an allocation could reach the OOM ladder, which waits for b's work, which would never
+ * complete on this thread. */
+static void script(script_state *st) {
+    CUstream b = st->b;
+    s_alloc(st, 0, 1 * MB, NULL);
+    s_alloc(st, 1, 3 * MB, NULL);
+    s_alloc(st, 2, 4 * MB, b);
+    s_alloc(st, 3, 10 * MB, b);
+    s_alloc(st, 4, 100, NULL);
+    fakecuda_stream_hold(b);
+    s_free(st, 3, b); /* over the 8M cache cap: the release policy fences b (pending) */
+    s_free(st, 2, b); /* a later free on b: a second pending fence */
+    step_ok(st, cuma_poll(st->h));
+    fakecuda_stream_release(b);
+    s_free(st, 1, NULL);
+    s_alloc(st, 5, 5 * MB, NULL);
+    s_alloc(st, 6, 2 * MB, b);
+    step_ok(st, cuma_trim(st->h, 2 * MB));
+    s_free(st, 0, NULL);
+    s_free(st, 5, NULL);
+    s_alloc(st, 7, 9 * MB, b);
+    s_alloc(st, 8, 4 * MB, NULL);
+    s_alloc(st, 2, 700 * 1024, b);
+    s_free(st, 2, NULL); /* freed on another stream than it was allocated on */
+    s_free(st, 6, b);
+    step_ok(st, cuma_poll(st->h));
+    s_alloc(st, 9, 12 * MB, NULL);
+    s_free(st, 7, b);
+    s_free(st, 8, NULL);
+    step_ok(st, cuma_trim(st->h, 0));
+    s_alloc(st, 10, 3 * MB, b);
+    s_alloc(st, 11, 1 * MB, NULL);
+}
+
+static const char *backend_name = "vmm";
+
+/* Runs the script under a failure spec; returns how often `count_api` was called (the clean
+ * run measures K this way). With recover, failures stop before the final cleanup. */
+static unsigned long run(const char *spec, const char *count_api, bool recover, CUstream b) {
+    char conf[128];
+    snprintf(conf, sizeof conf, "backend:%s,release_delay_ms:never,max_cached:8M", backend_name);
+    script_state st = {.b = b};
+    fakecuda_reset_counters();
+    CHECK(fakecuda_set_fail(spec) == 0);
+    cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+    cuma_status s = cuma_heap_create(&cfg, &st.h);
+    if (s != CUMA_OK) {
+        /* Creation failed: a clear status, nothing half-built left in the driver. */
+        CHECK(st.h == NULL);
+        CHECK(s == CUMA_ERR_OOM || s == CUMA_ERR_BACKEND);
+        CHECK(strstr(cuma_last_error(), "CUDA_ERROR_"));
+        CHECK(fakecuda_set_fail(NULL) == 0);
+        check_no_driver_objects();
+        return count_api ? fakecuda_calls(count_api) : 0;
+    }
+    script(&st);
+    if (recover) CHECK(fakecuda_set_fail(NULL) == 0);
+    for (int i = 0; i < NPTR; i++) s_free(&st, i, NULL);
+    step_ok(&st, cuma_trim(st.h, 0));
+    cuma_heap_destroy(st.h);
+    unsigned long calls = count_api ? fakecuda_calls(count_api) : 0;
+    CHECK(fakecuda_set_fail(NULL) == 0);
+    check_no_driver_objects();
+    return calls;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1) backend_name = argv[1];
+    static const char *vmm_apis[] = {
+        "cuMemCreate",   "cuMemMap",      "cuMemSetAccess",      "cuMemUnmap", "cuMemRelease",
+        "cuEventRecord", "cuEventCreate", "cuMemAddressReserve", NULL};
+    static const char *seg_apis[] = {"cuMemAlloc",    "cuMemAllocManaged", "cuMemFree",
+                                     "cuEventRecord", "cuEventCreate",     NULL};
+    const char **apis = strcmp(backend_name, "vmm") ? seg_apis : vmm_apis;
+    test_ctx t = test_ctx_open(0);
+    CUstream b = stream_new();
+    unsigned runs = 0;
+    for (int a = 0; apis[a]; a++) {
+        unsigned long k = run("", apis[a], false, b);
+        fprintf(stderr, "%s: called %lu times by the script\n", apis[a], k);
+        for (unsigned long n = 1; n <= k; n++) {
+            char spec[64];
+            snprintf(spec, sizeof spec, "%s:%lu", apis[a], n);
+            run(spec, NULL, false, b);
+            runs++;
+        }
+        char spec[64];
+        snprintf(spec, sizeof spec, "%s:*", apis[a]);
+        run(spec, NULL, true, b);
+        runs++;
+    }
+    CHECK_CU(cuStreamDestroy(b));
+    test_ctx_close(&t);
+    fprintf(stderr, "test_cuda_faults %s: %u faulty runs, ok\n", backend_name, runs);
+    return 0;
+}

@@ -1,0 +1,128 @@
+/* Segment mode over the fake driver: heaps on backend:segment (cuMemAlloc) and
+ * backend:managed (cuMemAllocManaged). Data survives churn, a segment goes back with cuMemFree
+ * once it is entirely free and trimmed, and nothing is left in the driver at the end.
+ *
+ *   test_cuda_segment [segment|managed|auto]   (default segment; auto with FAKECUDA_NO_VMM=1)
+ */
+#include "cuda_test.h"
+
+static void test_churn(const char *backend) {
+    bool managed = !strcmp(backend, "managed");
+    const char *kind = managed ? "managed" : "allocs";
+    const char *alloc_api = managed ? "cuMemAllocManaged" : "cuMemAlloc";
+    char conf[128];
+    snprintf(conf, sizeof conf, "backend:%s,release_delay_ms:never", backend);
+    cuma_heap *h = heap_make(conf);
+    char json[8192];
+    CHECK_OK(cuma_stats_json(h, json, sizeof json, NULL));
+    char want[64];
+    /* backend:auto on a device without VMM must be segment. */
+    snprintf(want, sizeof want, "\"backend\":\"%s\"",
+             strcmp(backend, "auto") ? backend : "segment");
+    CHECK(strstr(json, want) && strstr(json, "\"device\":\"GPU-"));
+    fakecuda_reset_counters();
+
+    enum { N = 40 };
+    void *p[N] = {0};
+    size_t sz[N] = {0};
+    unsigned id[N] = {0};
+    unsigned long long seed = test_seed();
+    for (unsigned op = 0; op < 1200; op++) {
+        unsigned i = (unsigned)(rnd(&seed) % N);
+        if (p[i]) {
+            CHECK(pattern_ok(p[i], sz[i], id[i]));
+            CHECK_OK(cuma_free(h, p[i], NULL));
+            p[i] = NULL;
+        } else {
+            unsigned long long r = rnd(&seed);
+            sz[i] = (size_t)(r % 5 == 0 ? r % (24 * MB) + 1 : r % (512 * 1024) + 1);
+            id[i] = op;
+            CHECK_OK(cuma_alloc(h, sz[i], NULL, &p[i]));
+            pattern_fill(p[i], sz[i], id[i]);
+        }
+        if (op % 100 == 0) CHECK_OK(cuma_validate(h));
+    }
+    for (unsigned i = 0; i < N; i++)
+        if (p[i]) CHECK(pattern_ok(p[i], sz[i], id[i]));
+    CHECK(fakecuda_calls(alloc_api) > 0);
+    CHECK(fakecuda_live(kind) > 0);
+    cuma_stats s = heap_stats(h);
+    CHECK(s.reserved_bytes > 0);
+    CHECK(fakecuda_used_bytes(0) >= s.reserved_bytes);
+
+    for (unsigned i = 0; i < N; i++)
+        if (p[i]) CHECK_OK(cuma_free(h, p[i], NULL));
+    CHECK_OK(cuma_validate(h));
+    /* Entirely free segments idle until trimmed, then each goes back with one cuMemFree. */
+    unsigned long frees0 = fakecuda_calls("cuMemFree");
+    long live0 = fakecuda_live(kind);
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK(fakecuda_live(kind) == 0);
+    CHECK(fakecuda_calls("cuMemFree") == frees0 + (unsigned long)live0);
+    CHECK(fakecuda_calls(alloc_api) == fakecuda_calls("cuMemFree"));
+    s = heap_stats(h);
+    CHECK(s.reserved_bytes == 0);
+    CHECK(fakecuda_used_bytes(0) == 0);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
+/* A segment with a live block stays; it goes once its last block is freed and trimmed. */
+static void test_partial(const char *backend) {
+    char conf[128];
+    snprintf(conf, sizeof conf, "backend:%s,release_delay_ms:never", backend);
+    const char *kind = strcmp(backend, "managed") ? "allocs" : "managed";
+    cuma_heap *h = heap_make(conf);
+    void *a, *b;
+    CHECK_OK(cuma_alloc(h, 100 * 1024, NULL, &a));
+    CHECK_OK(cuma_alloc(h, 100 * 1024, NULL, &b));
+    CHECK(fakecuda_live(kind) == 1); /* both small blocks share one segment */
+    CHECK_OK(cuma_free(h, a, NULL));
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK(fakecuda_live(kind) == 1);
+    pattern_fill(b, 100 * 1024, 3);
+    CHECK(pattern_ok(b, 100 * 1024, 3));
+    CHECK_OK(cuma_free(h, b, NULL));
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK(fakecuda_live(kind) == 0);
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
+/* A busy stream keeps its segment: the release policy leaves it until the work is done. (No
+ * thread cache: it would keep the freed block for its own age first.) */
+static void test_held_stream(const char *backend) {
+    char conf[128];
+    snprintf(conf, sizeof conf, "backend:%s,release_delay_ms:0,tcache:off", backend);
+    const char *kind = strcmp(backend, "managed") ? "allocs" : "managed";
+    CUstream a = stream_new();
+    cuma_heap *h = heap_make(conf);
+    void *p;
+    CHECK_OK(cuma_alloc(h, 4 * MB, a, &p));
+    fakecuda_stream_hold(a);
+    CHECK_OK(cuma_free(h, p, a));
+    usleep(100 * 1000); /* past the delay, the fence pending: the heap must stay usable */
+    watchdog(20, "cuma_poll while an idle segment waits on a held stream");
+    CHECK_OK(cuma_poll(h)); /* release_delay 0, but the work is not done */
+    CHECK(fakecuda_live(kind) == 1);
+    watchdog(240, backend);
+    fakecuda_stream_release(a);
+    CHECK_OK(cuma_poll(h));
+    CHECK(fakecuda_live(kind) == 0);
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+    CHECK_CU(cuStreamDestroy(a));
+}
+
+int main(int argc, char **argv) {
+    const char *backend = argc > 1 ? argv[1] : "segment";
+    watchdog(240, backend);
+    test_ctx t = test_ctx_open(0);
+    test_churn(backend);
+    test_partial(backend);
+    test_held_stream(backend);
+    test_ctx_close(&t);
+    fprintf(stderr, "test_cuda_segment %s: ok\n", backend);
+    return 0;
+}
