@@ -139,13 +139,16 @@ static unsigned bin_of(uint64_t n, unsigned stream) {
 /* The owner's pointer table: 2-way set-associative by address, no probing and no shifting. An
  * entry that finds both ways taken is not recorded and its free takes the slow path, which is
  * always correct (the heap's own table knows every block). */
-static uint32_t key_slot(uint64_t key, uint32_t cap) {
-    return (uint32_t)(((key >> 9) * 0x9E3779B97F4A7C15ull) >> 40) & (cap - 2);
+/* Hashed by offset from the heap's base, so that which blocks collide (and so which frees take
+ * the slow path) does not depend on where the heap's range happens to lie: replays repeat. */
+static uint32_t key_slot(const cuma_tcache *tc, uint64_t key, uint32_t cap) {
+    uint64_t x = ((key - tc->heap->base) >> 9) * 0x9E3779B97F4A7C15ull;
+    return (uint32_t)((x ^ (x >> 29)) >> 20) & (cap - 2);
 }
 
 static cuma_tc_entry *tab_find(cuma_tcache *tc, uint64_t key) {
     if (!tc->tabcap) return NULL;
-    cuma_tc_entry *e = &tc->tab[key_slot(key, tc->tabcap)];
+    cuma_tc_entry *e = &tc->tab[key_slot(tc, key, tc->tabcap)];
     if (e[0].key == key) return &e[0];
     if (e[1].key == key) return &e[1];
     return NULL;
@@ -163,7 +166,7 @@ static bool tab_grow(cuma_tcache *tc) {
     if (!n) return false;
     for (uint32_t i = 0; i < tc->tabcap; i++) {
         if (!tc->tab[i].key) continue;
-        cuma_tc_entry *d = &n[key_slot(tc->tab[i].key, ncap)];
+        cuma_tc_entry *d = &n[key_slot(tc, tc->tab[i].key, ncap)];
         if (!d[0].key) d[0] = tc->tab[i];
         else if (!d[1].key) d[1] = tc->tab[i];
         else tc->tabn--; /* dropped: that block's free takes the slow path */
@@ -175,7 +178,7 @@ static bool tab_grow(cuma_tcache *tc) {
 
 static void tab_put(cuma_tcache *tc, uint64_t key, cuma_block *b, uint64_t gen) {
     if (tc->tabn * 2 >= tc->tabcap && !tab_grow(tc) && !tc->tabcap) return;
-    cuma_tc_entry *e = &tc->tab[key_slot(key, tc->tabcap)];
+    cuma_tc_entry *e = &tc->tab[key_slot(tc, key, tc->tabcap)];
     if (e[0].key && e[0].key != key) e++;
     if (e->key && e->key != key) return; /* both ways taken: its free takes the slow path */
     if (!e->key) tc->tabn++;
