@@ -19,7 +19,9 @@
  * - live: mapped_len is the length from off whose pages it references (<= size);
  * - extra[] holds the streams cuma_record_stream added (CUMA_NO_STREAM = empty slot);
  *   extra_all means "more than fit": wait for every stream. */
-typedef struct cuma_block {
+/* Aligned to a cache line: blocks of different threads' caches sit next to each other in the
+ * descriptor pool, and their generations are written on every fast-path call. */
+typedef struct __attribute__((aligned(64))) cuma_block {
     uint64_t off, size;
     struct cuma_block *prev, *next;   /* address neighbours in the same range */
     struct cuma_block *fprev, *fnext; /* free list (policy-owned) */
