@@ -39,7 +39,8 @@
 /* Seeded xorshift: randomized tests print their seed and take CUMA_TEST_SEED to replay it. */
 static inline unsigned long long test_seed(void) {
     const char *e = getenv("CUMA_TEST_SEED");
-    unsigned long long s = e ? strtoull(e, NULL, 0) : 0x9E3779B97F4A7C15ull ^ (unsigned long long)(size_t)&test_seed;
+    unsigned long long s =
+        e ? strtoull(e, NULL, 0) : 0x9E3779B97F4A7C15ull ^ (unsigned long long)(size_t)&test_seed;
     if (!s) s = 1;
     fprintf(stderr, "seed: CUMA_TEST_SEED=0x%llx\n", s);
     return s;

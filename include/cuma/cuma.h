@@ -28,17 +28,17 @@ extern "C" {
 /* One status enum for the whole library. */
 typedef enum cuma_status {
     CUMA_OK = 0,
-    CUMA_ERR_INVALID = 1,      /* a bad argument: NULL handle, size 0, size that overflows */
-    CUMA_ERR_OOM = 2,          /* out of memory after every recovery step */
-    CUMA_ERR_LIMIT = 3,        /* the request would exceed the heap's configured limit */
-    CUMA_ERR_BAD_POINTER = 4,  /* free of a pointer the heap did not hand out, or already freed */
-    CUMA_ERR_CONFIG = 5,       /* unknown configuration key or bad value */
-    CUMA_ERR_BACKEND = 6,      /* the device backend (driver) failed */
-    CUMA_ERR_NO_DEVICE = 7,    /* no driver or no such device */
-    CUMA_ERR_UNSUPPORTED = 8,  /* the backend cannot do this */
-    CUMA_ERR_CORRUPT = 9,      /* cuma_validate found a broken invariant */
-    CUMA_ERR_IO = 10,          /* a file could not be read or written */
-    CUMA_ERR_PARSE = 11,       /* malformed input (trace line, JSON) */
+    CUMA_ERR_INVALID = 1,     /* a bad argument: NULL handle, size 0, size that overflows */
+    CUMA_ERR_OOM = 2,         /* out of memory after every recovery step */
+    CUMA_ERR_LIMIT = 3,       /* the request would exceed the heap's configured limit */
+    CUMA_ERR_BAD_POINTER = 4, /* free of a pointer the heap did not hand out, or already freed */
+    CUMA_ERR_CONFIG = 5,      /* unknown configuration key or bad value */
+    CUMA_ERR_BACKEND = 6,     /* the device backend (driver) failed */
+    CUMA_ERR_NO_DEVICE = 7,   /* no driver or no such device */
+    CUMA_ERR_UNSUPPORTED = 8, /* the backend cannot do this */
+    CUMA_ERR_CORRUPT = 9,     /* cuma_validate found a broken invariant */
+    CUMA_ERR_IO = 10,         /* a file could not be read or written */
+    CUMA_ERR_PARSE = 11,      /* malformed input (trace line, JSON) */
 } cuma_status;
 
 /* A short constant description of a status ("out of memory"). Never NULL. */
@@ -133,27 +133,27 @@ typedef struct cuma_stats {
     uint64_t peak_requested_bytes; /* highest requested_bytes since creation/reset */
     uint64_t allocated_bytes;      /* live allocations after rounding */
     uint64_t peak_allocated_bytes;
-    uint64_t reserved_bytes;       /* physical memory held from the device: mapped + cached */
+    uint64_t reserved_bytes; /* physical memory held from the device: mapped + cached */
     uint64_t peak_reserved_bytes;
-    uint64_t mapped_bytes;         /* pages under at least one live byte */
-    uint64_t cached_bytes;         /* idle pages kept for reuse */
-    uint64_t managed_bytes;        /* live allocations served from managed memory */
-    uint64_t virtual_bytes;        /* size of the reserved virtual range */
-    uint64_t limit_bytes;          /* effective limit on reserved bytes (device size if none) */
-    uint64_t device_total_bytes;   /* device memory as the backend reports it */
+    uint64_t mapped_bytes;       /* pages under at least one live byte */
+    uint64_t cached_bytes;       /* idle pages kept for reuse */
+    uint64_t managed_bytes;      /* live allocations served from managed memory */
+    uint64_t virtual_bytes;      /* size of the reserved virtual range */
+    uint64_t limit_bytes;        /* effective limit on reserved bytes (device size if none) */
+    uint64_t device_total_bytes; /* device memory as the backend reports it */
     uint64_t device_free_bytes;
     uint64_t page_size;
-    uint64_t active_allocs;   /* live allocations */
-    uint64_t num_allocs;      /* successful allocations */
+    uint64_t active_allocs; /* live allocations */
+    uint64_t num_allocs;    /* successful allocations */
     uint64_t num_frees;
-    uint64_t failed_allocs;   /* allocations that returned an error */
+    uint64_t failed_allocs;     /* allocations that returned an error */
     uint64_t num_alloc_retries; /* allocations that needed the cache released to succeed */
-    uint64_t num_ooms;        /* allocations that reached the OOM callbacks */
-    uint64_t oom_callbacks;   /* callback invocations */
+    uint64_t num_ooms;          /* allocations that reached the OOM callbacks */
+    uint64_t oom_callbacks;     /* callback invocations */
     uint64_t managed_fallbacks; /* allocations served from managed memory */
-    uint64_t page_creates;    /* physical pages obtained from the device */
-    uint64_t page_releases;   /* physical pages given back */
-    uint64_t maps;            /* page map operations */
+    uint64_t page_creates;      /* physical pages obtained from the device */
+    uint64_t page_releases;     /* physical pages given back */
+    uint64_t maps;              /* page map operations */
     uint64_t unmaps;
     uint64_t events_recorded; /* stream events recorded to fence reuse */
     uint64_t trims;           /* cuma_trim calls and OOM cache releases */
@@ -177,7 +177,7 @@ cuma_status cuma_validate(cuma_heap *heap);
  * bytes failed even after the cache was released. It may free memory (also through
  * cuma_free on this heap). Return CUMA_OOM_RETRY to have the allocation retried, or
  * CUMA_OOM_PASS to let the next callback (or the failure) follow. */
-#define CUMA_OOM_PASS 0
+#define CUMA_OOM_PASS  0
 #define CUMA_OOM_RETRY 1
 typedef int (*cuma_oom_fn)(void *user, cuma_heap *heap, size_t size, cuma_stream stream);
 

@@ -1,8 +1,9 @@
 /* The simulated device: a capacity, a page granularity, streams that tests can hold busy, and a
  * clock that replays can drive. With host backing, pages are pieces of one sparse memfd mapped
  * into a PROT_NONE reservation, so data written through one mapping survives unmap and remap
- * elsewhere, as on a GPU. (A replay's manual clock belongs to the heap, not to this backend.) Without it, addresses are numbers nobody dereferences and the
- * simulator costs no memory, which lets a replay simulate an 80 GiB device anywhere. */
+ * elsewhere, as on a GPU. (A replay's manual clock belongs to the heap, not to this backend.)
+ * Without it, addresses are numbers nobody dereferences and the simulator costs no memory, which
+ * lets a replay simulate an 80 GiB device anywhere. */
 #include "backend.h"
 #include "core/error.h"
 
@@ -49,7 +50,9 @@ typedef struct sim {
 
 static const cuma_backend_ops sim_ops;
 
-static sim *as_sim(cuma_backend *be) { return be->ops == &sim_ops ? (sim *)be : NULL; }
+static sim *as_sim(cuma_backend *be) {
+    return be->ops == &sim_ops ? (sim *)be : NULL;
+}
 
 static _Atomic uint64_t fake_next = 1ull << 44;
 
@@ -61,8 +64,11 @@ static cuma_status sim_reserve(cuma_backend *be, uint64_t size, uint64_t align, 
         *addr = (a + align - 1) & ~(align - 1);
         return CUMA_OK;
     }
-    void *p = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) return cuma_fail(CUMA_ERR_OOM, "sim: cannot reserve %llu bytes of address space: %s", (unsigned long long)size, strerror(errno));
+    void *p =
+        mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+        return cuma_fail(CUMA_ERR_OOM, "sim: cannot reserve %llu bytes of address space: %s",
+                         (unsigned long long)size, strerror(errno));
     uint64_t a = ((uint64_t)(uintptr_t)p + align - 1) & ~(align - 1);
     if (a > (uint64_t)(uintptr_t)p) munmap(p, a - (uint64_t)(uintptr_t)p);
     uint64_t tail = (uint64_t)(uintptr_t)p + size + align - (a + size);
@@ -78,8 +84,8 @@ static void sim_unreserve(cuma_backend *be, uint64_t addr, uint64_t size) {
 static cuma_status sim_page_create(cuma_backend *be, uint64_t *handle) {
     sim *s = (sim *)be;
     if (s->used_pages == s->npages)
-        return cuma_fail(CUMA_ERR_OOM, "sim: device full (%llu pages of %llu bytes)", (unsigned long long)s->npages,
-                         (unsigned long long)be->page_size);
+        return cuma_fail(CUMA_ERR_OOM, "sim: device full (%llu pages of %llu bytes)",
+                         (unsigned long long)s->npages, (unsigned long long)be->page_size);
     s->used_pages++;
     *handle = s->nfree ? s->free_pages[--s->nfree] : s->next_fresh++;
     return CUMA_OK;
@@ -88,7 +94,8 @@ static cuma_status sim_page_create(cuma_backend *be, uint64_t *handle) {
 static void sim_page_release(cuma_backend *be, uint64_t handle) {
     sim *s = (sim *)be;
     if (s->backing)
-        fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(handle * be->page_size), (off_t)be->page_size);
+        fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                  (off_t)(handle * be->page_size), (off_t)be->page_size);
     s->free_pages[s->nfree++] = handle;
     s->used_pages--;
 }
@@ -96,17 +103,22 @@ static void sim_page_release(cuma_backend *be, uint64_t handle) {
 static cuma_status sim_map(cuma_backend *be, uint64_t addr, uint64_t handle) {
     sim *s = (sim *)be;
     if (!s->backing) return CUMA_OK;
-    void *p = mmap((void *)(uintptr_t)addr, be->page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, s->fd,
-                   (off_t)(handle * be->page_size));
-    if (p == MAP_FAILED) return cuma_fail(CUMA_ERR_BACKEND, "sim: map at 0x%llx failed: %s", (unsigned long long)addr, strerror(errno));
+    void *p = mmap((void *)(uintptr_t)addr, be->page_size, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_FIXED, s->fd, (off_t)(handle * be->page_size));
+    if (p == MAP_FAILED)
+        return cuma_fail(CUMA_ERR_BACKEND, "sim: map at 0x%llx failed: %s",
+                         (unsigned long long)addr, strerror(errno));
     return CUMA_OK;
 }
 
 static cuma_status sim_unmap(cuma_backend *be, uint64_t addr) {
     sim *s = (sim *)be;
     if (!s->backing) return CUMA_OK;
-    void *p = mmap((void *)(uintptr_t)addr, be->page_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
-    if (p == MAP_FAILED) return cuma_fail(CUMA_ERR_BACKEND, "sim: unmap at 0x%llx failed: %s", (unsigned long long)addr, strerror(errno));
+    void *p = mmap((void *)(uintptr_t)addr, be->page_size, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    if (p == MAP_FAILED)
+        return cuma_fail(CUMA_ERR_BACKEND, "sim: unmap at 0x%llx failed: %s",
+                         (unsigned long long)addr, strerror(errno));
     return CUMA_OK;
 }
 
@@ -115,10 +127,14 @@ static cuma_status sim_seg_alloc(cuma_backend *be, uint64_t size, uint64_t *addr
     sim *s = (sim *)be;
     uint64_t pages = (size + be->page_size - 1) / be->page_size;
     if (s->used_pages + pages > s->npages)
-        return cuma_fail(CUMA_ERR_OOM, "sim: device full: a %llu-byte segment does not fit", (unsigned long long)size);
+        return cuma_fail(CUMA_ERR_OOM, "sim: device full: a %llu-byte segment does not fit",
+                         (unsigned long long)size);
     if (s->backing) {
-        void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (p == MAP_FAILED) return cuma_fail(CUMA_ERR_OOM, "sim: segment of %llu bytes: %s", (unsigned long long)size, strerror(errno));
+        void *p = mmap(NULL, size, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED)
+            return cuma_fail(CUMA_ERR_OOM, "sim: segment of %llu bytes: %s",
+                             (unsigned long long)size, strerror(errno));
         *addr = (uint64_t)(uintptr_t)p;
     } else {
         *addr = atomic_fetch_add(&fake_next, (size + 0x1fffff) & ~0x1fffffull);
@@ -135,8 +151,11 @@ static void sim_seg_free(cuma_backend *be, uint64_t addr, uint64_t size) {
 
 static cuma_status sim_managed_alloc(cuma_backend *be, uint64_t size, uint64_t *addr) {
     sim *s = (sim *)be;
-    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) return cuma_fail(CUMA_ERR_OOM, "sim: managed allocation of %llu bytes failed", (unsigned long long)size);
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED)
+        return cuma_fail(CUMA_ERR_OOM, "sim: managed allocation of %llu bytes failed",
+                         (unsigned long long)size);
     s->managed_bytes += size;
     *addr = (uint64_t)(uintptr_t)p;
     return CUMA_OK;
@@ -183,7 +202,8 @@ static cuma_status sim_event_record(cuma_backend *be, cuma_stream stream, uint64
         }
         e = s->nevents++;
     }
-    s->events[e] = (sim_event){(uint32_t)si, NO_EVENT, s->streams[si].releases, s->streams[si].held};
+    s->events[e] =
+        (sim_event){(uint32_t)si, NO_EVENT, s->streams[si].releases, s->streams[si].held};
     *event = e;
     return CUMA_OK;
 }
@@ -225,11 +245,23 @@ static void sim_destroy(cuma_backend *be) {
 }
 
 static const cuma_backend_ops sim_ops = {
-    .reserve = sim_reserve, .unreserve = sim_unreserve, .page_create = sim_page_create,
-    .page_release = sim_page_release, .map = sim_map, .unmap = sim_unmap, .seg_alloc = sim_seg_alloc,
-    .seg_free = sim_seg_free, .managed_alloc = sim_managed_alloc, .managed_free = sim_managed_free,
-    .mem_info = sim_mem_info, .event_record = sim_event_record, .event_query = sim_event_query,
-    .event_wait = sim_event_wait, .event_release = sim_event_release, .now_ns = sim_now, .destroy = sim_destroy,
+    .reserve = sim_reserve,
+    .unreserve = sim_unreserve,
+    .page_create = sim_page_create,
+    .page_release = sim_page_release,
+    .map = sim_map,
+    .unmap = sim_unmap,
+    .seg_alloc = sim_seg_alloc,
+    .seg_free = sim_seg_free,
+    .managed_alloc = sim_managed_alloc,
+    .managed_free = sim_managed_free,
+    .mem_info = sim_mem_info,
+    .event_record = sim_event_record,
+    .event_query = sim_event_query,
+    .event_wait = sim_event_wait,
+    .event_release = sim_event_release,
+    .now_ns = sim_now,
+    .destroy = sim_destroy,
 };
 
 cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out) {
@@ -255,8 +287,9 @@ cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out
     if (s->backing) {
         s->fd = memfd_create("cuma-sim", MFD_CLOEXEC);
         if (s->fd < 0 || ftruncate(s->fd, (off_t)set->capacity)) {
-            cuma_status st = cuma_fail(CUMA_ERR_BACKEND, "sim: host backing of %llu bytes failed: %s",
-                                       (unsigned long long)set->capacity, strerror(errno));
+            cuma_status st =
+                cuma_fail(CUMA_ERR_BACKEND, "sim: host backing of %llu bytes failed: %s",
+                          (unsigned long long)set->capacity, strerror(errno));
             sim_destroy(&s->be);
             return st;
         }
@@ -267,7 +300,9 @@ cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out
 
 cuma_status cuma_simbe_hold(cuma_backend *be, cuma_stream stream, bool hold) {
     sim *s = as_sim(be);
-    if (!s) return cuma_fail(CUMA_ERR_UNSUPPORTED, "sim stream control: the heap is on backend %s, not sim", be->name);
+    if (!s)
+        return cuma_fail(CUMA_ERR_UNSUPPORTED,
+                         "sim stream control: the heap is on backend %s, not sim", be->name);
     int si = stream_slot(s, stream);
     if (si < 0) return cuma_fail(CUMA_ERR_OOM, "sim: no host memory for a stream");
     if (!hold && s->streams[si].held) s->streams[si].releases++;

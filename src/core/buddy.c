@@ -17,7 +17,7 @@
 #include <stdlib.h>
 
 #define MAX_ORDER 40 /* 512 B << 39 = 256 TiB */
-#define SCAN 16
+#define SCAN      16
 
 /* Invariants (buddy_validate): a free block of order k is on list k and in `byoff`; its size is
  * 512 << k and its offset a multiple of its size, inside a range; no live block is on a list. */
@@ -34,7 +34,9 @@ typedef struct buddy {
     uint64_t live_bytes, free_bytes;
 } buddy;
 
-static uint64_t order_size(unsigned k) { return (uint64_t)CUMA_GRANULE << k; }
+static uint64_t order_size(unsigned k) {
+    return (uint64_t)CUMA_GRANULE << k;
+}
 
 static unsigned order_of(uint64_t size) {
     unsigned k = 0;
@@ -53,8 +55,10 @@ static void push(buddy *b, cuma_block *x, unsigned k) {
 }
 
 static void pull(buddy *b, cuma_block *x) {
-    if (x->fprev) x->fprev->fnext = x->fnext;
-    else b->lists[x->bin_or_order] = x->fnext;
+    if (x->fprev)
+        x->fprev->fnext = x->fnext;
+    else
+        b->lists[x->bin_or_order] = x->fnext;
     if (x->fnext) x->fnext->fprev = x->fprev;
     x->fprev = x->fnext = NULL;
     cuma_map_remove(&b->byoff, x->off);
@@ -116,7 +120,8 @@ static cuma_block *buddy_alloc(cuma_policy *p, uint64_t size, unsigned stream) {
 
 static bool in_one_range(const buddy *b, uint64_t off, uint64_t size) {
     for (unsigned i = 0; i < b->nranges; i++)
-        if (off >= b->ranges[i].off && off + size <= b->ranges[i].off + b->ranges[i].size) return true;
+        if (off >= b->ranges[i].off && off + size <= b->ranges[i].off + b->ranges[i].size)
+            return true;
     return false;
 }
 
@@ -148,7 +153,8 @@ static cuma_block *buddy_free(cuma_policy *p, cuma_block *x, uint16_t fstream, u
 static cuma_status buddy_add_range(cuma_policy *p, uint64_t off, uint64_t size) {
     buddy *b = (buddy *)p;
     if (size < CUMA_GRANULE || (size & (size - 1)) || off % size)
-        return cuma_fail(CUMA_ERR_INVALID, "buddy range [%llu, +%llu) is not a power of two aligned to its size",
+        return cuma_fail(CUMA_ERR_INVALID,
+                         "buddy range [%llu, +%llu) is not a power of two aligned to its size",
                          (unsigned long long)off, (unsigned long long)size);
     if (b->nranges == 64) return cuma_fail(CUMA_ERR_UNSUPPORTED, "buddy: more than 64 ranges");
     unsigned k = order_of(size);
@@ -187,8 +193,8 @@ static void buddy_coalesce(cuma_policy *p, void (*fn)(void *, cuma_block *), voi
             nx = x->fnext;
             uint64_t boff = x->off ^ x->size;
             cuma_block *y = cuma_map_get(&b->byoff, boff);
-            if (!y || y->bin_or_order != k || !in_one_range(b, x->off < boff ? x->off : boff, x->size * 2) ||
-                !merge_ok(b, x, y))
+            if (!y || y->bin_or_order != k ||
+                !in_one_range(b, x->off < boff ? x->off : boff, x->size * 2) || !merge_ok(b, x, y))
                 continue;
             if (nx == y) nx = y->fnext;
             pull(b, x);
@@ -214,18 +220,24 @@ static uint64_t buddy_largest_free(cuma_policy *p) {
     return 0;
 }
 
-static bool buddy_validate(cuma_policy *p, const char **why, uint64_t *free_bytes, uint64_t *live_bytes) {
+static bool buddy_validate(cuma_policy *p, const char **why, uint64_t *free_bytes,
+                           uint64_t *live_bytes) {
     buddy *b = (buddy *)p;
     uint64_t nfree = 0, fb = 0;
     for (unsigned k = 0; k < MAX_ORDER; k++) {
         for (cuma_block *x = b->lists[k]; x; x = x->fnext) {
-            if (x->size != order_size(k) || x->off % x->size) return *why = "buddy: free block size or alignment wrong", false;
+            if (x->size != order_size(k) || x->off % x->size)
+                return *why = "buddy: free block size or alignment wrong", false;
             if (!x->is_free) return *why = "buddy: live block on a free list", false;
-            if (cuma_map_get(&b->byoff, x->off) != x) return *why = "buddy: free block missing from the offset map", false;
-            if (!in_one_range(b, x->off, x->size)) return *why = "buddy: free block outside every range", false;
-            if (x->fnext && x->fnext->fprev != x) return *why = "buddy: free list links broken", false;
+            if (cuma_map_get(&b->byoff, x->off) != x)
+                return *why = "buddy: free block missing from the offset map", false;
+            if (!in_one_range(b, x->off, x->size))
+                return *why = "buddy: free block outside every range", false;
+            if (x->fnext && x->fnext->fprev != x)
+                return *why = "buddy: free list links broken", false;
             cuma_block *y = cuma_map_get(&b->byoff, x->off ^ x->size);
-            if (y && y->bin_or_order == k && !x->fence_seq && !y->fence_seq && in_one_range(b, x->off & ~x->size, x->size * 2))
+            if (y && y->bin_or_order == k && !x->fence_seq && !y->fence_seq &&
+                in_one_range(b, x->off & ~x->size, x->size * 2))
                 return *why = "buddy: two clean free buddies left unmerged", false;
             nfree++;
             fb += x->size;
@@ -235,7 +247,8 @@ static bool buddy_validate(cuma_policy *p, const char **why, uint64_t *free_byte
     if (fb != b->free_bytes) return *why = "buddy: free byte count wrong", false;
     uint64_t total = 0;
     for (unsigned i = 0; i < b->nranges; i++) total += b->ranges[i].size;
-    if (fb + b->live_bytes != total) return *why = "buddy: free + live bytes differ from the ranges", false;
+    if (fb + b->live_bytes != total)
+        return *why = "buddy: free + live bytes differ from the ranges", false;
     const char *mwhy;
     if (!cuma_map_validate(&b->byoff, &mwhy)) return *why = mwhy, false;
     *free_bytes = fb, *live_bytes = b->live_bytes;

@@ -20,8 +20,8 @@ typedef struct key_desc {
     const char *key;
     enum kind kind;
     size_t offset;
-    const char *def;      /* default, in the grammar's own spelling */
-    const char *choices;  /* K_NAME: "a|b|c" */
+    const char *def;     /* default, in the grammar's own spelling */
+    const char *choices; /* K_NAME: "a|b|c" */
     const char *meaning;
 } key_desc;
 
@@ -90,14 +90,29 @@ bool cuma_parse_size(const char *text, uint64_t *out) {
     if (end == text || errno || !isfinite(v) || v < 0) return false;
     double mul = 1;
     switch (toupper((unsigned char)*end)) {
-    case 0: break;
-    case 'K': mul = 1024.0; end++; break;
-    case 'M': mul = 1048576.0; end++; break;
-    case 'G': mul = 1073741824.0; end++; break;
-    case 'T': mul = 1099511627776.0; end++; break;
-    default: return false;
+    case 0:
+        break;
+    case 'K':
+        mul = 1024.0;
+        end++;
+        break;
+    case 'M':
+        mul = 1048576.0;
+        end++;
+        break;
+    case 'G':
+        mul = 1073741824.0;
+        end++;
+        break;
+    case 'T':
+        mul = 1099511627776.0;
+        end++;
+        break;
+    default:
+        return false;
     }
-    if (toupper((unsigned char)*end) == 'B' || (*end == 'i' && toupper((unsigned char)end[1]) == 'B'))
+    if (toupper((unsigned char)*end) == 'B' ||
+        (*end == 'i' && toupper((unsigned char)end[1]) == 'B'))
         end += *end == 'i' ? 2 : 1;
     if (*end) return false;
     v *= mul;
@@ -130,22 +145,32 @@ static bool name_in(const char *v, const char *choices) {
 
 static const char *kind_hint(enum kind k) {
     switch (k) {
-    case K_SIZE: return "a size like 512, 64K, 2M or 80G";
-    case K_SIZE_OR_NONE: return "a size like 2M or 80G, or none";
-    case K_MS: return "milliseconds (an integer from 0 to 9223372036854) or never";
-    case K_FRACTION: return "a number between 0 and 1";
-    case K_BOOL: return "on or off";
-    case K_INT: return "an integer";
-    case K_NAME: return "one of the listed names";
+    case K_SIZE:
+        return "a size like 512, 64K, 2M or 80G";
+    case K_SIZE_OR_NONE:
+        return "a size like 2M or 80G, or none";
+    case K_MS:
+        return "milliseconds (an integer from 0 to 9223372036854) or never";
+    case K_FRACTION:
+        return "a number between 0 and 1";
+    case K_BOOL:
+        return "on or off";
+    case K_INT:
+        return "an integer";
+    case K_NAME:
+        return "one of the listed names";
     }
     return "";
 }
 
-static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v, const char *origin) {
+static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
+                             const char *origin) {
     char *field = (char *)s + d->offset;
     bool ok = false;
     switch (d->kind) {
-    case K_SIZE: ok = cuma_parse_size(v, (uint64_t *)field); break;
+    case K_SIZE:
+        ok = cuma_parse_size(v, (uint64_t *)field);
+        break;
     case K_SIZE_OR_NONE:
         if (!strcasecmp(v, "none") || !strcasecmp(v, "unlimited"))
             *(uint64_t *)field = CUMA_UNLIMITED, ok = true;
@@ -172,7 +197,9 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
         if (ok) *(double *)field = x;
         break;
     }
-    case K_BOOL: ok = parse_bool(v, (bool *)field); break;
+    case K_BOOL:
+        ok = parse_bool(v, (bool *)field);
+        break;
     case K_INT: {
         char *end;
         errno = 0;
@@ -218,7 +245,8 @@ static char *trim(char *p) {
 cuma_status cuma_settings_parse(cuma_settings *s, const char *conf, const char *origin) {
     if (!conf) return CUMA_OK;
     size_t n = strlen(conf);
-    if (n > 4096) return cuma_fail(CUMA_ERR_CONFIG, "%s: settings string longer than 4096 bytes", origin);
+    if (n > 4096)
+        return cuma_fail(CUMA_ERR_CONFIG, "%s: settings string longer than 4096 bytes", origin);
     char buf[4097];
     memcpy(buf, conf, n + 1);
     char *save = NULL;
@@ -226,35 +254,39 @@ cuma_status cuma_settings_parse(cuma_settings *s, const char *conf, const char *
         item = trim(item);
         if (!*item) continue;
         char *colon = strchr(item, ':');
-        if (!colon)
-            return cuma_fail(CUMA_ERR_CONFIG, "%s: '%s' is not key:value", origin, item);
+        if (!colon) return cuma_fail(CUMA_ERR_CONFIG, "%s: '%s' is not key:value", origin, item);
         *colon = 0;
         char *key = trim(item), *val = trim(colon + 1);
         const key_desc *d = NULL;
         for (size_t i = 0; i < NKEYS; i++)
             if (!strcmp(keys[i].key, key)) d = &keys[i];
         if (!d)
-            return cuma_fail(CUMA_ERR_CONFIG, "%s: unknown key '%s' (see `cuma config`)", origin, key);
+            return cuma_fail(CUMA_ERR_CONFIG, "%s: unknown key '%s' (see `cuma config`)", origin,
+                             key);
         cuma_status st = set_value(s, d, val, origin);
         if (st) return st;
     }
     return CUMA_OK;
 }
 
-static bool pow2(uint64_t x) { return x && !(x & (x - 1)); }
+static bool pow2(uint64_t x) {
+    return x && !(x & (x - 1));
+}
 
 cuma_status cuma_settings_validate(const cuma_settings *s) {
     if (!pow2(s->page_size) || s->page_size < 4096)
         return cuma_fail(CUMA_ERR_CONFIG, "page_size %llu is not a power of two >= 4K",
                          (unsigned long long)s->page_size);
     if (s->capacity < s->page_size || s->capacity % s->page_size)
-        return cuma_fail(CUMA_ERR_CONFIG, "capacity %llu is not a positive multiple of page_size %llu",
+        return cuma_fail(CUMA_ERR_CONFIG,
+                         "capacity %llu is not a positive multiple of page_size %llu",
                          (unsigned long long)s->capacity, (unsigned long long)s->page_size);
     if (s->virtual_size && s->virtual_size < s->capacity)
         return cuma_fail(CUMA_ERR_CONFIG, "virtual_size %llu is smaller than capacity %llu",
                          (unsigned long long)s->virtual_size, (unsigned long long)s->capacity);
     if (s->capacity > (1ull << 46))
-        return cuma_fail(CUMA_ERR_CONFIG, "capacity %llu is over 64T", (unsigned long long)s->capacity);
+        return cuma_fail(CUMA_ERR_CONFIG, "capacity %llu is over 64T",
+                         (unsigned long long)s->capacity);
     if (s->virtual_size > (1ull << 47))
         return cuma_fail(CUMA_ERR_CONFIG, "virtual_size %llu is over 128T",
                          (unsigned long long)s->virtual_size);
@@ -269,7 +301,8 @@ cuma_status cuma_settings_validate(const cuma_settings *s) {
 cuma_status cuma_settings_from_config(cuma_settings *s, const cuma_config *cfg) {
     cuma_settings_default(s);
     cuma_status st = CUMA_OK;
-    if (!cfg || !(cfg->flags & CUMA_CONFIG_NO_ENV)) st = cuma_settings_parse(s, getenv("CUMA_CONF"), "CUMA_CONF");
+    if (!cfg || !(cfg->flags & CUMA_CONFIG_NO_ENV))
+        st = cuma_settings_parse(s, getenv("CUMA_CONF"), "CUMA_CONF");
     if (!st && cfg) st = cuma_settings_parse(s, cfg->conf, "config");
     if (!st && cfg && cfg->device) s->device = cfg->device;
     if (!st) st = cuma_settings_validate(s);
@@ -309,7 +342,9 @@ cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed) {
         put(&o, "\n");
     }
     if (needed) *needed = o.used;
-    if (!buf || o.used >= len) return cuma_fail(CUMA_ERR_INVALID, "buffer of %zu bytes too small, %zu needed", len, o.used + 1);
+    if (!buf || o.used >= len)
+        return cuma_fail(CUMA_ERR_INVALID, "buffer of %zu bytes too small, %zu needed", len,
+                         o.used + 1);
     return CUMA_OK;
 }
 
@@ -319,20 +354,34 @@ size_t cuma_settings_json(const cuma_settings *s, char *buf, size_t len) {
         const char *field = (const char *)s + keys[i].offset;
         put(&o, "%s\"%s\":", i ? "," : "", keys[i].key);
         switch (keys[i].kind) {
-        case K_SIZE: put(&o, "%llu", (unsigned long long)*(const uint64_t *)field); break;
+        case K_SIZE:
+            put(&o, "%llu", (unsigned long long)*(const uint64_t *)field);
+            break;
         case K_SIZE_OR_NONE: {
             uint64_t v = *(const uint64_t *)field;
-            if (v == CUMA_UNLIMITED) put(&o, "null");
-            else put(&o, "%llu", (unsigned long long)v);
+            if (v == CUMA_UNLIMITED)
+                put(&o, "null");
+            else
+                put(&o, "%llu", (unsigned long long)v);
             break;
         }
-        case K_MS: put(&o, "%lld", (long long)*(const int64_t *)field); break;
-        case K_FRACTION: put(&o, "%g", *(const double *)field); break;
-        case K_BOOL: put(&o, "%s", *(const bool *)field ? "true" : "false"); break;
-        case K_INT: put(&o, "%d", *(const int *)field); break;
+        case K_MS:
+            put(&o, "%lld", (long long)*(const int64_t *)field);
+            break;
+        case K_FRACTION:
+            put(&o, "%g", *(const double *)field);
+            break;
+        case K_BOOL:
+            put(&o, "%s", *(const bool *)field ? "true" : "false");
+            break;
+        case K_INT:
+            put(&o, "%d", *(const int *)field);
+            break;
         case K_NAME:
-            if (keys[i].offset == F(sim_clock_manual)) put(&o, "\"%s\"", s->sim_clock_manual ? "manual" : "real");
-            else put(&o, "\"%s\"", field);
+            if (keys[i].offset == F(sim_clock_manual))
+                put(&o, "\"%s\"", s->sim_clock_manual ? "manual" : "real");
+            else
+                put(&o, "\"%s\"", field);
             break;
         }
     }

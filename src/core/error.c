@@ -14,24 +14,40 @@ cuma_status cuma_fail(cuma_status s, const char *fmt, ...) {
     return s;
 }
 
-void cuma_clear_error(void) { last_error[0] = 0; }
+void cuma_clear_error(void) {
+    last_error[0] = 0;
+}
 
-const char *cuma_last_error(void) { return last_error; }
+const char *cuma_last_error(void) {
+    return last_error;
+}
 
 const char *cuma_status_string(cuma_status s) {
     switch (s) {
-    case CUMA_OK: return "ok";
-    case CUMA_ERR_INVALID: return "invalid argument";
-    case CUMA_ERR_OOM: return "out of memory";
-    case CUMA_ERR_LIMIT: return "over the memory limit";
-    case CUMA_ERR_BAD_POINTER: return "pointer not allocated by this heap";
-    case CUMA_ERR_CONFIG: return "bad configuration";
-    case CUMA_ERR_BACKEND: return "device backend failed";
-    case CUMA_ERR_NO_DEVICE: return "no device or driver";
-    case CUMA_ERR_UNSUPPORTED: return "not supported by this backend";
-    case CUMA_ERR_CORRUPT: return "heap invariant broken";
-    case CUMA_ERR_IO: return "input/output error";
-    case CUMA_ERR_PARSE: return "malformed input";
+    case CUMA_OK:
+        return "ok";
+    case CUMA_ERR_INVALID:
+        return "invalid argument";
+    case CUMA_ERR_OOM:
+        return "out of memory";
+    case CUMA_ERR_LIMIT:
+        return "over the memory limit";
+    case CUMA_ERR_BAD_POINTER:
+        return "pointer not allocated by this heap";
+    case CUMA_ERR_CONFIG:
+        return "bad configuration";
+    case CUMA_ERR_BACKEND:
+        return "device backend failed";
+    case CUMA_ERR_NO_DEVICE:
+        return "no device or driver";
+    case CUMA_ERR_UNSUPPORTED:
+        return "not supported by this backend";
+    case CUMA_ERR_CORRUPT:
+        return "heap invariant broken";
+    case CUMA_ERR_IO:
+        return "input/output error";
+    case CUMA_ERR_PARSE:
+        return "malformed input";
     }
     return "unknown status";
 }

@@ -7,7 +7,9 @@ static size_t slot_of(uint64_t key, size_t cap) {
     return (size_t)((key * 0x9E3779B97F4A7C15ull) >> 17) & (cap - 1);
 }
 
-void cuma_map_init(cuma_map *m) { m->keys = NULL, m->vals = NULL, m->cap = m->count = 0; }
+void cuma_map_init(cuma_map *m) {
+    m->keys = NULL, m->vals = NULL, m->cap = m->count = 0;
+}
 
 void cuma_map_destroy(cuma_map *m) {
     free(m->keys);

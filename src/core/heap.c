@@ -44,13 +44,16 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     if (st) goto fail_free;
     h->vmm = (h->be->caps & CUMA_CAP_VMM) != 0;
     if (!h->vmm && !(h->be->caps & CUMA_CAP_SEGMENTS)) {
-        st = cuma_fail(CUMA_ERR_UNSUPPORTED, "backend %s offers neither pages nor segments", h->be->name);
+        st = cuma_fail(CUMA_ERR_UNSUPPORTED, "backend %s offers neither pages nor segments",
+                       h->be->name);
         goto fail_be;
     }
     bool buddy = !strcmp(h->set.policy, "buddy");
     if (!h->vmm && buddy) {
-        st = cuma_fail(CUMA_ERR_CONFIG, "policy:buddy needs a virtual range; backend %s has segments only (use policy:tlsf)",
-                       h->be->name);
+        st = cuma_fail(
+            CUMA_ERR_CONFIG,
+            "policy:buddy needs a virtual range; backend %s has segments only (use policy:tlsf)",
+            h->be->name);
         goto fail_be;
     }
     st = cuma_streams_init(&h->streams, h->be);
@@ -83,11 +86,18 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     h->max_cached_bytes = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached;
     cuma_heap_refresh_limit(h);
     if (h->set.preallocate && h->vmm) {
-        st = cuma_pages_prefill(&h->pages, (h->set.preallocate + h->be->page_size - 1) / h->be->page_size,
+        st = cuma_pages_prefill(&h->pages,
+                                (h->set.preallocate + h->be->page_size - 1) / h->be->page_size,
                                 cuma_heap_now(h));
         if (st) goto fail_all;
     }
-    pthread_mutex_init(&h->lock, NULL);
+    /* Adaptive: threads whose slow paths collide spin a little before sleeping, which costs
+     * less than a futex sleep and wake for critical sections this short. */
+    pthread_mutexattr_t ma;
+    pthread_mutexattr_init(&ma);
+    pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_ADAPTIVE_NP);
+    pthread_mutex_init(&h->lock, &ma);
+    pthread_mutexattr_destroy(&ma);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -159,7 +169,9 @@ void cuma_heap_destroy(cuma_heap *h) {
     free(h);
 }
 
-static uint64_t now(cuma_heap *h) { return cuma_heap_now(h); }
+static uint64_t now(cuma_heap *h) {
+    return cuma_heap_now(h);
+}
 
 static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache *tc) {
     cuma_counters *c = &h->c;
@@ -182,7 +194,8 @@ static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache
 }
 
 /* Gives a block back to the policy and its pages to the cache. */
-static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_t fseq, uint64_t t, bool counted) {
+static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_t fseq, uint64_t t,
+                          bool counted) {
     if (counted) {
         h->c.requested -= b->req;
         h->c.allocated -= b->size;
@@ -233,15 +246,18 @@ void cuma_heap_flush_tcaches(cuma_heap *h) {
 static void age_tcaches(cuma_heap *h, uint64_t t) {
     atomic_store_explicit(&h->coarse_now, t, memory_order_relaxed);
     if (!h->tcaches || h->tc_age_ns == INT64_MAX || t < h->tc_due) return;
-    if (t >= (uint64_t)h->tc_age_ns) cuma_tcache_flush_all(h, t - (uint64_t)h->tc_age_ns + 1, cuma_heap_give_cached);
+    if (t >= (uint64_t)h->tc_age_ns)
+        cuma_tcache_flush_all(h, t - (uint64_t)h->tc_age_ns + 1, cuma_heap_give_cached);
     uint64_t oldest = cuma_tcache_oldest(h);
     h->tc_due = (oldest < t ? oldest : t) + (uint64_t)h->tc_age_ns;
 }
 
-void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_cached_bytes, bool wait) {
+void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_cached_bytes,
+                       bool wait) {
     if (h->vmm) {
         uint64_t ps = h->pages.page_size;
-        cuma_pages_release(&h->pages, t, delay_ns, max_cached_bytes == UINT64_MAX ? UINT64_MAX : max_cached_bytes / ps,
+        cuma_pages_release(&h->pages, t, delay_ns,
+                           max_cached_bytes == UINT64_MAX ? UINT64_MAX : max_cached_bytes / ps,
                            wait);
     } else {
         cuma_segs_release(&h->segs, t, delay_ns, max_cached_bytes, wait);
@@ -257,7 +273,8 @@ static void on_whole_segment(void *ctx, cuma_block *whole) {
  * how a segment freed by several streams becomes whole again and can go back. */
 static void coalesce(cuma_heap *h, bool wait) {
     if (h->streams.n <= 1) return;
-    for (unsigned i = 0; i < h->streams.n; i++) cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, wait);
+    for (unsigned i = 0; i < h->streams.n; i++)
+        cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, wait);
     h->pol->ops->coalesce(h->pol, h->vmm ? NULL : on_whole_segment, h);
 }
 
@@ -272,11 +289,13 @@ void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
 }
 
 /* One placement attempt: a block and the pages under it, or a status. */
-static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si, uint64_t t, cuma_block **out) {
+static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si, uint64_t t,
+                             cuma_block **out) {
     cuma_block *b = h->pol->ops->alloc(h->pol, n, si);
     if (!b && h->streams.n > 1) {
         /* Free blocks of other streams may have become usable: ask the device. */
-        for (unsigned i = 0; i < h->streams.n; i++) cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, false);
+        for (unsigned i = 0; i < h->streams.n; i++)
+            cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, false);
         b = h->pol->ops->alloc(h->pol, n, si);
     }
     if (!h->vmm) {
@@ -284,12 +303,14 @@ static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si
             cuma_status st = cuma_segs_grow(&h->segs, n);
             if (st) return st;
             b = h->pol->ops->alloc(h->pol, n, si);
-            if (!b) return cuma_fail(CUMA_ERR_OOM, "a new segment could not hold %" PRIu64 " bytes", n);
+            if (!b)
+                return cuma_fail(CUMA_ERR_OOM, "a new segment could not hold %" PRIu64 " bytes", n);
         }
         cuma_segs_on_alloc(&h->segs, b);
     } else if (!b) {
-        return cuma_fail(CUMA_ERR_OOM, "no free block of %" PRIu64 " bytes in the %" PRIu64 "-byte virtual range", n,
-                         h->va_size);
+        return cuma_fail(CUMA_ERR_OOM,
+                         "no free block of %" PRIu64 " bytes in the %" PRIu64 "-byte virtual range",
+                         n, h->va_size);
     } else {
         cuma_status st = cuma_pages_ref(&h->pages, b->off, req, t);
         if (st) {
@@ -306,16 +327,16 @@ static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si
 
 static cuma_status fail_oom(cuma_heap *h, cuma_status st, size_t size) {
     return cuma_fail(st,
-                     "out of memory: %zu bytes requested; %" PRIu64 " reserved (%" PRIu64 " cached) of a %" PRIu64
-                     "-byte limit, %" PRIu64 " bytes live (%s)",
-                     size, cuma_heap_reserved(h), cuma_heap_cached(h), h->limit_bytes, h->c.requested,
-                     st == CUMA_ERR_LIMIT ? "limit reached" : "device full");
+                     "out of memory: %zu bytes requested; %" PRIu64 " reserved (%" PRIu64
+                     " cached) of a %" PRIu64 "-byte limit, %" PRIu64 " bytes live (%s)",
+                     size, cuma_heap_reserved(h), cuma_heap_cached(h), h->limit_bytes,
+                     h->c.requested, st == CUMA_ERR_LIMIT ? "limit reached" : "device full");
 }
 
 /* The out-of-memory ladder: release the cache and retry, call the callbacks and retry, fall
  * back to managed memory, then fail. Called with the lock held; callbacks run without it. */
-static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n, unsigned si, cuma_stream stream,
-                           cuma_block **out, uint64_t *managed_addr) {
+static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n, unsigned si,
+                           cuma_stream stream, cuma_block **out, uint64_t *managed_addr) {
     if (st != CUMA_ERR_OOM && st != CUMA_ERR_LIMIT) return st;
     h->c.retries++;
     h->c.trims++;
@@ -362,13 +383,15 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
 }
 
 cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr) {
-    if (!h || !ptr) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: %s is NULL", h ? "ptr" : "heap");
+    if (!h || !ptr)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: %s is NULL", h ? "ptr" : "heap");
     *ptr = NULL;
     if (size == 0) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size 0");
     uint64_t n = h->pol->ops->round(size);
     uint64_t room = h->vmm ? h->va_size : h->be->capacity;
     if (!n || size > room)
-        return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size %zu is larger than the %" PRIu64 "-byte %s", size, room,
+        return cuma_fail(CUMA_ERR_INVALID,
+                         "cuma_alloc: size %zu is larger than the %" PRIu64 "-byte %s", size, room,
                          h->vmm ? "virtual range" : "device");
     cuma_tcache *tc = cuma_tcache_get(h, h->id);
     if (tc && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
@@ -378,7 +401,8 @@ cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr
     if (si < 0) {
         h->c.failed++;
         pthread_mutex_unlock(&h->lock);
-        return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_alloc: more than %d streams on one heap", CUMA_MAX_STREAMS);
+        return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_alloc: more than %d streams on one heap",
+                         CUMA_MAX_STREAMS);
     }
     uint64_t t = now(h);
     if (h->deferred) process_deferred(h, false);
@@ -415,11 +439,13 @@ cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr
 static cuma_status bad_pointer(cuma_heap *h, const void *ptr, const char *what) {
     uint64_t a = (uint64_t)(uintptr_t)ptr;
     if (a >= h->base && a < h->base + h->va_size)
-        return cuma_fail(CUMA_ERR_BAD_POINTER,
-                         "%s: pointer %p is inside the heap but not the start of a live block (freed twice, or "
-                         "inside a block)",
-                         what, ptr);
-    return cuma_fail(CUMA_ERR_BAD_POINTER, "%s: pointer %p was not allocated by this heap", what, ptr);
+        return cuma_fail(
+            CUMA_ERR_BAD_POINTER,
+            "%s: pointer %p is inside the heap but not the start of a live block (freed twice, or "
+            "inside a block)",
+            what, ptr);
+    return cuma_fail(CUMA_ERR_BAD_POINTER, "%s: pointer %p was not allocated by this heap", what,
+                     ptr);
 }
 
 cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
@@ -463,7 +489,8 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
         uint64_t fq = seq;
         for (int k = 0; k < 2; k++)
             if (b->extra[k] != CUMA_NO_STREAM)
-                cuma_fence_join(&h->streams, &fs, &fq, b->extra[k], cuma_streams_note_free(&h->streams, b->extra[k]));
+                cuma_fence_join(&h->streams, &fs, &fq, b->extra[k],
+                                cuma_streams_note_free(&h->streams, b->extra[k]));
         if (b->extra_all) fs = CUMA_FENCE_MULTI, fq = ++h->streams.gseq;
         b->fence_stream = fs, b->fence_seq = fq;
         b->fnext = h->deferred;
@@ -477,7 +504,8 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
     if (h->streams.n > 1 && seq - h->last_fence_tick >= 256) {
         h->last_fence_tick = seq;
         if (h->vmm) {
-            for (unsigned i = 0; i < h->streams.n; i++) cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, false);
+            for (unsigned i = 0; i < h->streams.n; i++)
+                cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, false);
         } else {
             coalesce(h, false);
         }
@@ -488,20 +516,27 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
 }
 
 cuma_status cuma_record_stream(cuma_heap *h, void *ptr, cuma_stream stream) {
-    if (!h || !ptr) return cuma_fail(CUMA_ERR_INVALID, "cuma_record_stream: %s is NULL", h ? "ptr" : "heap");
+    if (!h || !ptr)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_record_stream: %s is NULL", h ? "ptr" : "heap");
     pthread_mutex_lock(&h->lock);
     cuma_status st = CUMA_OK;
     cuma_block *b = cuma_map_get(&h->live, (uint64_t)(uintptr_t)ptr);
     if (b && !(atomic_load(&b->gen) & 1)) b = NULL; /* in a thread cache: freed */
     if (!b) {
-        st = cuma_map_get(&h->managed, (uint64_t)(uintptr_t)ptr) ? CUMA_OK : bad_pointer(h, ptr, "cuma_record_stream");
+        st = cuma_map_get(&h->managed, (uint64_t)(uintptr_t)ptr)
+                 ? CUMA_OK
+                 : bad_pointer(h, ptr, "cuma_record_stream");
     } else {
         int si = cuma_streams_index(&h->streams, stream);
-        if (si < 0) b->extra_all = 1;
+        if (si < 0)
+            b->extra_all = 1;
         else if (si != b->stream && b->extra[0] != si && b->extra[1] != si) {
-            if (b->extra[0] == CUMA_NO_STREAM) b->extra[0] = (uint16_t)si;
-            else if (b->extra[1] == CUMA_NO_STREAM) b->extra[1] = (uint16_t)si;
-            else b->extra_all = 1;
+            if (b->extra[0] == CUMA_NO_STREAM)
+                b->extra[0] = (uint16_t)si;
+            else if (b->extra[1] == CUMA_NO_STREAM)
+                b->extra[1] = (uint16_t)si;
+            else
+                b->extra_all = 1;
         }
     }
     pthread_mutex_unlock(&h->lock);
@@ -533,7 +568,8 @@ cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
     pthread_mutex_lock(&h->lock);
     uint64_t oldest = cuma_heap_oldest_idle(h);
     *ns = UINT64_MAX;
-    if (h->release_delay_ns >= 0 && oldest != UINT64_MAX) *ns = oldest + (uint64_t)h->release_delay_ns;
+    if (h->release_delay_ns >= 0 && oldest != UINT64_MAX)
+        *ns = oldest + (uint64_t)h->release_delay_ns;
     if (h->tcaches && h->tc_age_ns != INT64_MAX) {
         /* A cache block is due at tc_due at the earliest; whether one is there is only known
          * by walking the caches, so report tc_due only when some cache holds a block. */
@@ -557,8 +593,10 @@ static void *release_thread(void *arg) {
         if (wait_ns > 1000000000ull) wait_ns = 1000000000ull;
         if (oldest != UINT64_MAX) {
             uint64_t due = oldest + (uint64_t)h->release_delay_ns;
-            if (due <= t) wait_ns = 0;
-            else if (due - t < wait_ns) wait_ns = due - t;
+            if (due <= t)
+                wait_ns = 0;
+            else if (due - t < wait_ns)
+                wait_ns = due - t;
         }
         /* At least 1 ms: a due page whose fence is still pending stays due, and the thread must
          * not spin on the lock while the stream works. */

@@ -26,7 +26,8 @@ typedef struct cuma_oom_slot {
 /* Counters kept under the heap lock; cuma_get_stats copies them out. */
 typedef struct cuma_counters {
     uint64_t requested, peak_requested, allocated, peak_allocated, peak_reserved;
-    uint64_t managed, active, allocs, frees, failed, retries, ooms, oom_calls, managed_fallbacks, trims;
+    uint64_t managed, active, allocs, frees, failed, retries, ooms, oom_calls, managed_fallbacks,
+        trims;
 } cuma_counters;
 
 /* Invariants (cuma_heap_check, under lock): every live block is in `live` under its address
@@ -42,14 +43,14 @@ struct cuma_heap {
     uint64_t va_size;     /* constant */
     cuma_policy *pol;
     cuma_streams streams;
-    bool vmm;             /* page mode (pages) or segment mode (segs); constant */
+    bool vmm; /* page mode (pages) or segment mode (segs); constant */
     cuma_pages pages;
     cuma_segs segs;
-    cuma_map live;        /* address -> cuma_block of every live allocation */
-    cuma_map managed;     /* address -> size (as a pointer-sized integer) of managed fallbacks */
+    cuma_map live;    /* address -> cuma_block of every live allocation */
+    cuma_map managed; /* address -> size (as a pointer-sized integer) of managed fallbacks */
     uint64_t last_fence_tick; /* gseq of the last periodic fence poll */
-    cuma_block *deferred; /* freed blocks waiting on record_stream fences (linked by fnext) */
-    uint64_t limit_bytes; /* effective limit on reserved bytes */
+    cuma_block *deferred;     /* freed blocks waiting on record_stream fences (linked by fnext) */
+    uint64_t limit_bytes;     /* effective limit on reserved bytes */
     int64_t release_delay_ns;
     uint64_t max_cached_bytes;
     cuma_counters c;
@@ -62,10 +63,10 @@ struct cuma_heap {
     int64_t tc_age_ns;
     uint64_t tc_due; /* no thread-cache block is due to go back before this (coarse time) */
     cuma_tcache *tcaches;
-    _Atomic uint64_t manual_now;   /* sim_clock:manual: the time cuma_sim_set_time set */
-    _Atomic uint64_t coarse_now;   /* the clock as of the last slow path (fast paths stamp with it) */
-    _Atomic int64_t req_global;    /* c.requested, for the fast path's peak check */
-    _Atomic uint64_t peak_req;     /* peak requested bytes (fast and slow paths) */
+    _Atomic uint64_t manual_now; /* sim_clock:manual: the time cuma_sim_set_time set */
+    _Atomic uint64_t coarse_now; /* the clock as of the last slow path (fast paths stamp with it) */
+    _Atomic int64_t req_global;  /* c.requested, for the fast path's peak check */
+    _Atomic uint64_t peak_req;   /* peak requested bytes (fast and slow paths) */
     /* Background release thread. */
     pthread_t thread;
     pthread_cond_t wake;
@@ -85,7 +86,8 @@ static inline uint64_t cuma_heap_oldest_idle(const cuma_heap *h) {
 }
 /* Gives back idle memory: older than delay_ns (< 0: none by age), then the oldest while more
  * than max_cached_bytes idle. */
-void cuma_heap_release(cuma_heap *h, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes, bool wait);
+void cuma_heap_release(cuma_heap *h, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes,
+                       bool wait);
 
 /* The heap's clock: the backend's, or with sim_clock:manual (any backend) the time that
  * cuma_sim_set_time last set, so a replay drives the release policy with trace time. */

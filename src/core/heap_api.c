@@ -25,16 +25,19 @@ cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
 cuma_status cuma_set_memory_fraction(cuma_heap *h, double fraction) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_set_memory_fraction: heap is NULL");
     if (!(fraction > 0 && fraction <= 1))
-        return cuma_fail(CUMA_ERR_INVALID, "cuma_set_memory_fraction: %g is not in (0, 1]", fraction);
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_set_memory_fraction: %g is not in (0, 1]",
+                         fraction);
     return cuma_set_limit(h, (uint64_t)(fraction * (double)h->be->capacity));
 }
 
 cuma_status cuma_add_oom_callback(cuma_heap *h, cuma_oom_fn fn, void *user, int *id) {
-    if (!h || !fn) return cuma_fail(CUMA_ERR_INVALID, "cuma_add_oom_callback: %s is NULL", h ? "fn" : "heap");
+    if (!h || !fn)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_add_oom_callback: %s is NULL", h ? "fn" : "heap");
     pthread_mutex_lock(&h->lock);
     cuma_status st = CUMA_OK;
     if (h->noom == CUMA_MAX_OOM_CALLBACKS) {
-        st = cuma_fail(CUMA_ERR_INVALID, "cuma_add_oom_callback: already %d callbacks", CUMA_MAX_OOM_CALLBACKS);
+        st = cuma_fail(CUMA_ERR_INVALID, "cuma_add_oom_callback: already %d callbacks",
+                       CUMA_MAX_OOM_CALLBACKS);
     } else {
         cuma_oom_slot *s = &h->oom[h->noom++];
         s->fn = fn, s->user = user, s->id = ++h->next_oom_id;
@@ -47,7 +50,8 @@ cuma_status cuma_add_oom_callback(cuma_heap *h, cuma_oom_fn fn, void *user, int 
 cuma_status cuma_remove_oom_callback(cuma_heap *h, int id) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_remove_oom_callback: heap is NULL");
     pthread_mutex_lock(&h->lock);
-    cuma_status st = cuma_fail(CUMA_ERR_INVALID, "cuma_remove_oom_callback: no callback with id %d", id);
+    cuma_status st =
+        cuma_fail(CUMA_ERR_INVALID, "cuma_remove_oom_callback: no callback with id %d", id);
     for (int i = 0; i < h->noom; i++) {
         if (h->oom[i].id != id) continue;
         for (int j = i + 1; j < h->noom; j++) h->oom[j - 1] = h->oom[j];
@@ -67,9 +71,13 @@ cuma_status cuma_block_size(cuma_heap *h, const void *ptr, size_t *size) {
     cuma_block *b = cuma_map_get(&h->live, (uint64_t)(uintptr_t)ptr);
     if (b && !(atomic_load(&b->gen) & 1)) b = NULL; /* in a thread cache: freed */
     void *m = b ? NULL : cuma_map_get(&h->managed, (uint64_t)(uintptr_t)ptr);
-    if (b) *size = b->size;
-    else if (m) *size = (size_t)(uintptr_t)m;
-    else st = cuma_fail(CUMA_ERR_BAD_POINTER, "cuma_block_size: pointer %p is not a live allocation", ptr);
+    if (b)
+        *size = b->size;
+    else if (m)
+        *size = (size_t)(uintptr_t)m;
+    else
+        st = cuma_fail(CUMA_ERR_BAD_POINTER, "cuma_block_size: pointer %p is not a live allocation",
+                       ptr);
     pthread_mutex_unlock(&h->lock);
     return st;
 }
@@ -90,10 +98,13 @@ static void count_pages(walk *w, const cuma_block *b) {
 static bool check_live(void *ctx, uint64_t key, void *val) {
     walk *w = ctx;
     cuma_block *b = val;
-    if (key != w->h->base + b->off) return w->why = "live table key differs from the block's address", false;
+    if (key != w->h->base + b->off)
+        return w->why = "live table key differs from the block's address", false;
     if (b->is_free) return w->why = "a live pointer maps to a free block", false;
-    if (!b->req || b->req > b->size) return w->why = "a live block's request is 0 or over its size", false;
-    if (b->mapped_len > b->size || (w->h->vmm && !b->mapped_len)) return w->why = "a live block's mapped length is wrong", false;
+    if (!b->req || b->req > b->size)
+        return w->why = "a live block's request is 0 or over its size", false;
+    if (b->mapped_len > b->size || (w->h->vmm && !b->mapped_len))
+        return w->why = "a live block's mapped length is wrong", false;
     if (b->stream >= w->h->streams.n) return w->why = "a live block names an unknown stream", false;
     w->all_sizes += b->size;
     count_pages(w, b);
@@ -113,9 +124,11 @@ cuma_status cuma_heap_check(cuma_heap *h) {
     if (!h->pol->ops->validate(h->pol, &why, &free_b, &live_b)) goto bad;
     if (!cuma_map_validate(&h->live, &why) || !cuma_map_validate(&h->managed, &why)) goto bad;
     if (!cuma_streams_validate(&h->streams, &why)) goto bad;
-    if (h->vmm ? !cuma_pages_validate(&h->pages, &why) : !cuma_segs_validate(&h->segs, &why)) goto bad;
+    if (h->vmm ? !cuma_pages_validate(&h->pages, &why) : !cuma_segs_validate(&h->segs, &why))
+        goto bad;
     walk w = {h, h->vmm ? calloc(h->pages.nva, sizeof(uint32_t)) : NULL, 0, 0, 0, 0, 0, NULL};
-    if (h->vmm && !w.live) return cuma_fail(CUMA_ERR_OOM, "cuma_validate: no host memory for the page count check");
+    if (h->vmm && !w.live)
+        return cuma_fail(CUMA_ERR_OOM, "cuma_validate: no host memory for the page count check");
     cuma_map_each(&h->live, check_live, &w);
     for (cuma_block *b = h->deferred; b && !w.why; b = b->fnext) {
         w.requested += b->req, w.allocated += b->size, w.n++, w.all_sizes += b->size;
@@ -126,16 +139,23 @@ cuma_status cuma_heap_check(cuma_heap *h) {
     cuma_tcache_sums(h, &tq, &ta, &tn, &tallocs, &tfrees);
     for (cuma_tcache *tc = h->tcaches; tc; tc = tc->next)
         for (unsigned i = 0; i < CUMA_TC_BINS; i++)
-            for (unsigned k = 0; k < CUMA_TC_DEPTH; k++) slots += atomic_load(&tc->bins[i].slot[k]) != NULL;
-    if (!w.why && w.requested != h->c.requested + (uint64_t)tq) w.why = "requested bytes differ from the live blocks' sum";
-    if (!w.why && w.allocated != h->c.allocated + (uint64_t)ta) w.why = "allocated bytes differ from the live blocks' sum";
-    if (!w.why && w.all_sizes != live_b) w.why = "the policy's live bytes differ from the live and cached blocks'";
-    if (!w.why && w.n != h->c.active + (uint64_t)tn) w.why = "active allocation count differs from the live blocks";
-    if (!w.why && w.cached != slots) w.why = "blocks marked cached differ from the blocks in thread caches";
+            for (unsigned k = 0; k < CUMA_TC_DEPTH; k++)
+                slots += atomic_load(&tc->bins[i].slot[k]) != NULL;
+    if (!w.why && w.requested != h->c.requested + (uint64_t)tq)
+        w.why = "requested bytes differ from the live blocks' sum";
+    if (!w.why && w.allocated != h->c.allocated + (uint64_t)ta)
+        w.why = "allocated bytes differ from the live blocks' sum";
+    if (!w.why && w.all_sizes != live_b)
+        w.why = "the policy's live bytes differ from the live and cached blocks'";
+    if (!w.why && w.n != h->c.active + (uint64_t)tn)
+        w.why = "active allocation count differs from the live blocks";
+    if (!w.why && w.cached != slots)
+        w.why = "blocks marked cached differ from the blocks in thread caches";
     if (!w.why && free_b + live_b != (h->vmm ? h->va_size : h->segs.reserved))
         w.why = "free + live bytes differ from the address space the policy manages";
     for (uint32_t v = 0; !w.why && h->vmm && v < h->pages.nva; v++)
-        if (w.live[v] != h->pages.live[v]) w.why = "a page's reference count differs from the blocks over it";
+        if (w.live[v] != h->pages.live[v])
+            w.why = "a page's reference count differs from the blocks over it";
     free(w.live);
     why = w.why;
     if (!why) return CUMA_OK;
@@ -153,7 +173,9 @@ cuma_status cuma_validate(cuma_heap *h) {
 
 cuma_status cuma_sim_set_time(cuma_heap *h, uint64_t ns) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_set_time: heap is NULL");
-    if (!h->set.sim_clock_manual) return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_sim_set_time: the heap needs sim_clock:manual");
+    if (!h->set.sim_clock_manual)
+        return cuma_fail(CUMA_ERR_UNSUPPORTED,
+                         "cuma_sim_set_time: the heap needs sim_clock:manual");
     pthread_mutex_lock(&h->lock);
     cuma_status st = CUMA_OK;
     if (ns < atomic_load(&h->manual_now)) {

@@ -13,13 +13,16 @@ cuma_status cuma_pages_init(cuma_pages *pp, cuma_backend *be, cuma_streams *ss, 
     pp->page_size = be->page_size;
     pp->shift = (unsigned)__builtin_ctzll(be->page_size);
     uint64_t nva = va_size >> pp->shift;
-    if (nva >= CUMA_NIL) return cuma_fail(CUMA_ERR_CONFIG, "virtual range of %llu pages is too large", (unsigned long long)nva);
+    if (nva >= CUMA_NIL)
+        return cuma_fail(CUMA_ERR_CONFIG, "virtual range of %llu pages is too large",
+                         (unsigned long long)nva);
     pp->nva = (uint32_t)nva;
     pp->live = calloc(nva, sizeof *pp->live);
     pp->phys_of = calloc(nva, sizeof *pp->phys_of);
     if (!pp->live || !pp->phys_of) {
         free(pp->live), free(pp->phys_of);
-        return cuma_fail(CUMA_ERR_OOM, "no host memory for a page table of %llu pages", (unsigned long long)nva);
+        return cuma_fail(CUMA_ERR_OOM, "no host memory for a page table of %llu pages",
+                         (unsigned long long)nva);
     }
     pp->head = pp->tail = pp->free_slot = CUMA_NIL;
     pp->limit_pages = UINT64_MAX;
@@ -28,10 +31,14 @@ cuma_status cuma_pages_init(cuma_pages *pp, cuma_backend *be, cuma_streams *ss, 
 
 static void cache_remove(cuma_pages *pp, uint32_t i) {
     cuma_phys *p = &pp->phys[i];
-    if (p->prev != CUMA_NIL) pp->phys[p->prev].next = p->next;
-    else pp->head = p->next;
-    if (p->next != CUMA_NIL) pp->phys[p->next].prev = p->prev;
-    else pp->tail = p->prev;
+    if (p->prev != CUMA_NIL)
+        pp->phys[p->prev].next = p->next;
+    else
+        pp->head = p->next;
+    if (p->next != CUMA_NIL)
+        pp->phys[p->next].prev = p->prev;
+    else
+        pp->tail = p->prev;
     p->prev = p->next = CUMA_NIL;
     p->cached = 0;
     pp->ncached--;
@@ -42,14 +49,18 @@ static void cache_push(cuma_pages *pp, uint32_t i, uint64_t now) {
     p->idle_since = now;
     p->prev = CUMA_NIL;
     p->next = pp->head;
-    if (pp->head != CUMA_NIL) pp->phys[pp->head].prev = i;
-    else pp->tail = i;
+    if (pp->head != CUMA_NIL)
+        pp->phys[pp->head].prev = i;
+    else
+        pp->tail = i;
     pp->head = i;
     p->cached = 1;
     pp->ncached++;
 }
 
-static uint64_t va_addr(const cuma_pages *pp, uint32_t v) { return pp->base + ((uint64_t)v << pp->shift); }
+static uint64_t va_addr(const cuma_pages *pp, uint32_t v) {
+    return pp->base + ((uint64_t)v << pp->shift);
+}
 
 static cuma_status unmap_page(cuma_pages *pp, uint32_t i) {
     cuma_phys *p = &pp->phys[i];
@@ -93,8 +104,8 @@ static void drop_slot(cuma_pages *pp, uint32_t i) {
 static cuma_status create_page(cuma_pages *pp, uint32_t *out) {
     *out = CUMA_NIL;
     if (pp->nreserved >= pp->limit_pages)
-        return cuma_fail(pp->limit_is_device ? CUMA_ERR_OOM : CUMA_ERR_LIMIT, "limit of %llu pages reached",
-                         (unsigned long long)pp->limit_pages);
+        return cuma_fail(pp->limit_is_device ? CUMA_ERR_OOM : CUMA_ERR_LIMIT,
+                         "limit of %llu pages reached", (unsigned long long)pp->limit_pages);
     uint32_t i = CUMA_NIL;
     cuma_status st = new_slot(pp, &i);
     if (st) return st;
@@ -124,7 +135,8 @@ static bool steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t k
         cuma_phys *p = &pp->phys[i];
         uint32_t next = p->next;
         bool own = p->va != CUMA_NIL && p->va >= keep_first && p->va <= keep_last;
-        if (!own && cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, false) && unmap_page(pp, i) == CUMA_OK) {
+        if (!own && cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, false) &&
+            unmap_page(pp, i) == CUMA_OK) {
             cache_remove(pp, i);
             *out = i;
             return true;
@@ -147,10 +159,14 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t la
             cache_remove(pp, h);
             ph->idle_since = px->idle_since;
             ph->prev = px->prev, ph->next = px->next;
-            if (ph->prev != CUMA_NIL) pp->phys[ph->prev].next = h;
-            else pp->head = h;
-            if (ph->next != CUMA_NIL) pp->phys[ph->next].prev = h;
-            else pp->tail = h;
+            if (ph->prev != CUMA_NIL)
+                pp->phys[ph->prev].next = h;
+            else
+                pp->head = h;
+            if (ph->next != CUMA_NIL)
+                pp->phys[ph->next].prev = h;
+            else
+                pp->tail = h;
             ph->cached = 1;
             pp->ncached++;
             px->prev = px->next = CUMA_NIL;
@@ -170,8 +186,10 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t la
     }
     cuma_status st = pp->be->ops->map(pp->be, va_addr(pp, v), pp->phys[i].handle);
     if (st) {
-        if (created) release_page(pp, i);
-        else cache_push(pp, i, now); /* back to the cache, unmapped */
+        if (created)
+            release_page(pp, i);
+        else
+            cache_push(pp, i, now); /* back to the cache, unmapped */
         return st;
     }
     pp->maps++;
@@ -189,8 +207,9 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
     /* A request that cannot fit even with every idle page reused fails before touching any. */
     if (pp->nmapped + need > pp->limit_pages)
         return cuma_fail(pp->limit_is_device ? CUMA_ERR_OOM : CUMA_ERR_LIMIT,
-                         "%llu more pages needed, %llu of a %llu-page limit in use", (unsigned long long)need,
-                         (unsigned long long)pp->nmapped, (unsigned long long)pp->limit_pages);
+                         "%llu more pages needed, %llu of a %llu-page limit in use",
+                         (unsigned long long)need, (unsigned long long)pp->nmapped,
+                         (unsigned long long)pp->limit_pages);
     for (uint32_t v = first; v <= last; v++) {
         if (pp->live[v]++) continue;
         cuma_status st = acquire(pp, v, now, last);
@@ -215,16 +234,19 @@ void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, 
     }
 }
 
-uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint64_t max_cached, bool wait) {
+uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint64_t max_cached,
+                            bool wait) {
     uint64_t released = 0;
     uint32_t i = pp->tail;
     while (i != CUMA_NIL) {
         cuma_phys *p = &pp->phys[i];
         uint32_t prev = p->prev;
-        bool old = delay_ns >= 0 && now >= p->idle_since && now - p->idle_since >= (uint64_t)delay_ns;
+        bool old =
+            delay_ns >= 0 && now >= p->idle_since && now - p->idle_since >= (uint64_t)delay_ns;
         bool over = pp->ncached > max_cached;
         if (!old && !over) break; /* newer pages are younger still */
-        if (!p->pinned && cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, wait) && unmap_page(pp, i) == CUMA_OK) {
+        if (!p->pinned && cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, wait) &&
+            unmap_page(pp, i) == CUMA_OK) {
             cache_remove(pp, i);
             release_page(pp, i);
             released++;
@@ -266,25 +288,32 @@ bool cuma_pages_validate(const cuma_pages *pp, const char **why) {
         const cuma_phys *p = &pp->phys[i];
         if (!p->used) continue;
         used++;
-        if (p->va != CUMA_NIL && pp->phys_of[p->va] != i + 1) return *why = "pages: physical page and page table disagree", false;
+        if (p->va != CUMA_NIL && pp->phys_of[p->va] != i + 1)
+            return *why = "pages: physical page and page table disagree", false;
         bool idle = p->va == CUMA_NIL || pp->live[p->va] == 0;
-        if (idle != !!p->cached) return *why = "pages: a page is cached iff it has no live byte", false;
+        if (idle != !!p->cached)
+            return *why = "pages: a page is cached iff it has no live byte", false;
         cached += p->cached;
         if (!idle) mapped_live++;
     }
     if (used != pp->nreserved) return *why = "pages: reserved count differs from pages held", false;
-    if (cached != pp->ncached || mapped_live != pp->nmapped) return *why = "pages: cached/mapped counts wrong", false;
+    if (cached != pp->ncached || mapped_live != pp->nmapped)
+        return *why = "pages: cached/mapped counts wrong", false;
     uint64_t n = 0, prev_t = UINT64_MAX;
     for (uint32_t i = pp->head; i != CUMA_NIL; i = pp->phys[i].next) {
         if (++n > cached) return *why = "pages: cache list has a cycle", false;
-        if (pp->phys[i].idle_since > prev_t) return *why = "pages: cache list not ordered newest first", false;
+        if (pp->phys[i].idle_since > prev_t)
+            return *why = "pages: cache list not ordered newest first", false;
         prev_t = pp->phys[i].idle_since;
-        if (pp->phys[i].next != CUMA_NIL && pp->phys[pp->phys[i].next].prev != i) return *why = "pages: cache links broken", false;
+        if (pp->phys[i].next != CUMA_NIL && pp->phys[pp->phys[i].next].prev != i)
+            return *why = "pages: cache links broken", false;
     }
     if (n != cached) return *why = "pages: cache list misses cached pages", false;
     for (uint32_t v = 0; v < pp->nva; v++) {
-        if (pp->live[v] && !pp->phys_of[v]) return *why = "pages: live bytes on an unmapped page", false;
-        if (pp->phys_of[v] && (pp->phys_of[v] > pp->nslots || !pp->phys[pp->phys_of[v] - 1].used || pp->phys[pp->phys_of[v] - 1].va != v))
+        if (pp->live[v] && !pp->phys_of[v])
+            return *why = "pages: live bytes on an unmapped page", false;
+        if (pp->phys_of[v] && (pp->phys_of[v] > pp->nslots || !pp->phys[pp->phys_of[v] - 1].used ||
+                               pp->phys[pp->phys_of[v] - 1].va != v))
             return *why = "pages: page table points at a wrong physical page", false;
     }
     return true;

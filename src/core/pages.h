@@ -41,12 +41,12 @@ typedef struct cuma_phys {
 typedef struct cuma_pages {
     cuma_backend *be;
     cuma_streams *ss;
-    uint64_t base;      /* address of virtual page 0 */
+    uint64_t base; /* address of virtual page 0 */
     uint64_t page_size;
     unsigned shift;
-    uint32_t nva;       /* virtual pages */
-    uint32_t *live;     /* per virtual page: live allocations overlapping it */
-    uint32_t *phys_of;  /* per virtual page: physical slot + 1, 0 = unmapped */
+    uint32_t nva;      /* virtual pages */
+    uint32_t *live;    /* per virtual page: live allocations overlapping it */
+    uint32_t *phys_of; /* per virtual page: physical slot + 1, 0 = unmapped */
     cuma_phys *phys;
     uint32_t nslots, capslots, free_slot;
     uint32_t head, tail; /* cache list */

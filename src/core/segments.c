@@ -6,12 +6,14 @@
 
 #define MB (1024ull * 1024)
 
-void cuma_segs_init(cuma_segs *sg, cuma_backend *be, cuma_streams *ss, cuma_policy *pol, uint64_t segment_size) {
+void cuma_segs_init(cuma_segs *sg, cuma_backend *be, cuma_streams *ss, cuma_policy *pol,
+                    uint64_t segment_size) {
     memset(sg, 0, sizeof *sg);
     sg->be = be, sg->ss = ss, sg->pol = pol;
     cuma_map_init(&sg->byaddr);
     sg->small_seg = 2 * MB;
-    sg->mid_seg = segment_size < 2 * MB ? 2 * MB : (segment_size + 2 * MB - 1) / (2 * MB) * (2 * MB);
+    sg->mid_seg =
+        segment_size < 2 * MB ? 2 * MB : (segment_size + 2 * MB - 1) / (2 * MB) * (2 * MB);
     sg->limit_bytes = UINT64_MAX;
 }
 
@@ -29,10 +31,14 @@ void cuma_segs_destroy(cuma_segs *sg) {
 }
 
 static void idle_remove(cuma_segs *sg, cuma_seg *s) {
-    if (s->prev) s->prev->next = s->next;
-    else sg->head = s->next;
-    if (s->next) s->next->prev = s->prev;
-    else sg->tail = s->prev;
+    if (s->prev)
+        s->prev->next = s->next;
+    else
+        sg->head = s->next;
+    if (s->next)
+        s->next->prev = s->prev;
+    else
+        sg->tail = s->prev;
     s->prev = s->next = NULL;
     s->whole = NULL;
     sg->idle_bytes -= s->size;
@@ -40,7 +46,9 @@ static void idle_remove(cuma_segs *sg, cuma_seg *s) {
 }
 
 cuma_status cuma_segs_grow(cuma_segs *sg, uint64_t n) {
-    uint64_t size = n <= MB ? sg->small_seg : n < 10 * MB ? sg->mid_seg : (n + 2 * MB - 1) / (2 * MB) * (2 * MB);
+    uint64_t size = n <= MB       ? sg->small_seg
+                    : n < 10 * MB ? sg->mid_seg
+                                  : (n + 2 * MB - 1) / (2 * MB) * (2 * MB);
     if (size < n) size = (n + 2 * MB - 1) / (2 * MB) * (2 * MB);
     if (sg->reserved + size > sg->limit_bytes)
         return cuma_fail(sg->limit_is_device ? CUMA_ERR_OOM : CUMA_ERR_LIMIT,
@@ -55,8 +63,10 @@ cuma_status cuma_segs_grow(cuma_segs *sg, uint64_t n) {
         free(s);
         return st;
     }
-    if (!cuma_map_put(&sg->byaddr, addr, s)) st = cuma_fail(CUMA_ERR_OOM, "no host memory for the segment table");
-    else if ((st = sg->pol->ops->add_range(sg->pol, addr, size)) != CUMA_OK) cuma_map_remove(&sg->byaddr, addr);
+    if (!cuma_map_put(&sg->byaddr, addr, s))
+        st = cuma_fail(CUMA_ERR_OOM, "no host memory for the segment table");
+    else if ((st = sg->pol->ops->add_range(sg->pol, addr, size)) != CUMA_OK)
+        cuma_map_remove(&sg->byaddr, addr);
     if (st) {
         sg->be->ops->seg_free(sg->be, addr, size);
         free(s);
@@ -82,18 +92,22 @@ void cuma_segs_on_free(cuma_segs *sg, cuma_block *m, uint64_t now) {
     s->idle_since = now;
     s->prev = NULL;
     s->next = sg->head;
-    if (sg->head) sg->head->prev = s;
-    else sg->tail = s;
+    if (sg->head)
+        sg->head->prev = s;
+    else
+        sg->tail = s;
     sg->head = s;
     sg->idle_bytes += s->size;
     sg->nidle++;
 }
 
-uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes, bool wait) {
+uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes,
+                           bool wait) {
     uint64_t released = 0;
     for (cuma_seg *s = sg->tail, *prev; s; s = prev) {
         prev = s->prev;
-        bool old = delay_ns >= 0 && now >= s->idle_since && now - s->idle_since >= (uint64_t)delay_ns;
+        bool old =
+            delay_ns >= 0 && now >= s->idle_since && now - s->idle_since >= (uint64_t)delay_ns;
         if (!old && sg->idle_bytes <= max_cached_bytes) break;
         cuma_block *w = s->whole;
         /* cuMemFree is not stream-ordered: the work that last used the segment must be done. */
@@ -110,7 +124,9 @@ uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64
     return released;
 }
 
-uint64_t cuma_segs_oldest_idle(const cuma_segs *sg) { return sg->tail ? sg->tail->idle_since : UINT64_MAX; }
+uint64_t cuma_segs_oldest_idle(const cuma_segs *sg) {
+    return sg->tail ? sg->tail->idle_since : UINT64_MAX;
+}
 
 typedef struct segwalk {
     uint64_t total, idle;
@@ -120,7 +136,8 @@ typedef struct segwalk {
 static bool check_seg(void *ctx, uint64_t key, void *val) {
     segwalk *w = ctx;
     cuma_seg *s = val;
-    if (s->addr != key) return w->why = "segments: table key differs from the segment address", false;
+    if (s->addr != key)
+        return w->why = "segments: table key differs from the segment address", false;
     w->total += s->size;
     if (s->whole) {
         w->idle += s->size;
@@ -134,8 +151,10 @@ bool cuma_segs_validate(const cuma_segs *sg, const char **why) {
     segwalk w = {0, 0, NULL};
     cuma_map_each(&sg->byaddr, check_seg, &w);
     if (w.why) return *why = w.why, false;
-    if (w.total != sg->reserved) return *why = "segments: reserved bytes differ from the segments", false;
-    if (w.idle != sg->idle_bytes) return *why = "segments: idle bytes differ from the idle segments", false;
+    if (w.total != sg->reserved)
+        return *why = "segments: reserved bytes differ from the segments", false;
+    if (w.idle != sg->idle_bytes)
+        return *why = "segments: idle bytes differ from the idle segments", false;
     uint64_t n = 0, t = UINT64_MAX;
     for (const cuma_seg *s = sg->head; s; s = s->next) {
         if (++n > sg->nidle) return *why = "segments: idle list longer than the idle count", false;

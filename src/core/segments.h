@@ -40,7 +40,8 @@ typedef struct cuma_segs {
     uint64_t creates, releases;
 } cuma_segs;
 
-void cuma_segs_init(cuma_segs *sg, cuma_backend *be, cuma_streams *ss, cuma_policy *pol, uint64_t segment_size);
+void cuma_segs_init(cuma_segs *sg, cuma_backend *be, cuma_streams *ss, cuma_policy *pol,
+                    uint64_t segment_size);
 void cuma_segs_destroy(cuma_segs *sg);
 
 /* Adds a segment big enough for a rounded request of n bytes. */
@@ -53,7 +54,8 @@ void cuma_segs_on_alloc(cuma_segs *sg, const cuma_block *b);
 void cuma_segs_on_free(cuma_segs *sg, cuma_block *m, uint64_t now);
 
 /* Like cuma_pages_release, in bytes. Returns bytes released. */
-uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes, bool wait);
+uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes,
+                           bool wait);
 
 uint64_t cuma_segs_oldest_idle(const cuma_segs *sg);
 

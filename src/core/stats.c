@@ -17,9 +17,11 @@ static void snapshot(cuma_heap *h, cuma_stats *s) {
     s->peak_requested_bytes = atomic_load(&h->peak_req);
     if (s->peak_requested_bytes < s->requested_bytes) s->peak_requested_bytes = s->requested_bytes;
     s->allocated_bytes = c->allocated + (uint64_t)ta;
-    s->peak_allocated_bytes = c->peak_allocated > s->allocated_bytes ? c->peak_allocated : s->allocated_bytes;
+    s->peak_allocated_bytes =
+        c->peak_allocated > s->allocated_bytes ? c->peak_allocated : s->allocated_bytes;
     s->reserved_bytes = cuma_heap_reserved(h);
-    s->peak_reserved_bytes = c->peak_reserved > s->reserved_bytes ? c->peak_reserved : s->reserved_bytes;
+    s->peak_reserved_bytes =
+        c->peak_reserved > s->reserved_bytes ? c->peak_reserved : s->reserved_bytes;
     s->cached_bytes = cuma_heap_cached(h);
     s->mapped_bytes = h->vmm ? h->pages.nmapped * ps : s->reserved_bytes - s->cached_bytes;
     s->managed_bytes = c->managed;
@@ -40,18 +42,21 @@ static void snapshot(cuma_heap *h, cuma_stats *s) {
     s->unmaps = h->pages.unmaps;
     s->events_recorded = h->streams.events_recorded;
     s->trims = c->trims;
-    s->fragmentation = s->mapped_bytes ? 1.0 - (double)s->requested_bytes / (double)s->mapped_bytes : 0.0;
+    s->fragmentation =
+        s->mapped_bytes ? 1.0 - (double)s->requested_bytes / (double)s->mapped_bytes : 0.0;
     if (s->fragmentation < 0) s->fragmentation = 0;
 }
 
 cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
-    if (!h || !out) return cuma_fail(CUMA_ERR_INVALID, "cuma_get_stats: %s is NULL", h ? "out" : "heap");
+    if (!h || !out)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_get_stats: %s is NULL", h ? "out" : "heap");
     pthread_mutex_lock(&h->lock);
     snapshot(h, out);
     pthread_mutex_unlock(&h->lock);
     /* The driver's view is read outside the lock: it may be slow and needs no heap state. */
     uint64_t fr = 0, tot = 0;
-    if (h->be->ops->mem_info(h->be, &fr, &tot) == CUMA_OK) out->device_free_bytes = fr, out->device_total_bytes = tot;
+    if (h->be->ops->mem_info(h->be, &fr, &tot) == CUMA_OK)
+        out->device_free_bytes = fr, out->device_total_bytes = tot;
     return CUMA_OK;
 }
 
@@ -89,14 +94,39 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     out o = {buf, len, 0};
     if (buf && len) buf[0] = 0;
 #define U(name) put(&o, "\"" #name "\":%llu,", (unsigned long long)s.name)
-    put(&o, "{\"version\":\"%d.%d.%d\",\"mode\":\"%s\",\"backend\":\"%s\",\"device\":\"%s\",\"policy\":\"%s\",", CUMA_VERSION_MAJOR,
-        CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->vmm ? "pages" : "segments", h->be->name, h->be->device_id, h->pol->ops->name);
-    U(requested_bytes); U(peak_requested_bytes); U(allocated_bytes); U(peak_allocated_bytes);
-    U(reserved_bytes); U(peak_reserved_bytes); U(mapped_bytes); U(cached_bytes); U(managed_bytes);
-    U(virtual_bytes); U(limit_bytes); U(device_total_bytes); U(device_free_bytes); U(page_size);
-    U(active_allocs); U(num_allocs); U(num_frees); U(failed_allocs); U(num_alloc_retries); U(num_ooms);
-    U(oom_callbacks); U(managed_fallbacks); U(page_creates); U(page_releases); U(maps); U(unmaps);
-    U(events_recorded); U(trims);
+    put(&o,
+        "{\"version\":\"%d.%d.%d\",\"mode\":\"%s\",\"backend\":\"%s\",\"device\":\"%s\",\"policy\":"
+        "\"%s\",",
+        CUMA_VERSION_MAJOR, CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->vmm ? "pages" : "segments",
+        h->be->name, h->be->device_id, h->pol->ops->name);
+    U(requested_bytes);
+    U(peak_requested_bytes);
+    U(allocated_bytes);
+    U(peak_allocated_bytes);
+    U(reserved_bytes);
+    U(peak_reserved_bytes);
+    U(mapped_bytes);
+    U(cached_bytes);
+    U(managed_bytes);
+    U(virtual_bytes);
+    U(limit_bytes);
+    U(device_total_bytes);
+    U(device_free_bytes);
+    U(page_size);
+    U(active_allocs);
+    U(num_allocs);
+    U(num_frees);
+    U(failed_allocs);
+    U(num_alloc_retries);
+    U(num_ooms);
+    U(oom_callbacks);
+    U(managed_fallbacks);
+    U(page_creates);
+    U(page_releases);
+    U(maps);
+    U(unmaps);
+    U(events_recorded);
+    U(trims);
 #undef U
     put(&o, "\"fragmentation\":%.6f,\"config\":{", s.fragmentation);
     size_t room = o.buf && o.used < o.len ? o.len - o.used : 0;
@@ -104,6 +134,8 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     put(&o, "}}");
     if (needed) *needed = o.used;
     if (!buf || o.used >= len)
-        return cuma_fail(CUMA_ERR_INVALID, "cuma_stats_json: buffer of %zu bytes too small, %zu needed", len, o.used + 1);
+        return cuma_fail(CUMA_ERR_INVALID,
+                         "cuma_stats_json: buffer of %zu bytes too small, %zu needed", len,
+                         o.used + 1);
     return CUMA_OK;
 }

@@ -82,7 +82,8 @@ bool cuma_streams_validate(const cuma_streams *ss, const char **why) {
     for (unsigned i = 0; i < ss->n; i++) {
         const cuma_stream_slot *s = &ss->slot[i];
         if (s->done > s->fenced || s->fenced > s->last || s->last > ss->gseq)
-            return *why = "stream fence counters out of order (done <= fenced <= last <= gseq)", false;
+            return *why = "stream fence counters out of order (done <= fenced <= last <= gseq)",
+                   false;
         if (s->npending > CUMA_FENCE_RING) return *why = "stream fence ring overfull", false;
         uint64_t prev = s->done;
         for (unsigned k = 0; k < s->npending; k++) {

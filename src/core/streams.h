@@ -17,7 +17,7 @@
 
 #define CUMA_MAX_STREAMS 256
 #define CUMA_FENCE_MULTI 0xFFFFu /* tag of memory freed by several streams */
-#define CUMA_FENCE_RING 8
+#define CUMA_FENCE_RING  8
 
 /* Invariants: done <= fenced <= last (in gseq); the ring holds npending events with
  * non-decreasing `covers`, each > done. */

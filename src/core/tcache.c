@@ -19,7 +19,7 @@ static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct {
     uint64_t id;
     cuma_heap *heap;
-} *registry;
+} * registry;
 static size_t nregistry, capregistry;
 static uint64_t next_heap_id = 1;
 static pthread_key_t exit_key;
@@ -53,7 +53,8 @@ void cuma_tcache_unregister_heap(cuma_heap *h) {
     pthread_mutex_unlock(&registry_lock);
 }
 
-static void flush_one(cuma_heap *h, cuma_tcache *tc, uint64_t older_than, void (*give)(cuma_heap *, cuma_block *));
+static void flush_one(cuma_heap *h, cuma_tcache *tc, uint64_t older_than,
+                      void (*give)(cuma_heap *, cuma_block *));
 
 static void free_tc(cuma_tcache *tc) {
     free(tc->tab);
@@ -92,7 +93,9 @@ static void on_thread_exit(void *unused) {
     pthread_mutex_unlock(&registry_lock);
 }
 
-static void make_key(void) { pthread_key_create(&exit_key, on_thread_exit); }
+static void make_key(void) {
+    pthread_key_create(&exit_key, on_thread_exit);
+}
 
 cuma_tcache *cuma_tcache_get_slow(cuma_heap *h) {
     if (!h->tc_on || !h->id) return NULL;
@@ -133,7 +136,8 @@ cuma_tcache *cuma_tcache_get_slow(cuma_heap *h) {
 }
 
 static unsigned bin_of(uint64_t n, unsigned stream) {
-    return (unsigned)(((n >> 9) * 0x9E3779B97F4A7C15ull + stream * 0xC2B2AE3D27D4EB4Full) >> 57) & (CUMA_TC_BINS - 1);
+    return (unsigned)(((n >> 9) * 0x9E3779B97F4A7C15ull + stream * 0xC2B2AE3D27D4EB4Full) >> 57) &
+           (CUMA_TC_BINS - 1);
 }
 
 /* The owner's pointer table: 2-way set-associative by address, no probing and no shifting. An
@@ -167,9 +171,12 @@ static bool tab_grow(cuma_tcache *tc) {
     for (uint32_t i = 0; i < tc->tabcap; i++) {
         if (!tc->tab[i].key) continue;
         cuma_tc_entry *d = &n[key_slot(tc, tc->tab[i].key, ncap)];
-        if (!d[0].key) d[0] = tc->tab[i];
-        else if (!d[1].key) d[1] = tc->tab[i];
-        else tc->tabn--; /* dropped: that block's free takes the slow path */
+        if (!d[0].key)
+            d[0] = tc->tab[i];
+        else if (!d[1].key)
+            d[1] = tc->tab[i];
+        else
+            tc->tabn--; /* dropped: that block's free takes the slow path */
     }
     free(tc->tab);
     tc->tab = n, tc->tabcap = ncap;
@@ -203,7 +210,10 @@ void cuma_tcache_note_alloc(cuma_tcache *tc, cuma_block *b, uint64_t addr) {
 }
 
 /* Counters are the owner's: a load and a store, no read-modify-write. */
-#define BUMP(field, d) atomic_store_explicit(&tc->field, atomic_load_explicit(&tc->field, memory_order_relaxed) + (d), memory_order_relaxed)
+#define BUMP(field, d)                                                                             \
+    atomic_store_explicit(&tc->field,                                                              \
+                          atomic_load_explicit(&tc->field, memory_order_relaxed) + (d),            \
+                          memory_order_relaxed)
 
 static void note_peaks(cuma_tcache *tc) {
     cuma_heap *h = tc->heap;
@@ -211,8 +221,8 @@ static void note_peaks(cuma_tcache *tc) {
                   atomic_load_explicit(&tc->requested, memory_order_relaxed);
     uint64_t peak = atomic_load_explicit(&h->peak_req, memory_order_relaxed);
     while (req > 0 && (uint64_t)req > peak &&
-           !atomic_compare_exchange_weak_explicit(&h->peak_req, &peak, (uint64_t)req, memory_order_relaxed,
-                                                  memory_order_relaxed)) {
+           !atomic_compare_exchange_weak_explicit(&h->peak_req, &peak, (uint64_t)req,
+                                                  memory_order_relaxed, memory_order_relaxed)) {
     }
 }
 
@@ -228,7 +238,8 @@ bool cuma_tcache_alloc(cuma_tcache *tc, uint64_t size, uint64_t n, cuma_stream s
     }
     if (!b) return false;
     cuma_heap *h = tc->heap;
-    if (h->vmm && ((b->off + size - 1) >> h->pages.shift) != ((b->off + b->mapped_len - 1) >> h->pages.shift)) {
+    if (h->vmm && ((b->off + size - 1) >> h->pages.shift) !=
+                      ((b->off + b->mapped_len - 1) >> h->pages.shift)) {
         /* The request ends on another page than the block's mapped bytes: the slow path must
          * change page references. Put it back. */
         atomic_store_explicit(&bin->slot[bin->n++], b, memory_order_release);
@@ -266,10 +277,13 @@ bool cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream) {
     uint64_t n = b->size;
     if (n > h->tc_max || tc->held + n > h->tc_bytes) return false;
     cuma_tc_bin *bin = &tc->bins[bin_of(n, (unsigned)si)];
-    if (!bin->n) bin->size = n, bin->stream = (uint16_t)si;
-    else if (bin->size != n || bin->stream != si) return false;
+    if (!bin->n)
+        bin->size = n, bin->stream = (uint16_t)si;
+    else if (bin->size != n || bin->stream != si)
+        return false;
     if (bin->n == CUMA_TC_DEPTH) return false;
-    if (!atomic_compare_exchange_strong_explicit(&b->gen, &g, g + 1, memory_order_acq_rel, memory_order_relaxed)) {
+    if (!atomic_compare_exchange_strong_explicit(&b->gen, &g, g + 1, memory_order_acq_rel,
+                                                 memory_order_relaxed)) {
         tab_remove(tc, e);
         return false;
     }
@@ -286,10 +300,13 @@ bool cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream) {
     return true;
 }
 
-static void flush_one(cuma_heap *h, cuma_tcache *tc, uint64_t older_than, void (*give)(cuma_heap *, cuma_block *)) {
+static void flush_one(cuma_heap *h, cuma_tcache *tc, uint64_t older_than,
+                      void (*give)(cuma_heap *, cuma_block *)) {
     for (unsigned i = 0; i < CUMA_TC_BINS; i++) {
         cuma_tc_bin *bin = &tc->bins[i];
-        if (older_than != UINT64_MAX && atomic_load_explicit(&bin->stamp, memory_order_relaxed) >= older_than) continue;
+        if (older_than != UINT64_MAX &&
+            atomic_load_explicit(&bin->stamp, memory_order_relaxed) >= older_than)
+            continue;
         for (unsigned k = 0; k < CUMA_TC_DEPTH; k++) {
             if (!atomic_load_explicit(&bin->slot[k], memory_order_relaxed)) continue;
             cuma_block *b = atomic_exchange_explicit(&bin->slot[k], NULL, memory_order_acquire);
@@ -298,7 +315,8 @@ static void flush_one(cuma_heap *h, cuma_tcache *tc, uint64_t older_than, void (
     }
 }
 
-void cuma_tcache_flush_all(cuma_heap *h, uint64_t older_than, void (*give)(cuma_heap *, cuma_block *)) {
+void cuma_tcache_flush_all(cuma_heap *h, uint64_t older_than,
+                           void (*give)(cuma_heap *, cuma_block *)) {
     for (cuma_tcache *tc = h->tcaches; tc; tc = tc->next) flush_one(h, tc, older_than, give);
 }
 
@@ -324,8 +342,8 @@ void cuma_tcache_destroy_all(cuma_heap *h) {
     }
 }
 
-void cuma_tcache_sums(cuma_heap *h, int64_t *requested, int64_t *allocated, int64_t *active, uint64_t *allocs,
-                      uint64_t *frees) {
+void cuma_tcache_sums(cuma_heap *h, int64_t *requested, int64_t *allocated, int64_t *active,
+                      uint64_t *allocs, uint64_t *frees) {
     *requested = *allocated = *active = 0;
     *allocs = *frees = 0;
     for (cuma_tcache *tc = h->tcaches; tc; tc = tc->next) {

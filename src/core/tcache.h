@@ -29,8 +29,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define CUMA_TC_BINS 128
-#define CUMA_TC_DEPTH 16
+#define CUMA_TC_BINS    128
+#define CUMA_TC_DEPTH   16
 #define CUMA_TC_STREAMS 8
 
 struct cuma_heap;
@@ -84,7 +84,8 @@ cuma_tcache *cuma_tcache_get_slow(struct cuma_heap *h);
 /* The calling thread's cache for heap h (whose id is `id`), created on first use; NULL if the
  * heap disables caches or no memory could be had (the caller then takes the slow path). */
 static inline cuma_tcache *cuma_tcache_get(struct cuma_heap *h, uint64_t id) {
-    if (cuma_tl_last.heap == h && cuma_tl_last.heap_id == id && cuma_tl_last.tc) return cuma_tl_last.tc;
+    if (cuma_tl_last.heap == h && cuma_tl_last.heap_id == id && cuma_tl_last.tc)
+        return cuma_tl_last.tc;
     return cuma_tcache_get_slow(h);
 }
 
@@ -99,7 +100,8 @@ void cuma_tcache_note_stream(cuma_tcache *tc, cuma_stream handle, unsigned index
 
 /* Takes blocks out of every cache of the heap (heap lock held): all of them, or those idle
  * since before `older_than` (coarse time). Calls give(h, block) for each. */
-void cuma_tcache_flush_all(struct cuma_heap *h, uint64_t older_than, void (*give)(struct cuma_heap *, cuma_block *));
+void cuma_tcache_flush_all(struct cuma_heap *h, uint64_t older_than,
+                           void (*give)(struct cuma_heap *, cuma_block *));
 
 /* Oldest stamp among non-empty bins of the heap's caches (UINT64_MAX if none). Heap lock held;
  * a racing owner may make it stale, which only moves a flush a little. */
@@ -116,7 +118,7 @@ void cuma_tcache_unregister_heap(struct cuma_heap *h);
 void cuma_tcache_sums_retire(struct cuma_heap *h, cuma_tcache *tc);
 
 /* Sums of the caches' counters (heap lock held). */
-void cuma_tcache_sums(struct cuma_heap *h, int64_t *requested, int64_t *allocated, int64_t *active, uint64_t *allocs,
-                      uint64_t *frees);
+void cuma_tcache_sums(struct cuma_heap *h, int64_t *requested, int64_t *allocated, int64_t *active,
+                      uint64_t *allocs, uint64_t *frees);
 
 #endif

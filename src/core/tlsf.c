@@ -15,10 +15,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SL_LOG 5
+#define SL_LOG   5
 #define SL_COUNT (1u << SL_LOG)
 #define FL_COUNT 40
-#define SCAN 16 /* blocks examined per bin: bounded work, near-best fit */
+#define SCAN     16 /* blocks examined per bin: bounded work, near-best fit */
 
 /* Invariants (tlsf_validate): bit (fl) of fl_map is set iff sl_map[fl] != 0; bit sl of
  * sl_map[fl] is set iff bins[fl][sl] is non-empty; every free block is in the bin its size
@@ -35,7 +35,9 @@ typedef struct tlsf {
     size_t nranges, capranges;
 } tlsf;
 
-static unsigned msb64(uint64_t x) { return 63u - (unsigned)__builtin_clzll(x); }
+static unsigned msb64(uint64_t x) {
+    return 63u - (unsigned)__builtin_clzll(x);
+}
 
 static void mapping(uint64_t size, unsigned *fl, unsigned *sl) {
     uint64_t g = size / CUMA_GRANULE;
@@ -63,8 +65,10 @@ static void insert(tlsf *t, cuma_block *b) {
 static void unlink_free(tlsf *t, cuma_block *b) {
     unsigned fl, sl;
     mapping(b->size, &fl, &sl);
-    if (b->fprev) b->fprev->fnext = b->fnext;
-    else t->bins[fl][sl] = b->fnext;
+    if (b->fprev)
+        b->fprev->fnext = b->fnext;
+    else
+        t->bins[fl][sl] = b->fnext;
     if (b->fnext) b->fnext->fprev = b->fprev;
     b->fprev = b->fnext = NULL;
     if (!t->bins[fl][sl]) {
@@ -83,7 +87,8 @@ static bool better(const cuma_block *b, const cuma_block *best) {
 }
 
 /* The smallest usable block of at least `size` among the first `limit` of a bin. */
-static cuma_block *scan_bin(tlsf *t, cuma_block *head, uint64_t size, unsigned stream, uint64_t limit) {
+static cuma_block *scan_bin(tlsf *t, cuma_block *head, uint64_t size, unsigned stream,
+                            uint64_t limit) {
     cuma_block *best = NULL;
     uint64_t n = 0;
     for (cuma_block *b = head; b && n < limit; b = b->fnext, n++) {
@@ -150,7 +155,8 @@ static cuma_block *tlsf_alloc(cuma_policy *p, uint64_t size, unsigned stream) {
     unlink_free(t, best);
     /* Fences complete after blocks were freed: neighbours left apart then may merge now, and
      * the remainder of the split below is larger for it. */
-    for (cuma_block *n; (n = best->range_end ? NULL : best->next) && n->is_free && mergeable(t, best, n);) {
+    for (cuma_block *n;
+         (n = best->range_end ? NULL : best->next) && n->is_free && mergeable(t, best, n);) {
         unlink_free(t, n);
         absorb(t, best, n);
     }
@@ -246,7 +252,8 @@ static void tlsf_coalesce(cuma_policy *p, void (*fn)(void *, cuma_block *), void
         for (cuma_block *b = t->ranges[r]; b; b = b->range_end ? NULL : b->next) {
             if (!b->is_free) continue;
             bool merged = false;
-            for (cuma_block *n; (n = b->range_end ? NULL : b->next) && n->is_free && mergeable(t, b, n);) {
+            for (cuma_block *n;
+                 (n = b->range_end ? NULL : b->next) && n->is_free && mergeable(t, b, n);) {
                 if (!merged) unlink_free(t, b);
                 merged = true;
                 unlink_free(t, n);
@@ -264,7 +271,8 @@ static uint64_t tlsf_round(uint64_t size) {
     return (size + CUMA_GRANULE - 1) & ~(uint64_t)(CUMA_GRANULE - 1);
 }
 
-static bool tlsf_validate(cuma_policy *p, const char **why, uint64_t *free_bytes, uint64_t *live_bytes) {
+static bool tlsf_validate(cuma_policy *p, const char **why, uint64_t *free_bytes,
+                          uint64_t *live_bytes) {
     tlsf *t = (tlsf *)p;
     uint64_t nfree_walk = 0, nfree_lists = 0;
     *free_bytes = *live_bytes = 0;
@@ -274,7 +282,8 @@ static bool tlsf_validate(cuma_policy *p, const char **why, uint64_t *free_bytes
         for (; b; b = b->range_end ? NULL : b->next) {
             if (!b->size || b->size % CUMA_GRANULE || b->off % CUMA_GRANULE)
                 return *why = "tlsf: block not in whole granules", false;
-            if (!b->range_end && (!b->next || b->next->off != b->off + b->size || b->next->prev != b))
+            if (!b->range_end &&
+                (!b->next || b->next->off != b->off + b->size || b->next->prev != b))
                 return *why = "tlsf: blocks of a range do not tile it", false;
             if (b->is_free) {
                 nfree_walk++;
@@ -282,12 +291,14 @@ static bool tlsf_validate(cuma_policy *p, const char **why, uint64_t *free_bytes
                 if (b->req) return *why = "tlsf: free block has requested bytes", false;
             } else {
                 *live_bytes += b->size;
-                if (b->req > b->size) return *why = "tlsf: live block smaller than its request", false;
+                if (b->req > b->size)
+                    return *why = "tlsf: live block smaller than its request", false;
             }
         }
     }
     for (unsigned fl = 0; fl < FL_COUNT; fl++) {
-        if (!!(t->fl_map & (1ull << fl)) != !!t->sl_map[fl]) return *why = "tlsf: first-level bitmap wrong", false;
+        if (!!(t->fl_map & (1ull << fl)) != !!t->sl_map[fl])
+            return *why = "tlsf: first-level bitmap wrong", false;
         for (unsigned sl = 0; sl < SL_COUNT; sl++) {
             if (!!(t->sl_map[fl] & (1u << sl)) != !!t->bins[fl][sl])
                 return *why = "tlsf: second-level bitmap wrong", false;
@@ -296,8 +307,10 @@ static bool tlsf_validate(cuma_policy *p, const char **why, uint64_t *free_bytes
                 mapping(b->size, &f2, &s2);
                 if (f2 != fl || s2 != sl) return *why = "tlsf: free block in the wrong bin", false;
                 if (!b->is_free) return *why = "tlsf: live block on a free list", false;
-                if (b->fnext && b->fnext->fprev != b) return *why = "tlsf: free list links broken", false;
-                if (++nfree_lists > nfree_walk) return *why = "tlsf: more blocks on free lists than free", false;
+                if (b->fnext && b->fnext->fprev != b)
+                    return *why = "tlsf: free list links broken", false;
+                if (++nfree_lists > nfree_walk)
+                    return *why = "tlsf: more blocks on free lists than free", false;
             }
         }
     }
@@ -342,7 +355,9 @@ const cuma_policy_ops cuma_tlsf_ops = {
  * path never calls malloc for metadata once warm. */
 #define CHUNK 1024
 
-void cuma_blockpool_init(cuma_blockpool *bp) { memset(bp, 0, sizeof *bp); }
+void cuma_blockpool_init(cuma_blockpool *bp) {
+    memset(bp, 0, sizeof *bp);
+}
 
 void cuma_blockpool_destroy(cuma_blockpool *bp) {
     for (size_t i = 0; i < bp->nchunks; i++) free(bp->chunks[i]);

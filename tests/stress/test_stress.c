@@ -14,9 +14,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define THREADS 3
-#define PHASES 4
-#define SLOTS 512
+#define THREADS  3
+#define PHASES   4
+#define SLOTS    512
 #define EXCHANGE 64
 
 typedef struct live {
@@ -33,20 +33,27 @@ static unsigned long long base_seed;
 static long ops_per_thread_phase;
 static live slots[THREADS][SLOTS];
 
-static cuma_stream stream_of(unsigned long long r) { return (cuma_stream)(uintptr_t)(r % 3 ? (r % 3) * 0x100 : 0); }
+static cuma_stream stream_of(unsigned long long r) {
+    return (cuma_stream)(uintptr_t)(r % 3 ? (r % 3) * 0x100 : 0);
+}
 
 /* Tags at the start, at every page boundary inside, and at the end. */
 static void for_each_tag_spot(const live *l, void (*fn)(uint64_t *, uint64_t)) {
     char *base = (char *)l->p;
     fn((uint64_t *)base, l->tag);
     uintptr_t a = (uintptr_t)base, end = a + ((l->size - 8) & ~(size_t)7); /* the end tag's spot */
-    for (uintptr_t pg = (a / page_size + 1) * page_size; pg < end; pg += page_size) fn((uint64_t *)pg, l->tag ^ pg);
+    for (uintptr_t pg = (a / page_size + 1) * page_size; pg < end; pg += page_size)
+        fn((uint64_t *)pg, l->tag ^ pg);
     if (end > a) fn((uint64_t *)end, ~l->tag);
 }
 
-static void put_tag(uint64_t *w, uint64_t v) { *w = v; }
+static void put_tag(uint64_t *w, uint64_t v) {
+    *w = v;
+}
 static _Thread_local int bad_tags;
-static void check_tag(uint64_t *w, uint64_t v) { bad_tags += *w != v; }
+static void check_tag(uint64_t *w, uint64_t v) {
+    bad_tags += *w != v;
+}
 
 static void write_tags(live *l) {
     if (l->size >= 8) for_each_tag_spot(l, put_tag);
@@ -57,8 +64,8 @@ static void verify_and_free(live *l, cuma_stream s) {
         bad_tags = 0;
         for_each_tag_spot(l, check_tag);
         if (bad_tags) {
-            fprintf(stderr, "allocation %p (%zu bytes) was overwritten: %d tags changed\n", (void *)l->p, l->size,
-                    bad_tags);
+            fprintf(stderr, "allocation %p (%zu bytes) was overwritten: %d tags changed\n",
+                    (void *)l->p, l->size, bad_tags);
             abort();
         }
     }
@@ -68,10 +75,10 @@ static void verify_and_free(live *l, cuma_stream s) {
 
 static size_t pick_size(unsigned long long *r) {
     unsigned k = rnd(r) % 100;
-    if (k < 50) return 1 + rnd(r) % 1024;                  /* scalars, small tensors */
-    if (k < 85) return 1024 + rnd(r) % (256 * 1024);        /* activations */
-    if (k < 98) return 256 * 1024 + rnd(r) % (4u << 20);   /* big activations */
-    return (4u << 20) + rnd(r) % (12u << 20);              /* weights, buffers */
+    if (k < 50) return 1 + rnd(r) % 1024;                /* scalars, small tensors */
+    if (k < 85) return 1024 + rnd(r) % (256 * 1024);     /* activations */
+    if (k < 98) return 256 * 1024 + rnd(r) % (4u << 20); /* big activations */
+    return (4u << 20) + rnd(r) % (12u << 20);            /* weights, buffers */
 }
 
 static void *worker(void *arg) {
@@ -101,7 +108,8 @@ static void *worker(void *arg) {
         size_t size = pick_size(&r);
         void *p;
         cuma_status st = cuma_alloc(heap, size, s, &p);
-        if (st == CUMA_ERR_OOM || st == CUMA_ERR_LIMIT) continue; /* the device is small on purpose */
+        if (st == CUMA_ERR_OOM || st == CUMA_ERR_LIMIT)
+            continue; /* the device is small on purpose */
         CHECK_OK(st);
         CHECK(((uintptr_t)p & 511) == 0);
         *l = (live){p, size, rnd(&r) | 1};
@@ -137,9 +145,12 @@ static void check_phase(int phase) {
     cuma_stats s;
     CHECK_OK(cuma_get_stats(heap, &s));
     CHECK_OK(cuma_validate(heap));
-    fprintf(stderr, "phase %d: %zu live, %llu requested, %llu reserved, %llu creates, %llu releases, %llu maps\n",
+    fprintf(stderr,
+            "phase %d: %zu live, %llu requested, %llu reserved, %llu creates, %llu releases, %llu "
+            "maps\n",
             phase, n, (unsigned long long)req, (unsigned long long)s.reserved_bytes,
-            (unsigned long long)s.page_creates, (unsigned long long)s.page_releases, (unsigned long long)s.maps);
+            (unsigned long long)s.page_creates, (unsigned long long)s.page_releases,
+            (unsigned long long)s.maps);
 }
 
 static void *trimmer(void *arg) {
@@ -162,7 +173,8 @@ static void run(const char *conf) {
     fprintf(stderr, "conf: %s\n", conf);
     for (int phase = 0; phase < PHASES; phase++) {
         pthread_t th[THREADS], tr;
-        for (int t = 0; t < THREADS; t++) CHECK(!pthread_create(&th[t], NULL, worker, (void *)(intptr_t)t));
+        for (int t = 0; t < THREADS; t++)
+            CHECK(!pthread_create(&th[t], NULL, worker, (void *)(intptr_t)t));
         CHECK(!pthread_create(&tr, NULL, trimmer, NULL));
         for (int t = 0; t < THREADS; t++) pthread_join(th[t], NULL);
         pthread_join(tr, NULL);
@@ -188,7 +200,8 @@ int main(int argc, char **argv) {
     ops_per_thread_phase = total / (THREADS * PHASES);
     const char *extra = argc > 1 ? argv[1] : "";
     char conf[256];
-    snprintf(conf, sizeof conf, "capacity:1G,page_size:2M,host_backing:on,release_delay_ms:2,max_cached:64M%s%s",
+    snprintf(conf, sizeof conf,
+             "capacity:1G,page_size:2M,host_backing:on,release_delay_ms:2,max_cached:64M%s%s",
              *extra ? "," : "", extra);
     run(conf);
     printf("test_stress: %ld operations passed\n", ops_per_thread_phase * THREADS * PHASES);

@@ -28,7 +28,8 @@ static cuma_stats stats(cuma_heap *h) {
 
 static void test_basic(const char *policy) {
     char conf[128];
-    snprintf(conf, sizeof conf, "capacity:64M,page_size:2M,sim_clock:manual,host_backing:on,policy:%s", policy);
+    snprintf(conf, sizeof conf,
+             "capacity:64M,page_size:2M,sim_clock:manual,host_backing:on,policy:%s", policy);
     cuma_heap *h = make(conf);
     void *a, *b, *c;
     CHECK_OK(cuma_alloc(h, 1000, NULL, &a));
@@ -268,7 +269,8 @@ static void test_release_thread(void) {
 
 /* Segment mode: whole segments, given back only when entirely free. */
 static void test_segments(void) {
-    cuma_heap *h = make("capacity:256M,sim_clock:manual,sim_segments:on,host_backing:on,release_delay_ms:10,tcache:off");
+    cuma_heap *h = make("capacity:256M,sim_clock:manual,sim_segments:on,host_backing:on,release_"
+                        "delay_ms:10,tcache:off");
     void *small[8], *big;
     for (int i = 0; i < 8; i++) {
         CHECK_OK(cuma_alloc(h, 1000, NULL, &small[i]));

@@ -58,7 +58,8 @@ static void test_reuse_and_accounting(void) {
 }
 
 static void test_age(void) {
-    cuma_heap *h = make("capacity:64M,sim_clock:manual,tcache_age_ms:50,release_delay_ms:100,tcache_max:8M");
+    cuma_heap *h =
+        make("capacity:64M,sim_clock:manual,tcache_age_ms:50,release_delay_ms:100,tcache_max:8M");
     void *p;
     CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &p));
     CHECK_OK(cuma_free(h, p, NULL));
