@@ -2,6 +2,7 @@
  * `cuma config` and the JSON dump cannot disagree. */
 #include "config.h"
 #include "error.h"
+#include "strbuf.h"
 
 #include <ctype.h>
 #include <stdarg.h>
@@ -316,30 +317,14 @@ cuma_status cuma_config_check(const char *conf) {
     return st ? st : cuma_settings_validate(&s);
 }
 
-/* Appends to a bounded buffer, counting what would have been written. */
-typedef struct out {
-    char *buf;
-    size_t len, used;
-} out;
-
-static void put(out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void put(out *o, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    size_t room = o->buf && o->used < o->len ? o->len - o->used : 0;
-    int n = vsnprintf(room ? o->buf + o->used : NULL, room, fmt, ap);
-    va_end(ap);
-    if (n > 0) o->used += (size_t)n;
-}
-
 cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed) {
-    out o = {buf, len, 0};
+    cuma_strbuf o = {buf, len, 0};
     if (buf && len) buf[0] = 0;
-    put(&o, "%-24s %-8s %s\n", "KEY", "DEFAULT", "MEANING");
+    cuma_strbuf_put(&o, "%-24s %-8s %s\n", "KEY", "DEFAULT", "MEANING");
     for (size_t i = 0; i < NKEYS; i++) {
-        put(&o, "%-24s %-8s %s", keys[i].key, keys[i].def, keys[i].meaning);
-        if (keys[i].kind == K_NAME) put(&o, " [%s]", keys[i].choices);
-        put(&o, "\n");
+        cuma_strbuf_put(&o, "%-24s %-8s %s", keys[i].key, keys[i].def, keys[i].meaning);
+        if (keys[i].kind == K_NAME) cuma_strbuf_put(&o, " [%s]", keys[i].choices);
+        cuma_strbuf_put(&o, "\n");
     }
     if (needed) *needed = o.used;
     if (!buf || o.used >= len)
@@ -349,39 +334,39 @@ cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed) {
 }
 
 size_t cuma_settings_json(const cuma_settings *s, char *buf, size_t len) {
-    out o = {buf, len, 0};
+    cuma_strbuf o = {buf, len, 0};
     for (size_t i = 0; i < NKEYS; i++) {
         const char *field = (const char *)s + keys[i].offset;
-        put(&o, "%s\"%s\":", i ? "," : "", keys[i].key);
+        cuma_strbuf_put(&o, "%s\"%s\":", i ? "," : "", keys[i].key);
         switch (keys[i].kind) {
         case K_SIZE:
-            put(&o, "%llu", (unsigned long long)*(const uint64_t *)field);
+            cuma_strbuf_put(&o, "%llu", (unsigned long long)*(const uint64_t *)field);
             break;
         case K_SIZE_OR_NONE: {
             uint64_t v = *(const uint64_t *)field;
             if (v == CUMA_UNLIMITED)
-                put(&o, "null");
+                cuma_strbuf_put(&o, "null");
             else
-                put(&o, "%llu", (unsigned long long)v);
+                cuma_strbuf_put(&o, "%llu", (unsigned long long)v);
             break;
         }
         case K_MS:
-            put(&o, "%lld", (long long)*(const int64_t *)field);
+            cuma_strbuf_put(&o, "%lld", (long long)*(const int64_t *)field);
             break;
         case K_FRACTION:
-            put(&o, "%g", *(const double *)field);
+            cuma_strbuf_put(&o, "%g", *(const double *)field);
             break;
         case K_BOOL:
-            put(&o, "%s", *(const bool *)field ? "true" : "false");
+            cuma_strbuf_put(&o, "%s", *(const bool *)field ? "true" : "false");
             break;
         case K_INT:
-            put(&o, "%d", *(const int *)field);
+            cuma_strbuf_put(&o, "%d", *(const int *)field);
             break;
         case K_NAME:
             if (keys[i].offset == F(sim_clock_manual))
-                put(&o, "\"%s\"", s->sim_clock_manual ? "manual" : "real");
+                cuma_strbuf_put(&o, "\"%s\"", s->sim_clock_manual ? "manual" : "real");
             else
-                put(&o, "\"%s\"", field);
+                cuma_strbuf_put(&o, "\"%s\"", field);
             break;
         }
     }

@@ -1,5 +1,6 @@
 /* Statistics: one snapshot struct and its JSON form. */
 #include "error.h"
+#include "strbuf.h"
 #include "heap.h"
 
 #include <stdarg.h>
@@ -72,29 +73,15 @@ cuma_status cuma_reset_peaks(cuma_heap *h) {
     return CUMA_OK;
 }
 
-typedef struct out {
-    char *buf;
-    size_t len, used;
-} out;
-
-static void put(out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void put(out *o, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    size_t room = o->buf && o->used < o->len ? o->len - o->used : 0;
-    int n = vsnprintf(room ? o->buf + o->used : NULL, room, fmt, ap);
-    va_end(ap);
-    if (n > 0) o->used += (size_t)n;
-}
-
 cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_stats_json: heap is NULL");
     cuma_stats s;
     cuma_get_stats(h, &s);
-    out o = {buf, len, 0};
+    cuma_strbuf o = {buf, len, 0};
     if (buf && len) buf[0] = 0;
-#define U(name) put(&o, "\"" #name "\":%llu,", (unsigned long long)s.name)
-    put(&o,
+#define U(name) cuma_strbuf_put(&o, "\"" #name "\":%llu,", (unsigned long long)s.name)
+    cuma_strbuf_put(
+        &o,
         "{\"version\":\"%d.%d.%d\",\"mode\":\"%s\",\"backend\":\"%s\",\"device\":\"%s\",\"policy\":"
         "\"%s\",",
         CUMA_VERSION_MAJOR, CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->vmm ? "pages" : "segments",
@@ -128,10 +115,10 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(events_recorded);
     U(trims);
 #undef U
-    put(&o, "\"fragmentation\":%.6f,\"config\":{", s.fragmentation);
-    size_t room = o.buf && o.used < o.len ? o.len - o.used : 0;
+    cuma_strbuf_put(&o, "\"fragmentation\":%.6f,\"config\":{", s.fragmentation);
+    size_t room = cuma_strbuf_room(&o);
     o.used += cuma_settings_json(&h->set, room ? o.buf + o.used : NULL, room);
-    put(&o, "}}");
+    cuma_strbuf_put(&o, "}}");
     if (needed) *needed = o.used;
     if (!buf || o.used >= len)
         return cuma_fail(CUMA_ERR_INVALID,

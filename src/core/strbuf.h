@@ -1,0 +1,22 @@
+/* A bounded text buffer that counts what it could not hold, for the snprintf-style calls
+ * (cuma_stats_json, cuma_config_describe) that report the length they needed. */
+#ifndef CUMA_CORE_STRBUF_H
+#define CUMA_CORE_STRBUF_H
+
+#include <stddef.h>
+
+/* Invariant: the text in buf is NUL-terminated and at most len - 1 bytes; used counts every
+ * byte appended, also those that did not fit. buf may be NULL (then only used moves). */
+typedef struct cuma_strbuf {
+    char *buf;
+    size_t len, used;
+} cuma_strbuf;
+
+void cuma_strbuf_put(cuma_strbuf *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* The room left at the end of the text (0 when full or without a buffer). */
+static inline size_t cuma_strbuf_room(const cuma_strbuf *o) {
+    return o->buf && o->used < o->len ? o->len - o->used : 0;
+}
+
+#endif
