@@ -393,7 +393,7 @@ cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr
         return cuma_fail(CUMA_ERR_INVALID,
                          "cuma_alloc: size %zu is larger than the %" PRIu64 "-byte %s", size, room,
                          h->vmm ? "virtual range" : "device");
-    cuma_tcache *tc = cuma_tcache_get(h, h->id);
+    cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
     if (tc && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
     pthread_mutex_lock(&h->lock);
     cuma_status st;
@@ -452,7 +452,7 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_free: heap is NULL");
     if (!ptr) return CUMA_OK;
     uint64_t a = (uint64_t)(uintptr_t)ptr;
-    cuma_tcache *tc = cuma_tcache_get(h, h->id);
+    cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
     if (tc && cuma_tcache_free(tc, a, stream)) return CUMA_OK;
     pthread_mutex_lock(&h->lock);
     cuma_block *b = cuma_map_get(&h->live, a);
