@@ -48,8 +48,8 @@ static const key_desc keys[] = {
     {"release_delay_ms", K_MS, F(release_delay_ms), "1000", NULL,
      "idle pages go back to the device after this many milliseconds; never = keep"},
     {"fragmentation_threshold", K_FRACTION, F(fragmentation_threshold), "0.05", NULL,
-     "idle pages past the release delay are kept while the cache is at most this share of "
-     "reserved memory (avoids churn on a small cache); 0 = release every one"},
+     "idle pages past the release delay stay while the cache is at most this share of the "
+     "memory in use (avoids churn; an idle heap keeps nothing); 0 = release every one"},
     {"growth", K_BOOL, F(growth), "on", NULL,
      "grow on demand; off = map `preallocate` bytes at creation and never grow beyond it"},
     {"preallocate", K_SIZE, F(preallocate), "0", NULL,

@@ -253,15 +253,32 @@ static void age_tcaches(cuma_heap *h, uint64_t t) {
 }
 
 void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_cached_bytes,
-                       bool wait) {
+                       uint64_t age_keep_bytes, bool wait) {
     if (h->vmm) {
         uint64_t ps = h->pages.page_size;
         cuma_pages_release(&h->pages, t, delay_ns,
                            max_cached_bytes == UINT64_MAX ? UINT64_MAX : max_cached_bytes / ps,
-                           wait);
+                           age_keep_bytes / ps, wait);
     } else {
-        cuma_segs_release(&h->segs, t, delay_ns, max_cached_bytes, wait);
+        cuma_segs_release(&h->segs, t, delay_ns, max_cached_bytes, age_keep_bytes, wait);
     }
+}
+
+/* fragmentation_threshold: idle memory past its delay stays while it is at most this share of
+ * the memory in use (mapped under live bytes). A cache of a few percent of a busy heap costs
+ * little and saves the next step the churn of creating and mapping pages again; an idle heap
+ * (nothing in use) keeps nothing. */
+static uint64_t age_keep(const cuma_heap *h) {
+    uint64_t in_use = cuma_heap_reserved(h) - cuma_heap_cached(h);
+    return (uint64_t)(h->set.fragmentation_threshold * (double)in_use);
+}
+
+/* When the release policy will next act by age: UINT64_MAX when nothing is due. */
+static uint64_t next_age_due(const cuma_heap *h) {
+    uint64_t oldest = cuma_heap_oldest_idle(h);
+    if (h->release_delay_ns < 0 || oldest == UINT64_MAX || cuma_heap_cached(h) <= age_keep(h))
+        return UINT64_MAX;
+    return oldest + (uint64_t)h->release_delay_ns;
 }
 
 static void on_whole_segment(void *ctx, cuma_block *whole) {
@@ -281,11 +298,8 @@ static void coalesce(cuma_heap *h, bool wait) {
 void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
     if (h->deferred) process_deferred(h, false);
     age_tcaches(h, t);
-    uint64_t oldest = cuma_heap_oldest_idle(h);
-    bool aged = h->release_delay_ns >= 0 && oldest != UINT64_MAX && t >= oldest &&
-                t - oldest >= (uint64_t)h->release_delay_ns;
-    if (aged || cuma_heap_cached(h) > h->max_cached_bytes)
-        cuma_heap_release(h, t, h->release_delay_ns, h->max_cached_bytes, false);
+    if (t >= next_age_due(h) || cuma_heap_cached(h) > h->max_cached_bytes)
+        cuma_heap_release(h, t, h->release_delay_ns, h->max_cached_bytes, age_keep(h), false);
 }
 
 /* One placement attempt: a block and the pages under it, or a status. */
@@ -343,7 +357,7 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
     cuma_heap_flush_tcaches(h);
     process_deferred(h, true);
     coalesce(h, true);
-    cuma_heap_release(h, now(h), 0, 0, true);
+    cuma_heap_release(h, now(h), 0, 0, 0, true);
     st = try_alloc(h, size, n, si, now(h), out);
     if (st != CUMA_ERR_OOM && st != CUMA_ERR_LIMIT) return st;
     if (!h->in_oom && h->noom) {
@@ -362,7 +376,7 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
             cuma_heap_flush_tcaches(h); /* what the callback freed may sit in its thread's cache */
             process_deferred(h, true);
             coalesce(h, true);
-            cuma_heap_release(h, now(h), 0, 0, true);
+            cuma_heap_release(h, now(h), 0, 0, 0, true);
             st = try_alloc(h, size, n, si, now(h), out);
             if (st != CUMA_ERR_OOM && st != CUMA_ERR_LIMIT) return st;
         }
@@ -550,7 +564,7 @@ cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
     cuma_heap_flush_tcaches(h);
     process_deferred(h, true);
     coalesce(h, true);
-    cuma_heap_release(h, now(h), -1, keep_bytes, true);
+    cuma_heap_release(h, now(h), -1, keep_bytes, 0, true);
     pthread_mutex_unlock(&h->lock);
     return CUMA_OK;
 }
@@ -566,10 +580,7 @@ cuma_status cuma_poll(cuma_heap *h) {
 cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
     if (!h || !ns) return cuma_fail(CUMA_ERR_INVALID, "cuma_next_release: NULL argument");
     pthread_mutex_lock(&h->lock);
-    uint64_t oldest = cuma_heap_oldest_idle(h);
-    *ns = UINT64_MAX;
-    if (h->release_delay_ns >= 0 && oldest != UINT64_MAX)
-        *ns = oldest + (uint64_t)h->release_delay_ns;
+    *ns = next_age_due(h);
     if (h->tcaches && h->tc_age_ns != INT64_MAX) {
         /* A cache block is due at tc_due at the earliest; whether one is there is only known
          * by walking the caches, so report tc_due only when some cache holds a block. */
@@ -588,11 +599,10 @@ static void *release_thread(void *arg) {
     cuma_heap *h = arg;
     pthread_mutex_lock(&h->lock);
     while (!h->stopping) {
-        uint64_t t = now(h), oldest = cuma_heap_oldest_idle(h), wait_ns = 1000000000ull;
+        uint64_t t = now(h), due = next_age_due(h), wait_ns = 1000000000ull;
         if (h->tcaches && h->tc_age_ns != INT64_MAX) wait_ns = (uint64_t)h->tc_age_ns / 2 + 1;
         if (wait_ns > 1000000000ull) wait_ns = 1000000000ull;
-        if (oldest != UINT64_MAX) {
-            uint64_t due = oldest + (uint64_t)h->release_delay_ns;
+        if (due != UINT64_MAX) {
             if (due <= t)
                 wait_ns = 0;
             else if (due - t < wait_ns)

@@ -84,10 +84,10 @@ static inline uint64_t cuma_heap_cached(const cuma_heap *h) {
 static inline uint64_t cuma_heap_oldest_idle(const cuma_heap *h) {
     return h->vmm ? cuma_pages_oldest_idle(&h->pages) : cuma_segs_oldest_idle(&h->segs);
 }
-/* Gives back idle memory: older than delay_ns (< 0: none by age), then the oldest while more
- * than max_cached_bytes idle. */
+/* Gives back idle memory: older than delay_ns (< 0: none by age) while more than age_keep_bytes
+ * idle, then the oldest while more than max_cached_bytes idle. */
 void cuma_heap_release(cuma_heap *h, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes,
-                       bool wait);
+                       uint64_t age_keep_bytes, bool wait);
 
 /* The heap's clock: the backend's, or with sim_clock:manual (any backend) the time that
  * cuma_sim_set_time last set, so a replay drives the release policy with trace time. */

@@ -16,7 +16,7 @@ cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
     uint64_t reserved = cuma_heap_reserved(h), cached = cuma_heap_cached(h);
     if (reserved > h->limit_bytes) {
         uint64_t excess = reserved - h->limit_bytes;
-        cuma_heap_release(h, cuma_heap_now(h), -1, cached > excess ? cached - excess : 0, true);
+        cuma_heap_release(h, cuma_heap_now(h), -1, cached > excess ? cached - excess : 0, 0, true);
     }
     pthread_mutex_unlock(&h->lock);
     return CUMA_OK;

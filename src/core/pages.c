@@ -235,14 +235,14 @@ void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, 
 }
 
 uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint64_t max_cached,
-                            bool wait) {
+                            uint64_t age_keep, bool wait) {
     uint64_t released = 0;
     uint32_t i = pp->tail;
     while (i != CUMA_NIL) {
         cuma_phys *p = &pp->phys[i];
         uint32_t prev = p->prev;
-        bool old =
-            delay_ns >= 0 && now >= p->idle_since && now - p->idle_since >= (uint64_t)delay_ns;
+        bool old = delay_ns >= 0 && now >= p->idle_since &&
+                   now - p->idle_since >= (uint64_t)delay_ns && pp->ncached > age_keep;
         bool over = pp->ncached > max_cached;
         if (!old && !over) break; /* newer pages are younger still */
         if (!p->pinned && cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, wait) &&

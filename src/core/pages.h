@@ -71,11 +71,11 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
 void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, uint16_t fstream,
                       uint64_t fseq);
 
-/* Gives back idle pages: those idle for at least delay_ns (delay_ns < 0: none by age), then the
- * oldest while more than max_cached pages idle. Pages whose fence is not complete stay.
- * Returns pages released. */
+/* Gives back idle pages: those idle for at least delay_ns (delay_ns < 0: none by age) while more
+ * than age_keep pages idle, then the oldest while more than max_cached pages idle. Pages whose
+ * fence is not complete stay. Returns pages released. */
 uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint64_t max_cached,
-                            bool wait);
+                            uint64_t age_keep, bool wait);
 
 /* Creates `n` pinned pages into the cache (preallocation): never given back. */
 cuma_status cuma_pages_prefill(cuma_pages *pp, uint64_t n, uint64_t now);

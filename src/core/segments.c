@@ -102,12 +102,12 @@ void cuma_segs_on_free(cuma_segs *sg, cuma_block *m, uint64_t now) {
 }
 
 uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes,
-                           bool wait) {
+                           uint64_t age_keep_bytes, bool wait) {
     uint64_t released = 0;
     for (cuma_seg *s = sg->tail, *prev; s; s = prev) {
         prev = s->prev;
-        bool old =
-            delay_ns >= 0 && now >= s->idle_since && now - s->idle_since >= (uint64_t)delay_ns;
+        bool old = delay_ns >= 0 && now >= s->idle_since &&
+                   now - s->idle_since >= (uint64_t)delay_ns && sg->idle_bytes > age_keep_bytes;
         if (!old && sg->idle_bytes <= max_cached_bytes) break;
         cuma_block *w = s->whole;
         /* cuMemFree is not stream-ordered: the work that last used the segment must be done. */

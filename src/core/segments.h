@@ -55,7 +55,7 @@ void cuma_segs_on_free(cuma_segs *sg, cuma_block *m, uint64_t now);
 
 /* Like cuma_pages_release, in bytes. Returns bytes released. */
 uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes,
-                           bool wait);
+                           uint64_t age_keep_bytes, bool wait);
 
 uint64_t cuma_segs_oldest_idle(const cuma_segs *sg);
 

@@ -299,7 +299,38 @@ static void test_segments(void) {
     CHECK(strstr(cuma_last_error(), "buddy"));
 }
 
+/* fragmentation_threshold: a cache of at most that share of the memory in use stays past the
+ * delay; more than that, or a heap with nothing in use, goes back. */
+static void test_fragmentation_threshold(void) {
+    cuma_heap *h =
+        make("capacity:256M,sim_clock:manual,release_delay_ms:10,fragmentation_threshold:0.1");
+    void *live, *idle;
+    CHECK_OK(cuma_alloc(h, 80 * MB, NULL, &live));
+    CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &idle));
+    CHECK_OK(cuma_free(h, idle, NULL));
+    uint64_t due;
+    CHECK_OK(cuma_next_release(h, &due));
+    CHECK(due == UINT64_MAX); /* 8 MiB idle <= 10% of 80 MiB in use: nothing due */
+    CHECK_OK(cuma_sim_set_time(h, 50 * 1000000ull));
+    CHECK_OK(cuma_poll(h));
+    CHECK(stats(h).cached_bytes == 8 * MB);
+    CHECK_OK(cuma_alloc(h, 16 * MB, NULL, &idle));
+    CHECK_OK(cuma_free(h, idle, NULL)); /* 16 MiB idle: over 10%, due after the delay */
+    CHECK_OK(cuma_next_release(h, &due));
+    CHECK(due == 60 * 1000000ull);
+    CHECK_OK(cuma_sim_set_time(h, due));
+    CHECK_OK(cuma_poll(h));
+    CHECK(stats(h).cached_bytes == 8 * MB); /* down to the threshold, oldest first */
+    CHECK_OK(cuma_free(h, live, NULL));     /* nothing in use: all of it goes */
+    CHECK_OK(cuma_sim_set_time(h, 100 * 1000000ull));
+    CHECK_OK(cuma_poll(h));
+    CHECK(stats(h).reserved_bytes == 0);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
 int main(void) {
+    test_fragmentation_threshold();
     test_segments();
     test_release_thread();
     test_basic("tlsf");

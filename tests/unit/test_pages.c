@@ -198,38 +198,38 @@ static void test_release(void) {
     validate(&e);
     CHECK(cuma_pages_oldest_idle(&e.pp) == 100);
     /* By age: nothing before its delay has passed. */
-    CHECK(cuma_pages_release(&e.pp, 149, 50, UINT64_MAX, false) == 0);
-    CHECK(cuma_pages_release(&e.pp, 10000, -1, UINT64_MAX, false) == 0); /* never by age */
-    CHECK(cuma_pages_release(&e.pp, 50, 0, UINT64_MAX, false) == 0);     /* clock before idle */
+    CHECK(cuma_pages_release(&e.pp, 149, 50, UINT64_MAX, 0, false) == 0);
+    CHECK(cuma_pages_release(&e.pp, 10000, -1, UINT64_MAX, 0, false) == 0); /* never by age */
+    CHECK(cuma_pages_release(&e.pp, 50, 0, UINT64_MAX, 0, false) == 0);     /* clock before idle */
     CHECK(e.pp.nreserved == 6 && e.pp.releases == 0);
     validate(&e);
-    CHECK(cuma_pages_release(&e.pp, 150, 50, UINT64_MAX, false) == 1); /* exactly the delay */
+    CHECK(cuma_pages_release(&e.pp, 150, 50, UINT64_MAX, 0, false) == 1); /* exactly the delay */
     CHECK(slot_at(&e, 0) == CUMA_NIL && slot_at(&e, 1) != CUMA_NIL);
     CHECK(e.pp.releases == 1 && e.pp.unmaps == 1 && e.pp.nreserved == 5 && e.pp.ncached == 5);
     CHECK(cuma_pages_oldest_idle(&e.pp) == 200);
     validate(&e);
-    CHECK(cuma_pages_release(&e.pp, 400, 100, UINT64_MAX, false) == 2); /* ages 200 and 300 */
+    CHECK(cuma_pages_release(&e.pp, 400, 100, UINT64_MAX, 0, false) == 2); /* ages 200 and 300 */
     CHECK(slot_at(&e, 1) == CUMA_NIL && slot_at(&e, 2) == CUMA_NIL && slot_at(&e, 3) != CUMA_NIL);
     CHECK(cuma_pages_oldest_idle(&e.pp) == 400);
     validate(&e);
     /* By cache cap: the oldest go until at most max_cached idle pages remain. */
-    CHECK(cuma_pages_release(&e.pp, 400, -1, 3, false) == 0);
-    CHECK(cuma_pages_release(&e.pp, 400, -1, 2, false) == 1);
+    CHECK(cuma_pages_release(&e.pp, 400, -1, 3, 0, false) == 0);
+    CHECK(cuma_pages_release(&e.pp, 400, -1, 2, 0, false) == 1);
     CHECK(slot_at(&e, 3) == CUMA_NIL && slot_at(&e, 4) != CUMA_NIL && e.pp.ncached == 2);
     validate(&e);
     /* Both rules at once: age takes page 4 (500), the cap would leave one anyway. */
-    CHECK(cuma_pages_release(&e.pp, 1000, 500, 1, false) == 1);
+    CHECK(cuma_pages_release(&e.pp, 1000, 500, 1, 0, false) == 1);
     CHECK(slot_at(&e, 4) == CUMA_NIL && slot_at(&e, 5) != CUMA_NIL);
     validate(&e);
     /* Mapped pages are never released. */
     CHECK_OK(cuma_pages_ref(&e.pp, 20 * P, 2 * P, 1000));
     CHECK(e.pp.creates == 7); /* page 20 took page 5's idle page, page 21 a new one */
-    CHECK(cuma_pages_release(&e.pp, 1u << 30, 0, 0, true) == 0);
+    CHECK(cuma_pages_release(&e.pp, 1u << 30, 0, 0, 0, true) == 0);
     CHECK(e.pp.nreserved == 2 && e.pp.nmapped == 2 && e.pp.ncached == 0);
     CHECK(cuma_pages_oldest_idle(&e.pp) == UINT64_MAX);
     validate(&e);
     cuma_pages_unref(&e.pp, 20 * P, 2 * P, 2000, 0, 0);
-    CHECK(cuma_pages_release(&e.pp, 2000, 0, UINT64_MAX, false) == 2);
+    CHECK(cuma_pages_release(&e.pp, 2000, 0, UINT64_MAX, 0, false) == 2);
     CHECK(e.pp.nreserved == 0 && e.pp.creates == e.pp.releases && e.pp.creates == 7);
     validate(&e);
     teardown(&e);
@@ -289,7 +289,7 @@ static void test_limit(void) {
     e.pp.limit_pages = 1;
     CHECK_ST(cuma_pages_ref(&e.pp, 30 * P, 1, 8), CUMA_ERR_LIMIT);
     cuma_pages_unref(&e.pp, 0, 1, 9, 0, 0);
-    CHECK(cuma_pages_release(&e.pp, 9, -1, 0, true) == 2);
+    CHECK(cuma_pages_release(&e.pp, 9, -1, 0, 0, true) == 2);
     CHECK_OK(cuma_pages_ref(&e.pp, 30 * P, 1, 10));
     validate(&e);
     cuma_pages_unref(&e.pp, 30 * P, 1, 11, 0, 0);
@@ -297,7 +297,7 @@ static void test_limit(void) {
 
     /* The device itself is full: CUMA_ERR_OOM from the backend, this call's references
      * undone; the pages it created stay in the cache. */
-    CHECK(cuma_pages_release(&e.pp, 11, 0, 0, true) == 1);
+    CHECK(cuma_pages_release(&e.pp, 11, 0, 0, 0, true) == 1);
     CHECK(e.pp.nreserved == 0);
     CHECK_OK(cuma_pages_ref(&e.pp, 100 * P, 1, 12));
     CHECK_ST(cuma_pages_ref(&e.pp, 0, NPHYS * P, 13), CUMA_ERR_OOM);
@@ -334,19 +334,19 @@ static void test_fences(void) {
     CHECK(slot_at(&e, 6) != s0 && slot_at(&e, 0) == s0 && e.pp.creates == 3);
     validate(&e);
     /* Release by age, by cap, even with wait: the held page stays. */
-    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, false) == 0);
-    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, true) == 0);
+    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, 0, false) == 0);
+    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, 0, true) == 0);
     CHECK(slot_at(&e, 0) == s0 && e.pp.ncached == 1);
     validate(&e);
     /* A page freed on two streams waits for both. */
     cuma_pages_unref(&e.pp, 5 * P, 1, 10, (uint16_t)b, cuma_streams_note_free(&e.ss, b));
     CHECK_OK(cuma_pages_ref(&e.pp, 5 * P, 1, 11));
     cuma_pages_unref(&e.pp, 5 * P, 1, 12, (uint16_t)a, cuma_streams_note_free(&e.ss, a));
-    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, true) == 0);
+    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, 0, true) == 0);
     validate(&e);
     /* Released: both pages go. */
     hold(&e, S(0xA), false);
-    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, false) == 2);
+    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, 0, false) == 2);
     CHECK(slot_at(&e, 0) == CUMA_NIL && slot_at(&e, 5) == CUMA_NIL && e.pp.nreserved == 1);
     validate(&e);
     /* MULTI: a page freed by a on a held stream and by b. */
@@ -357,11 +357,11 @@ static void test_fences(void) {
     cuma_pages_unref(&e.pp, 40 * P, 1, 22, (uint16_t)b, cuma_streams_note_free(&e.ss, b));
     uint32_t s40 = slot_at(&e, 40);
     CHECK(e.pp.phys[s40].fence_stream == CUMA_FENCE_MULTI);
-    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, true) == 0);
+    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, 0, true) == 0);
     CHECK_OK(cuma_pages_ref(&e.pp, 41 * P, 1, 23));
     CHECK(slot_at(&e, 41) != s40 && slot_at(&e, 40) == s40);
     hold(&e, S(0xB), false);
-    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, false) == 1);
+    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, 0, false) == 1);
     CHECK(slot_at(&e, 40) == CUMA_NIL);
     validate(&e);
     teardown(&e);
@@ -388,7 +388,7 @@ static void test_data_survives(void) {
     validate(&e);
     /* Released and created again, a page starts zeroed. */
     cuma_pages_unref(&e.pp, 7 * P, P, 3, 0, 0);
-    CHECK(cuma_pages_release(&e.pp, 3, 0, 0, false) == 1);
+    CHECK(cuma_pages_release(&e.pp, 3, 0, 0, 0, false) == 1);
     CHECK_OK(cuma_pages_ref(&e.pp, 9 * P, P, 4));
     const uint64_t *z = (const uint64_t *)(uintptr_t)(e.base + 9 * P);
     for (size_t i = 0; i < P / 8; i += 4096) CHECK(z[i] == 0);
@@ -410,13 +410,13 @@ static void test_prefill(void) {
     cuma_pages_unref(&e.pp, 0, 2 * P, 7, 0, 0);
     validate(&e);
     /* ...and never released, by age, cap or trim. */
-    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, true) == 0);
+    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, 0, true) == 0);
     CHECK(e.pp.nreserved == 3);
     /* Unpinned pages beside them still go. */
     CHECK_OK(cuma_pages_ref(&e.pp, 0, 4 * P, 8));
     CHECK(e.pp.creates == 4);
     cuma_pages_unref(&e.pp, 0, 4 * P, 9, 0, 0);
-    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, true) == 1);
+    CHECK(cuma_pages_release(&e.pp, 1000, 0, 0, 0, true) == 1);
     CHECK(e.pp.nreserved == 3);
     validate(&e);
     /* The limit counts pinned pages too. */
@@ -506,7 +506,7 @@ static void test_random(void) {
             uint64_t before = e.pp.nreserved;
             int64_t delay = rnd(&seed) % 2 ? (int64_t)(rnd(&seed) % 5000) : -1;
             uint64_t cap = rnd(&seed) % 2 ? rnd(&seed) % 8 : UINT64_MAX;
-            uint64_t n = cuma_pages_release(&e.pp, now, delay, cap, rnd(&seed) % 2);
+            uint64_t n = cuma_pages_release(&e.pp, now, delay, cap, 0, rnd(&seed) % 2);
             CHECK(e.pp.nreserved == before - n);
             if (!held[0] && !held[1] && !held[2] && cap != UINT64_MAX) {
                 /* Nothing pending: the cap is met. */
@@ -532,7 +532,7 @@ static void test_random(void) {
                          cuma_streams_note_free(&e.ss, st[0]));
     }
     CHECK(e.pp.nmapped == 0);
-    cuma_pages_release(&e.pp, now, -1, 0, true);
+    cuma_pages_release(&e.pp, now, -1, 0, 0, true);
     CHECK(e.pp.nreserved == 0 && e.pp.ncached == 0);
     teardown(&e);
 }
