@@ -85,10 +85,11 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     h->tc_age_ns = h->set.tcache_age_ms < 0 ? INT64_MAX : h->set.tcache_age_ms * 1000000;
     h->max_cached_bytes = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached;
     cuma_heap_refresh_limit(h);
-    if (h->set.preallocate && h->vmm) {
-        st = cuma_pages_prefill(&h->pages,
-                                (h->set.preallocate + h->be->page_size - 1) / h->be->page_size,
-                                cuma_heap_now(h));
+    if (h->set.preallocate) {
+        st = h->vmm ? cuma_pages_prefill(
+                          &h->pages, (h->set.preallocate + h->be->page_size - 1) / h->be->page_size,
+                          cuma_heap_now(h))
+                    : cuma_segs_prefill(&h->segs, h->set.preallocate, cuma_heap_now(h));
         if (st) goto fail_all;
     }
     /* Adaptive: threads whose slow paths collide spin a little before sleeping, which costs

@@ -45,11 +45,29 @@ static void idle_remove(cuma_segs *sg, cuma_seg *s) {
     sg->nidle--;
 }
 
+static cuma_status add_segment(cuma_segs *sg, uint64_t size, cuma_seg **out);
+
+cuma_status cuma_segs_prefill(cuma_segs *sg, uint64_t bytes, uint64_t now) {
+    cuma_seg *s;
+    cuma_status st = add_segment(sg, (bytes + 2 * MB - 1) / (2 * MB) * (2 * MB), &s);
+    if (st) return st;
+    s->pinned = true;
+    /* Its one free block spans it: it idles like any free segment, but never goes back. */
+    cuma_block *b = sg->pol->ops->alloc(sg->pol, s->size, 0);
+    if (b) cuma_segs_on_free(sg, sg->pol->ops->free(sg->pol, b, 0, 0), now);
+    return CUMA_OK;
+}
+
 cuma_status cuma_segs_grow(cuma_segs *sg, uint64_t n) {
     uint64_t size = n <= MB       ? sg->small_seg
                     : n < 10 * MB ? sg->mid_seg
                                   : (n + 2 * MB - 1) / (2 * MB) * (2 * MB);
     if (size < n) size = (n + 2 * MB - 1) / (2 * MB) * (2 * MB);
+    cuma_seg *s;
+    return add_segment(sg, size, &s);
+}
+
+static cuma_status add_segment(cuma_segs *sg, uint64_t size, cuma_seg **out) {
     if (sg->reserved + size > sg->limit_bytes)
         return cuma_fail(sg->limit_is_device ? CUMA_ERR_OOM : CUMA_ERR_LIMIT,
                          "a %llu-byte segment would pass the %llu-byte limit (%llu reserved)",
@@ -75,6 +93,7 @@ cuma_status cuma_segs_grow(cuma_segs *sg, uint64_t n) {
     s->addr = addr, s->size = size;
     sg->reserved += size;
     sg->creates++;
+    *out = s;
     return CUMA_OK;
 }
 
@@ -110,6 +129,7 @@ uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64
                    now - s->idle_since >= (uint64_t)delay_ns && sg->idle_bytes > age_keep_bytes;
         if (!old && sg->idle_bytes <= max_cached_bytes) break;
         cuma_block *w = s->whole;
+        if (s->pinned) continue;
         /* cuMemFree is not stream-ordered: the work that last used the segment must be done. */
         if (!cuma_fence_poll(sg->ss, w->fence_stream, w->fence_seq, wait)) continue;
         idle_remove(sg, s);

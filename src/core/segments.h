@@ -23,6 +23,7 @@ typedef struct cuma_seg {
     uint64_t idle_since;
     cuma_block *whole;
     struct cuma_seg *prev, *next; /* idle list, newest first */
+    bool pinned;                  /* preallocated: never given back */
 } cuma_seg;
 
 /* Invariants (cuma_segs_validate): reserved == sum of segment sizes; the idle list is ordered
@@ -46,6 +47,9 @@ void cuma_segs_destroy(cuma_segs *sg);
 
 /* Adds a segment big enough for a rounded request of n bytes. */
 cuma_status cuma_segs_grow(cuma_segs *sg, uint64_t n);
+
+/* Adds one segment of `bytes` (rounded to 2 MiB) that is never given back (preallocate). */
+cuma_status cuma_segs_prefill(cuma_segs *sg, uint64_t bytes, uint64_t now);
 
 /* A block was just allocated: if it came from an idle segment, that segment is busy again. */
 void cuma_segs_on_alloc(cuma_segs *sg, const cuma_block *b);

@@ -329,7 +329,26 @@ static void test_fragmentation_threshold(void) {
     cuma_heap_destroy(h);
 }
 
+/* preallocate: memory taken at creation and kept; growth:off stays within it. */
+static void test_preallocate(const char *mode) {
+    char conf[160];
+    snprintf(conf, sizeof conf, "capacity:256M,sim_clock:manual,preallocate:32M,growth:off,%s",
+             mode);
+    cuma_heap *h = make(conf);
+    CHECK(stats(h).reserved_bytes == 32 * MB);
+    void *p, *q;
+    CHECK_OK(cuma_alloc(h, 24 * MB, NULL, &p));
+    CHECK_ST(cuma_alloc(h, 16 * MB, NULL, &q), CUMA_ERR_LIMIT);
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK(stats(h).reserved_bytes == 32 * MB); /* never given back */
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
 int main(void) {
+    test_preallocate("policy:tlsf");
+    test_preallocate("sim_segments:on");
     test_fragmentation_threshold();
     test_segments();
     test_release_thread();
