@@ -1,0 +1,606 @@
+#!/usr/bin/env bash
+# The GPU check: cuma on a machine with a real NVIDIA GPU, in one command of under 5 minutes.
+#
+#   1. Machine   nvidia-smi, driver, uname -m, nproc; asks the driver whether device 0 works
+#   2. Build     cmake into build-gpu (scripts/deps.sh build first if cmake, cc or zlib.h is
+#                missing; without apt network that is reported)
+#   3. Tests     ctest on the fake driver (-E 'replay_'); `cuma replay --scale 16` of the bundled
+#                traces on backend:sim, on backend:vmm over the fake driver, and over the real
+#                driver on backend:vmm (overhead_ratio and time_avg_ratio must equal the sim's
+#                within 0.001) and backend:segment (must serve every allocation)
+#   4. CUDA      scripts/gpu/churn.cu (nvcc, libcuma.a): kernels write and verify patterns in
+#                cuma blocks on two streams while blocks churn (vmm; vmm with a 5 ms release
+#                delay; segment), then micro-benchmarks of the driver's VMM calls and of cuma
+#   5. PyTorch   scripts/gpu/torch_compare.py: one variable-length transformer training loop
+#                under the native allocator and under cuma (goal: step time within 3%, peak
+#                reserved at least 15% lower); SKIP without PyTorch+CUDA
+#
+# Every step runs, each under its own timeout and within one overall budget (--budget, 290 s);
+# a summary table of PASS/FAIL/SKIP ends the output. Exit status 1 if any step FAILed, else 0.
+# Without a GPU the GPU steps SKIP, saying why, and the script exits 0; --require-gpu turns
+# those SKIPs into FAILs.
+#
+# Output: build-gpu/ (the build, build-gpu/gpu/churn) and build-gpu/gpu-check/ (logs). When $OUT
+# is set, at most 8 files are copied there: summary.txt results.json gpu-check.log build.log
+# ctest.log replay.jsonl churn.log torch.log.
+#
+# Environment: GPU_CHECK_BUDGET (seconds, as --budget), CUMA_GPU_DEBS (a folder of .deb files,
+# e.g. zlib1g-dev, unpacked into build-gpu/sysroot when apt cannot install them), NVCC.
+#
+# usage: scripts/gpu-check.sh [--require-gpu] [--budget SECONDS] [--no-torch] [--help]
+set -uo pipefail
+
+usage() { sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
+
+REQUIRE_GPU=0
+NO_TORCH=0
+BUDGET=${GPU_CHECK_BUDGET:-290}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --require-gpu) REQUIRE_GPU=1 ;;
+    --no-torch) NO_TORCH=1 ;;
+    --budget) BUDGET=${2:-}; shift ;;
+    --budget=*) BUDGET=${1#--budget=} ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu-check: unknown option '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+  shift
+done
+case "$BUDGET" in ''|*[!0-9]*) echo "gpu-check: --budget wants seconds, not '$BUDGET'" >&2; exit 2 ;; esac
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+BUILD=build-gpu
+WORK=$BUILD/gpu-check
+JOBS=$(nproc 2>/dev/null || echo 4)
+mkdir -p "$WORK" || exit 2
+rm -f "$WORK"/*.log "$WORK"/*.jsonl "$WORK"/*.json "$WORK"/*.txt "$WORK"/*.tsv "$WORK"/*.err
+LOG=$WORK/gpu-check.log
+T0=$SECONDS
+export PYTHONDONTWRITEBYTECODE=1 # nothing written outside build-gpu/ (python/cuma/__pycache__)
+
+# ---- results --------------------------------------------------------------------------------
+
+R_NAME=() R_STATUS=() R_NOTE=() R_SECS=()
+STEP_T0=$SECONDS
+
+step_start() { STEP_T0=$SECONDS; }
+
+# record NAME STATUS NOTE [gpu]: one row of the summary. A SKIP of a GPU step is a FAIL under
+# --require-gpu.
+record() {
+  local name=$1 st=$2 note=$3
+  if [ "$st" = SKIP ] && [ "${4:-}" = gpu ] && [ "$REQUIRE_GPU" = 1 ]; then
+    st=FAIL
+    note="$note (--require-gpu)"
+  fi
+  R_NAME+=("$name") R_STATUS+=("$st") R_NOTE+=("$note") R_SECS+=("$((SECONDS - STEP_T0))")
+  printf '>> %-36s %-4s  %s\n' "$name" "$st" "$note"
+}
+
+section() { printf '\n==================== %s ====================\n' "$*"; }
+
+# tmo WANTED: the timeout for the next command, within what is left of the budget; fails when
+# less than 5 s would be left.
+tmo() {
+  local want=$1 left
+  left=$((BUDGET - (SECONDS - T0) - 3))
+  [ "$left" -lt "$want" ] && want=$left
+  [ "$want" -ge 5 ] || return 1
+  echo "$want"
+}
+
+# run SECONDS LOGFILE CMD...: runs CMD under timeout, its output on the console and appended to
+# LOGFILE; returns CMD's status (124: timed out).
+run() {
+  local t=$1 log=$2
+  shift 2
+  echo "\$ $*" >>"$log"
+  timeout -k 5 "$t" "$@" 2>&1 | tee -a "$log"
+  return "${PIPESTATUS[0]}"
+}
+
+# quiet SECONDS LOGFILE CMD...: like run, output only into LOGFILE.
+quiet() {
+  local t=$1 log=$2
+  shift 2
+  echo "\$ $*" >>"$log"
+  timeout -k 5 "$t" "$@" >>"$log" 2>&1
+}
+
+why_rc() { # a few words for an exit status
+  case "$1" in
+    124|137) echo "timed out after ${2}s" ;;
+    125) echo "not run: the time budget (${BUDGET}s) is spent" ;;
+    *) echo "exit $1" ;;
+  esac
+}
+
+NO_TIME="the time budget (${BUDGET}s) is spent"
+
+# ---- 1. machine -----------------------------------------------------------------------------
+
+HAVE_GPU=0
+GPU_LINE=""
+NO_GPU_WHY=""
+
+step_machine() {
+  section "1. Machine"
+  step_start
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    timeout 20 nvidia-smi -L || echo "nvidia-smi -L failed"
+    timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,pstate,clocks.sm,clocks.max.sm \
+      --format=csv || true
+  else
+    echo "nvidia-smi: not found"
+  fi
+  echo "uname -m: $(uname -m)   kernel: $(uname -r)   nproc: $JOBS"
+  [ -r /etc/os-release ] && echo "os: $(sed -n 's/^PRETTY_NAME=//p' /etc/os-release | tr -d '"')"
+  free -g 2>/dev/null | sed -n '1,2p'
+  echo "cmake: $(cmake --version 2>/dev/null | head -1 || echo none)"
+  echo "cc: $(cc --version 2>/dev/null | head -1 || echo none)"
+  NVCC=${NVCC:-$(command -v nvcc || true)}
+  [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
+  echo "nvcc: ${NVCC:-none} $( [ -n "$NVCC" ] && "$NVCC" --version 2>/dev/null | grep -o 'release [0-9.]*' )"
+  echo "python3: $(command -v python3 || echo none) $(python3 --version 2>&1)"
+  echo "budget: ${BUDGET}s; require GPU: $([ "$REQUIRE_GPU" = 1 ] && echo yes || echo no)"
+  # Whether the GPU steps can run: the driver itself is asked (libcuma loads libcuda.so.1 too).
+  local probe
+  if command -v python3 >/dev/null 2>&1; then
+    probe=$(env -u CUMA_CUDA_LIBRARY timeout 60 python3 scripts/gpu/cuda_probe.py 2>&1)
+    local rc=$?
+    echo "driver probe: $probe"
+    if [ $rc -eq 0 ]; then HAVE_GPU=1 GPU_LINE=${probe#GPU: }; else NO_GPU_WHY=${probe#NO GPU: }; fi
+  elif timeout 20 nvidia-smi -L >/dev/null 2>&1; then
+    HAVE_GPU=1 GPU_LINE="nvidia-smi lists a GPU (no python3 to ask the driver)"
+  else
+    NO_GPU_WHY="no python3 to ask the driver and nvidia-smi lists nothing"
+  fi
+  [ -z "$NO_GPU_WHY" ] && [ "$HAVE_GPU" = 0 ] && NO_GPU_WHY="unknown"
+  if [ "$HAVE_GPU" = 1 ]; then
+    record "gpu present" PASS "$GPU_LINE"
+  else
+    record "gpu present" SKIP "no GPU: $NO_GPU_WHY" gpu
+  fi
+}
+
+# ---- 2. build -------------------------------------------------------------------------------
+
+BUILD_OK=0
+ZLIB_ARGS=()
+ZLIB_LIB="" # the library's full path when zlib came from $CUMA_GPU_DEBS
+
+CC_BIN=$(command -v cc || command -v gcc || true)
+
+have_zlib_h() { printf '#include <zlib.h>\n' | "$CC_BIN" -E -x c - >/dev/null 2>&1; }
+
+# zlib from .deb files in $CUMA_GPU_DEBS when apt cannot install zlib1g-dev: the headers from
+# the package, the library the system already has (libz.so.1 is on every system).
+zlib_from_debs() {
+  local dir=${CUMA_GPU_DEBS:-} deb libz d
+  [ -n "$dir" ] && [ -d "$dir" ] || return 1
+  command -v dpkg-deb >/dev/null 2>&1 || return 1
+  for deb in "$dir"/*.deb; do
+    [ -e "$deb" ] || continue
+    dpkg-deb -x "$deb" "$BUILD/sysroot" || return 1
+  done
+  [ -f "$BUILD/sysroot/usr/include/zlib.h" ] || return 1
+  libz=$(ldconfig -p 2>/dev/null | awk '/libz\.so\.1 .*x86-64|libz\.so\.1 .*AArch64/ {print $NF; exit}')
+  if [ -z "$libz" ]; then
+    for d in /lib/*/libz.so.1 /usr/lib/*/libz.so.1; do [ -e "$d" ] && { libz=$d; break; }; done
+  fi
+  [ -n "$libz" ] || return 1
+  ZLIB_ARGS=(-DZLIB_INCLUDE_DIR="$(cd "$BUILD/sysroot/usr/include" && pwd)" -DZLIB_LIBRARY="$libz")
+  ZLIB_LIB=$libz
+  echo "zlib: headers from $dir, library $libz"
+}
+
+step_build() {
+  section "2. Build ($BUILD, RelWithDebInfo, -j$JOBS)"
+  step_start
+  local blog=$WORK/build.log t missing=()
+  command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+  [ -n "$CC_BIN" ] || missing+=(cc)
+  [ -n "$CC_BIN" ] && ! have_zlib_h && missing+=(zlib.h)
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "missing: ${missing[*]}: scripts/deps.sh build (apt-get)"
+    if t=$(tmo 75) && quiet "$t" "$blog" scripts/deps.sh build; then
+      echo "deps: installed"
+    else
+      echo "deps: scripts/deps.sh build failed (no apt network here?); its output:"
+      tail -5 "$blog"
+    fi
+    CC_BIN=$(command -v cc || command -v gcc || true)
+    if [ -n "$CC_BIN" ] && ! have_zlib_h; then
+      zlib_from_debs || echo "zlib.h: still missing (set CUMA_GPU_DEBS to a folder holding zlib1g-dev's .deb)"
+    fi
+  fi
+  if ! command -v cmake >/dev/null 2>&1; then
+    record build FAIL "cmake is missing and could not be installed (apt network?)"
+    return
+  fi
+  local gen=()
+  if [ ! -f "$BUILD/CMakeCache.txt" ] && ! command -v make >/dev/null 2>&1 && command -v ninja >/dev/null 2>&1; then
+    gen=(-G Ninja)
+  fi
+  echo "\$ cmake -S . -B $BUILD -DCMAKE_BUILD_TYPE=RelWithDebInfo ${gen[*]} ${ZLIB_ARGS[*]}"
+  echo "\$ cmake --build $BUILD -j$JOBS   (compiler output in $blog)"
+  local rc=0
+  if ! t=$(tmo 90); then record build FAIL "$NO_TIME"; return; fi
+  quiet "$t" "$blog" cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${gen[@]}" "${ZLIB_ARGS[@]}" || rc=$?
+  if [ $rc -eq 0 ]; then
+    if ! t=$(tmo 240); then record build FAIL "$NO_TIME"; return; fi
+    quiet "$t" "$blog" cmake --build "$BUILD" -j"$JOBS" || rc=$?
+  fi
+  if [ $rc -eq 0 ] && [ -x "$BUILD/bin/cuma" ] && [ -f "$BUILD/lib/libcuma.a" ] && [ -f "$BUILD/lib/libcuma.so" ]; then
+    BUILD_OK=1
+    grep -q 'CUDA backends are not built' "$blog" && echo "WARNING: cuda.h not found: no CUDA backends"
+    tail -2 "$blog"
+    record build PASS "$BUILD/bin/cuma, $BUILD/lib/libcuma.{a,so}"
+  else
+    tail -40 "$blog"
+    record build FAIL "cmake $(why_rc $rc "$t") (see build.log)"
+  fi
+}
+
+# ---- 4a. churn.cu, built in the background while the tests run ------------------------------
+
+CHURN=$BUILD/gpu/churn
+CHURN_PID=""
+
+# shellcheck disable=SC2317  # run through `declare -f`, which shellcheck cannot follow
+build_churn() { # runs in the background; all output into churn-build.log
+  local stubs="" d arch
+  for d in "$(dirname "$(dirname "$NVCC")")"/lib64/stubs "$(dirname "$(dirname "$NVCC")")"/targets/*/lib/stubs \
+           /usr/local/cuda/lib64/stubs; do
+    [ -f "$d/libcuda.so" ] && { stubs=$d; break; }
+  done
+  mkdir -p "$BUILD/gpu"
+  # Linked against the toolkit's stub libcuda.so: at run time the loader takes the driver's
+  # libcuda.so.1 (the stub is never on the run-time path).
+  local link=("$BUILD/lib/libcuma.a")
+  [ -n "$stubs" ] && link+=(-L"$stubs")
+  link+=(-lcuda)
+  if [ -n "$ZLIB_LIB" ]; then link+=(-Xlinker "$ZLIB_LIB"); else link+=(-lz); fi
+  link+=(-lpthread -ldl -lm)
+  local archs=()
+  [ "$HAVE_GPU" = 1 ] && archs+=("-arch=native")
+  archs+=("-gencode=arch=compute_90,code=[sm_90,compute_90]")
+  local out rc
+  for arch in "${archs[@]}"; do
+    echo "\$ $NVCC -O2 -std=c++17 $arch -Xcompiler -Wall,-Wextra -I include scripts/gpu/churn.cu ${link[*]} -o $CHURN"
+    out=$("$NVCC" -O2 -std=c++17 "$arch" -Xcompiler -Wall,-Wextra -I include scripts/gpu/churn.cu "${link[@]}" \
+          -o "$CHURN" 2>&1)
+    rc=$?
+    [ -n "$out" ] && echo "$out"
+    # -arch=native that finds no GPU only warns and builds for a default architecture.
+    if [ "$rc" -eq 0 ] && ! grep -q 'Cannot find valid GPU' <<<"$out"; then
+      echo "built with $arch"
+      return 0
+    fi
+    echo "nvcc with $arch: $([ "$rc" -eq 0 ] && echo "found no GPU to build for" || echo "failed (exit $rc)")"
+  done
+  rm -f "$CHURN"
+  return 1
+}
+
+start_churn_build() {
+  CHURN_PID=""
+  rm -f "$CHURN"
+  [ "$BUILD_OK" = 1 ] && [ -n "${NVCC:-}" ] || return
+  local t
+  t=$(tmo 180) || return
+  export NVCC HAVE_GPU ZLIB_LIB BUILD CHURN
+  timeout -k 5 "$t" bash -c "$(declare -f build_churn); build_churn" >"$WORK/churn-build.log" 2>&1 &
+  CHURN_PID=$!
+}
+
+# ---- 3. tests and replays -------------------------------------------------------------------
+
+step_ctest() {
+  section "3a. Test suite on the fake driver: ctest --test-dir $BUILD -j $JOBS -E 'replay_'"
+  step_start
+  if [ "$BUILD_OK" != 1 ]; then record "ctest (fake driver)" SKIP "needs the build, which failed"; return; fi
+  local t rc=0
+  if ! t=$(tmo 150); then record "ctest (fake driver)" FAIL "$NO_TIME"; return; fi
+  run "$t" "$WORK/ctest.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY \
+    ctest --test-dir "$BUILD" -j "$JOBS" -E 'replay_' --output-on-failure || rc=$?
+  local line
+  line=$(grep -E 'tests passed|tests failed' "$WORK/ctest.log" | tail -1)
+  if [ $rc -eq 0 ]; then record "ctest (fake driver)" PASS "$line"
+  else record "ctest (fake driver)" FAIL "${line:-$(why_rc $rc "$t")}"; fi
+}
+
+TRACES=(tests/data/*.csv.gz)
+
+# replay LABEL SECONDS CONF [ENV=VALUE...]: `cuma replay --json --scale 16` of every bundled
+# trace into $WORK/replay-LABEL.jsonl; prints its table; returns cuma's status.
+replay() {
+  local label=$1 want=$2 conf=$3 t rc=0
+  shift 3
+  local out=$WORK/replay-$label.jsonl
+  : >"$out"
+  t=$(tmo "$want") || { echo "$NO_TIME"; return 125; }
+  echo "\$ ${*:+$* }$BUILD/bin/cuma replay --json --scale 16 --conf $conf ${TRACES[*]}"
+  local t1=$SECONDS
+  timeout -k 5 "$t" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY "$@" \
+    "$BUILD/bin/cuma" replay --json --scale 16 --conf "$conf" "${TRACES[@]}" >"$out" 2>"$out.err" || rc=$?
+  cat "$out.err"
+  python3 scripts/gpu/replay_compare.py table "$out" --label "$label"
+  echo "($label: exit $rc, $((SECONDS - t1)) s)"
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "$label: timed out after ${t}s"
+  return $rc
+}
+
+# compare_to_sim NAME LABEL [--info]: the run against the sim's, one summary row.
+compare_to_sim() {
+  local name=$1 label=$2 info=${3:-} gpu=${4:-} ref=sim args=()
+  if [ "$info" = --info ]; then ref=simseg args=(--info); fi
+  local out rc worst
+  out=$(python3 scripts/gpu/replay_compare.py compare "$WORK/replay-$ref.jsonl" "$WORK/replay-$label.jsonl" \
+        --tol 0.001 --ref-label "$ref" --label "$label" "${args[@]}" 2>&1)
+  rc=$?
+  echo "$out"
+  worst=$(echo "$out" | grep -o 'largest ratio difference: [0-9.]*' | awk '{print $4}')
+  if [ $rc -ne 0 ]; then
+    record "$name" FAIL "$(echo "$out" | grep 'COMPARE FAIL' | cut -c15-200)" "$gpu"
+  elif [ "$info" = --info ]; then
+    record "$name" PASS "served every allocation; ratios differ from sim_segments:on by up to ${worst:-?} (info)" "$gpu"
+  else
+    record "$name" PASS "same ratios as sim (largest difference ${worst:-?})" "$gpu"
+  fi
+}
+
+step_replays() {
+  section "3b. Replays: cuma replay --scale 16 --conf <backend>,release_delay_ms:1000 tests/data/*.csv.gz"
+  step_start
+  if [ "$BUILD_OK" != 1 ]; then
+    record "replay sim" SKIP "needs the build, which failed"
+    record "replay vmm (fake driver) = sim" SKIP "needs the build, which failed"
+    record "replay vmm (real driver) = sim" SKIP "needs the build, which failed" gpu
+    record "replay segment (real driver)" SKIP "needs the build, which failed" gpu
+    return
+  fi
+  if ! command -v python3 >/dev/null 2>&1; then
+    record "replay sim" FAIL "python3 is needed to read the JSON"
+    return
+  fi
+  local rc
+  echo "-- backend:sim (the reference)"
+  replay sim 60 backend:sim,release_delay_ms:1000; rc=$?
+  if [ $rc -eq 0 ]; then record "replay sim" PASS "$(wc -l <"$WORK/replay-sim.jsonl") traces"
+  else record "replay sim" FAIL "cuma replay $(why_rc $rc 60)"; fi
+
+  step_start
+  echo
+  echo "-- backend:vmm over the fake driver (tests/fakecuda, 80 GiB like the sim)"
+  local fake=$BUILD/tests/fakecuda/libcuda.so.1
+  if [ ! -f "$fake" ]; then
+    record "replay vmm (fake driver) = sim" SKIP "no fake driver built (cuda.h missing?)"
+  else
+    replay fakevmm 90 backend:vmm,release_delay_ms:1000 CUMA_CUDA_LIBRARY="$PWD/$fake" FAKECUDA_CAPACITY=80G; rc=$?
+    if [ $rc -ne 0 ]; then record "replay vmm (fake driver) = sim" FAIL "cuma replay exit $rc"
+    else compare_to_sim "replay vmm (fake driver) = sim" fakevmm; fi
+  fi
+
+  step_start
+  echo
+  echo "-- backend:vmm on the real driver (CUMA_CUDA_LIBRARY unset: libcuda.so.1)"
+  if [ "$HAVE_GPU" != 1 ]; then
+    echo "SKIP: no GPU: $NO_GPU_WHY"
+    record "replay vmm (real driver) = sim" SKIP "no GPU" gpu
+  else
+    replay vmm 120 backend:vmm,release_delay_ms:1000; rc=$?
+    if [ $rc -ne 0 ]; then record "replay vmm (real driver) = sim" FAIL "cuma replay $(why_rc $rc 120)"
+    else compare_to_sim "replay vmm (real driver) = sim" vmm "" gpu; fi
+  fi
+
+  step_start
+  echo
+  echo "-- backend:segment on the real driver, against the sim's segment mode (sim_segments:on)"
+  if [ "$HAVE_GPU" != 1 ]; then
+    echo "SKIP: no GPU: $NO_GPU_WHY"
+    record "replay segment (real driver)" SKIP "no GPU" gpu
+  else
+    replay simseg 60 backend:sim,sim_segments:on,release_delay_ms:1000 >/dev/null
+    replay segment 90 backend:segment,release_delay_ms:1000; rc=$?
+    if [ $rc -ne 0 ]; then record "replay segment (real driver)" FAIL "cuma replay $(why_rc $rc 90)"
+    else compare_to_sim "replay segment (real driver)" segment --info gpu; fi
+  fi
+  # One file for $OUT: every run's JSON lines, each tagged with its run.
+  local f lab
+  : >"$WORK/replay.jsonl"
+  for f in "$WORK"/replay-*.jsonl; do
+    lab=${f##*/replay-}
+    lab=${lab%.jsonl}
+    sed "s/^{/{\"run\":\"$lab\",/" "$f" >>"$WORK/replay.jsonl"
+  done
+}
+
+# ---- 4. churn and bench ---------------------------------------------------------------------
+
+CHURN_BUILT=0
+
+step_churn_build() {
+  section "4a. Build scripts/gpu/churn.cu (nvcc, $BUILD/lib/libcuma.a, -lcuda)"
+  step_start
+  if [ "$BUILD_OK" != 1 ]; then record "churn.cu builds" SKIP "needs the build, which failed"; return; fi
+  if [ -z "${NVCC:-}" ]; then record "churn.cu builds" SKIP "no nvcc (CUDA toolkit) here" gpu; return; fi
+  if [ -z "$CHURN_PID" ]; then record "churn.cu builds" FAIL "$NO_TIME"; return; fi
+  local rc=0
+  wait "$CHURN_PID" || rc=$?
+  cat "$WORK/churn-build.log"
+  cat "$WORK/churn-build.log" >>"$WORK/churn.log"
+  if [ $rc -eq 0 ] && [ -x "$CHURN" ]; then
+    CHURN_BUILT=1
+    record "churn.cu builds" PASS "$(grep -o 'built with .*' "$WORK/churn-build.log" | tail -1)"
+  else
+    record "churn.cu builds" FAIL "nvcc $(why_rc $rc 180) (see churn.log)"
+  fi
+}
+
+# churn_run NAME SECONDS ARGS...: one run of the churn program, one summary row.
+churn_run() {
+  local name=$1 want=$2 t rc=0
+  shift 2
+  step_start
+  echo
+  echo "-- $name"
+  if [ "$HAVE_GPU" != 1 ]; then echo "SKIP: no GPU: $NO_GPU_WHY"; record "$name" SKIP "no GPU" gpu; return; fi
+  if [ "$CHURN_BUILT" != 1 ]; then record "$name" SKIP "churn.cu did not build" gpu; return; fi
+  if ! t=$(tmo "$want"); then record "$name" FAIL "$NO_TIME"; return; fi
+  local n0 res
+  n0=$(wc -l <"$WORK/churn.log")
+  run "$t" "$WORK/churn.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY "$CHURN" "$@" || rc=$?
+  # This run's verdict line, else its last line (a crash, a missing library).
+  res=$(tail -n +"$((n0 + 2))" "$WORK/churn.log" | grep 'CHURN RESULT' | tail -1)
+  res=${res#CHURN RESULT: }
+  [ -n "$res" ] || res=$(tail -n +"$((n0 + 2))" "$WORK/churn.log" | grep -v '^ *$' | tail -1 | cut -c1-160)
+  if [ $rc -eq 0 ]; then record "$name" PASS "$res"
+  else record "$name" FAIL "$(why_rc $rc "$t")${res:+: $res}"; fi
+}
+
+step_churn() {
+  section "4b. churn on the real driver: patterns written and verified on two streams"
+  churn_run "churn vmm" 90 --conf backend:vmm --iters 3000 --seed 1
+  churn_run "churn vmm, release_delay_ms:5" 60 --conf backend:vmm,release_delay_ms:5 --iters 1500 --seed 2
+  churn_run "churn segment" 60 --conf backend:segment --iters 1500 --seed 3
+  section "4c. Micro-benchmarks: driver VMM calls and cuma alloc+free"
+  churn_run "bench (driver calls, cuma pairs)" 60 --bench-only --conf backend:vmm
+}
+
+# ---- 5. pytorch -----------------------------------------------------------------------------
+
+step_torch() {
+  section "5. PyTorch: native allocator against cuma (scripts/gpu/torch_compare.py)"
+  step_start
+  local name="torch: cuma vs native" t rc=0
+  if [ "$NO_TORCH" = 1 ]; then record "$name" SKIP "--no-torch" gpu; return; fi
+  local why
+  why=$(timeout 90 python3 -c "import torch; assert torch.cuda.is_available(), 'torch %s: torch.cuda.is_available() is False' % torch.__version__" 2>&1)
+  rc=$?
+  why=$(echo "$why" | grep -v '^ ' | tail -1)
+  if [ "$HAVE_GPU" != 1 ]; then
+    echo "SKIP: no GPU: $NO_GPU_WHY"
+    echo "(PyTorch here: ${why:-exit $rc})"
+    record "$name" SKIP "no GPU (PyTorch here: ${why:-exit $rc})" gpu
+    return
+  fi
+  if [ $rc -ne 0 ]; then
+    echo "SKIP: PyTorch with CUDA is not usable here: ${why:-exit $rc}"
+    record "$name" SKIP "no PyTorch with CUDA: ${why:-exit $rc}" gpu
+    return
+  fi
+  if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build, which failed" gpu; return; fi
+  if ! t=$(tmo 200); then record "$name" FAIL "$NO_TIME"; return; fi
+  local child=$(((t - 15) / 2))
+  [ "$child" -lt 20 ] && child=20
+  rc=0
+  run "$t" "$WORK/torch.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
+    CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
+    python3 scripts/gpu/torch_compare.py --json-out "$WORK/torch.json" --child-timeout "$child" || rc=$?
+  local res
+  res=$(grep 'TORCH RESULT' "$WORK/torch.log" | tail -1)
+  res=${res#TORCH RESULT: }
+  case $rc in
+    0) record "$name" PASS "$res" gpu ;;
+    3) record "$name" SKIP "$res" gpu ;;
+    *) record "$name" FAIL "$(why_rc $rc "$t")${res:+: $res}" gpu ;;
+  esac
+}
+
+# ---- summary --------------------------------------------------------------------------------
+
+summary() {
+  section "Summary"
+  local i npass=0 nfail=0 nskip=0 gskip=0
+  for i in "${!R_NAME[@]}"; do # counted here, not in the pipeline below (a subshell)
+    case ${R_STATUS[$i]} in
+      PASS) npass=$((npass + 1)) ;;
+      FAIL) nfail=$((nfail + 1)) ;;
+      SKIP) nskip=$((nskip + 1)) ;;
+    esac
+    case ${R_NOTE[$i]} in "no GPU"*) gskip=$((gskip + 1)) ;; esac
+  done
+  {
+    printf '%-36s %-4s %5s  %s\n' "step" "" "s" "result"
+    for i in "${!R_NAME[@]}"; do
+      printf '%-36s %-4s %5s  %s\n' "${R_NAME[$i]}" "${R_STATUS[$i]}" "${R_SECS[$i]}" "${R_NOTE[$i]}"
+    done
+    echo
+    echo "$npass PASS, $nfail FAIL, $nskip SKIP in $((SECONDS - T0)) s (budget ${BUDGET} s)"
+    if [ "$HAVE_GPU" = 1 ]; then
+      echo "GPU: $GPU_LINE"
+    else
+      echo "NO GPU here ($NO_GPU_WHY): the $gskip steps that need one were skipped;"
+      echo "the build, the fake-driver tests, the sim and fake-driver replays and the nvcc build ran."
+      if [ "$REQUIRE_GPU" = 1 ]; then echo "--require-gpu: those skips count as failures."
+      else echo "Run with --require-gpu to make that a failure."; fi
+    fi
+    if [ "$nfail" -gt 0 ]; then echo "RESULT: FAIL"; else echo "RESULT: PASS"; fi
+  } | tee "$WORK/summary.txt"
+  if command -v python3 >/dev/null 2>&1; then
+    for i in "${!R_NAME[@]}"; do
+      printf '%s\t%s\t%s\t%s\n' "${R_NAME[$i]}" "${R_STATUS[$i]}" "${R_SECS[$i]}" "${R_NOTE[$i]}"
+    done >"$WORK/rows.tsv"
+    python3 - "$WORK" "$HAVE_GPU" "$GPU_LINE$NO_GPU_WHY" "$((SECONDS - T0))" "$nfail" <<'EOF'
+import json, os, sys
+work, have_gpu, gpu, secs, nfail = sys.argv[1:6]
+rows = []
+with open(os.path.join(work, "rows.tsv"), encoding="utf-8", errors="replace") as f:
+    for line in f:
+        name, status, s, note = (line.rstrip("\n").split("\t") + [""] * 4)[:4]
+        rows.append({"step": name, "status": status, "seconds": int(s or 0), "note": note})
+res = {"result": "FAIL" if int(nfail) else "PASS", "gpu": bool(int(have_gpu)), "gpu_info": gpu,
+       "seconds": int(secs), "steps": rows}
+
+
+def tagged(path, tag):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(tag):
+                    return json.loads(line[len(tag):])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+bench = tagged(os.path.join(work, "churn.log"), "BENCH_JSON ")
+if bench:
+    res["bench_median_ns"] = bench
+try:
+    with open(os.path.join(work, "torch.json"), encoding="utf-8") as f:
+        res["torch"] = json.load(f)
+except (OSError, ValueError):
+    pass
+with open(os.path.join(work, "results.json"), "w", encoding="utf-8") as f:
+    json.dump(res, f, indent=1)
+EOF
+  fi
+  [ "$nfail" -eq 0 ]
+}
+
+main() {
+  echo "cuma GPU check: $(git log -1 --format='%h %s' 2>/dev/null | cut -c1-100) ($(date -u '+%Y-%m-%d %H:%M:%S UTC'))"
+  [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && echo "(the working tree has uncommitted changes)"
+  step_machine
+  step_build
+  start_churn_build
+  step_ctest
+  step_replays
+  step_churn_build
+  step_churn
+  step_torch
+  summary
+}
+
+main 2>&1 | tee "$LOG"
+rc=${PIPESTATUS[0]}
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT" &&
+    for f in summary.txt results.json gpu-check.log build.log ctest.log replay.jsonl churn.log torch.log; do
+      [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
+    done
+  echo "gpu-check: logs copied to $OUT"
+fi
+exit "$rc"

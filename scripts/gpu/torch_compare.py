@@ -1,0 +1,350 @@
+#!/usr/bin/env python3
+"""PyTorch's native CUDA allocator against cuma, on one variable-length training loop.
+
+The parent runs the same loop twice, each in a fresh process (an allocator can only be chosen
+before the first CUDA tensor): once with PyTorch's native caching allocator, once after
+cuma.torch.enable(). The loop trains a small causal nn.TransformerEncoder language model
+under bf16 autocast with AdamW; every step draws a sequence length (and a batch size that
+keeps the tokens per step roughly fixed) from a fixed seed, so both runs see the same shapes
+and data. Each child prints one RESULT_JSON line: peak reserved and allocated bytes (native:
+torch.cuda.max_memory_reserved / max_memory_allocated; cuma: memory_stats()'s
+reserved_bytes.all.peak / allocated_bytes.all.peak), the largest device memory in use seen
+after a step (cudaMemGetInfo, the same yardstick for both), the median step time, the loss.
+
+The parent prints them side by side with the ratios and judges (defaults):
+  step time:      cuma's median step time <= 1.03 x native's
+  peak reserved:  cuma's peak reserved <= 0.85 x native's (at least 15% lower)
+  sanity:         both runs finished, cuma's loss is finite and within 2% of native's
+Exit status: 0 PASS, 1 FAIL, 3 SKIP (no PyTorch with CUDA), 2 usage error.
+
+    PYTHONPATH=python CUMA_LIBRARY=build-gpu/lib/libcuma.so python3 scripts/gpu/torch_compare.py
+
+Options: --steps, --warmup, --tokens, --min-len/--max-len, --d-model, --layers, --heads,
+--vocab, --seed, --cuma-conf (CUMA_CONF for the cuma run; default: none, i.e. backend:auto),
+--json-out FILE, --child-timeout SECONDS, --only native|cuma, --expandable (a third run with
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, reported only).
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=20, help="steps left out of the step-time median")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch = tokens // length)")
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cuma-conf", default=None, help="settings for cuma.torch.enable() (CUMA_CONF)")
+    p.add_argument("--time-ratio-max", type=float, default=1.03)
+    p.add_argument("--reserved-ratio-max", type=float, default=0.85)
+    p.add_argument("--loss-rel-tol", type=float, default=0.02)
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--child-timeout", type=float, default=150.0)
+    p.add_argument("--only", choices=("native", "cuma"), default=None, help="run one child in this process's stead")
+    p.add_argument("--expandable", action="store_true",
+                   help="also run native with expandable_segments:True (reported, not judged)")
+    p.add_argument("--child", choices=("native", "cuma", "expandable"), default=None, help=argparse.SUPPRESS)
+    # A dry run of the loop and the report on the CPU (tests of this script; figures meaningless,
+    # cuma is not enabled there because it needs CUDA).
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---- the child: one training run --------------------------------------------------------------
+
+
+def plan(a):
+    """(batch, length) for every step, the same in every process."""
+    rng = random.Random(a.seed)
+    out = []
+    for _ in range(a.steps):
+        n = rng.randint(a.min_len, a.max_len)
+        out.append((max(1, a.tokens // n), n))
+    return out
+
+
+def child(a):
+    import contextlib
+    import inspect
+
+    import torch
+
+    on_gpu = a.device == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        raise SystemExit("torch.cuda.is_available() is False")
+    backend = "pytorch native"
+    if a.child == "cuma":
+        import cuma
+
+        if on_gpu:
+            cuma.torch.enable(a.cuma_conf)  # before the first CUDA tensor
+        backend = "cuma (%s)" % cuma.torch.memory_stats().get("cuma.backend")
+    elif a.child == "expandable":
+        backend = "pytorch native, expandable_segments:True"
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    dev = torch.device(a.device)
+    torch.manual_seed(a.seed)
+    if on_gpu:
+        torch.cuda.manual_seed(a.seed)
+    causal_kw = "is_causal" in inspect.signature(nn.TransformerEncoder.forward).parameters
+    if "device" in inspect.signature(nn.Transformer.generate_square_subsequent_mask).parameters:
+        def causal_mask(n, device):
+            return nn.Transformer.generate_square_subsequent_mask(n, device=device)
+    else:  # PyTorch 1.x builds it on the CPU
+        def causal_mask(n, device):
+            return nn.Transformer.generate_square_subsequent_mask(n).to(device)
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(a.vocab, a.d_model)
+            layer = nn.TransformerEncoderLayer(a.d_model, a.heads, 4 * a.d_model, dropout=0.1,
+                                               batch_first=True, norm_first=True)
+            self.enc = nn.TransformerEncoder(layer, a.layers, enable_nested_tensor=False)
+            self.head = nn.Linear(a.d_model, a.vocab)
+
+        def forward(self, x):
+            n = x.shape[1]
+            mask = causal_mask(n, x.device)
+            h = self.emb(x)
+            # PyTorch 2.x takes the hint and runs flash attention without the mask tensor.
+            h = self.enc(h, mask=mask, is_causal=True) if causal_kw else self.enc(h, mask=mask)
+            return self.head(h)
+
+    model = LM().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(a.seed + 1)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else contextlib.nullcontext
+    steps = plan(a)
+    times, losses = [], []
+    peak_used = 0
+    t_start = time.perf_counter()
+    for i, (b, n) in enumerate(steps):
+        sync()
+        t0 = time.perf_counter()
+        x = torch.randint(0, a.vocab, (b, n + 1), device=dev, generator=gen)
+        with autocast():
+            logits = model(x[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, a.vocab), x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lv = loss.detach()
+        sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(lv))
+        if on_gpu:
+            free, total = torch.cuda.mem_get_info()
+            peak_used = max(peak_used, total - free)
+        if i % 50 == 0 or i == len(steps) - 1:
+            print("  [%s] step %d/%d: batch %d x %d, %.1f ms, loss %.4f" % (
+                a.child, i + 1, len(steps), b, n, times[-1] * 1e3, losses[-1]), file=sys.stderr, flush=True)
+    wall = time.perf_counter() - t_start
+    if a.child == "cuma":
+        import cuma
+
+        s = cuma.torch.memory_stats()
+        peak_reserved = s["reserved_bytes.all.peak"]
+        peak_allocated = s["allocated_bytes.all.peak"]
+        peak_requested = s.get("requested_bytes.all.peak")
+        extra = {k: s.get("cuma." + k) for k in ("page_creates", "page_releases", "maps", "unmaps",
+                                                   "events_recorded", "num_alloc_retries", "failed_allocs",
+                                                   "fragmentation", "policy")}
+    elif on_gpu:
+        peak_reserved = torch.cuda.max_memory_reserved()
+        peak_allocated = torch.cuda.max_memory_allocated()
+        ms = torch.cuda.memory_stats()
+        peak_requested = ms.get("requested_bytes.all.peak")
+        extra = {k: ms.get(k) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")}
+    else:  # a dry run on the CPU: no device memory to speak of
+        peak_reserved = peak_allocated = peak_requested = 0
+        extra = {}
+    timed = times[a.warmup:] if len(times) > a.warmup else times
+    return {
+        "mode": a.child,
+        "backend": backend,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu (dry run)",
+        "steps": len(times),
+        "median_step_ms": statistics.median(timed) * 1e3,
+        "mean_step_ms": statistics.fmean(timed) * 1e3,
+        "wall_s": wall,
+        "peak_reserved": peak_reserved,
+        "peak_allocated": peak_allocated,
+        "peak_requested": peak_requested,
+        "peak_device_used_sampled": peak_used,
+        "loss_last20": statistics.fmean(losses[-20:]),
+        "loss_first": losses[0],
+        "extra": extra,
+    }
+
+
+# ---- the parent: two runs, side by side -------------------------------------------------------
+
+
+def child_argv(a, mode):
+    argv = [sys.executable, os.path.abspath(__file__), "--child", mode]
+    for k in ("steps", "warmup", "tokens", "min_len", "max_len", "d_model", "layers", "heads", "vocab", "seed",
+              "device"):
+        argv += ["--" + k.replace("_", "-"), str(getattr(a, k))]
+    if a.cuma_conf is not None:
+        argv += ["--cuma-conf", a.cuma_conf]
+    return argv
+
+
+def run_child(a, mode):
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if mode == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if mode == "cuma":
+        py = os.path.join(REPO, "python")
+        env["PYTHONPATH"] = py + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("CUMA_LIBRARY", os.path.join(REPO, "build-gpu", "lib", "libcuma.so"))
+        env.pop("CUMA_CUDA_LIBRARY", None)
+    else:
+        env.pop("CUMA_CONF", None)
+    print("== %s run (%s)" % (mode, "CUMA_LIBRARY=" + env["CUMA_LIBRARY"] if mode == "cuma" else "no cuma"), flush=True)
+    t0 = time.time()
+    try:
+        p = subprocess.run(child_argv(a, mode), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, timeout=a.child_timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr if isinstance(e.stderr, str) else (e.stderr or b"").decode(errors="replace")
+        sys.stdout.write(err[-3000:])
+        return None, "the %s run timed out after %.0f s" % (mode, a.child_timeout)
+    sys.stdout.write(p.stderr[-6000:])
+    res = None
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT_JSON "):
+            res = json.loads(line[len("RESULT_JSON "):])
+    if p.returncode != 0 or res is None:
+        return None, "the %s run failed (exit %d after %.0f s)" % (mode, p.returncode, time.time() - t0)
+    print("  %s: peak reserved %s, peak allocated %s, median step %.2f ms (%s, %.0f s)" % (
+        mode, gib(res["peak_reserved"]), gib(res["peak_allocated"]), res["median_step_ms"], res["backend"],
+        time.time() - t0), flush=True)
+    return res, None
+
+
+def gib(n):
+    return "%.2f GiB" % (n / 2**30) if isinstance(n, (int, float)) else "-"
+
+
+def report(a, runs, errors):
+    nat, cum = runs.get("native"), runs.get("cuma")
+    print()
+    print("== side by side (%d steps, %d tokens/step, lengths %d..%d, d_model %d, %d layers; median "
+          "step time over steps %d..%d)" % (a.steps, a.tokens, a.min_len, a.max_len, a.d_model, a.layers,
+                                           a.warmup + 1, a.steps))
+    cols = [m for m in ("native", "expandable", "cuma") if m in runs]
+    rows = [
+        ("backend", lambda r: r["backend"]),
+        ("peak reserved", lambda r: gib(r["peak_reserved"])),
+        ("peak allocated", lambda r: gib(r["peak_allocated"])),
+        ("peak requested", lambda r: gib(r["peak_requested"])),
+        ("device used, max after a step", lambda r: gib(r["peak_device_used_sampled"])),
+        ("reserved / allocated at peak", lambda r: "%.3f" % (r["peak_reserved"] / max(1, r["peak_allocated"]))),
+        ("median step time", lambda r: "%.2f ms" % r["median_step_ms"]),
+        ("mean step time", lambda r: "%.2f ms" % r["mean_step_ms"]),
+        ("loss, mean of last 20 steps", lambda r: "%.4f" % r["loss_last20"]),
+        ("run wall time", lambda r: "%.1f s" % r["wall_s"]),
+    ]
+    w = 34
+    print("  %-*s" % (w, "") + "".join("%-28s" % c for c in cols))
+    for name, f in rows:
+        print("  %-*s" % (w, name) + "".join("%-28s" % str(f(runs[c]))[:27] for c in cols))
+    for c in cols:
+        print("  %s extra: %s" % (c, json.dumps(runs[c]["extra"])))
+
+    verdict = {"pass": False, "errors": errors}
+    if nat is None or cum is None:
+        print("TORCH RESULT: FAIL (%s)" % "; ".join(errors or ["a run is missing"]))
+        return verdict
+    t_ratio = cum["median_step_ms"] / nat["median_step_ms"]
+    r_ratio = cum["peak_reserved"] / max(1, nat["peak_reserved"])
+    u_ratio = cum["peak_device_used_sampled"] / max(1, nat["peak_device_used_sampled"])
+    loss_rel = abs(cum["loss_last20"] - nat["loss_last20"]) / max(1e-9, abs(nat["loss_last20"]))
+    checks = [
+        ("step time cuma/native = %.4f (goal <= %.2f)" % (t_ratio, a.time_ratio_max), t_ratio <= a.time_ratio_max),
+        ("peak reserved cuma/native = %.4f, %.1f%% lower (goal <= %.2f)" % (
+            r_ratio, 100 * (1 - r_ratio), a.reserved_ratio_max), r_ratio <= a.reserved_ratio_max),
+        ("loss agrees: cuma %.4f, native %.4f, rel diff %.4f (tolerance %.2f)" % (
+            cum["loss_last20"], nat["loss_last20"], loss_rel, a.loss_rel_tol),
+         math.isfinite(cum["loss_last20"]) and loss_rel <= a.loss_rel_tol),
+    ]
+    print("  device used (sampled) cuma/native = %.4f (reported only)" % u_ratio)
+    for text, ok in checks:
+        print("  %s  %s" % ("PASS" if ok else "FAIL", text))
+    ok = all(c[1] for c in checks)
+    if a.device == "cpu":
+        print("TORCH RESULT: DRY RUN (CPU; the checks above mean nothing)")
+        verdict.update({"pass": True, "dry_run": True})
+        return verdict
+    verdict.update({"pass": ok, "time_ratio": t_ratio, "reserved_ratio": r_ratio, "device_used_ratio": u_ratio,
+                    "loss_rel_diff": loss_rel, "checks": [{"check": t, "pass": o} for t, o in checks]})
+    print("TORCH RESULT: %s (step time x%.3f, peak reserved x%.3f)" % ("PASS" if ok else "FAIL", t_ratio, r_ratio))
+    return verdict
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.child:
+        res = child(a)
+        print("RESULT_JSON " + json.dumps(res), flush=True)
+        return 0
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 - any import failure means no PyTorch here
+        print("TORCH RESULT: SKIP (PyTorch cannot be imported: %s)" % e)
+        return 3
+    if a.device == "cpu":
+        print("DRY RUN on the CPU: the loop and the report only; the figures mean nothing")
+    elif not torch.cuda.is_available():
+        print("TORCH RESULT: SKIP (torch %s: torch.cuda.is_available() is False; torch.version.cuda = %s)" % (
+            torch.__version__, torch.version.cuda))
+        return 3
+    # The parent asks nothing else of the device: it must hold no memory beside the children.
+    print("torch %s (CUDA %s), %s" % (torch.__version__, torch.version.cuda, sys.executable))
+    modes = [a.only] if a.only else ["native"] + (["expandable"] if a.expandable else []) + ["cuma"]
+    runs, errors = {}, []
+    for m in modes:
+        res, err = run_child(a, m)
+        if err:
+            print("  " + err)
+            errors.append(err)
+        else:
+            runs[m] = res
+    if a.only:
+        print(json.dumps(runs.get(a.only), indent=1))
+        return 0 if runs else 1
+    verdict = report(a, runs, errors)
+    if a.json_out:
+        with open(a.json_out, "w", encoding="utf-8") as f:
+            json.dump({"runs": runs, "verdict": verdict, "args": vars(a)}, f, indent=1)
+    return 0 if verdict["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
