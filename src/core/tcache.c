@@ -140,21 +140,21 @@ static unsigned bin_of(uint64_t n, unsigned stream) {
            (CUMA_TC_BINS - 1);
 }
 
-/* The owner's pointer table: 2-way set-associative by address, no probing and no shifting. An
- * entry that finds both ways taken is not recorded and its free takes the slow path, which is
+/* The owner's pointer table: 4-way set-associative by address, no probing and no shifting. An
+ * entry that finds every way taken is not recorded and its free takes the slow path, which is
  * always correct (the heap's own table knows every block). */
 /* Hashed by offset from the heap's base, so that which blocks collide (and so which frees take
  * the slow path) does not depend on where the heap's range happens to lie: replays repeat. */
 static uint32_t key_slot(const cuma_tcache *tc, uint64_t key, uint32_t cap) {
     uint64_t x = ((key - tc->heap->base) >> 9) * 0x9E3779B97F4A7C15ull;
-    return (uint32_t)((x ^ (x >> 29)) >> 20) & (cap - 2);
+    return (uint32_t)((x ^ (x >> 29)) >> 20) & (cap - 4);
 }
 
 static cuma_tc_entry *tab_find(cuma_tcache *tc, uint64_t key) {
     if (!tc->tabcap) return NULL;
     cuma_tc_entry *e = &tc->tab[key_slot(tc, key, tc->tabcap)];
-    if (e[0].key == key) return &e[0];
-    if (e[1].key == key) return &e[1];
+    for (int w = 0; w < 4; w++)
+        if (e[w].key == key) return &e[w];
     return NULL;
 }
 
@@ -171,10 +171,10 @@ static bool tab_grow(cuma_tcache *tc) {
     for (uint32_t i = 0; i < tc->tabcap; i++) {
         if (!tc->tab[i].key) continue;
         cuma_tc_entry *d = &n[key_slot(tc, tc->tab[i].key, ncap)];
-        if (!d[0].key)
-            d[0] = tc->tab[i];
-        else if (!d[1].key)
-            d[1] = tc->tab[i];
+        int w = 0;
+        while (w < 4 && d[w].key) w++;
+        if (w < 4)
+            d[w] = tc->tab[i];
         else
             tc->tabn--; /* dropped: that block's free takes the slow path */
     }
@@ -185,11 +185,17 @@ static bool tab_grow(cuma_tcache *tc) {
 
 static void tab_put(cuma_tcache *tc, uint64_t key, cuma_block *b, uint64_t gen) {
     if (tc->tabn * 2 >= tc->tabcap && !tab_grow(tc) && !tc->tabcap) return;
-    cuma_tc_entry *e = &tc->tab[key_slot(tc, key, tc->tabcap)];
-    if (e[0].key && e[0].key != key) e++;
-    if (e->key && e->key != key) return; /* both ways taken: its free takes the slow path */
-    if (!e->key) tc->tabn++;
-    *e = (cuma_tc_entry){key, b, gen};
+    cuma_tc_entry *e = &tc->tab[key_slot(tc, key, tc->tabcap)], *slot = NULL;
+    for (int w = 0; w < 4; w++) {
+        if (e[w].key == key) {
+            e[w] = (cuma_tc_entry){key, b, gen};
+            return;
+        }
+        if (!e[w].key && !slot) slot = &e[w];
+    }
+    if (!slot) return; /* every way taken: its free takes the slow path */
+    tc->tabn++;
+    *slot = (cuma_tc_entry){key, b, gen};
 }
 
 static int stream_index(const cuma_tcache *tc, cuma_stream s) {
