@@ -34,8 +34,9 @@ typedef struct __attribute__((aligned(64))) cuma_block {
     uint16_t extra[2];                /* live: streams added by record_stream */
     uint8_t is_free;
     uint8_t extra_all;
-    uint8_t bin_or_order; /* policy-owned */
-    uint8_t range_end;    /* last block of its range (segments) */
+    uint8_t bin_or_order;        /* policy-owned */
+    uint8_t range_end;           /* last block of its range (segments) */
+    uint32_t tc_slot, tc_tabgen; /* in a thread cache: its pointer-table slot (tcache.c) */
 } cuma_block;
 
 #endif

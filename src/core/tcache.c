@@ -180,6 +180,7 @@ static bool tab_grow(cuma_tcache *tc) {
     }
     free(tc->tab);
     tc->tab = n, tc->tabcap = ncap;
+    tc->tabgen++;
     return true;
 }
 
@@ -257,7 +258,15 @@ bool cuma_tcache_alloc(cuma_tcache *tc, uint64_t size, uint64_t n, cuma_stream s
     uint64_t g = atomic_load_explicit(&b->gen, memory_order_relaxed) + 1;
     atomic_store_explicit(&b->gen, g, memory_order_release);
     uint64_t addr = h->base + b->off;
-    tab_put(tc, addr, b, g);
+    /* The slot its last free emptied is in the right set for this address: take it again
+     * unless the table was rebuilt since or someone else took it. */
+    cuma_tc_entry *e = tc->tab + b->tc_slot;
+    if (b->tc_tabgen == tc->tabgen && b->tc_slot < tc->tabcap && !e->key) {
+        *e = (cuma_tc_entry){addr, b, g};
+        tc->tabn++;
+    } else {
+        tab_put(tc, addr, b, g);
+    }
     BUMP(requested, (int64_t)size);
     BUMP(allocated, (int64_t)n);
     BUMP(active, 1);
@@ -297,6 +306,7 @@ bool cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream) {
     BUMP(allocated, -(int64_t)n);
     BUMP(active, -1);
     BUMP(frees, 1);
+    b->tc_slot = (uint32_t)(e - tc->tab), b->tc_tabgen = tc->tabgen;
     tab_remove(tc, e);
     b->stream = (uint16_t)si; /* the stream it was last used on: its fence when flushed */
     atomic_store_explicit(&bin->stamp, atomic_load_explicit(&h->coarse_now, memory_order_relaxed),

@@ -58,8 +58,9 @@ typedef struct cuma_tcache {
     struct cuma_heap *heap;
     uint64_t heap_id;
     cuma_tc_bin bins[CUMA_TC_BINS];
-    cuma_tc_entry *tab; /* owner: pointer table, open addressing, tabcap a power of two */
+    cuma_tc_entry *tab; /* owner: pointer table, 4-way sets, tabcap a power of two */
     uint32_t tabcap, tabn;
+    uint32_t tabgen; /* owner: bumped when the table is rebuilt (slots move) */
     struct {
         cuma_stream handle;
         uint16_t index;
