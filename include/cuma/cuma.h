@@ -130,7 +130,9 @@ cuma_status cuma_set_memory_fraction(cuma_heap *heap, double fraction);
 /* Counters and gauges of one heap; all sizes in bytes. */
 typedef struct cuma_stats {
     uint64_t requested_bytes;      /* sum of the sizes asked for by live allocations */
-    uint64_t peak_requested_bytes; /* highest requested_bytes since creation/reset */
+    uint64_t peak_requested_bytes; /* highest requested_bytes since creation/reset; exact with
+                                      one thread; with several, a thread's cached reuse moves
+                                      it as seen by that thread (others' caches lag) */
     uint64_t allocated_bytes;      /* live allocations after rounding */
     uint64_t peak_allocated_bytes;
     uint64_t reserved_bytes; /* physical memory held from the device: mapped + cached */
@@ -170,7 +172,9 @@ cuma_status cuma_reset_peaks(cuma_heap *heap);
 cuma_status cuma_stats_json(cuma_heap *heap, char *buf, size_t len, size_t *needed);
 
 /* Walks every structure of the heap and checks its invariants. CUMA_OK, or CUMA_ERR_CORRUPT
- * with cuma_last_error() naming the broken invariant. */
+ * with cuma_last_error() naming the broken invariant. Thread caches hand blocks out without the
+ * heap lock, so the check is exact only while no other thread is inside cuma_alloc or cuma_free
+ * on this heap (tests call it between phases). */
 cuma_status cuma_validate(cuma_heap *heap);
 
 /* Out-of-memory callback: called (without heap locks held) when an allocation of `size`
