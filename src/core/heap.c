@@ -402,7 +402,10 @@ cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr
         return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: %s is NULL", h ? "ptr" : "heap");
     *ptr = NULL;
     if (size == 0) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size 0");
-    uint64_t n = h->pol->ops->round(size);
+    /* The default policy's rounding inline: this runs before every fast path. */
+    uint64_t n = h->pol->ops == &cuma_tlsf_ops && size <= (1ull << 47)
+                     ? (size + CUMA_GRANULE - 1) & ~(uint64_t)(CUMA_GRANULE - 1)
+                     : h->pol->ops->round(size);
     uint64_t room = h->vmm ? h->va_size : h->be->capacity;
     if (!n || size > room)
         return cuma_fail(CUMA_ERR_INVALID,

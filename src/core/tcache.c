@@ -269,7 +269,6 @@ bool cuma_tcache_alloc(cuma_tcache *tc, uint64_t size, uint64_t n, cuma_stream s
     }
     BUMP(requested, (int64_t)size);
     BUMP(allocated, (int64_t)n);
-    BUMP(active, 1);
     BUMP(allocs, 1);
     note_peaks(tc);
     *ptr = (void *)(uintptr_t)addr;
@@ -304,7 +303,6 @@ bool cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream) {
     }
     BUMP(requested, -(int64_t)b->req);
     BUMP(allocated, -(int64_t)n);
-    BUMP(active, -1);
     BUMP(frees, 1);
     b->tc_slot = (uint32_t)(e - tc->tab), b->tc_tabgen = tc->tabgen;
     tab_remove(tc, e);
@@ -365,7 +363,9 @@ void cuma_tcache_sums(cuma_heap *h, int64_t *requested, int64_t *allocated, int6
     for (cuma_tcache *tc = h->tcaches; tc; tc = tc->next) {
         *requested += atomic_load_explicit(&tc->requested, memory_order_relaxed);
         *allocated += atomic_load_explicit(&tc->allocated, memory_order_relaxed);
-        *active += atomic_load_explicit(&tc->active, memory_order_relaxed);
+        /* A cache's own hand-outs minus its own takings back: its share of the live count. */
+        *active += (int64_t)(atomic_load_explicit(&tc->allocs, memory_order_relaxed) -
+                             atomic_load_explicit(&tc->frees, memory_order_relaxed));
         *allocs += atomic_load_explicit(&tc->allocs, memory_order_relaxed);
         *frees += atomic_load_explicit(&tc->frees, memory_order_relaxed);
     }
@@ -375,7 +375,8 @@ void cuma_tcache_sums(cuma_heap *h, int64_t *requested, int64_t *allocated, int6
 void cuma_tcache_sums_retire(cuma_heap *h, cuma_tcache *tc) {
     h->c.requested += (uint64_t)atomic_load_explicit(&tc->requested, memory_order_relaxed);
     h->c.allocated += (uint64_t)atomic_load_explicit(&tc->allocated, memory_order_relaxed);
-    h->c.active += (uint64_t)atomic_load_explicit(&tc->active, memory_order_relaxed);
+    h->c.active += atomic_load_explicit(&tc->allocs, memory_order_relaxed) -
+                   atomic_load_explicit(&tc->frees, memory_order_relaxed);
     h->c.allocs += atomic_load_explicit(&tc->allocs, memory_order_relaxed);
     h->c.frees += atomic_load_explicit(&tc->frees, memory_order_relaxed);
     atomic_store_explicit(&h->req_global, (int64_t)h->c.requested, memory_order_relaxed);

@@ -67,7 +67,7 @@ typedef struct cuma_tcache {
     } streams[CUMA_TC_STREAMS]; /* owner: stream handle -> heap stream index */
     unsigned nstreams;
     uint64_t held; /* owner: bytes it believes its bins hold */
-    _Atomic int64_t requested, allocated, active;
+    _Atomic int64_t requested, allocated;
     _Atomic uint64_t allocs, frees;
     struct cuma_tcache *next;
 } cuma_tcache;
