@@ -1,0 +1,379 @@
+/*
+ * test_fakecuda_streams.c - self test of the fake CUDA driver, continued:
+ * streams and events, cuGetProcAddress, exported symbols and call counters,
+ * threads, and the modes that re-execute this binary with a different
+ * environment ("no-vmm", "no-peer", "no-device", "bad-env"). main() and the
+ * other sections are in test_fakecuda.c.
+ */
+#include "test_fakecuda.h"
+
+/* ---- streams and events --------------------------------------------------- */
+
+struct delayed {
+    CUstream s;
+    int ms;
+};
+
+static void *release_later(void *arg) {
+    struct delayed *d = arg;
+    struct timespec ts = {0, d->ms * 1000000L};
+    nanosleep(&ts, NULL);
+    fakecuda_stream_release(d->s);
+    return NULL;
+}
+
+static void *destroy_then_release_later(void *arg) {
+    struct delayed *d = arg;
+    struct timespec ts = {0, d->ms * 1000000L};
+    nanosleep(&ts, NULL);
+    if (cuCtxSetCurrent(g_ctx0) != CUDA_SUCCESS || cuStreamDestroy(d->s) != CUDA_SUCCESS)
+        return (void *)1;
+    nanosleep(&ts, NULL);
+    fakecuda_stream_release(d->s); /* frees the stream the main thread waits on */
+    return NULL;
+}
+
+/* Hold s, run sync() while another thread releases s after 50 ms. */
+static void check_blocks_until_release(CUstream s, CUevent e, int which) {
+    fakecuda_stream_hold(s);
+    OK(cuEventRecord(e, s));
+    struct delayed d = {s, 50};
+    pthread_t t;
+    double t0 = now_ms();
+    CHECK(pthread_create(&t, NULL, release_later, &d) == 0);
+    if (which == 0) OK(cuEventSynchronize(e));
+    if (which == 1) OK(cuStreamSynchronize(s));
+    if (which == 2) OK(cuCtxSynchronize());
+    double waited = now_ms() - t0;
+    CHECK(waited >= 40);
+    CHECK(waited < 800); /* woken by the release, not by the 1000 ms timeout */
+    CHECK(pthread_join(t, NULL) == 0);
+    OK(cuEventQuery(e));
+}
+
+/* Does fakecuda_stream_release(s) abort (s is not a live stream)? */
+static int child_release_aborts(CUstream s) {
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        struct rlimit no_core = {0, 0};
+        setrlimit(RLIMIT_CORE, &no_core);
+        if (!freopen("/dev/null", "w", stderr)) _exit(3);
+        fakecuda_stream_release(s);
+        _exit(0);
+    }
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid);
+    return WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT;
+}
+
+void test_streams(void) {
+    g_section = "streams/events";
+    CUstream s, s2;
+    CUevent e, e2;
+    CHECK_RC(cuStreamCreate(&s, 4), CUDA_ERROR_INVALID_VALUE);
+    OK(cuStreamCreate(&s, 0));
+    OK(cuStreamCreate(&s2, CU_STREAM_NON_BLOCKING));
+    OK(cuEventCreate(&e, 0));
+    OK(cuEventCreate(&e2, CU_EVENT_DISABLE_TIMING));
+    CHECK(fakecuda_live("streams") == 2 && fakecuda_live("events") == 2);
+    OK(cuEventQuery(e)); /* never recorded: complete */
+    OK(cuEventSynchronize(e));
+    OK(cuEventRecord(e, s));
+    OK(cuEventQuery(e));
+    OK(cuStreamQuery(s));
+
+    fakecuda_stream_hold(s);
+    CHECK_RC(cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+    OK(cuEventRecord(e, s));
+    OK(cuEventRecord(e2, s2));
+    CHECK_RC(cuEventQuery(e), CUDA_ERROR_NOT_READY);
+    OK(cuEventQuery(e2));
+    OK(cuStreamWaitEvent(s2, e, 0));
+    fakecuda_stream_release(s);
+    OK(cuEventQuery(e));
+    OK(cuStreamQuery(s));
+    /* re-recording on an idle stream replaces the pending record */
+    fakecuda_stream_hold(s);
+    OK(cuEventRecord(e, s));
+    OK(cuEventRecord(e, s2));
+    OK(cuEventQuery(e));
+    fakecuda_stream_release(s);
+
+    /* pseudo streams: NULL == CU_STREAM_LEGACY, per-thread is separate */
+    fakecuda_stream_hold(NULL);
+    OK(cuEventRecord(e, NULL));
+    CHECK_RC(cuEventQuery(e), CUDA_ERROR_NOT_READY);
+    CHECK_RC(cuStreamQuery(CU_STREAM_LEGACY), CUDA_ERROR_NOT_READY);
+    OK(cuStreamQuery(CU_STREAM_PER_THREAD));
+    fakecuda_stream_release(CU_STREAM_LEGACY);
+    OK(cuEventQuery(e));
+    CUresult (*query_ptsz)(CUstream) =
+        (CUresult(*)(CUstream))dlsym(RTLD_DEFAULT, "cuStreamQuery_ptsz");
+    CHECK(query_ptsz != NULL);
+    fakecuda_stream_hold(CU_STREAM_PER_THREAD);
+    CHECK_RC(query_ptsz(NULL), CUDA_ERROR_NOT_READY);
+    OK(cuStreamQuery(NULL));
+    fakecuda_stream_release(CU_STREAM_PER_THREAD);
+
+    /* handle validation */
+    int junk;
+    CHECK_RC(cuStreamWaitEvent(s, (CUevent)&junk, 0), CUDA_ERROR_INVALID_HANDLE);
+    CHECK_RC(cuStreamWaitEvent((CUstream)&junk, e, 0), CUDA_ERROR_INVALID_HANDLE);
+    CHECK_RC(cuStreamWaitEvent(s, e, 2), CUDA_ERROR_INVALID_VALUE);
+    CHECK_RC(cuEventRecord((CUevent)&junk, s), CUDA_ERROR_INVALID_HANDLE);
+    CHECK_RC(cuStreamQuery((CUstream)&junk), CUDA_ERROR_INVALID_HANDLE);
+    CHECK_RC(cuStreamDestroy(NULL), CUDA_ERROR_INVALID_HANDLE);
+    CHECK_RC(cuStreamDestroy(CU_STREAM_LEGACY), CUDA_ERROR_INVALID_HANDLE);
+    OK(cuCtxSetCurrent(g_ctx1));
+    CUevent e1;
+    OK(cuEventCreate(&e1, 0));
+    CHECK_RC(cuEventRecord(e1, s), CUDA_ERROR_INVALID_HANDLE); /* other device's stream */
+    OK(cuStreamWaitEvent(NULL, e, 0));                         /* cross-device wait is fine */
+    OK(cuEventDestroy(e1));
+    OK(cuCtxSetCurrent(g_ctx0));
+
+    /* synchronize blocks until another thread releases the stream */
+    check_blocks_until_release(s, e, 0);
+    check_blocks_until_release(s, e, 1);
+    check_blocks_until_release(s2, e, 2);
+
+    /* a waiter survives its stream being destroyed and freed meanwhile */
+    CUstream s3;
+    OK(cuStreamCreate(&s3, 0));
+    fakecuda_stream_hold(s3);
+    struct delayed d3 = {s3, 30};
+    pthread_t t3;
+    void *res3 = (void *)1;
+    CHECK(pthread_create(&t3, NULL, destroy_then_release_later, &d3) == 0);
+    OK(cuStreamSynchronize(s3));
+    CHECK(pthread_join(t3, &res3) == 0 && res3 == NULL);
+
+    /* destroying a held stream keeps its work in flight until release */
+    fakecuda_stream_hold(s2);
+    OK(cuEventRecord(e2, s2));
+    OK(cuStreamDestroy(s2));
+    CHECK(fakecuda_live("streams") == 1);
+    CHECK_RC(cuStreamQuery(s2), CUDA_ERROR_INVALID_HANDLE);
+    CHECK_RC(cuEventQuery(e2), CUDA_ERROR_NOT_READY);
+    fakecuda_stream_release(s2);
+    OK(cuEventQuery(e2));
+    CHECK(child_release_aborts(s2)); /* the released zombie is gone */
+
+    /* waiting on held work that is never released aborts the process */
+    fakecuda_stream_hold(s);
+    OK(cuEventRecord(e, s));
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        struct rlimit no_core = {0, 0};
+        setrlimit(RLIMIT_CORE, &no_core);
+        if (!freopen("/dev/null", "w", stderr)) _exit(3);
+        cuEventSynchronize(e);
+        _exit(0);
+    }
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid);
+    CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT);
+    fakecuda_stream_release(s);
+
+    OK(cuStreamDestroy(s));
+    CHECK_RC(cuStreamDestroy(s), CUDA_ERROR_INVALID_HANDLE);
+    OK(cuEventDestroy(e));
+    OK(cuEventDestroy(e2));
+    CHECK_RC(cuEventDestroy(e), CUDA_ERROR_INVALID_HANDLE);
+    CHECK(fakecuda_live("streams") == 0 && fakecuda_live("events") == 0);
+}
+
+void test_proc_address(void) {
+    g_section = "cuGetProcAddress";
+    void *fn = NULL;
+    CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    OK(cuGetProcAddress("cuMemGetInfo", &fn, 13000, CU_GET_PROC_ADDRESS_DEFAULT, &st));
+    CHECK(fn == (void *)cuMemGetInfo_v2 && st == CU_GET_PROC_ADDRESS_SUCCESS);
+    size_t fr = 0, tot = 0;
+    OK(((CUresult(*)(size_t *, size_t *))fn)(&fr, &tot));
+    CHECK(tot == CAP);
+    OK(cuGetProcAddress("cuMemCreate", &fn, 12000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM,
+                        &st));
+    CHECK(fn == (void *)cuMemCreate && st == CU_GET_PROC_ADDRESS_SUCCESS);
+    OK(cuGetProcAddress("cuMemCreate", &fn, 10000, 0, &st));
+    CHECK(fn == NULL && st == CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT);
+    OK(cuGetProcAddress("cuStreamDestroy", &fn, 3000, 0, &st));
+    CHECK(fn && fn == dlsym(RTLD_DEFAULT, "cuStreamDestroy") && st == CU_GET_PROC_ADDRESS_SUCCESS);
+    OK(cuGetProcAddress("cuStreamDestroy", &fn, 13000, 0, &st));
+    CHECK(fn == (void *)cuStreamDestroy_v2);
+    OK(cuGetProcAddress("cuDeviceGetUuid", &fn, 11040, 0, &st));
+    CHECK(fn == (void *)cuDeviceGetUuid_v2);
+    OK(cuGetProcAddress("cuGetProcAddress", &fn, 12000, 0, NULL));
+    CHECK(fn == (void *)cuGetProcAddress_v2);
+    OK(cuGetProcAddress("cuNoSuchFunction", &fn, 13000, 0, &st));
+    CHECK(fn == NULL && st == CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND);
+    OK(cuGetProcAddress("cuMemAlloc_v2", &fn, 13000, 0, &st)); /* base names only */
+    CHECK(fn == NULL && st == CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND);
+    CHECK_RC(cuGetProcAddress("cuMemAlloc", &fn, 13010, 0, &st), CUDA_ERROR_INVALID_VALUE);
+    CHECK_RC(cuGetProcAddress("cuMemAlloc", &fn, 13000, 8, &st), CUDA_ERROR_INVALID_VALUE);
+    CHECK_RC(cuGetProcAddress(NULL, &fn, 13000, 0, &st), CUDA_ERROR_INVALID_VALUE);
+}
+
+void test_exports_and_counters(void) {
+    g_section = "exports/counters";
+    char present[] =
+        "cuInit cuDriverGetVersion cuDeviceGet cuDeviceGetCount cuDeviceGetName "
+        "cuDeviceGetUuid cuDeviceGetUuid_v2 cuDeviceGetAttribute cuDeviceTotalMem_v2 "
+        "cuDeviceCanAccessPeer cuDevicePrimaryCtxRetain cuDevicePrimaryCtxRelease "
+        "cuDevicePrimaryCtxRelease_v2 cuCtxSetCurrent cuCtxGetCurrent cuCtxGetDevice "
+        "cuCtxSynchronize cuMemGetInfo_v2 cuMemAlloc_v2 cuMemFree_v2 cuMemAllocManaged "
+        "cuMemAddressReserve cuMemAddressFree cuMemCreate cuMemRelease cuMemMap "
+        "cuMemUnmap cuMemSetAccess cuMemGetAllocationGranularity cuStreamCreate "
+        "cuStreamDestroy cuStreamDestroy_v2 cuStreamSynchronize cuStreamQuery "
+        "cuStreamWaitEvent cuEventCreate cuEventDestroy cuEventDestroy_v2 cuEventRecord "
+        "cuEventQuery cuEventSynchronize cuMemsetD8_v2 cuMemcpyHtoD_v2 cuMemcpyDtoH_v2 "
+        "cuGetErrorString cuGetErrorName cuGetProcAddress_v2 cuStreamSynchronize_ptsz "
+        "cuEventRecord_ptsz cuMemcpyHtoD_v2_ptds fakecuda_stream_hold "
+        "fakecuda_stream_release fakecuda_set_fail fakecuda_calls "
+        "fakecuda_reset_counters fakecuda_live fakecuda_used_bytes ";
+    for (char *save = NULL, *name = strtok_r(present, " ", &save); name;
+         name = strtok_r(NULL, " ", &save)) {
+        if (!dlsym(RTLD_DEFAULT, name)) fail(__LINE__, "exported symbol missing", name);
+    }
+    /* legacy 32-bit ABI names and internals are not exported */
+    static const char *const absent[] = {"cuMemAlloc", "cuMemGetInfo", "cuMemFree", "fc_enter",
+                                         "fc_cfg"};
+    for (size_t i = 0; i < sizeof absent / sizeof absent[0]; i++) {
+        if (dlsym(RTLD_DEFAULT, absent[i]))
+            fail(__LINE__, "symbol must not be exported", absent[i]);
+    }
+
+    fakecuda_reset_counters();
+    CHECK(fakecuda_calls("cuMemAlloc") == 0 && fakecuda_calls("cuStreamDestroy") == 0);
+    CUdeviceptr p;
+    for (int i = 0; i < 3; i++) CHECK_RC(cuMemAlloc(&p, 0), CUDA_ERROR_INVALID_VALUE);
+    CHECK(fakecuda_calls("cuMemAlloc") == 3 && fakecuda_calls("cuMemAlloc_v2") == 3);
+    CUresult (*plain_destroy)(CUstream) =
+        (CUresult(*)(CUstream))dlsym(RTLD_DEFAULT, "cuStreamDestroy");
+    CHECK_RC(plain_destroy(NULL), CUDA_ERROR_INVALID_HANDLE);
+    CHECK(fakecuda_calls("cuStreamDestroy") == 1); /* alias counted once */
+    fakecuda_reset_counters();
+    CHECK(fakecuda_calls("cuMemAlloc") == 0);
+}
+
+struct worker_arg {
+    int id;
+};
+
+static void *worker(void *arg) {
+    int id = ((struct worker_arg *)arg)->id;
+    if (cuCtxSetCurrent(g_ctx0) != CUDA_SUCCESS) return (void *)1;
+    CUmemAllocationProp prop = prop_for(0);
+    CUmemAccessDesc d = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    for (int it = 0; it < 100; it++) {
+        CUdeviceptr r;
+        CUmemGenericAllocationHandle h;
+        CUstream s;
+        CUevent e;
+        if (cuMemAddressReserve(&r, 2 * GRAN, 0, 0, 0) || cuMemCreate(&h, GRAN, &prop, 0) ||
+            cuMemMap(r + GRAN, GRAN, 0, h, 0) || cuMemSetAccess(r + GRAN, GRAN, &d, 1))
+            return (void *)2;
+        H(r + GRAN)[it] = (unsigned char)id;
+        if (H(r + GRAN)[it] != (unsigned char)id) return (void *)3;
+        if (cuMemUnmap(r + GRAN, GRAN) || cuMemRelease(h) || cuMemAddressFree(r, 2 * GRAN))
+            return (void *)4;
+        if (cuStreamCreate(&s, 0) || cuEventCreate(&e, 0)) return (void *)5;
+        fakecuda_stream_hold(s);
+        if (cuEventRecord(e, s) != CUDA_SUCCESS || cuEventQuery(e) != CUDA_ERROR_NOT_READY)
+            return (void *)6;
+        fakecuda_stream_release(s);
+        if (cuEventSynchronize(e) || cuEventDestroy(e) || cuStreamDestroy(s)) return (void *)7;
+    }
+    return NULL;
+}
+
+void test_threads(void) {
+    g_section = "threads";
+    enum { T = 4 };
+    pthread_t t[T];
+    struct worker_arg a[T];
+    for (int i = 0; i < T; i++) {
+        a[i].id = i + 1;
+        CHECK(pthread_create(&t[i], NULL, worker, &a[i]) == 0);
+    }
+    for (int i = 0; i < T; i++) {
+        void *res = (void *)-1;
+        CHECK(pthread_join(t[i], &res) == 0);
+        CHECK(res == NULL);
+    }
+}
+
+/* ---- modes run in a re-executed child with a different environment ------- */
+
+int run_mode(const char *mode) {
+    if (strcmp(mode, "no-vmm") == 0) {
+        g_section = "FAKECUDA_NO_VMM";
+        OK(cuInit(0));
+        int v = -1;
+        OK(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, 0));
+        CHECK(v == 0);
+        CUmemAllocationProp prop = prop_for(0);
+        CUmemGenericAllocationHandle h;
+        size_t g;
+        CHECK_RC(cuMemCreate(&h, GRAN, &prop, 0), CUDA_ERROR_NOT_SUPPORTED);
+        CHECK_RC(cuMemGetAllocationGranularity(&g, &prop, 0), CUDA_ERROR_NOT_SUPPORTED);
+        return 0;
+    }
+    if (strcmp(mode, "no-peer") == 0) {
+        g_section = "FAKECUDA_NO_PEER";
+        OK(cuInit(0));
+        int can = -1;
+        OK(cuDeviceCanAccessPeer(&can, 0, 1));
+        CHECK(can == 0);
+        return 0;
+    }
+    if (strcmp(mode, "no-device") == 0) {
+        g_section = "FAKECUDA_DEVICES=0";
+        CHECK_RC(cuInit(0), CUDA_ERROR_NO_DEVICE);
+        int n;
+        CHECK_RC(cuDeviceGetCount(&n), CUDA_ERROR_NOT_INITIALIZED);
+        return 0;
+    }
+    if (strcmp(mode, "bad-env") == 0) {
+        cuInit(0); /* must abort on FAKECUDA_CAPACITY=12Q */
+        return 0;
+    }
+    fprintf(stderr, "unknown mode %s\n", mode);
+    return 2;
+}
+
+/* Re-execute this binary in `mode` with one extra environment variable;
+ * returns the wait status. */
+static int spawn_mode(const char *mode, const char *var, const char *val) {
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        struct rlimit no_core = {0, 0};
+        setrlimit(RLIMIT_CORE, &no_core);
+        unsetenv("FAKECUDA_FAIL");
+        setenv(var, val, 1);
+        if (strcmp(mode, "bad-env") == 0 && !freopen("/dev/null", "w", stderr)) _exit(3);
+        execl("/proc/self/exe", "test_fakecuda", mode, (char *)NULL);
+        _exit(127);
+    }
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid);
+    return st;
+}
+
+void test_env_modes(void) {
+    g_section = "environment modes";
+    int st = spawn_mode("no-vmm", "FAKECUDA_NO_VMM", "1");
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    st = spawn_mode("no-peer", "FAKECUDA_NO_PEER", "1");
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    st = spawn_mode("no-device", "FAKECUDA_DEVICES", "0");
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    st = spawn_mode("bad-env", "FAKECUDA_CAPACITY", "12Q");
+    CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT);
+}
