@@ -423,6 +423,8 @@ cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr
                          CUMA_MAX_STREAMS);
     }
     uint64_t t = now(h);
+    /* This thread's batched frees first: their memory may serve this very request. */
+    if (tc && tc->npending) cuma_tcache_drain(h, tc, cuma_heap_give_cached);
     if (h->deferred) process_deferred(h, false);
     cuma_block *b = NULL;
     uint64_t managed_addr = 0;
@@ -471,8 +473,15 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
     if (!ptr) return CUMA_OK;
     uint64_t a = (uint64_t)(uintptr_t)ptr;
     cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
-    if (tc && cuma_tcache_free(tc, a, stream)) return CUMA_OK;
+    cuma_tc_result r = tc ? cuma_tcache_free(tc, a, stream) : CUMA_TC_MISS;
+    if (r == CUMA_TC_DONE) return CUMA_OK;
     pthread_mutex_lock(&h->lock);
+    if (tc && tc->npending) cuma_tcache_drain(h, tc, cuma_heap_give_cached);
+    if (r == CUMA_TC_DRAIN) {
+        cuma_heap_release_policy(h, now(h));
+        pthread_mutex_unlock(&h->lock);
+        return CUMA_OK;
+    }
     cuma_block *b = cuma_map_get(&h->live, a);
     uint64_t g = b ? atomic_load_explicit(&b->gen, memory_order_acquire) : 0;
     if (b && (!(g & 1) || !atomic_compare_exchange_strong(&b->gen, &g, g + 1))) {

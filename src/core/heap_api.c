@@ -137,10 +137,13 @@ cuma_status cuma_heap_check(cuma_heap *h) {
     int64_t tq, ta, tn;
     uint64_t tallocs, tfrees, slots = 0;
     cuma_tcache_sums(h, &tq, &ta, &tn, &tallocs, &tfrees);
-    for (cuma_tcache *tc = h->tcaches; tc; tc = tc->next)
+    for (cuma_tcache *tc = h->tcaches; tc; tc = tc->next) {
         for (unsigned i = 0; i < CUMA_TC_BINS; i++)
             for (unsigned k = 0; k < CUMA_TC_DEPTH; k++)
                 slots += atomic_load(&tc->bins[i].slot[k]) != NULL;
+        for (unsigned k = 0; k < CUMA_TC_PENDING; k++)
+            slots += atomic_load(&tc->pending[k]) != NULL;
+    }
     if (!w.why && w.requested != h->c.requested + (uint64_t)tq)
         w.why = "requested bytes differ from the live blocks' sum";
     if (!w.why && w.allocated != h->c.allocated + (uint64_t)ta)

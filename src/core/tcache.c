@@ -275,31 +275,27 @@ bool cuma_tcache_alloc(cuma_tcache *tc, uint64_t size, uint64_t n, cuma_stream s
     return true;
 }
 
-bool cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream) {
+cuma_tc_result cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream) {
     cuma_tc_entry *e = tab_find(tc, addr);
-    if (!e) return false;
+    if (!e) return CUMA_TC_MISS;
     cuma_block *b = e->b;
     uint64_t g = e->gen;
     if (atomic_load_explicit(&b->gen, memory_order_acquire) != g) {
         tab_remove(tc, e); /* freed by another thread meanwhile: the slow path sorts it out */
-        return false;
+        return CUMA_TC_MISS;
     }
-    if (b->extra[0] != CUMA_NO_STREAM || b->extra_all) return false; /* record_stream: deferred */
+    if (b->extra[0] != CUMA_NO_STREAM || b->extra_all) return CUMA_TC_MISS; /* deferred */
     int si = stream ? stream_index(tc, stream) : b->stream;
-    if (si < 0) return false;
+    if (si < 0) return CUMA_TC_MISS;
     cuma_heap *h = tc->heap;
     uint64_t n = b->size;
-    if (n > h->tc_max || tc->held + n > h->tc_bytes) return false;
     cuma_tc_bin *bin = &tc->bins[bin_of(n, (unsigned)si)];
-    if (!bin->n)
-        bin->size = n, bin->stream = (uint16_t)si;
-    else if (bin->size != n || bin->stream != si)
-        return false;
-    if (bin->n == CUMA_TC_DEPTH) return false;
+    bool to_bin = n <= h->tc_max && tc->held + n <= h->tc_bytes && bin->n < CUMA_TC_DEPTH &&
+                  (!bin->n || (bin->size == n && bin->stream == si));
     if (!atomic_compare_exchange_strong_explicit(&b->gen, &g, g + 1, memory_order_acq_rel,
                                                  memory_order_relaxed)) {
         tab_remove(tc, e);
-        return false;
+        return CUMA_TC_MISS;
     }
     BUMP(requested, -(int64_t)b->req);
     BUMP(allocated, -(int64_t)n);
@@ -307,15 +303,37 @@ bool cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream) {
     b->tc_slot = (uint32_t)(e - tc->tab), b->tc_tabgen = tc->tabgen;
     tab_remove(tc, e);
     b->stream = (uint16_t)si; /* the stream it was last used on: its fence when flushed */
-    atomic_store_explicit(&bin->stamp, atomic_load_explicit(&h->coarse_now, memory_order_relaxed),
-                          memory_order_relaxed);
+    uint64_t now = atomic_load_explicit(&h->coarse_now, memory_order_relaxed);
+    if (!to_bin) {
+        if (!tc->npending) atomic_store_explicit(&tc->pending_stamp, now, memory_order_relaxed);
+        atomic_store_explicit(&tc->pending[tc->npending++], b, memory_order_release);
+        return tc->npending == CUMA_TC_PENDING ? CUMA_TC_DRAIN : CUMA_TC_DONE;
+    }
+    if (!bin->n) bin->size = n, bin->stream = (uint16_t)si;
+    atomic_store_explicit(&bin->stamp, now, memory_order_relaxed);
     atomic_store_explicit(&bin->slot[bin->n++], b, memory_order_release);
     tc->held += n;
-    return true;
+    return CUMA_TC_DONE;
+}
+
+void cuma_tcache_drain(cuma_heap *h, cuma_tcache *tc, void (*give)(cuma_heap *, cuma_block *)) {
+    for (unsigned k = 0; k < tc->npending; k++) {
+        cuma_block *b = atomic_exchange_explicit(&tc->pending[k], NULL, memory_order_acquire);
+        if (b) give(h, b); /* NULL: a flusher took it already */
+    }
+    tc->npending = 0;
 }
 
 static void flush_one(cuma_heap *h, cuma_tcache *tc, uint64_t older_than,
                       void (*give)(cuma_heap *, cuma_block *)) {
+    if (older_than == UINT64_MAX ||
+        atomic_load_explicit(&tc->pending_stamp, memory_order_relaxed) < older_than) {
+        for (unsigned k = 0; k < CUMA_TC_PENDING; k++) {
+            if (!atomic_load_explicit(&tc->pending[k], memory_order_relaxed)) continue;
+            cuma_block *b = atomic_exchange_explicit(&tc->pending[k], NULL, memory_order_acquire);
+            if (b) give(h, b);
+        }
+    }
     for (unsigned i = 0; i < CUMA_TC_BINS; i++) {
         cuma_tc_bin *bin = &tc->bins[i];
         if (older_than != UINT64_MAX &&
@@ -336,7 +354,13 @@ void cuma_tcache_flush_all(cuma_heap *h, uint64_t older_than,
 
 uint64_t cuma_tcache_oldest(cuma_heap *h) {
     uint64_t oldest = UINT64_MAX;
-    for (cuma_tcache *tc = h->tcaches; tc; tc = tc->next)
+    for (cuma_tcache *tc = h->tcaches; tc; tc = tc->next) {
+        for (unsigned k = 0; k < CUMA_TC_PENDING; k++) {
+            if (!atomic_load_explicit(&tc->pending[k], memory_order_relaxed)) continue;
+            uint64_t st = atomic_load_explicit(&tc->pending_stamp, memory_order_relaxed);
+            if (st < oldest) oldest = st;
+            break;
+        }
         for (unsigned i = 0; i < CUMA_TC_BINS; i++) {
             cuma_tc_bin *bin = &tc->bins[i];
             bool any = false;
@@ -345,6 +369,7 @@ uint64_t cuma_tcache_oldest(cuma_heap *h) {
             uint64_t st = atomic_load_explicit(&bin->stamp, memory_order_relaxed);
             if (any && st < oldest) oldest = st;
         }
+    }
     return oldest;
 }
 

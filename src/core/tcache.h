@@ -32,6 +32,7 @@
 #define CUMA_TC_BINS    128
 #define CUMA_TC_DEPTH   16
 #define CUMA_TC_STREAMS 8
+#define CUMA_TC_PENDING 32
 
 struct cuma_heap;
 
@@ -67,6 +68,12 @@ typedef struct cuma_tcache {
     } streams[CUMA_TC_STREAMS]; /* owner: stream handle -> heap stream index */
     unsigned nstreams;
     uint64_t held; /* owner: bytes it believes its bins hold */
+    /* Frees the bins refuse (too big, bin taken, full): batched, so that one acquisition of the
+     * heap lock returns up to CUMA_TC_PENDING of them. Slots like a bin's: the owner pushes,
+     * the owner's next slow call (or any flusher) takes them. */
+    _Atomic(cuma_block *) pending[CUMA_TC_PENDING];
+    unsigned npending;              /* owner */
+    _Atomic uint64_t pending_stamp; /* coarse time of the first pending free */
     _Atomic int64_t requested, allocated;
     _Atomic uint64_t allocs, frees;
     struct cuma_tcache *next;
@@ -90,9 +97,17 @@ static inline cuma_tcache *cuma_tcache_get(struct cuma_heap *h, uint64_t id) {
     return cuma_tcache_get_slow(h);
 }
 
-/* Fast paths: true when done, false to take the slow path (nothing changed then). */
+/* Fast paths. alloc: true when done, false to take the slow path (nothing changed then). */
 bool cuma_tcache_alloc(cuma_tcache *tc, uint64_t size, uint64_t n, cuma_stream stream, void **ptr);
-bool cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream);
+
+typedef enum { CUMA_TC_MISS = 0, CUMA_TC_DONE = 1, CUMA_TC_DRAIN = 2 } cuma_tc_result;
+/* free: MISS takes the slow path (nothing changed); DONE is done; DRAIN is done and the batch
+ * of pending frees is full: the caller drains it under the heap lock. */
+cuma_tc_result cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream);
+
+/* Returns the owner's pending frees to the heap (heap lock held, owner thread). */
+void cuma_tcache_drain(struct cuma_heap *h, cuma_tcache *tc,
+                       void (*give)(struct cuma_heap *, cuma_block *));
 
 /* Slow-path hooks for the calling thread (heap lock held): remember a block it was handed and
  * the index of a stream it used, so that its next free and alloc can go fast. */

@@ -152,7 +152,31 @@ static void test_oom_flushes(void) {
     cuma_heap_destroy(h);
 }
 
+/* Frees the bins refuse (here: blocks over tcache_max) are batched and returned under one lock
+ * acquisition: at the 32nd, at the thread's next slow call, or by a flush. */
+static void test_pending_frees(void) {
+    cuma_heap *h = make("capacity:256M,sim_clock:manual,tcache_max:64K");
+    void *p[40];
+    for (int i = 0; i < 40; i++) CHECK_OK(cuma_alloc(h, 1 * MB, NULL, &p[i]));
+    for (int i = 0; i < 31; i++) CHECK_OK(cuma_free(h, p[i], NULL));
+    cuma_stats s = stats(h);
+    CHECK(s.active_allocs == 9 && s.requested_bytes == 9 * MB); /* freed for the program */
+    CHECK(s.mapped_bytes >= 40 * MB);                           /* not yet back in the heap */
+    CHECK_OK(cuma_validate(h));
+    CHECK_ST(cuma_free(h, p[3], NULL), CUMA_ERR_BAD_POINTER); /* a second free is refused */
+    CHECK_OK(cuma_validate(h));
+    CHECK(stats(h).mapped_bytes <= 10 * MB); /* that slow call returned the batch */
+    for (int i = 31; i < 39; i++) CHECK_OK(cuma_free(h, p[i], NULL));
+    CHECK_OK(cuma_trim(h, 0)); /* a flush takes pending frees too */
+    s = stats(h);
+    CHECK(s.mapped_bytes == 2 * MB && s.cached_bytes == 0); /* one page under the last block */
+    CHECK_OK(cuma_free(h, p[39], NULL));
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
 int main(void) {
+    test_pending_frees();
     test_reuse_and_accounting();
     test_age();
     test_threads();
