@@ -84,7 +84,10 @@ cuma_status cuma_default_heap(int device, cuma_heap **out);
 /* Destroys every default heap (tests; a framework's shutdown). */
 void cuma_default_heaps_shutdown(void);
 
-/* Creates a heap. cfg may be NULL: defaults, then CUMA_CONF. */
+/* Creates a heap. cfg may be NULL: defaults, then CUMA_CONF. When no settings string names a
+ * backend, the heap takes backend:auto (vmm, else segment) and, where no CUDA driver can be
+ * loaded, the simulated device instead (the stats JSON says "backend_fallback":true). A named
+ * backend is that backend or an error (CUMA_ERR_NO_DEVICE without a driver). */
 cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out);
 
 /* Destroys a heap: every page goes back to the device and the virtual range is freed. Live

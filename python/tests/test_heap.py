@@ -272,7 +272,7 @@ def test_heap_reads_cuma_conf_unless_told_not_to(monkeypatch):
 def test_config_keys_table():
     keys = {k.name: k for k in cuma.config_keys()}
     assert {"backend", "capacity", "limit", "growth", "preallocate"} <= set(keys)
-    assert "auto" in keys["backend"].choices and keys["backend"].default == "sim"
+    assert "auto" in keys["backend"].choices and keys["backend"].default == "auto"
     assert keys["capacity"].meaning
     assert "KEY" in cuma.config_table().splitlines()[0]
 

@@ -29,9 +29,10 @@ typedef struct key_desc {
 #define F(field) offsetof(cuma_settings, field)
 
 static const key_desc keys[] = {
-    {"backend", K_NAME, F(backend), "sim", "sim|vmm|segment|managed|auto",
-     "device backend: sim (simulated device), vmm (CUDA virtual memory), segment (cuMemAlloc), "
-     "managed (cuMemAllocManaged), auto (vmm, else segment)"},
+    {"backend", K_NAME, F(backend), "auto", "sim|vmm|segment|managed|auto",
+     "device backend: auto (vmm on a GPU with virtual memory management, else segment), vmm "
+     "(CUDA virtual memory), segment (cuMemAlloc), managed (cuMemAllocManaged), sim (simulated "
+     "device). Left unnamed, auto falls back to sim when no CUDA driver can be loaded"},
     {"policy", K_NAME, F(policy), "tlsf", "tlsf|bestfit|buddy",
      "placement in the virtual range: tlsf (good fit, O(1)), bestfit (alias of tlsf), buddy "
      "(power-of-two buddy system)"},
@@ -220,6 +221,7 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
         }
         break;
     }
+    if (ok && d->offset == F(backend) && strcmp(origin, "defaults")) s->backend_named = true;
     if (ok) return CUMA_OK;
     if (d->kind == K_NAME)
         return cuma_fail(CUMA_ERR_CONFIG, "%s: bad value '%s' for key '%s': expected one of %s",

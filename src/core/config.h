@@ -14,6 +14,7 @@
  * virtual_size == 0 (derived) or >= capacity; backend and policy are known names. */
 typedef struct cuma_settings {
     char backend[16];               /* sim, vmm, segment, managed, auto */
+    bool backend_named;             /* a settings string named the backend (else: implicit auto) */
     char policy[16];                /* tlsf (good fit, default), buddy */
     uint64_t capacity;              /* sim: device size */
     uint64_t page_size;             /* sim: page granularity; CUDA: 0 = the device's */

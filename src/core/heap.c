@@ -3,6 +3,7 @@
 #include "error.h"
 
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,6 +42,13 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     cuma_status st = cuma_settings_from_config(&h->set, cfg);
     if (st) goto fail_free;
     st = cuma_backend_create(&h->set, &h->be);
+    if (st == CUMA_ERR_NO_DEVICE && !h->set.backend_named) {
+        /* No backend named and no CUDA driver: the simulated device, said in the stats
+         * ("backend_fallback"). A named backend gets exactly that backend or the error. */
+        snprintf(h->set.backend, sizeof h->set.backend, "sim");
+        h->backend_fallback = true;
+        st = cuma_backend_create(&h->set, &h->be);
+    }
     if (st) goto fail_free;
     h->vmm = (h->be->caps & CUMA_CAP_VMM) != 0;
     if (!h->vmm && !(h->be->caps & CUMA_CAP_SEGMENTS)) {

@@ -43,7 +43,8 @@ struct cuma_heap {
     uint64_t va_size;     /* constant */
     cuma_policy *pol;
     cuma_streams streams;
-    bool vmm; /* page mode (pages) or segment mode (segs); constant */
+    bool vmm;              /* page mode (pages) or segment mode (segs); constant */
+    bool backend_fallback; /* no backend named, no driver: on the simulated device; constant */
     cuma_pages pages;
     cuma_segs segs;
     cuma_map live;    /* address -> cuma_block of every live allocation */

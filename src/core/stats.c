@@ -82,10 +82,10 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
 #define U(name) cuma_strbuf_put(&o, "\"" #name "\":%llu,", (unsigned long long)s.name)
     cuma_strbuf_put(
         &o,
-        "{\"version\":\"%d.%d.%d\",\"mode\":\"%s\",\"backend\":\"%s\",\"device\":\"%s\",\"policy\":"
-        "\"%s\",",
+        "{\"version\":\"%d.%d.%d\",\"mode\":\"%s\",\"backend\":\"%s\",\"backend_fallback\":%s,"
+        "\"device\":\"%s\",\"policy\":\"%s\",",
         CUMA_VERSION_MAJOR, CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->vmm ? "pages" : "segments",
-        h->be->name, h->be->device_id, h->pol->ops->name);
+        h->be->name, h->backend_fallback ? "true" : "false", h->be->device_id, h->pol->ops->name);
     U(requested_bytes);
     U(peak_requested_bytes);
     U(allocated_bytes);

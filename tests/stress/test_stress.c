@@ -201,7 +201,8 @@ int main(int argc, char **argv) {
     const char *extra = argc > 1 ? argv[1] : "";
     char conf[256];
     snprintf(conf, sizeof conf,
-             "capacity:1G,page_size:2M,host_backing:on,release_delay_ms:2,max_cached:64M%s%s",
+             "backend:sim,capacity:1G,page_size:2M,host_backing:on,release_delay_ms:2,max_cached:"
+             "64M%s%s",
              *extra ? "," : "", extra);
     run(conf);
     printf("test_stress: %ld operations passed\n", ops_per_thread_phase * THREADS * PHASES);

@@ -72,7 +72,7 @@ static int table_keys(keyrow *rows, int max) {
 static void test_defaults(void) {
     cuma_settings d;
     cuma_settings_default(&d);
-    CHECK(!strcmp(d.backend, "sim") && !strcmp(d.policy, "tlsf"));
+    CHECK(!strcmp(d.backend, "auto") && !d.backend_named && !strcmp(d.policy, "tlsf"));
     CHECK(d.capacity == 80 * GB && d.page_size == 2 * MB);
     CHECK(d.limit == CUMA_UNLIMITED && d.max_cached == CUMA_UNLIMITED);
     CHECK(d.memory_fraction == 0 && d.fragmentation_threshold == 0.05);
@@ -391,7 +391,8 @@ static void test_environment(void) {
     cuma_heap *h = NULL;
     CHECK_ST(cuma_heap_create(NULL, &h), CUMA_ERR_CONFIG);
     CHECK(!h && strstr(cuma_last_error(), "bogus_heap_key"));
-    cuma_config heapcfg = {.conf = "capacity:64M,sim_clock:manual", .flags = CUMA_CONFIG_NO_ENV};
+    cuma_config heapcfg = {.conf = "backend:sim,capacity:64M,sim_clock:manual",
+                           .flags = CUMA_CONFIG_NO_ENV};
     CHECK_OK(cuma_heap_create(&heapcfg, &h));
     cuma_heap_destroy(h);
     CHECK(!unsetenv("CUMA_CONF"));

@@ -9,11 +9,11 @@
 
 #define MB (1024ull * 1024)
 
-/* Thread caches off: these tests check the heap's own accounting step by step (test_tcache.c
- * covers the caches). */
+/* On the simulated device (also where a GPU is), thread caches off: these tests check the
+ * heap's own accounting step by step (test_tcache.c covers the caches). */
 static cuma_heap *make(const char *conf) {
     char full[512];
-    snprintf(full, sizeof full, "tcache:off,%s", conf);
+    snprintf(full, sizeof full, "backend:sim,tcache:off,%s", conf);
     cuma_config cfg = {.conf = full, .flags = CUMA_CONFIG_NO_ENV};
     cuma_heap *h = NULL;
     CHECK_OK(cuma_heap_create(&cfg, &h));

@@ -10,7 +10,9 @@
 #define MB (1024ull * 1024)
 
 static cuma_heap *make(const char *conf) {
-    cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+    char full[512];
+    snprintf(full, sizeof full, "backend:sim,%s", conf);
+    cuma_config cfg = {.conf = full, .flags = CUMA_CONFIG_NO_ENV};
     cuma_heap *h = NULL;
     CHECK_OK(cuma_heap_create(&cfg, &h));
     return h;
