@@ -75,6 +75,55 @@ static inline int pattern_ok(const void *p, size_t n, unsigned id) {
     return 1;
 }
 
+/* A random churn of allocations that carry patterns: live blocks are checked when freed and
+ * by churn_check; every 100 operations the heap is validated, every trim_every (0: never) it
+ * is trimmed to trim_keep. One in big_one_in requests is up to big_max bytes, the others up to
+ * small_max. */
+enum { CHURN_MAX = 64 };
+typedef struct churn {
+    unsigned n;
+    void *p[CHURN_MAX];
+    size_t sz[CHURN_MAX];
+    unsigned id[CHURN_MAX];
+} churn;
+
+static inline void churn_run(cuma_heap *h, churn *c, unsigned n, unsigned ops, unsigned big_one_in,
+                             size_t big_max, size_t small_max, unsigned trim_every,
+                             size_t trim_keep) {
+    memset(c, 0, sizeof *c);
+    c->n = n;
+    unsigned long long seed = test_seed();
+    for (unsigned op = 0; op < ops; op++) {
+        unsigned i = (unsigned)(rnd(&seed) % n);
+        if (c->p[i]) {
+            CHECK(pattern_ok(c->p[i], c->sz[i], c->id[i]));
+            CHECK_OK(cuma_free(h, c->p[i], NULL));
+            c->p[i] = NULL;
+        } else {
+            unsigned long long r = rnd(&seed);
+            c->sz[i] = (size_t)(r % big_one_in == 0 ? r % big_max + 1 : r % small_max + 1);
+            c->id[i] = op;
+            CHECK_OK(cuma_alloc(h, c->sz[i], NULL, &c->p[i]));
+            pattern_fill(c->p[i], c->sz[i], c->id[i]);
+        }
+        if (op % 100 == 0) CHECK_OK(cuma_validate(h));
+        if (trim_every && op % trim_every == trim_every - 1) CHECK_OK(cuma_trim(h, trim_keep));
+    }
+}
+
+static inline void churn_check(const churn *c) {
+    for (unsigned i = 0; i < c->n; i++)
+        if (c->p[i]) CHECK(pattern_ok(c->p[i], c->sz[i], c->id[i]));
+}
+
+static inline void churn_free(cuma_heap *h, churn *c) {
+    for (unsigned i = 0; i < c->n; i++) {
+        if (!c->p[i]) continue;
+        CHECK_OK(cuma_free(h, c->p[i], NULL));
+        c->p[i] = NULL;
+    }
+}
+
 /* A watchdog: a cuma call that never returns (a deadlock, a thread spinning with the heap
  * lock) aborts the test with a message instead of running into the ctest timeout. */
 static const char *watchdog_what = "";

@@ -58,29 +58,9 @@ static void test_vmm_churn(void) {
     CHECK(fakecuda_live("reservations") == 1);
     fakecuda_reset_counters();
 
-    enum { N = 48 };
-    void *p[N] = {0};
-    size_t sz[N] = {0};
-    unsigned id[N] = {0};
-    unsigned long long seed = test_seed();
-    for (unsigned op = 0; op < 1500; op++) {
-        unsigned i = (unsigned)(rnd(&seed) % N);
-        if (p[i]) {
-            CHECK(pattern_ok(p[i], sz[i], id[i]));
-            CHECK_OK(cuma_free(h, p[i], NULL));
-            p[i] = NULL;
-        } else {
-            unsigned long long r = rnd(&seed);
-            sz[i] = (size_t)(r % 4 == 0 ? r % (6 * MB) + 1 : r % (256 * 1024) + 1);
-            id[i] = op;
-            CHECK_OK(cuma_alloc(h, sz[i], NULL, &p[i]));
-            pattern_fill(p[i], sz[i], id[i]);
-        }
-        if (op % 100 == 0) CHECK_OK(cuma_validate(h));
-        if (op % 500 == 499) CHECK_OK(cuma_trim(h, 4 * MB));
-    }
-    for (unsigned i = 0; i < N; i++)
-        if (p[i]) CHECK(pattern_ok(p[i], sz[i], id[i]));
+    churn c;
+    churn_run(h, &c, 48, 1500, 4, 6 * MB, 256 * 1024, 500, 4 * MB);
+    churn_check(&c);
 
     /* The heap's counters are the driver's. */
     s = heap_stats(h);
@@ -94,8 +74,7 @@ static void test_vmm_churn(void) {
     CHECK(fakecuda_used_bytes(0) == s.reserved_bytes);
     CHECK(s.page_creates > 0 && s.unmaps > 0 && s.page_releases > 0);
 
-    for (unsigned i = 0; i < N; i++)
-        if (p[i]) CHECK_OK(cuma_free(h, p[i], NULL));
+    churn_free(h, &c);
     CHECK_OK(cuma_trim(h, 0));
     CHECK(fakecuda_live("handles") == 0 && fakecuda_live("mappings") == 0);
     CHECK(fakecuda_used_bytes(0) == 0);

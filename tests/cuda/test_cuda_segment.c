@@ -22,36 +22,16 @@ static void test_churn(const char *backend) {
     CHECK(strstr(json, want) && strstr(json, "\"device\":\"GPU-"));
     fakecuda_reset_counters();
 
-    enum { N = 40 };
-    void *p[N] = {0};
-    size_t sz[N] = {0};
-    unsigned id[N] = {0};
-    unsigned long long seed = test_seed();
-    for (unsigned op = 0; op < 1200; op++) {
-        unsigned i = (unsigned)(rnd(&seed) % N);
-        if (p[i]) {
-            CHECK(pattern_ok(p[i], sz[i], id[i]));
-            CHECK_OK(cuma_free(h, p[i], NULL));
-            p[i] = NULL;
-        } else {
-            unsigned long long r = rnd(&seed);
-            sz[i] = (size_t)(r % 5 == 0 ? r % (24 * MB) + 1 : r % (512 * 1024) + 1);
-            id[i] = op;
-            CHECK_OK(cuma_alloc(h, sz[i], NULL, &p[i]));
-            pattern_fill(p[i], sz[i], id[i]);
-        }
-        if (op % 100 == 0) CHECK_OK(cuma_validate(h));
-    }
-    for (unsigned i = 0; i < N; i++)
-        if (p[i]) CHECK(pattern_ok(p[i], sz[i], id[i]));
+    churn c;
+    churn_run(h, &c, 40, 1200, 5, 24 * MB, 512 * 1024, 0, 0);
+    churn_check(&c);
     CHECK(fakecuda_calls(alloc_api) > 0);
     CHECK(fakecuda_live(kind) > 0);
     cuma_stats s = heap_stats(h);
     CHECK(s.reserved_bytes > 0);
     CHECK(fakecuda_used_bytes(0) >= s.reserved_bytes);
 
-    for (unsigned i = 0; i < N; i++)
-        if (p[i]) CHECK_OK(cuma_free(h, p[i], NULL));
+    churn_free(h, &c);
     CHECK_OK(cuma_validate(h));
     /* Entirely free segments idle until trimmed, then each goes back with one cuMemFree. */
     unsigned long frees0 = fakecuda_calls("cuMemFree");
