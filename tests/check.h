@@ -36,6 +36,20 @@
         }                                                                                          \
     } while (0)
 
+/* A heap from a settings string, CUMA_CONF ignored; the test fails if it cannot be made. */
+static inline cuma_heap *heap_make(const char *conf) {
+    cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+    cuma_heap *h = NULL;
+    CHECK_OK(cuma_heap_create(&cfg, &h));
+    return h;
+}
+
+static inline cuma_stats heap_stats(cuma_heap *h) {
+    cuma_stats s;
+    CHECK_OK(cuma_get_stats(h, &s));
+    return s;
+}
+
 /* Seeded xorshift: randomized tests print their seed and take CUMA_TEST_SEED to replay it. */
 static inline unsigned long long test_seed(void) {
     const char *e = getenv("CUMA_TEST_SEED");

@@ -19,19 +19,6 @@
 
 #define CHECK_CU(expr) CHECK((expr) == CUDA_SUCCESS)
 
-static inline cuma_heap *heap_make(const char *conf) {
-    cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
-    cuma_heap *h = NULL;
-    CHECK_OK(cuma_heap_create(&cfg, &h));
-    return h;
-}
-
-static inline cuma_stats heap_stats(cuma_heap *h) {
-    cuma_stats s;
-    CHECK_OK(cuma_get_stats(h, &s));
-    return s;
-}
-
 /* The test thread's own view of device 0, as a CUDA program has: the primary context current
  * (cuma must neither need nor disturb it) and streams it created. */
 typedef struct test_ctx {

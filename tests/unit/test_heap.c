@@ -14,16 +14,7 @@
 static cuma_heap *make(const char *conf) {
     char full[512];
     snprintf(full, sizeof full, "backend:sim,tcache:off,%s", conf);
-    cuma_config cfg = {.conf = full, .flags = CUMA_CONFIG_NO_ENV};
-    cuma_heap *h = NULL;
-    CHECK_OK(cuma_heap_create(&cfg, &h));
-    return h;
-}
-
-static cuma_stats stats(cuma_heap *h) {
-    cuma_stats s;
-    CHECK_OK(cuma_get_stats(h, &s));
-    return s;
+    return heap_make(full);
 }
 
 static void test_basic(const char *policy) {
@@ -39,7 +30,7 @@ static void test_basic(const char *policy) {
     memset(a, 0xA5, 1000);
     memset(b, 0x5A, 3 * MB);
     ((char *)c)[0] = 7;
-    cuma_stats s = stats(h);
+    cuma_stats s = heap_stats(h);
     CHECK(s.requested_bytes == 1000 + 3 * MB + 1);
     CHECK(s.active_allocs == 3);
     CHECK(s.reserved_bytes >= s.requested_bytes);
@@ -52,12 +43,12 @@ static void test_basic(const char *policy) {
     CHECK_OK(cuma_free(h, b, NULL));
     CHECK_OK(cuma_free(h, a, NULL));
     CHECK_OK(cuma_free(h, c, NULL));
-    s = stats(h);
+    s = heap_stats(h);
     CHECK(s.requested_bytes == 0 && s.mapped_bytes == 0 && s.active_allocs == 0);
     CHECK(s.cached_bytes == s.reserved_bytes && s.reserved_bytes > 0);
     CHECK_OK(cuma_validate(h));
     CHECK_OK(cuma_trim(h, 0));
-    s = stats(h);
+    s = heap_stats(h);
     CHECK(s.reserved_bytes == 0 && s.page_releases == s.page_creates);
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
@@ -85,7 +76,7 @@ static void test_bad_input(void) {
     CHECK_ST(cuma_alloc(h, 65 * MB, NULL, &q), CUMA_ERR_OOM);
     CHECK(strstr(cuma_last_error(), "out of memory"));
     CHECK_OK(cuma_validate(h));
-    cuma_stats s = stats(h);
+    cuma_stats s = heap_stats(h);
     CHECK(s.failed_allocs == 1 && s.active_allocs == 0 && s.mapped_bytes == 0);
     CHECK_ST(cuma_record_stream(h, (void *)(uintptr_t)0x1234, NULL), CUMA_ERR_BAD_POINTER);
     cuma_heap_destroy(h);
@@ -99,19 +90,19 @@ static void test_release_delay(void) {
     void *p;
     CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &p));
     CHECK_OK(cuma_free(h, p, NULL));
-    CHECK(stats(h).cached_bytes == 8 * MB);
+    CHECK(heap_stats(h).cached_bytes == 8 * MB);
     CHECK_OK(cuma_sim_set_time(h, 99 * 1000000ull));
     CHECK_OK(cuma_poll(h));
-    CHECK(stats(h).cached_bytes == 8 * MB); /* not yet idle long enough */
+    CHECK(heap_stats(h).cached_bytes == 8 * MB); /* not yet idle long enough */
     CHECK_OK(cuma_sim_set_time(h, 100 * 1000000ull));
     CHECK_OK(cuma_poll(h));
-    CHECK(stats(h).reserved_bytes == 0);
+    CHECK(heap_stats(h).reserved_bytes == 0);
     /* Reuse from the cache costs no new page. */
     CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &p));
     CHECK_OK(cuma_free(h, p, NULL));
-    uint64_t creates = stats(h).page_creates;
+    uint64_t creates = heap_stats(h).page_creates;
     CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &p));
-    CHECK(stats(h).page_creates == creates);
+    CHECK(heap_stats(h).page_creates == creates);
     CHECK_OK(cuma_free(h, p, NULL));
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
@@ -124,11 +115,11 @@ static void test_limit_and_max_cached(void) {
     CHECK_ST(cuma_alloc(h, 4 * MB, NULL, &q), CUMA_ERR_LIMIT);
     CHECK(strstr(cuma_last_error(), "limit"));
     CHECK_OK(cuma_free(h, p, NULL));
-    CHECK(stats(h).cached_bytes == 2 * MB); /* the cap released the rest at once */
+    CHECK(heap_stats(h).cached_bytes == 2 * MB); /* the cap released the rest at once */
     CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &q));
     CHECK_OK(cuma_free(h, q, NULL));
     CHECK_OK(cuma_set_limit(h, 4 * MB));
-    CHECK(stats(h).reserved_bytes <= 4 * MB);
+    CHECK(heap_stats(h).reserved_bytes <= 4 * MB);
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
 }
@@ -165,7 +156,7 @@ static void test_oom_ladder(void) {
     void *p;
     CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &p)); /* callbacks free the victim, then it fits */
     CHECK(passes == 1 && o.calls == 1 && o.victim == NULL);
-    cuma_stats s = stats(h);
+    cuma_stats s = heap_stats(h);
     CHECK(s.num_ooms == 1 && s.oom_callbacks == 2 && s.num_alloc_retries == 1);
     CHECK_ST(cuma_alloc(h, 12 * MB, NULL, &o.victim), CUMA_ERR_OOM); /* nobody can help */
     CHECK(passes == 2 && o.calls == 2);
@@ -179,10 +170,10 @@ static void test_oom_ladder(void) {
     h = make("capacity:16M,sim_clock:manual,managed_fallback:on");
     void *big;
     CHECK_OK(cuma_alloc(h, 32 * MB, NULL, &big));
-    s = stats(h);
+    s = heap_stats(h);
     CHECK(s.managed_fallbacks == 1 && s.managed_bytes == 32 * MB && s.reserved_bytes == 0);
     CHECK_OK(cuma_free(h, big, NULL));
-    CHECK(stats(h).managed_bytes == 0);
+    CHECK(heap_stats(h).managed_bytes == 0);
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
 }
@@ -203,11 +194,11 @@ static void test_streams(void) {
     CHECK(b != a);
     CHECK_OK(cuma_free(h, b, s2));
     CHECK_OK(cuma_trim(h, 0));
-    cuma_stats st = stats(h);
+    cuma_stats st = heap_stats(h);
     CHECK(st.reserved_bytes >= 4 * MB); /* a's pages wait for s1 */
     CHECK_OK(cuma_sim_release_stream(h, s1));
     CHECK_OK(cuma_trim(h, 0));
-    CHECK(stats(h).reserved_bytes == 0);
+    CHECK(heap_stats(h).reserved_bytes == 0);
     CHECK_OK(cuma_alloc(h, 4 * MB, s2, &b));
     CHECK_OK(cuma_validate(h));
     /* record_stream: not reusable even by its own stream until the other stream is done. */
@@ -221,7 +212,7 @@ static void test_streams(void) {
     CHECK_OK(cuma_sim_release_stream(h, s1));
     CHECK_OK(cuma_free(h, c, NULL));
     CHECK_OK(cuma_poll(h));
-    CHECK(stats(h).active_allocs == 0);
+    CHECK(heap_stats(h).active_allocs == 0);
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
 }
@@ -243,15 +234,15 @@ static void test_release_thread(void) {
     void *p;
     CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &p));
     CHECK_OK(cuma_free(h, p, NULL));
-    CHECK(stats(h).cached_bytes == 8 * MB);
+    CHECK(heap_stats(h).cached_bytes == 8 * MB);
     uint64_t due;
     CHECK_OK(cuma_next_release(h, &due));
     CHECK(due != UINT64_MAX);
-    for (int i = 0; i < 200 && stats(h).reserved_bytes; i++) {
+    for (int i = 0; i < 200 && heap_stats(h).reserved_bytes; i++) {
         struct timespec ts = {0, 10 * 1000 * 1000};
         nanosleep(&ts, NULL);
     }
-    CHECK(stats(h).reserved_bytes == 0);
+    CHECK(heap_stats(h).reserved_bytes == 0);
     CHECK_OK(cuma_next_release(h, &due));
     CHECK(due == UINT64_MAX);
     cuma_heap_destroy(h);
@@ -261,9 +252,9 @@ static void test_release_thread(void) {
     CHECK_OK(cuma_free(h, p, NULL));
     struct timespec ts = {0, 50 * 1000 * 1000};
     nanosleep(&ts, NULL);
-    CHECK(stats(h).cached_bytes == 8 * MB);
+    CHECK(heap_stats(h).cached_bytes == 8 * MB);
     CHECK_OK(cuma_poll(h));
-    CHECK(stats(h).reserved_bytes == 0);
+    CHECK(heap_stats(h).reserved_bytes == 0);
     cuma_heap_destroy(h);
 }
 
@@ -276,21 +267,21 @@ static void test_segments(void) {
         CHECK_OK(cuma_alloc(h, 1000, NULL, &small[i]));
         memset(small[i], i, 1000);
     }
-    CHECK(stats(h).reserved_bytes == 2 * MB); /* small requests share one 2 MiB segment */
+    CHECK(heap_stats(h).reserved_bytes == 2 * MB); /* small requests share one 2 MiB segment */
     CHECK_OK(cuma_alloc(h, 5 * MB, NULL, &big));
-    CHECK(stats(h).reserved_bytes == 22 * MB); /* mid-size requests get a 20 MiB segment */
+    CHECK(heap_stats(h).reserved_bytes == 22 * MB); /* mid-size requests get a 20 MiB segment */
     for (int i = 0; i < 7; i++) CHECK_OK(cuma_free(h, small[i], NULL));
     CHECK(((unsigned char *)small[7])[999] == 7);
     CHECK_OK(cuma_trim(h, 0));
-    CHECK(stats(h).reserved_bytes == 22 * MB); /* the small segment still has a live block */
+    CHECK(heap_stats(h).reserved_bytes == 22 * MB); /* the small segment still has a live block */
     CHECK_OK(cuma_free(h, small[7], NULL));
     CHECK_OK(cuma_sim_set_time(h, 10 * 1000000ull));
     CHECK_OK(cuma_poll(h));
-    CHECK(stats(h).reserved_bytes == 20 * MB); /* idle past the delay: given back */
+    CHECK(heap_stats(h).reserved_bytes == 20 * MB); /* idle past the delay: given back */
     CHECK_OK(cuma_validate(h));
     CHECK_OK(cuma_free(h, big, NULL));
     CHECK_OK(cuma_trim(h, 0));
-    cuma_stats s = stats(h);
+    cuma_stats s = heap_stats(h);
     CHECK(s.reserved_bytes == 0 && s.page_creates == 2 && s.page_releases == 2);
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
@@ -313,18 +304,18 @@ static void test_fragmentation_threshold(void) {
     CHECK(due == UINT64_MAX); /* 8 MiB idle <= 10% of 80 MiB in use: nothing due */
     CHECK_OK(cuma_sim_set_time(h, 50 * 1000000ull));
     CHECK_OK(cuma_poll(h));
-    CHECK(stats(h).cached_bytes == 8 * MB);
+    CHECK(heap_stats(h).cached_bytes == 8 * MB);
     CHECK_OK(cuma_alloc(h, 16 * MB, NULL, &idle));
     CHECK_OK(cuma_free(h, idle, NULL)); /* 16 MiB idle: over 10%, due after the delay */
     CHECK_OK(cuma_next_release(h, &due));
     CHECK(due == 60 * 1000000ull);
     CHECK_OK(cuma_sim_set_time(h, due));
     CHECK_OK(cuma_poll(h));
-    CHECK(stats(h).cached_bytes == 8 * MB); /* down to the threshold, oldest first */
-    CHECK_OK(cuma_free(h, live, NULL));     /* nothing in use: all of it goes */
+    CHECK(heap_stats(h).cached_bytes == 8 * MB); /* down to the threshold, oldest first */
+    CHECK_OK(cuma_free(h, live, NULL));          /* nothing in use: all of it goes */
     CHECK_OK(cuma_sim_set_time(h, 100 * 1000000ull));
     CHECK_OK(cuma_poll(h));
-    CHECK(stats(h).reserved_bytes == 0);
+    CHECK(heap_stats(h).reserved_bytes == 0);
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
 }
@@ -335,13 +326,13 @@ static void test_preallocate(const char *mode) {
     snprintf(conf, sizeof conf, "capacity:256M,sim_clock:manual,preallocate:32M,growth:off,%s",
              mode);
     cuma_heap *h = make(conf);
-    CHECK(stats(h).reserved_bytes == 32 * MB);
+    CHECK(heap_stats(h).reserved_bytes == 32 * MB);
     void *p, *q;
     CHECK_OK(cuma_alloc(h, 24 * MB, NULL, &p));
     CHECK_ST(cuma_alloc(h, 16 * MB, NULL, &q), CUMA_ERR_LIMIT);
     CHECK_OK(cuma_free(h, p, NULL));
     CHECK_OK(cuma_trim(h, 0));
-    CHECK(stats(h).reserved_bytes == 32 * MB); /* never given back */
+    CHECK(heap_stats(h).reserved_bytes == 32 * MB); /* never given back */
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
 }

@@ -12,16 +12,7 @@
 static cuma_heap *make(const char *conf) {
     char full[512];
     snprintf(full, sizeof full, "backend:sim,%s", conf);
-    cuma_config cfg = {.conf = full, .flags = CUMA_CONFIG_NO_ENV};
-    cuma_heap *h = NULL;
-    CHECK_OK(cuma_heap_create(&cfg, &h));
-    return h;
-}
-
-static cuma_stats stats(cuma_heap *h) {
-    cuma_stats s;
-    CHECK_OK(cuma_get_stats(h, &s));
-    return s;
+    return heap_make(full);
 }
 
 static void test_reuse_and_accounting(void) {
@@ -29,13 +20,13 @@ static void test_reuse_and_accounting(void) {
     void *p, *q;
     CHECK_OK(cuma_alloc(h, 1000, NULL, &p));
     CHECK_OK(cuma_free(h, p, NULL));
-    cuma_stats s = stats(h);
+    cuma_stats s = heap_stats(h);
     CHECK(s.requested_bytes == 0 && s.active_allocs == 0 && s.num_frees == 1);
     CHECK(s.mapped_bytes == 2 * MB); /* the cached block keeps its page */
     CHECK_OK(cuma_validate(h));
     CHECK_OK(cuma_alloc(h, 900, NULL, &q)); /* same rounded size: the same block, no lock */
     CHECK(q == p);
-    s = stats(h);
+    s = heap_stats(h);
     CHECK(s.requested_bytes == 900 && s.active_allocs == 1 && s.num_allocs == 2);
     CHECK(s.peak_requested_bytes == 1000);
     CHECK_OK(cuma_validate(h));
@@ -53,7 +44,7 @@ static void test_reuse_and_accounting(void) {
     CHECK_OK(cuma_free(h, q, s2));
     /* trim empties the caches and gives everything back. */
     CHECK_OK(cuma_trim(h, 0));
-    s = stats(h);
+    s = heap_stats(h);
     CHECK(s.reserved_bytes == 0 && s.mapped_bytes == 0 && s.requested_bytes == 0);
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
@@ -65,19 +56,19 @@ static void test_age(void) {
     void *p;
     CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &p));
     CHECK_OK(cuma_free(h, p, NULL));
-    CHECK(stats(h).mapped_bytes == 4 * MB);
+    CHECK(heap_stats(h).mapped_bytes == 4 * MB);
     uint64_t due;
     CHECK_OK(cuma_next_release(h, &due));
     CHECK(due == 50 * 1000000ull);
     CHECK_OK(cuma_sim_set_time(h, due));
     CHECK_OK(cuma_poll(h));
-    cuma_stats s = stats(h);
+    cuma_stats s = heap_stats(h);
     CHECK(s.mapped_bytes == 0 && s.cached_bytes == 4 * MB); /* back in the heap, pages idle */
     CHECK_OK(cuma_next_release(h, &due));
     CHECK(due == 150 * 1000000ull);
     CHECK_OK(cuma_sim_set_time(h, due));
     CHECK_OK(cuma_poll(h));
-    CHECK(stats(h).reserved_bytes == 0);
+    CHECK(heap_stats(h).reserved_bytes == 0);
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
 }
@@ -114,7 +105,7 @@ static void test_threads(void) {
     pthread_join(t, NULL);
     CHECK_OK(x.st);
     CHECK_ST(cuma_free(h, p, NULL), CUMA_ERR_BAD_POINTER); /* stale entry here: refused */
-    CHECK(stats(h).active_allocs == 0);
+    CHECK(heap_stats(h).active_allocs == 0);
     CHECK_OK(cuma_validate(h));
     /* A thread that ends gives its cache back. */
     xfree y = {h, NULL, CUMA_OK};
@@ -122,9 +113,9 @@ static void test_threads(void) {
     pthread_join(t, NULL);
     CHECK_OK(y.st);
     CHECK_OK(cuma_validate(h));
-    CHECK(stats(h).mapped_bytes == 0);
+    CHECK(heap_stats(h).mapped_bytes == 0);
     CHECK_OK(cuma_trim(h, 0));
-    CHECK(stats(h).reserved_bytes == 0);
+    CHECK(heap_stats(h).reserved_bytes == 0);
     cuma_heap_destroy(h);
 }
 
@@ -161,16 +152,16 @@ static void test_pending_frees(void) {
     void *p[40];
     for (int i = 0; i < 40; i++) CHECK_OK(cuma_alloc(h, 1 * MB, NULL, &p[i]));
     for (int i = 0; i < 31; i++) CHECK_OK(cuma_free(h, p[i], NULL));
-    cuma_stats s = stats(h);
+    cuma_stats s = heap_stats(h);
     CHECK(s.active_allocs == 9 && s.requested_bytes == 9 * MB); /* freed for the program */
     CHECK(s.mapped_bytes >= 40 * MB);                           /* not yet back in the heap */
     CHECK_OK(cuma_validate(h));
     CHECK_ST(cuma_free(h, p[3], NULL), CUMA_ERR_BAD_POINTER); /* a second free is refused */
     CHECK_OK(cuma_validate(h));
-    CHECK(stats(h).mapped_bytes <= 10 * MB); /* that slow call returned the batch */
+    CHECK(heap_stats(h).mapped_bytes <= 10 * MB); /* that slow call returned the batch */
     for (int i = 31; i < 39; i++) CHECK_OK(cuma_free(h, p[i], NULL));
     CHECK_OK(cuma_trim(h, 0)); /* a flush takes pending frees too */
-    s = stats(h);
+    s = heap_stats(h);
     CHECK(s.mapped_bytes == 2 * MB && s.cached_bytes == 0); /* one page under the last block */
     CHECK_OK(cuma_free(h, p[39], NULL));
     CHECK_OK(cuma_validate(h));
