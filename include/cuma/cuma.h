@@ -143,7 +143,7 @@ typedef struct cuma_stats {
     uint64_t mapped_bytes;       /* pages under at least one live byte */
     uint64_t cached_bytes;       /* idle pages kept for reuse */
     uint64_t managed_bytes;      /* live allocations served from managed memory */
-    uint64_t virtual_bytes;      /* size of the reserved virtual range */
+    uint64_t virtual_bytes;      /* size of the reserved virtual ranges (one per arena) */
     uint64_t limit_bytes;        /* effective limit on reserved bytes (device size if none) */
     uint64_t device_total_bytes; /* device memory as the backend reports it */
     uint64_t device_free_bytes;
@@ -163,6 +163,7 @@ typedef struct cuma_stats {
     uint64_t events_recorded; /* stream events recorded to fence reuse */
     uint64_t trims;           /* cuma_trim calls and OOM cache releases */
     double fragmentation;     /* share of mapped bytes not under live allocations */
+    uint64_t arenas; /* arenas the heap has made (1 until threads kept colliding: `arenas` key) */
 } cuma_stats;
 
 cuma_status cuma_get_stats(cuma_heap *heap, cuma_stats *out);

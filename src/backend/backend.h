@@ -7,7 +7,8 @@
  *
  * Thread safety: the core calls a backend under its heap lock, except now_ns and mem_info, which
  * may be called from any thread at any time (so they must not touch state the other calls
- * change). A backend needs no lock of its own for one heap.
+ * change). A backend needs no lock of its own: a heap with several arenas (each with its own
+ * lock) shares one backend through cuma_backend_locked.
  */
 #ifndef CUMA_BACKEND_BACKEND_H
 #define CUMA_BACKEND_BACKEND_H
@@ -69,6 +70,15 @@ struct cuma_backend {
 cuma_status cuma_backend_create(const cuma_settings *s, cuma_backend **out);
 
 cuma_status cuma_sim_backend_create(const cuma_settings *s, cuma_backend **out);
+
+/* Wraps a backend for several arenas of one heap: its calls then run under one mutex (except
+ * now_ns and mem_info). Destroying the wrapper destroys the backend. */
+cuma_status cuma_backend_locked(cuma_backend *inner, cuma_backend **out);
+/* The backend a wrapper holds (be itself when it is no wrapper). */
+cuma_backend *cuma_backend_unwrap(cuma_backend *be);
+/* Holds a wrapper's mutex around a call on the backend it holds (no-ops for other backends). */
+void cuma_backend_lock(cuma_backend *be);
+void cuma_backend_unlock(cuma_backend *be);
 
 /* Sim controls behind include/cuma/sim.h; CUMA_ERR_UNSUPPORTED if be is not a sim. */
 cuma_status cuma_simbe_hold(cuma_backend *be, cuma_stream stream, bool hold);

@@ -31,11 +31,14 @@ typedef struct sim_event {
 } sim_event;
 
 /* Invariants: used_pages <= npages; a page index is either on free_pages or handed out;
- * events on the free list are not referenced by the core. Guarded by the heap lock. */
+ * events on the free list are not referenced by the core. Guarded by the heap lock (or the
+ * arenas' shared-backend mutex), except used_pages: atomic, because mem_info reads it from any
+ * thread. */
 typedef struct sim {
     cuma_backend be;
     bool backing;
-    uint64_t npages, used_pages, next_fresh;
+    uint64_t npages, next_fresh;
+    _Atomic uint64_t used_pages;
     uint64_t *free_pages;
     uint64_t nfree;
     int fd;

@@ -79,6 +79,10 @@ static const key_desc keys[] = {
     {"tcache_age_ms", K_MS, F(tcache_age_ms), "50", NULL,
      "blocks idle in a thread cache longer than this go back to the heap (and from there to the "
      "device after release_delay_ms)"},
+    {"arenas", K_INT, F(arenas), "4", NULL,
+     "most arenas (each with its own lock, placement and page cache over its own virtual range) "
+     "a heap spreads threads over when their slow paths keep colliding on one lock; 1 = one lock "
+     "for every thread. A single thread, or threads that rarely collide, stay in one arena"},
     {"device", K_INT, F(device), "0", NULL, "CUDA device ordinal"},
 };
 
@@ -298,6 +302,9 @@ cuma_status cuma_settings_validate(const cuma_settings *s) {
                          (unsigned long long)s->limit);
     if (!s->growth && !s->preallocate)
         return cuma_fail(CUMA_ERR_CONFIG, "growth:off needs preallocate:SIZE");
+    if (s->arenas < 1 || s->arenas > CUMA_MAX_ARENAS)
+        return cuma_fail(CUMA_ERR_CONFIG, "arenas %d is not between 1 and %d", s->arenas,
+                         CUMA_MAX_ARENAS);
     return CUMA_OK;
 }
 

@@ -7,7 +7,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define CUMA_UNLIMITED UINT64_MAX
+#define CUMA_UNLIMITED  UINT64_MAX
+#define CUMA_MAX_ARENAS 8
 
 /* Invariants (cuma_settings_validate): page_size is a power of two >= 4 KiB; capacity is a
  * multiple of page_size; 0 <= memory_fraction <= 1; 0 <= fragmentation_threshold <= 1;
@@ -36,6 +37,7 @@ typedef struct cuma_settings {
     uint64_t tcache_bytes;          /* most bytes one thread's cache holds */
     uint64_t tcache_max;            /* largest block a thread cache holds */
     int64_t tcache_age_ms;          /* blocks idle longer go back to the heap */
+    int arenas;                     /* most arenas threads spread over under contention */
     int device;
 } cuma_settings;
 

@@ -33,39 +33,24 @@ void cuma_heap_refresh_limit(cuma_heap *h) {
 
 static void *release_thread(void *arg);
 
-cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
-    cuma_clear_error();
-    if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_heap_create: out is NULL");
-    *out = NULL;
-    cuma_heap *h = calloc(1, sizeof *h);
-    if (!h) return cuma_fail(CUMA_ERR_OOM, "no host memory for a heap");
-    cuma_status st = cuma_settings_from_config(&h->set, cfg);
-    if (st) goto fail_free;
-    st = cuma_backend_create(&h->set, &h->be);
-    if (st == CUMA_ERR_NO_DEVICE && !h->set.backend_named) {
-        /* No backend named and no CUDA driver: the simulated device, said in the stats
-         * ("backend_fallback"). A named backend gets exactly that backend or the error. */
-        snprintf(h->set.backend, sizeof h->set.backend, "sim");
-        h->backend_fallback = true;
-        st = cuma_backend_create(&h->set, &h->be);
-    }
-    if (st) goto fail_free;
+/* Everything an arena needs besides its settings, backend and first arena (set by the caller):
+ * placement, virtual range and pages (or segments), tables, limits, the first arena's
+ * preallocation, the lock and the release thread. On failure nothing is left to undo. */
+cuma_status cuma_heap_build(cuma_heap *h) {
+    cuma_status st;
+    bool first = h->primary == h;
     h->vmm = (h->be->caps & CUMA_CAP_VMM) != 0;
-    if (!h->vmm && !(h->be->caps & CUMA_CAP_SEGMENTS)) {
-        st = cuma_fail(CUMA_ERR_UNSUPPORTED, "backend %s offers neither pages nor segments",
-                       h->be->name);
-        goto fail_be;
-    }
+    if (!h->vmm && !(h->be->caps & CUMA_CAP_SEGMENTS))
+        return cuma_fail(CUMA_ERR_UNSUPPORTED, "backend %s offers neither pages nor segments",
+                         h->be->name);
     bool buddy = !strcmp(h->set.policy, "buddy");
-    if (!h->vmm && buddy) {
-        st = cuma_fail(
+    if (!h->vmm && buddy)
+        return cuma_fail(
             CUMA_ERR_CONFIG,
             "policy:buddy needs a virtual range; backend %s has segments only (use policy:tlsf)",
             h->be->name);
-        goto fail_be;
-    }
     st = cuma_streams_init(&h->streams, h->be);
-    if (st) goto fail_be;
+    if (st) return st;
     const cuma_policy_ops *pol = buddy ? &cuma_buddy_ops : &cuma_tlsf_ops;
     st = pol->create(&h->pol, &h->streams, h->vmm ? CUMA_POLICY_KEEP_TOP_CLEAN : 0);
     if (st) goto fail_streams;
@@ -79,13 +64,13 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         if (st) goto fail_pol;
         st = cuma_pages_init(&h->pages, h->be, &h->streams, h->base, h->va_size);
         if (st) goto fail_reserve;
+        h->pages.shared = &h->primary->pages.own_reserved;
         st = h->pol->ops->add_range(h->pol, 0, h->va_size);
         if (st) goto fail_pages;
     } else {
         cuma_segs_init(&h->segs, h->be, &h->streams, h->pol, h->set.segment_size);
     }
     cuma_map_init(&h->live);
-    cuma_map_init(&h->managed);
     h->release_delay_ns = h->set.release_delay_ms < 0 ? -1 : h->set.release_delay_ms * 1000000;
     h->tc_on = h->set.tcache;
     h->tc_bytes = h->set.tcache_bytes;
@@ -93,7 +78,7 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     h->tc_age_ns = h->set.tcache_age_ms < 0 ? INT64_MAX : h->set.tcache_age_ms * 1000000;
     h->max_cached_bytes = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached;
     cuma_heap_refresh_limit(h);
-    if (h->set.preallocate) {
+    if (h->set.preallocate && first) {
         st = h->vmm ? cuma_pages_prefill(
                           &h->pages, (h->set.preallocate + h->be->page_size - 1) / h->be->page_size,
                           cuma_heap_now(h))
@@ -123,11 +108,9 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     }
     atomic_store(&h->coarse_now, cuma_heap_now(h));
     h->id = cuma_tcache_register_heap(h);
-    *out = h;
     return CUMA_OK;
 fail_all:
     cuma_map_destroy(&h->live);
-    cuma_map_destroy(&h->managed);
     if (!h->vmm) cuma_segs_destroy(&h->segs);
 fail_pages:
     if (h->vmm) cuma_pages_destroy(&h->pages);
@@ -137,6 +120,74 @@ fail_pol:
     h->pol->ops->destroy(h->pol);
 fail_streams:
     cuma_streams_destroy(&h->streams);
+    return st;
+}
+
+void cuma_heap_teardown(cuma_heap *h) {
+    if (h->thread_running) {
+        pthread_mutex_lock(&h->lock);
+        h->stopping = true;
+        pthread_cond_signal(&h->wake);
+        pthread_mutex_unlock(&h->lock);
+        pthread_join(h->thread, NULL);
+    }
+    cuma_tcache_unregister_heap(h);
+    cuma_tcache_destroy_all(h);
+    cuma_map_destroy(&h->live);
+    if (h->vmm) {
+        cuma_pages_destroy(&h->pages);
+        h->be->ops->unreserve(h->be, h->base, h->va_size);
+    } else {
+        cuma_segs_destroy(&h->segs);
+    }
+    h->pol->ops->destroy(h->pol);
+    cuma_streams_destroy(&h->streams);
+    pthread_mutex_destroy(&h->lock);
+    pthread_cond_destroy(&h->wake);
+}
+
+cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
+    cuma_clear_error();
+    if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_heap_create: out is NULL");
+    *out = NULL;
+    cuma_heap *h = calloc(1, sizeof *h);
+    if (!h) return cuma_fail(CUMA_ERR_OOM, "no host memory for a heap");
+    cuma_status st = cuma_settings_from_config(&h->set, cfg);
+    if (st) goto fail_free;
+    st = cuma_backend_create(&h->set, &h->be);
+    if (st == CUMA_ERR_NO_DEVICE && !h->set.backend_named) {
+        /* No backend named and no CUDA driver: the simulated device, said in the stats
+         * ("backend_fallback"). A named backend gets exactly that backend or the error. */
+        snprintf(h->set.backend, sizeof h->set.backend, "sim");
+        h->backend_fallback = true;
+        st = cuma_backend_create(&h->set, &h->be);
+    }
+    if (st) goto fail_free;
+    if (h->set.arenas > 1 && (h->be->caps & CUMA_CAP_VMM)) {
+        /* Arenas share the backend: its calls go through one mutex from the start. */
+        cuma_backend *shared;
+        st = cuma_backend_locked(h->be, &shared);
+        if (st) goto fail_be;
+        h->be = shared;
+    }
+    h->primary = h;
+    h->owns_be = true;
+    h->arenas[0] = h;
+    atomic_store(&h->narenas, 1);
+    cuma_map_init(&h->managed);
+    pthread_mutex_init(&h->arena_lock, NULL);
+    pthread_mutex_init(&h->oom_lock, NULL);
+    pthread_mutex_init(&h->managed_lock, NULL);
+    st = cuma_heap_build(h);
+    if (st) {
+        pthread_mutex_destroy(&h->arena_lock);
+        pthread_mutex_destroy(&h->oom_lock);
+        pthread_mutex_destroy(&h->managed_lock);
+        cuma_map_destroy(&h->managed);
+        goto fail_be;
+    }
+    *out = h;
+    return CUMA_OK;
 fail_be:
     h->be->ops->destroy(h->be);
 fail_free:
@@ -152,29 +203,18 @@ static bool free_managed(void *ctx, uint64_t key, void *val) {
 
 void cuma_heap_destroy(cuma_heap *h) {
     if (!h) return;
-    if (h->thread_running) {
-        pthread_mutex_lock(&h->lock);
-        h->stopping = true;
-        pthread_cond_signal(&h->wake);
-        pthread_mutex_unlock(&h->lock);
-        pthread_join(h->thread, NULL);
+    /* The other arenas first: their pages count against the first arena's page counter. */
+    for (unsigned i = atomic_load(&h->narenas); i-- > 1;) {
+        cuma_heap_teardown(h->arenas[i]);
+        free(h->arenas[i]);
     }
-    cuma_tcache_unregister_heap(h);
-    cuma_tcache_destroy_all(h);
     cuma_map_each(&h->managed, free_managed, h);
     cuma_map_destroy(&h->managed);
-    cuma_map_destroy(&h->live);
-    if (h->vmm) {
-        cuma_pages_destroy(&h->pages);
-        h->be->ops->unreserve(h->be, h->base, h->va_size);
-    } else {
-        cuma_segs_destroy(&h->segs);
-    }
-    h->pol->ops->destroy(h->pol);
-    cuma_streams_destroy(&h->streams);
+    cuma_heap_teardown(h);
     h->be->ops->destroy(h->be);
-    pthread_mutex_destroy(&h->lock);
-    pthread_cond_destroy(&h->wake);
+    pthread_mutex_destroy(&h->arena_lock);
+    pthread_mutex_destroy(&h->oom_lock);
+    pthread_mutex_destroy(&h->managed_lock);
     free(h);
 }
 
@@ -182,24 +222,34 @@ static uint64_t now(cuma_heap *h) {
     return cuma_heap_now(h);
 }
 
+/* Raises a peak of the whole heap to `v` (lock-free: arenas and fast paths race here). */
+static void raise_peak(_Atomic uint64_t *peak, uint64_t v) {
+    uint64_t p = atomic_load_explicit(peak, memory_order_relaxed);
+    while (v > p && !atomic_compare_exchange_weak_explicit(peak, &p, v, memory_order_relaxed,
+                                                           memory_order_relaxed)) {
+    }
+}
+
 static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache *tc) {
     cuma_counters *c = &h->c;
+    cuma_heap *p = h->primary;
     c->requested += req;
     c->allocated += size;
     c->active++;
     c->allocs++;
-    atomic_store_explicit(&h->req_global, (int64_t)c->requested, memory_order_relaxed);
+    int64_t all_req =
+        atomic_fetch_add_explicit(&p->req_global, (int64_t)req, memory_order_relaxed) +
+        (int64_t)req;
+    int64_t all_alloc =
+        atomic_fetch_add_explicit(&p->alloc_global, (int64_t)size, memory_order_relaxed) +
+        (int64_t)size;
     /* The peaks count the calling thread's cache; other threads' caches move them only when
      * those threads allocate (documented in cuma.h). */
     int64_t mine = tc ? atomic_load_explicit(&tc->requested, memory_order_relaxed) : 0;
     int64_t mine_a = tc ? atomic_load_explicit(&tc->allocated, memory_order_relaxed) : 0;
-    uint64_t total = (uint64_t)((int64_t)c->requested + mine), peak = atomic_load(&h->peak_req);
-    while (total > peak && !atomic_compare_exchange_weak(&h->peak_req, &peak, total)) {
-    }
-    uint64_t total_a = (uint64_t)((int64_t)c->allocated + mine_a);
-    if (total_a > c->peak_allocated) c->peak_allocated = total_a;
-    uint64_t reserved = cuma_heap_reserved(h);
-    if (reserved > c->peak_reserved) c->peak_reserved = reserved;
+    if (all_req + mine > 0) raise_peak(&p->peak_req, (uint64_t)(all_req + mine));
+    if (all_alloc + mine_a > 0) raise_peak(&p->peak_alloc, (uint64_t)(all_alloc + mine_a));
+    raise_peak(&p->peak_res, cuma_heap_reserved_all(h));
 }
 
 /* Gives a block back to the policy and its pages to the cache. */
@@ -209,7 +259,9 @@ static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_
         h->c.requested -= b->req;
         h->c.allocated -= b->size;
         h->c.active--;
-        atomic_store_explicit(&h->req_global, (int64_t)h->c.requested, memory_order_relaxed);
+        atomic_fetch_sub_explicit(&h->primary->req_global, (int64_t)b->req, memory_order_relaxed);
+        atomic_fetch_sub_explicit(&h->primary->alloc_global, (int64_t)b->size,
+                                  memory_order_relaxed);
     }
     bool was_empty = cuma_heap_cached(h) == 0;
     if (h->vmm) cuma_pages_unref(&h->pages, b->off, b->mapped_len, t, fstream, fseq);
@@ -352,50 +404,93 @@ static cuma_status fail_oom(cuma_heap *h, cuma_status st, size_t size) {
     return cuma_fail(st,
                      "out of memory: %zu bytes requested; %" PRIu64 " reserved (%" PRIu64
                      " cached) of a %" PRIu64 "-byte limit, %" PRIu64 " bytes live (%s)",
-                     size, cuma_heap_reserved(h), cuma_heap_cached(h), h->limit_bytes,
-                     h->c.requested, st == CUMA_ERR_LIMIT ? "limit reached" : "device full");
+                     size, cuma_heap_reserved_all(h), cuma_heap_cached(h), h->limit_bytes,
+                     (uint64_t)atomic_load(&h->primary->req_global),
+                     st == CUMA_ERR_LIMIT ? "limit reached" : "device full");
 }
 
 /* The out-of-memory ladder: release the cache and retry, call the callbacks and retry, fall
  * back to managed memory, then fail. Called with the lock held; callbacks run without it. */
-static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n, unsigned si,
-                           cuma_stream stream, cuma_block **out, uint64_t *managed_addr) {
-    if (st != CUMA_ERR_OOM && st != CUMA_ERR_LIMIT) return st;
-    h->c.retries++;
-    h->c.trims++;
+/* Everything idle goes back: thread caches, deferred frees whose work is done, the page cache
+ * (arena lock held). */
+static void release_all(cuma_heap *h) {
     cuma_heap_flush_tcaches(h);
     process_deferred(h, true);
     coalesce(h, true);
     cuma_heap_release(h, now(h), 0, 0, 0, true);
+}
+
+/* The idle memory of the heap's other arenas goes back too, so this arena can have it (h's lock
+ * held on entry and exit, dropped meanwhile: an arena never waits for another's lock while
+ * holding its own). */
+static void release_other_arenas(cuma_heap *h) {
+    cuma_heap *p = h->primary;
+    unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
+    if (n < 2) return;
+    pthread_mutex_unlock(&h->lock);
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *o = p->arenas[i];
+        if (o == h) continue;
+        pthread_mutex_lock(&o->lock);
+        release_all(o);
+        pthread_mutex_unlock(&o->lock);
+    }
+    pthread_mutex_lock(&h->lock);
+}
+
+static bool is_oom(cuma_status st) {
+    return st == CUMA_ERR_OOM || st == CUMA_ERR_LIMIT;
+}
+
+/* The out-of-memory ladder: release the cache (this arena's, then the other arenas') and retry,
+ * call the callbacks and retry, fall back to managed memory, then fail. Called with the arena's
+ * lock held; callbacks run without it. */
+static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n, unsigned si,
+                           cuma_stream stream, cuma_block **out, uint64_t *managed_addr) {
+    if (!is_oom(st)) return st;
+    cuma_heap *p = h->primary;
+    h->c.retries++;
+    h->c.trims++;
+    release_all(h);
     st = try_alloc(h, size, n, si, now(h), out);
-    if (st != CUMA_ERR_OOM && st != CUMA_ERR_LIMIT) return st;
-    if (!h->in_oom && h->noom) {
+    if (!is_oom(st)) return st;
+    if (atomic_load(&p->narenas) > 1) {
+        release_other_arenas(h);
+        st = try_alloc(h, size, n, si, now(h), out);
+        if (!is_oom(st)) return st;
+    }
+    pthread_mutex_lock(&p->oom_lock);
+    cuma_oom_slot cbs[CUMA_MAX_OOM_CALLBACKS];
+    int ncb = atomic_load(&p->in_oom) ? 0 : p->noom;
+    memcpy(cbs, p->oom, sizeof cbs);
+    pthread_mutex_unlock(&p->oom_lock);
+    if (ncb) {
         h->c.ooms++;
-        cuma_oom_slot cbs[CUMA_MAX_OOM_CALLBACKS];
-        int ncb = h->noom;
-        memcpy(cbs, h->oom, sizeof cbs);
         for (int i = 0; i < ncb; i++) {
-            h->in_oom++;
+            atomic_fetch_add(&p->in_oom, 1);
             h->c.oom_calls++;
             pthread_mutex_unlock(&h->lock);
-            int r = cbs[i].fn(cbs[i].user, h, size, stream);
+            int r = cbs[i].fn(cbs[i].user, p, size, stream);
             pthread_mutex_lock(&h->lock);
-            h->in_oom--;
+            atomic_fetch_sub(&p->in_oom, 1);
             if (r != CUMA_OOM_RETRY) continue;
-            cuma_heap_flush_tcaches(h); /* what the callback freed may sit in its thread's cache */
-            process_deferred(h, true);
-            coalesce(h, true);
-            cuma_heap_release(h, now(h), 0, 0, 0, true);
+            release_all(h); /* what the callback freed may sit in its thread's cache */
+            release_other_arenas(h);
             st = try_alloc(h, size, n, si, now(h), out);
-            if (st != CUMA_ERR_OOM && st != CUMA_ERR_LIMIT) return st;
+            if (!is_oom(st)) return st;
         }
     }
     if (h->set.managed_fallback && (h->be->caps & CUMA_CAP_MANAGED)) {
         uint64_t addr;
         if (h->be->ops->managed_alloc(h->be, size, &addr) == CUMA_OK) {
-            if (cuma_map_put(&h->managed, addr, (void *)(uintptr_t)size)) {
-                h->c.managed += size;
-                h->c.managed_fallbacks++;
+            pthread_mutex_lock(&p->managed_lock);
+            bool put = cuma_map_put(&p->managed, addr, (void *)(uintptr_t)size);
+            if (put) {
+                p->c.managed += size;
+                p->c.managed_fallbacks++;
+            }
+            pthread_mutex_unlock(&p->managed_lock);
+            if (put) {
                 *managed_addr = addr;
                 return CUMA_OK;
             }
@@ -405,10 +500,11 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
     return fail_oom(h, st, size);
 }
 
-cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr) {
-    if (!h || !ptr)
-        return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: %s is NULL", h ? "ptr" : "heap");
+cuma_status cuma_alloc(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr) {
+    if (!heap || !ptr)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: %s is NULL", heap ? "ptr" : "heap");
     *ptr = NULL;
+    cuma_heap *h = cuma_arena_mine(heap);
     if (size == 0) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size 0");
     /* The default policy's rounding inline: this runs before every fast path. */
     uint64_t n = h->pol->ops == &cuma_tlsf_ops && size <= (1ull << 47)
@@ -421,7 +517,7 @@ cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr
                          h->vmm ? "virtual range" : "device");
     cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
     if (tc && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
-    pthread_mutex_lock(&h->lock);
+    cuma_arena_lock(heap, h);
     cuma_status st;
     int si = cuma_streams_index(&h->streams, stream);
     if (si < 0) {
@@ -476,10 +572,11 @@ static cuma_status bad_pointer(cuma_heap *h, const void *ptr, const char *what) 
                      ptr);
 }
 
-cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
-    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_free: heap is NULL");
+cuma_status cuma_free(cuma_heap *heap, void *ptr, cuma_stream stream) {
+    if (!heap) return cuma_fail(CUMA_ERR_INVALID, "cuma_free: heap is NULL");
     if (!ptr) return CUMA_OK;
     uint64_t a = (uint64_t)(uintptr_t)ptr;
+    cuma_heap *h = cuma_arena_of(heap, a);
     cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
     cuma_tc_result r = tc ? cuma_tcache_free(tc, a, stream) : CUMA_TC_MISS;
     if (r == CUMA_TC_DONE) return CUMA_OK;
@@ -500,11 +597,14 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
         return st;
     }
     if (!b) {
-        void *msize = cuma_map_remove(&h->managed, a);
+        cuma_heap *p = h->primary;
+        pthread_mutex_lock(&p->managed_lock);
+        void *msize = cuma_map_remove(&p->managed, a);
+        if (msize) p->c.managed -= (uint64_t)(uintptr_t)msize;
+        pthread_mutex_unlock(&p->managed_lock);
         cuma_status st = CUMA_OK;
         if (msize) {
             h->be->ops->managed_free(h->be, a, (uint64_t)(uintptr_t)msize);
-            h->c.managed -= (uint64_t)(uintptr_t)msize;
             h->c.frees++;
         } else {
             st = bad_pointer(h, ptr, "cuma_free");
@@ -550,17 +650,26 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
     return CUMA_OK;
 }
 
-cuma_status cuma_record_stream(cuma_heap *h, void *ptr, cuma_stream stream) {
-    if (!h || !ptr)
-        return cuma_fail(CUMA_ERR_INVALID, "cuma_record_stream: %s is NULL", h ? "ptr" : "heap");
+/* Whether addr is a live managed fallback of the heap. */
+static bool is_managed(cuma_heap *h, uint64_t addr) {
+    cuma_heap *p = h->primary;
+    pthread_mutex_lock(&p->managed_lock);
+    bool m = cuma_map_get(&p->managed, addr) != NULL;
+    pthread_mutex_unlock(&p->managed_lock);
+    return m;
+}
+
+cuma_status cuma_record_stream(cuma_heap *heap, void *ptr, cuma_stream stream) {
+    if (!heap || !ptr)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_record_stream: %s is NULL", heap ? "ptr" : "heap");
+    cuma_heap *h = cuma_arena_of(heap, (uint64_t)(uintptr_t)ptr);
     pthread_mutex_lock(&h->lock);
     cuma_status st = CUMA_OK;
     cuma_block *b = cuma_map_get(&h->live, (uint64_t)(uintptr_t)ptr);
     if (b && !(atomic_load(&b->gen) & 1)) b = NULL; /* in a thread cache: freed */
     if (!b) {
-        st = cuma_map_get(&h->managed, (uint64_t)(uintptr_t)ptr)
-                 ? CUMA_OK
-                 : bad_pointer(h, ptr, "cuma_record_stream");
+        st = is_managed(h, (uint64_t)(uintptr_t)ptr) ? CUMA_OK
+                                                     : bad_pointer(h, ptr, "cuma_record_stream");
     } else {
         int si = cuma_streams_index(&h->streams, stream);
         if (si < 0)
@@ -580,37 +689,57 @@ cuma_status cuma_record_stream(cuma_heap *h, void *ptr, cuma_stream stream) {
 
 cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_trim: heap is NULL");
-    pthread_mutex_lock(&h->lock);
-    h->c.trims++;
-    cuma_heap_flush_tcaches(h);
-    process_deferred(h, true);
-    coalesce(h, true);
-    cuma_heap_release(h, now(h), -1, keep_bytes, 0, true);
-    pthread_mutex_unlock(&h->lock);
+    unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = h->arenas[i];
+        pthread_mutex_lock(&a->lock);
+        if (!i) a->c.trims++;
+        cuma_heap_flush_tcaches(a);
+        process_deferred(a, true);
+        coalesce(a, true);
+        /* keep_bytes is the heap's: the first arena keeps them, the others keep nothing. */
+        cuma_heap_release(a, now(a), -1, i ? 0 : keep_bytes, 0, true);
+        pthread_mutex_unlock(&a->lock);
+    }
     return CUMA_OK;
 }
 
 cuma_status cuma_poll(cuma_heap *h) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_poll: heap is NULL");
-    pthread_mutex_lock(&h->lock);
-    cuma_heap_release_policy(h, now(h));
-    pthread_mutex_unlock(&h->lock);
+    unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = h->arenas[i];
+        pthread_mutex_lock(&a->lock);
+        cuma_heap_release_policy(a, now(a));
+        pthread_mutex_unlock(&a->lock);
+    }
     return CUMA_OK;
 }
 
-cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
-    if (!h || !ns) return cuma_fail(CUMA_ERR_INVALID, "cuma_next_release: NULL argument");
-    pthread_mutex_lock(&h->lock);
-    *ns = next_age_due(h);
+static uint64_t next_release_of(cuma_heap *h) {
+    uint64_t ns = next_age_due(h);
     if (h->tcaches && h->tc_age_ns != INT64_MAX) {
         /* A cache block is due at tc_due at the earliest; whether one is there is only known
          * by walking the caches, so report tc_due only when some cache holds a block. */
         uint64_t oldest = cuma_tcache_oldest(h);
         uint64_t due = oldest == UINT64_MAX ? UINT64_MAX : oldest + (uint64_t)h->tc_age_ns;
         if (due != UINT64_MAX && due < h->tc_due) due = h->tc_due;
+        if (due < ns) ns = due;
+    }
+    return ns;
+}
+
+cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
+    if (!h || !ns) return cuma_fail(CUMA_ERR_INVALID, "cuma_next_release: NULL argument");
+    *ns = UINT64_MAX;
+    unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = h->arenas[i];
+        pthread_mutex_lock(&a->lock);
+        uint64_t due = next_release_of(a);
+        pthread_mutex_unlock(&a->lock);
         if (due < *ns) *ns = due;
     }
-    pthread_mutex_unlock(&h->lock);
     return CUMA_OK;
 }
 

@@ -25,22 +25,33 @@ typedef struct cuma_oom_slot {
 
 /* Counters kept under the heap lock; cuma_get_stats copies them out. */
 typedef struct cuma_counters {
-    uint64_t requested, peak_requested, allocated, peak_allocated, peak_reserved;
+    uint64_t requested, allocated;
     uint64_t managed, active, allocs, frees, failed, retries, ooms, oom_calls, managed_fallbacks,
         trims;
 } cuma_counters;
 
-/* Invariants (cuma_heap_check, under lock): every live block is in `live` under its address
+/* A heap is one or more arenas. The handle the program holds is the first arena; it makes more
+ * (arena.c) when threads keep colliding on its lock. Each arena is a whole heap of its own
+ * (lock, placement policy, pages over its own virtual range, streams, thread caches, release
+ * thread) sharing the first arena's backend (through cuma_backend_locked), limit (a page count
+ * all arenas' pages are claimed from), peaks, callbacks and managed memory.
+ *
+ * Invariants (cuma_heap_check, under lock): every live block is in `live` under its address
  * base + off and in no free list; the page reference counts equal the number of live and
  * deferred blocks whose requested bytes overlap each page; counters.requested is the sum of
- * the live blocks' requests; the policy, pages and streams hold their own invariants. */
+ * the live blocks' requests; the policy, pages and streams hold their own invariants. Across
+ * arenas (all locks held): req_global and alloc_global are the sums of the arenas'
+ * counters.requested and counters.allocated; pages.own_reserved of the first arena is the sum
+ * of the arenas' pages.nreserved; arenas' virtual ranges do not overlap. */
 struct cuma_heap {
-    pthread_mutex_t lock; /* guards everything below unless a field says otherwise */
-    uint64_t id;          /* registry id (tcache.c); constant */
-    cuma_settings set;    /* constant after creation, except limit fields (under lock) */
-    cuma_backend *be;     /* constant after creation */
-    uint64_t base;        /* address of offset 0 of the virtual range; constant */
-    uint64_t va_size;     /* constant */
+    pthread_mutex_t lock;      /* guards everything below unless a field says otherwise */
+    struct cuma_heap *primary; /* the first arena (itself for the first); constant */
+    bool owns_be;              /* the first arena: destroys the backend; constant */
+    uint64_t id;               /* registry id (tcache.c); constant */
+    cuma_settings set;         /* constant after creation, except limit fields (under lock) */
+    cuma_backend *be;          /* constant after creation */
+    uint64_t base;             /* address of offset 0 of the virtual range; constant */
+    uint64_t va_size;          /* constant */
     cuma_policy *pol;
     cuma_streams streams;
     bool vmm;              /* page mode (pages) or segment mode (segs); constant */
@@ -48,16 +59,27 @@ struct cuma_heap {
     cuma_pages pages;
     cuma_segs segs;
     cuma_map live;    /* address -> cuma_block of every live allocation */
-    cuma_map managed; /* address -> size (as a pointer-sized integer) of managed fallbacks */
+    cuma_map managed; /* first arena, under managed_lock: address -> size of managed fallbacks */
     uint64_t last_fence_tick; /* gseq of the last periodic fence poll */
     cuma_block *deferred;     /* freed blocks waiting on record_stream fences (linked by fnext) */
     uint64_t limit_bytes;     /* effective limit on reserved bytes */
     int64_t release_delay_ns;
     uint64_t max_cached_bytes;
-    cuma_counters c;
+    cuma_counters c; /* this arena's; the peaks and managed counts live in the first's */
+    /* First arena only, under oom_lock (a leaf lock): the callbacks. */
+    pthread_mutex_t oom_lock;
     cuma_oom_slot oom[CUMA_MAX_OOM_CALLBACKS];
     int noom, next_oom_id;
-    int in_oom; /* an OOM callback is running: no recursion into callbacks */
+    _Atomic int in_oom; /* first arena: a callback is running: no recursion into callbacks */
+    /* First arena only, under managed_lock (a leaf lock): managed fallbacks (the map above,
+     * c.managed, c.managed_fallbacks and the frees of managed memory). */
+    pthread_mutex_t managed_lock;
+    /* First arena only: the arenas. arena_lock serialises making one with changes of settings
+     * that every arena must see; arenas[i] is written before narenas covers it (release) and
+     * never changes after. */
+    pthread_mutex_t arena_lock;
+    struct cuma_heap *arenas[CUMA_MAX_ARENAS];
+    _Atomic unsigned narenas;
     /* Thread caches (tcache.h): settings constant after creation; the list under the lock. */
     bool tc_on;
     uint64_t tc_bytes, tc_max;
@@ -66,8 +88,10 @@ struct cuma_heap {
     cuma_tcache *tcaches;
     _Atomic uint64_t manual_now; /* sim_clock:manual: the time cuma_sim_set_time set */
     _Atomic uint64_t coarse_now; /* the clock as of the last slow path (fast paths stamp with it) */
-    _Atomic int64_t req_global;  /* c.requested, for the fast path's peak check */
-    _Atomic uint64_t peak_req;   /* peak requested bytes (fast and slow paths) */
+    /* First arena only: sums over the arenas' slow-path counters (the fast path adds its own
+     * cache's share), kept so that the peaks of the whole heap need no lock. */
+    _Atomic int64_t req_global, alloc_global;
+    _Atomic uint64_t peak_req, peak_alloc, peak_res; /* peak requested, allocated, reserved */
     /* Background release thread. */
     pthread_t thread;
     pthread_cond_t wake;
@@ -75,7 +99,14 @@ struct cuma_heap {
     uint64_t thread_wake_at; /* when the release thread plans to wake (heap clock) */
 };
 
-/* The physical layer, whichever mode: bytes held from the device, idle in the cache, in use. */
+/* Reserved bytes of the whole heap (every arena): what the limit bounds. */
+static inline uint64_t cuma_heap_reserved_all(const cuma_heap *h) {
+    return h->vmm ? atomic_load_explicit(h->pages.shared, memory_order_relaxed) * h->pages.page_size
+                  : h->segs.reserved;
+}
+
+/* The physical layer of one arena, whichever mode: bytes held from the device, idle in the
+ * cache, in use. */
 static inline uint64_t cuma_heap_reserved(const cuma_heap *h) {
     return h->vmm ? h->pages.nreserved * h->pages.page_size : h->segs.reserved;
 }
@@ -102,6 +133,29 @@ void cuma_heap_give_cached(cuma_heap *h, cuma_block *b);
 
 /* Flushes every thread cache (heap lock held). */
 void cuma_heap_flush_tcaches(cuma_heap *h);
+
+/* Arenas (arena.c). The arena the calling thread allocates from: the first one until its
+ * slow paths kept colliding with other threads'. */
+cuma_heap *cuma_arena_mine_slow(cuma_heap *h);
+static inline cuma_heap *cuma_arena_mine(cuma_heap *h) {
+    return atomic_load_explicit(&h->narenas, memory_order_acquire) > 1 ? cuma_arena_mine_slow(h)
+                                                                       : h;
+}
+/* The arena whose virtual range holds addr (the first arena when none does). */
+cuma_heap *cuma_arena_of_slow(cuma_heap *h, uint64_t addr);
+static inline cuma_heap *cuma_arena_of(cuma_heap *h, uint64_t addr) {
+    return addr - h->base < h->va_size ? h : cuma_arena_of_slow(h, addr);
+}
+/* Locks arena a of heap h; a collision counts towards moving the thread to another arena. */
+void cuma_arena_lock(cuma_heap *h, cuma_heap *a);
+/* Makes one more arena; no lock held. */
+cuma_status cuma_arena_add(cuma_heap *h, cuma_heap **out);
+/* The calling thread allocates from arena `index` from now on, making arenas up to it if
+ * needed (tests: arenas without waiting for collisions). */
+cuma_status cuma_arena_use(cuma_heap *h, unsigned index);
+/* Builds an arena from its settings, backend and first arena (heap.c); undoes it. */
+cuma_status cuma_heap_build(cuma_heap *h);
+void cuma_heap_teardown(cuma_heap *h);
 
 /* Locked helpers shared by heap.c and heap_api.c. */
 void cuma_heap_refresh_limit(cuma_heap *h);

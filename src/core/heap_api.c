@@ -8,17 +8,30 @@
 
 cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_set_limit: heap is NULL");
-    pthread_mutex_lock(&h->lock);
-    cuma_heap_flush_tcaches(h);
-    h->set.limit = bytes ? bytes : CUMA_UNLIMITED;
-    cuma_heap_refresh_limit(h);
-    /* Over the new limit: the cache goes first; live memory stays until freed. */
-    uint64_t reserved = cuma_heap_reserved(h), cached = cuma_heap_cached(h);
-    if (reserved > h->limit_bytes) {
-        uint64_t excess = reserved - h->limit_bytes;
-        cuma_heap_release(h, cuma_heap_now(h), -1, cached > excess ? cached - excess : 0, 0, true);
+    /* Every arena gets the new limit (arena_lock: no arena is made meanwhile with the old). */
+    pthread_mutex_lock(&h->arena_lock);
+    unsigned n = atomic_load(&h->narenas);
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = h->arenas[i];
+        pthread_mutex_lock(&a->lock);
+        cuma_heap_flush_tcaches(a);
+        a->set.limit = bytes ? bytes : CUMA_UNLIMITED;
+        cuma_heap_refresh_limit(a);
+        pthread_mutex_unlock(&a->lock);
     }
-    pthread_mutex_unlock(&h->lock);
+    /* Over the new limit: the caches go first, arena by arena; live memory stays until freed. */
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = h->arenas[i];
+        pthread_mutex_lock(&a->lock);
+        uint64_t reserved = cuma_heap_reserved_all(a), cached = cuma_heap_cached(a);
+        if (reserved > a->limit_bytes) {
+            uint64_t excess = reserved - a->limit_bytes;
+            cuma_heap_release(a, cuma_heap_now(a), -1, cached > excess ? cached - excess : 0, 0,
+                              true);
+        }
+        pthread_mutex_unlock(&a->lock);
+    }
+    pthread_mutex_unlock(&h->arena_lock);
     return CUMA_OK;
 }
 
@@ -33,7 +46,7 @@ cuma_status cuma_set_memory_fraction(cuma_heap *h, double fraction) {
 cuma_status cuma_add_oom_callback(cuma_heap *h, cuma_oom_fn fn, void *user, int *id) {
     if (!h || !fn)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_add_oom_callback: %s is NULL", h ? "fn" : "heap");
-    pthread_mutex_lock(&h->lock);
+    pthread_mutex_lock(&h->oom_lock);
     cuma_status st = CUMA_OK;
     if (h->noom == CUMA_MAX_OOM_CALLBACKS) {
         st = cuma_fail(CUMA_ERR_INVALID, "cuma_add_oom_callback: already %d callbacks",
@@ -43,13 +56,13 @@ cuma_status cuma_add_oom_callback(cuma_heap *h, cuma_oom_fn fn, void *user, int 
         s->fn = fn, s->user = user, s->id = ++h->next_oom_id;
         if (id) *id = s->id;
     }
-    pthread_mutex_unlock(&h->lock);
+    pthread_mutex_unlock(&h->oom_lock);
     return st;
 }
 
 cuma_status cuma_remove_oom_callback(cuma_heap *h, int id) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_remove_oom_callback: heap is NULL");
-    pthread_mutex_lock(&h->lock);
+    pthread_mutex_lock(&h->oom_lock);
     cuma_status st =
         cuma_fail(CUMA_ERR_INVALID, "cuma_remove_oom_callback: no callback with id %d", id);
     for (int i = 0; i < h->noom; i++) {
@@ -60,26 +73,29 @@ cuma_status cuma_remove_oom_callback(cuma_heap *h, int id) {
         cuma_clear_error();
         break;
     }
-    pthread_mutex_unlock(&h->lock);
+    pthread_mutex_unlock(&h->oom_lock);
     return st;
 }
 
-cuma_status cuma_block_size(cuma_heap *h, const void *ptr, size_t *size) {
-    if (!h || !ptr || !size) return cuma_fail(CUMA_ERR_INVALID, "cuma_block_size: NULL argument");
+cuma_status cuma_block_size(cuma_heap *heap, const void *ptr, size_t *size) {
+    if (!heap || !ptr || !size)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_block_size: NULL argument");
+    cuma_heap *h = cuma_arena_of(heap, (uint64_t)(uintptr_t)ptr);
     pthread_mutex_lock(&h->lock);
-    cuma_status st = CUMA_OK;
     cuma_block *b = cuma_map_get(&h->live, (uint64_t)(uintptr_t)ptr);
     if (b && !(atomic_load(&b->gen) & 1)) b = NULL; /* in a thread cache: freed */
-    void *m = b ? NULL : cuma_map_get(&h->managed, (uint64_t)(uintptr_t)ptr);
-    if (b)
-        *size = b->size;
-    else if (m)
-        *size = (size_t)(uintptr_t)m;
-    else
-        st = cuma_fail(CUMA_ERR_BAD_POINTER, "cuma_block_size: pointer %p is not a live allocation",
-                       ptr);
+    size_t bsize = b ? b->size : 0;
     pthread_mutex_unlock(&h->lock);
-    return st;
+    if (!b) {
+        pthread_mutex_lock(&heap->managed_lock);
+        bsize = (size_t)(uintptr_t)cuma_map_get(&heap->managed, (uint64_t)(uintptr_t)ptr);
+        pthread_mutex_unlock(&heap->managed_lock);
+    }
+    if (!bsize)
+        return cuma_fail(CUMA_ERR_BAD_POINTER,
+                         "cuma_block_size: pointer %p is not a live allocation", ptr);
+    *size = bsize;
+    return CUMA_OK;
 }
 
 typedef struct walk {
@@ -122,7 +138,7 @@ cuma_status cuma_heap_check(cuma_heap *h) {
     const char *why = NULL;
     uint64_t free_b, live_b;
     if (!h->pol->ops->validate(h->pol, &why, &free_b, &live_b)) goto bad;
-    if (!cuma_map_validate(&h->live, &why) || !cuma_map_validate(&h->managed, &why)) goto bad;
+    if (!cuma_map_validate(&h->live, &why)) goto bad;
     if (!cuma_streams_validate(&h->streams, &why)) goto bad;
     if (h->vmm ? !cuma_pages_validate(&h->pages, &why) : !cuma_segs_validate(&h->segs, &why))
         goto bad;
@@ -166,11 +182,48 @@ bad:
     return cuma_fail(CUMA_ERR_CORRUPT, "cuma_validate: %s", why);
 }
 
+/* What ties the arenas together (every arena's lock held). */
+static const char *check_arenas(cuma_heap *h, unsigned n) {
+    int64_t req = 0, alloc = 0;
+    uint64_t pages = 0;
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = h->arenas[i];
+        if (a->primary != h || (i == 0) != (a == h)) return "an arena names another heap";
+        req += (int64_t)a->c.requested, alloc += (int64_t)a->c.allocated;
+        pages += a->pages.nreserved;
+        if (a->vmm && a->pages.shared != &h->pages.own_reserved)
+            return "an arena counts its pages apart from the heap's";
+        for (unsigned j = 0; j < i; j++) {
+            cuma_heap *b = h->arenas[j];
+            if (a->base < b->base + b->va_size && b->base < a->base + a->va_size)
+                return "two arenas' virtual ranges overlap";
+        }
+    }
+    if (req != atomic_load(&h->req_global)) return "requested bytes differ from the arenas' sum";
+    if (alloc != atomic_load(&h->alloc_global))
+        return "allocated bytes differ from the arenas' sum";
+    if (h->vmm && pages != atomic_load(&h->pages.own_reserved))
+        return "reserved pages differ from the arenas' sum";
+    return NULL;
+}
+
 cuma_status cuma_validate(cuma_heap *h) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_validate: heap is NULL");
-    pthread_mutex_lock(&h->lock);
-    cuma_status st = cuma_heap_check(h);
-    pthread_mutex_unlock(&h->lock);
+    /* Every arena at once, in their order (the only place that holds two arena locks). */
+    pthread_mutex_lock(&h->arena_lock);
+    unsigned n = atomic_load(&h->narenas);
+    for (unsigned i = 0; i < n; i++) pthread_mutex_lock(&h->arenas[i]->lock);
+    cuma_status st = CUMA_OK;
+    for (unsigned i = 0; i < n && !st; i++) st = cuma_heap_check(h->arenas[i]);
+    const char *why = st ? NULL : check_arenas(h, n);
+    if (!st) {
+        pthread_mutex_lock(&h->managed_lock);
+        if (!why) cuma_map_validate(&h->managed, &why);
+        pthread_mutex_unlock(&h->managed_lock);
+    }
+    for (unsigned i = n; i-- > 0;) pthread_mutex_unlock(&h->arenas[i]->lock);
+    pthread_mutex_unlock(&h->arena_lock);
+    if (why) st = cuma_fail(CUMA_ERR_CORRUPT, "cuma_validate: %s", why);
     return st;
 }
 
@@ -179,16 +232,22 @@ cuma_status cuma_sim_set_time(cuma_heap *h, uint64_t ns) {
     if (!h->set.sim_clock_manual)
         return cuma_fail(CUMA_ERR_UNSUPPORTED,
                          "cuma_sim_set_time: the heap needs sim_clock:manual");
-    pthread_mutex_lock(&h->lock);
-    cuma_status st = CUMA_OK;
-    if (ns < atomic_load(&h->manual_now)) {
-        st = cuma_fail(CUMA_ERR_INVALID, "cuma_sim_set_time: time goes backwards");
-    } else {
-        atomic_store(&h->manual_now, ns);
-        atomic_store_explicit(&h->coarse_now, ns, memory_order_relaxed);
+    if (ns < atomic_load(&h->manual_now))
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_set_time: time goes backwards");
+    /* Every arena keeps the clock (arena_lock: a new arena starts at the time set last). */
+    pthread_mutex_lock(&h->arena_lock);
+    unsigned n = atomic_load(&h->narenas);
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = h->arenas[i];
+        pthread_mutex_lock(&a->lock);
+        if (ns > atomic_load(&a->manual_now)) {
+            atomic_store(&a->manual_now, ns);
+            atomic_store_explicit(&a->coarse_now, ns, memory_order_relaxed);
+        }
+        pthread_mutex_unlock(&a->lock);
     }
-    pthread_mutex_unlock(&h->lock);
-    return st;
+    pthread_mutex_unlock(&h->arena_lock);
+    return CUMA_OK;
 }
 
 cuma_status cuma_sim_get_time(cuma_heap *h, uint64_t *ns) {
@@ -197,18 +256,28 @@ cuma_status cuma_sim_get_time(cuma_heap *h, uint64_t *ns) {
     return CUMA_OK;
 }
 
+/* The simulated stream's state is the backend's: under the arenas' shared backend mutex, or
+ * the heap lock where the backend is the heap's alone. */
+static cuma_status hold(cuma_heap *h, cuma_stream s, bool on) {
+    bool shared = cuma_backend_unwrap(h->be) != h->be;
+    if (shared)
+        cuma_backend_lock(h->be);
+    else
+        pthread_mutex_lock(&h->lock);
+    cuma_status st = cuma_simbe_hold(cuma_backend_unwrap(h->be), s, on);
+    if (shared)
+        cuma_backend_unlock(h->be);
+    else
+        pthread_mutex_unlock(&h->lock);
+    return st;
+}
+
 cuma_status cuma_sim_hold_stream(cuma_heap *h, cuma_stream s) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_hold_stream: heap is NULL");
-    pthread_mutex_lock(&h->lock);
-    cuma_status st = cuma_simbe_hold(h->be, s, true);
-    pthread_mutex_unlock(&h->lock);
-    return st;
+    return hold(h, s, true);
 }
 
 cuma_status cuma_sim_release_stream(cuma_heap *h, cuma_stream s) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_release_stream: heap is NULL");
-    pthread_mutex_lock(&h->lock);
-    cuma_status st = cuma_simbe_hold(h->be, s, false);
-    pthread_mutex_unlock(&h->lock);
-    return st;
+    return hold(h, s, false);
 }

@@ -26,6 +26,7 @@ cuma_status cuma_pages_init(cuma_pages *pp, cuma_backend *be, cuma_streams *ss, 
     }
     pp->head = pp->tail = pp->free_slot = CUMA_NIL;
     pp->limit_pages = UINT64_MAX;
+    pp->shared = &pp->own_reserved;
     return CUMA_OK;
 }
 
@@ -103,15 +104,20 @@ static void drop_slot(cuma_pages *pp, uint32_t i) {
 /* A new physical page, not mapped and not cached. */
 static cuma_status create_page(cuma_pages *pp, uint32_t *out) {
     *out = CUMA_NIL;
-    if (pp->nreserved >= pp->limit_pages)
-        return cuma_fail(pp->limit_is_device ? CUMA_ERR_OOM : CUMA_ERR_LIMIT,
-                         "limit of %llu pages reached", (unsigned long long)pp->limit_pages);
+    /* The limit counts the pages of every arena of the heap: claim one before creating it. */
+    uint64_t held = atomic_load_explicit(pp->shared, memory_order_relaxed);
+    do {
+        if (held >= pp->limit_pages)
+            return cuma_fail(pp->limit_is_device ? CUMA_ERR_OOM : CUMA_ERR_LIMIT,
+                             "limit of %llu pages reached", (unsigned long long)pp->limit_pages);
+    } while (!atomic_compare_exchange_weak_explicit(pp->shared, &held, held + 1,
+                                                    memory_order_relaxed, memory_order_relaxed));
     uint32_t i = CUMA_NIL;
     cuma_status st = new_slot(pp, &i);
-    if (st) return st;
-    st = pp->be->ops->page_create(pp->be, &pp->phys[i].handle);
+    if (!st) st = pp->be->ops->page_create(pp->be, &pp->phys[i].handle);
     if (st) {
-        drop_slot(pp, i);
+        if (i != CUMA_NIL) drop_slot(pp, i);
+        atomic_fetch_sub_explicit(pp->shared, 1, memory_order_relaxed);
         return st;
     }
     pp->nreserved++;
@@ -124,6 +130,7 @@ static void release_page(cuma_pages *pp, uint32_t i) {
     pp->be->ops->page_release(pp->be, pp->phys[i].handle);
     drop_slot(pp, i);
     pp->nreserved--;
+    atomic_fetch_sub_explicit(pp->shared, 1, memory_order_relaxed);
     pp->releases++;
 }
 

@@ -16,6 +16,7 @@
 #include "backend/backend.h"
 #include "streams.h"
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -36,7 +37,8 @@ typedef struct cuma_phys {
 } cuma_phys;
 
 /* Invariants (cuma_pages_validate): nreserved == slots in use == nmapped + ncached;
- * nreserved <= limit_pages unless the limit was lowered below it; live[v] > 0 implies
+ * nreserved <= *shared <= limit_pages unless the limit was lowered below it (*shared sums
+ * nreserved over the heap's arenas: cuma_heap_check); live[v] > 0 implies
  * phys_of[v] != 0; the cache list is ordered by idle_since, newest first. */
 typedef struct cuma_pages {
     cuma_backend *be;
@@ -51,6 +53,11 @@ typedef struct cuma_pages {
     uint32_t nslots, capslots, free_slot;
     uint32_t head, tail; /* cache list */
     uint64_t ncached, nmapped, nreserved, npinned;
+    /* Pages held by every arena of the heap, which limit_pages bounds: own_reserved of the
+     * heap's first arena (atomic: arenas change it under their own locks); `shared` points
+     * at it and is constant once the heap is built. */
+    _Atomic uint64_t own_reserved;
+    _Atomic uint64_t *shared;
     uint64_t limit_pages;
     bool limit_is_device; /* the limit is the device size: hitting it is OOM, not LIMIT */
     uint64_t creates, releases, maps, unmaps;

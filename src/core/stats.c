@@ -7,42 +7,58 @@
 #include <stdio.h>
 #include <string.h>
 
-static void snapshot(cuma_heap *h, cuma_stats *s) {
-    const cuma_counters *c = &h->c;
+/* Adds one arena's figures into s (the arena's lock held). */
+static void add_arena(cuma_heap *a, cuma_stats *s) {
+    const cuma_counters *c = &a->c;
     int64_t tq, ta, tn;
     uint64_t tallocs, tfrees;
-    cuma_tcache_sums(h, &tq, &ta, &tn, &tallocs, &tfrees);
-    uint64_t ps = h->vmm ? h->pages.page_size : h->be->page_size;
+    cuma_tcache_sums(a, &tq, &ta, &tn, &tallocs, &tfrees);
+    s->requested_bytes += c->requested + (uint64_t)tq;
+    s->allocated_bytes += c->allocated + (uint64_t)ta;
+    s->reserved_bytes += cuma_heap_reserved(a);
+    s->cached_bytes += cuma_heap_cached(a);
+    s->mapped_bytes += a->vmm ? a->pages.nmapped * a->pages.page_size
+                              : cuma_heap_reserved(a) - cuma_heap_cached(a);
+    s->virtual_bytes += a->va_size;
+    s->active_allocs += c->active + (uint64_t)tn;
+    s->num_allocs += c->allocs + tallocs;
+    s->num_frees += c->frees + tfrees;
+    s->failed_allocs += c->failed;
+    s->num_alloc_retries += c->retries;
+    s->num_ooms += c->ooms;
+    s->oom_callbacks += c->oom_calls;
+    s->page_creates += a->vmm ? a->pages.creates : a->segs.creates;
+    s->page_releases += a->vmm ? a->pages.releases : a->segs.releases;
+    s->maps += a->pages.maps;
+    s->unmaps += a->pages.unmaps;
+    s->events_recorded += a->streams.events_recorded;
+    s->trims += c->trims;
+}
+
+/* The whole heap: every arena in turn (one lock at a time), then what the first arena keeps
+ * for all of them. */
+static void snapshot(cuma_heap *h, cuma_stats *s) {
     memset(s, 0, sizeof *s);
-    s->requested_bytes = c->requested + (uint64_t)tq;
+    unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = h->arenas[i];
+        pthread_mutex_lock(&a->lock);
+        add_arena(a, s);
+        if (!i) s->limit_bytes = a->limit_bytes;
+        pthread_mutex_unlock(&a->lock);
+    }
+    pthread_mutex_lock(&h->managed_lock);
+    s->managed_bytes = h->c.managed;
+    s->managed_fallbacks = h->c.managed_fallbacks;
+    pthread_mutex_unlock(&h->managed_lock);
+    s->arenas = n;
+    s->page_size = h->vmm ? h->pages.page_size : h->be->page_size;
     s->peak_requested_bytes = atomic_load(&h->peak_req);
     if (s->peak_requested_bytes < s->requested_bytes) s->peak_requested_bytes = s->requested_bytes;
-    s->allocated_bytes = c->allocated + (uint64_t)ta;
-    s->peak_allocated_bytes =
-        c->peak_allocated > s->allocated_bytes ? c->peak_allocated : s->allocated_bytes;
-    s->reserved_bytes = cuma_heap_reserved(h);
-    s->peak_reserved_bytes =
-        c->peak_reserved > s->reserved_bytes ? c->peak_reserved : s->reserved_bytes;
-    s->cached_bytes = cuma_heap_cached(h);
-    s->mapped_bytes = h->vmm ? h->pages.nmapped * ps : s->reserved_bytes - s->cached_bytes;
-    s->managed_bytes = c->managed;
-    s->virtual_bytes = h->va_size;
-    s->limit_bytes = h->limit_bytes;
-    s->page_size = ps;
-    s->active_allocs = c->active + (uint64_t)tn;
-    s->num_allocs = c->allocs + tallocs;
-    s->num_frees = c->frees + tfrees;
-    s->failed_allocs = c->failed;
-    s->num_alloc_retries = c->retries;
-    s->num_ooms = c->ooms;
-    s->oom_callbacks = c->oom_calls;
-    s->managed_fallbacks = c->managed_fallbacks;
-    s->page_creates = h->vmm ? h->pages.creates : h->segs.creates;
-    s->page_releases = h->vmm ? h->pages.releases : h->segs.releases;
-    s->maps = h->pages.maps;
-    s->unmaps = h->pages.unmaps;
-    s->events_recorded = h->streams.events_recorded;
-    s->trims = c->trims;
+    s->peak_allocated_bytes = atomic_load(&h->peak_alloc);
+    if (s->peak_allocated_bytes < s->allocated_bytes) s->peak_allocated_bytes = s->allocated_bytes;
+    s->peak_reserved_bytes = atomic_load(&h->peak_res);
+    if (s->peak_reserved_bytes < s->reserved_bytes) s->peak_reserved_bytes = s->reserved_bytes;
     s->fragmentation =
         s->mapped_bytes ? 1.0 - (double)s->requested_bytes / (double)s->mapped_bytes : 0.0;
     if (s->fragmentation < 0) s->fragmentation = 0;
@@ -51,10 +67,8 @@ static void snapshot(cuma_heap *h, cuma_stats *s) {
 cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
     if (!h || !out)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_get_stats: %s is NULL", h ? "out" : "heap");
-    pthread_mutex_lock(&h->lock);
     snapshot(h, out);
-    pthread_mutex_unlock(&h->lock);
-    /* The driver's view is read outside the lock: it may be slow and needs no heap state. */
+    /* The driver's view is read outside the locks: it may be slow and needs no heap state. */
     uint64_t fr = 0, tot = 0;
     if (h->be->ops->mem_info(h->be, &fr, &tot) == CUMA_OK)
         out->device_free_bytes = fr, out->device_total_bytes = tot;
@@ -63,13 +77,11 @@ cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
 
 cuma_status cuma_reset_peaks(cuma_heap *h) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_reset_peaks: heap is NULL");
-    pthread_mutex_lock(&h->lock);
     cuma_stats s;
     snapshot(h, &s);
     atomic_store(&h->peak_req, s.requested_bytes);
-    h->c.peak_allocated = s.allocated_bytes;
-    h->c.peak_reserved = cuma_heap_reserved(h);
-    pthread_mutex_unlock(&h->lock);
+    atomic_store(&h->peak_alloc, s.allocated_bytes);
+    atomic_store(&h->peak_res, s.reserved_bytes);
     return CUMA_OK;
 }
 
@@ -114,6 +126,7 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(unmaps);
     U(events_recorded);
     U(trims);
+    U(arenas);
 #undef U
     cuma_strbuf_put(&o, "\"fragmentation\":%.6f,\"config\":{", s.fragmentation);
     size_t room = cuma_strbuf_room(&o);

@@ -223,7 +223,7 @@ void cuma_tcache_note_alloc(cuma_tcache *tc, cuma_block *b, uint64_t addr) {
                           memory_order_relaxed)
 
 static void note_peaks(cuma_tcache *tc) {
-    cuma_heap *h = tc->heap;
+    cuma_heap *h = tc->heap->primary;
     int64_t req = atomic_load_explicit(&h->req_global, memory_order_relaxed) +
                   atomic_load_explicit(&tc->requested, memory_order_relaxed);
     uint64_t peak = atomic_load_explicit(&h->peak_req, memory_order_relaxed);
@@ -404,5 +404,10 @@ void cuma_tcache_sums_retire(cuma_heap *h, cuma_tcache *tc) {
                    atomic_load_explicit(&tc->frees, memory_order_relaxed);
     h->c.allocs += atomic_load_explicit(&tc->allocs, memory_order_relaxed);
     h->c.frees += atomic_load_explicit(&tc->frees, memory_order_relaxed);
-    atomic_store_explicit(&h->req_global, (int64_t)h->c.requested, memory_order_relaxed);
+    atomic_fetch_add_explicit(&h->primary->req_global,
+                              atomic_load_explicit(&tc->requested, memory_order_relaxed),
+                              memory_order_relaxed);
+    atomic_fetch_add_explicit(&h->primary->alloc_global,
+                              atomic_load_explicit(&tc->allocated, memory_order_relaxed),
+                              memory_order_relaxed);
 }

@@ -6,9 +6,14 @@
  * per page it touches); a tag found changed means two live allocations shared memory. After each
  * phase the live set is checked for overlaps and cuma_validate walks every structure.
  *
+ * With a second argument `spread`, thread t allocates from arena t from the start (the heap's
+ * arenas are otherwise made only when threads keep colliding), so blocks are freed across arenas
+ * and the out-of-memory path empties other arenas' caches.
+ *
  * CUMA_STRESS_OPS (default 1200000) sets the total operation count; CUMA_TEST_SEED replays a run.
  */
 #include "check.h"
+#include "core/heap.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -30,6 +35,7 @@ static size_t page_size;
 static live exchange[EXCHANGE];
 static pthread_mutex_t exchange_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned long long base_seed;
+static bool spread;
 static long ops_per_thread_phase;
 static live slots[THREADS][SLOTS];
 
@@ -87,6 +93,7 @@ static void *worker(void *arg) {
     (void)phase_seen;
     unsigned long long r = base_seed ^ (0x9E3779B97F4A7C15ull * (unsigned long long)(id + 1));
     live *mine = slots[id];
+    if (spread) CHECK_OK(cuma_arena_use(heap, (unsigned)id));
     for (long i = 0; i < ops_per_thread_phase; i++) {
         unsigned long long x = rnd(&r);
         live *l = &mine[x % SLOTS];
@@ -147,10 +154,11 @@ static void check_phase(int phase) {
     CHECK_OK(cuma_validate(heap));
     fprintf(stderr,
             "phase %d: %zu live, %llu requested, %llu reserved, %llu creates, %llu releases, %llu "
-            "maps\n",
+            "maps, %llu arenas\n",
             phase, n, (unsigned long long)req, (unsigned long long)s.reserved_bytes,
             (unsigned long long)s.page_creates, (unsigned long long)s.page_releases,
-            (unsigned long long)s.maps);
+            (unsigned long long)s.maps, (unsigned long long)s.arenas);
+    if (spread) CHECK(s.arenas == THREADS);
 }
 
 static void *trimmer(void *arg) {
@@ -199,6 +207,7 @@ int main(int argc, char **argv) {
     long total = e ? atol(e) : 1200000;
     ops_per_thread_phase = total / (THREADS * PHASES);
     const char *extra = argc > 1 ? argv[1] : "";
+    spread = argc > 2 && !strcmp(argv[2], "spread");
     char conf[256];
     snprintf(conf, sizeof conf,
              "backend:sim,capacity:1G,page_size:2M,host_backing:on,release_delay_ms:2,max_cached:"
