@@ -1,6 +1,7 @@
 /* Heap life cycle, allocation, free and the out-of-memory ladder. */
 #include "heap.h"
 #include "error.h"
+#include "tcache_fast.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -76,6 +77,9 @@ cuma_status cuma_heap_build(cuma_heap *h) {
     h->tc_bytes = h->set.tcache_bytes;
     h->tc_max = h->set.tcache_max;
     h->tc_age_ns = h->set.tcache_age_ms < 0 ? INT64_MAX : h->set.tcache_age_ms * 1000000;
+    h->tlsf = pol == &cuma_tlsf_ops;
+    uint64_t room = h->vmm ? h->va_size : h->be->capacity;
+    h->fast_max = !h->tc_on ? 0 : h->tc_max < room ? h->tc_max : room;
     h->max_cached_bytes = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached;
     cuma_heap_refresh_limit(h);
     if (h->set.preallocate && first) {
@@ -500,14 +504,16 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
     return fail_oom(h, st, size);
 }
 
-cuma_status cuma_alloc(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr) {
+/* Everything but a thread-cache hit; `tried`: cuma_alloc asked the cache already. Out of line,
+ * so that the fast path in cuma_alloc needs no stack frame. */
+__attribute__((noinline)) static cuma_status
+alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tried) {
     if (!heap || !ptr)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: %s is NULL", heap ? "ptr" : "heap");
     *ptr = NULL;
     cuma_heap *h = cuma_arena_mine(heap);
     if (size == 0) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size 0");
-    /* The default policy's rounding inline: this runs before every fast path. */
-    uint64_t n = h->pol->ops == &cuma_tlsf_ops && size <= (1ull << 47)
+    uint64_t n = h->tlsf && size <= (1ull << 47)
                      ? (size + CUMA_GRANULE - 1) & ~(uint64_t)(CUMA_GRANULE - 1)
                      : h->pol->ops->round(size);
     uint64_t room = h->vmm ? h->va_size : h->be->capacity;
@@ -516,7 +522,7 @@ cuma_status cuma_alloc(cuma_heap *heap, size_t size, cuma_stream stream, void **
                          "cuma_alloc: size %zu is larger than the %" PRIu64 "-byte %s", size, room,
                          h->vmm ? "virtual range" : "device");
     cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
-    if (tc && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
+    if (tc && !tried && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
     cuma_arena_lock(heap, h);
     cuma_status st;
     int si = cuma_streams_index(&h->streams, stream);
@@ -572,14 +578,27 @@ static cuma_status bad_pointer(cuma_heap *h, const void *ptr, const char *what) 
                      ptr);
 }
 
-cuma_status cuma_free(cuma_heap *heap, void *ptr, cuma_stream stream) {
+cuma_status cuma_alloc(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr) {
+    if (heap && ptr) {
+        cuma_heap *h = cuma_arena_mine(heap);
+        /* Sizes a thread cache can hold, with the default policy's rounding. */
+        if (size - 1 < h->fast_max && h->tlsf) {
+            cuma_tcache *tc = cuma_tcache_get(h, h->id);
+            uint64_t n = (size + CUMA_GRANULE - 1) & ~(uint64_t)(CUMA_GRANULE - 1);
+            if (tc && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
+            return alloc_slow(heap, size, stream, ptr, tc != NULL);
+        }
+    }
+    return alloc_slow(heap, size, stream, ptr, false);
+}
+
+/* Everything but a free into the thread cache (`r` says what the cache did with it). */
+__attribute__((noinline)) static cuma_status
+free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_tc_result r) {
     if (!heap) return cuma_fail(CUMA_ERR_INVALID, "cuma_free: heap is NULL");
     if (!ptr) return CUMA_OK;
     uint64_t a = (uint64_t)(uintptr_t)ptr;
     cuma_heap *h = cuma_arena_of(heap, a);
-    cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
-    cuma_tc_result r = tc ? cuma_tcache_free(tc, a, stream) : CUMA_TC_MISS;
-    if (r == CUMA_TC_DONE) return CUMA_OK;
     pthread_mutex_lock(&h->lock);
     if (tc && tc->npending) cuma_tcache_drain(h, tc, cuma_heap_give_cached);
     if (r == CUMA_TC_DRAIN) {
@@ -648,6 +667,19 @@ cuma_status cuma_free(cuma_heap *heap, void *ptr, cuma_stream stream) {
     cuma_heap_release_policy(h, t);
     pthread_mutex_unlock(&h->lock);
     return CUMA_OK;
+}
+
+cuma_status cuma_free(cuma_heap *heap, void *ptr, cuma_stream stream) {
+    if (heap && ptr) {
+        cuma_heap *h = cuma_arena_of(heap, (uint64_t)(uintptr_t)ptr);
+        cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
+        if (tc) {
+            cuma_tc_result r = cuma_tcache_free(tc, (uint64_t)(uintptr_t)ptr, stream);
+            if (r == CUMA_TC_DONE) return CUMA_OK;
+            return free_slow(heap, ptr, stream, tc, r);
+        }
+    }
+    return free_slow(heap, ptr, stream, NULL, CUMA_TC_MISS);
 }
 
 /* Whether addr is a live managed fallback of the heap. */

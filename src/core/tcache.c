@@ -1,5 +1,6 @@
 #include "tcache.h"
 #include "heap.h"
+#include "tcache_fast.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -135,34 +136,6 @@ cuma_tcache *cuma_tcache_get_slow(cuma_heap *h) {
     return tc;
 }
 
-static unsigned bin_of(uint64_t n, unsigned stream) {
-    return (unsigned)(((n >> 9) * 0x9E3779B97F4A7C15ull + stream * 0xC2B2AE3D27D4EB4Full) >> 57) &
-           (CUMA_TC_BINS - 1);
-}
-
-/* The owner's pointer table: 4-way set-associative by address, no probing and no shifting. An
- * entry that finds every way taken is not recorded and its free takes the slow path, which is
- * always correct (the heap's own table knows every block). */
-/* Hashed by offset from the heap's base, so that which blocks collide (and so which frees take
- * the slow path) does not depend on where the heap's range happens to lie: replays repeat. */
-static uint32_t key_slot(const cuma_tcache *tc, uint64_t key, uint32_t cap) {
-    uint64_t x = ((key - tc->heap->base) >> 9) * 0x9E3779B97F4A7C15ull;
-    return (uint32_t)((x ^ (x >> 29)) >> 20) & (cap - 4);
-}
-
-static cuma_tc_entry *tab_find(cuma_tcache *tc, uint64_t key) {
-    if (!tc->tabcap) return NULL;
-    cuma_tc_entry *e = &tc->tab[key_slot(tc, key, tc->tabcap)];
-    for (int w = 0; w < 4; w++)
-        if (e[w].key == key) return &e[w];
-    return NULL;
-}
-
-static void tab_remove(cuma_tcache *tc, cuma_tc_entry *e) {
-    e->key = 0;
-    tc->tabn--;
-}
-
 static bool tab_grow(cuma_tcache *tc) {
     uint32_t ncap = tc->tabcap ? tc->tabcap * 2 : 1024;
     if (ncap > (1u << 20)) return false;
@@ -170,7 +143,7 @@ static bool tab_grow(cuma_tcache *tc) {
     if (!n) return false;
     for (uint32_t i = 0; i < tc->tabcap; i++) {
         if (!tc->tab[i].key) continue;
-        cuma_tc_entry *d = &n[key_slot(tc, tc->tab[i].key, ncap)];
+        cuma_tc_entry *d = &n[cuma_tc_key_slot(tc, tc->tab[i].key, ncap)];
         int w = 0;
         while (w < 4 && d[w].key) w++;
         if (w < 4)
@@ -184,9 +157,9 @@ static bool tab_grow(cuma_tcache *tc) {
     return true;
 }
 
-static void tab_put(cuma_tcache *tc, uint64_t key, cuma_block *b, uint64_t gen) {
+void cuma_tcache_tab_put(cuma_tcache *tc, uint64_t key, cuma_block *b, uint64_t gen) {
     if (tc->tabn * 2 >= tc->tabcap && !tab_grow(tc) && !tc->tabcap) return;
-    cuma_tc_entry *e = &tc->tab[key_slot(tc, key, tc->tabcap)], *slot = NULL;
+    cuma_tc_entry *e = &tc->tab[cuma_tc_key_slot(tc, key, tc->tabcap)], *slot = NULL;
     for (int w = 0; w < 4; w++) {
         if (e[w].key == key) {
             e[w] = (cuma_tc_entry){key, b, gen};
@@ -199,121 +172,15 @@ static void tab_put(cuma_tcache *tc, uint64_t key, cuma_block *b, uint64_t gen) 
     *slot = (cuma_tc_entry){key, b, gen};
 }
 
-static int stream_index(const cuma_tcache *tc, cuma_stream s) {
-    for (unsigned i = 0; i < tc->nstreams; i++)
-        if (tc->streams[i].handle == s) return tc->streams[i].index;
-    return -1;
-}
-
 void cuma_tcache_note_stream(cuma_tcache *tc, cuma_stream handle, unsigned index) {
-    if (stream_index(tc, handle) >= 0 || tc->nstreams == CUMA_TC_STREAMS) return;
+    if (cuma_tc_stream_index(tc, handle) >= 0 || tc->nstreams == CUMA_TC_STREAMS) return;
     tc->streams[tc->nstreams].handle = handle;
     tc->streams[tc->nstreams].index = (uint16_t)index;
     tc->nstreams++;
 }
 
 void cuma_tcache_note_alloc(cuma_tcache *tc, cuma_block *b, uint64_t addr) {
-    tab_put(tc, addr, b, atomic_load_explicit(&b->gen, memory_order_relaxed));
-}
-
-/* Counters are the owner's: a load and a store, no read-modify-write. */
-#define BUMP(field, d)                                                                             \
-    atomic_store_explicit(&tc->field,                                                              \
-                          atomic_load_explicit(&tc->field, memory_order_relaxed) + (d),            \
-                          memory_order_relaxed)
-
-static void note_peaks(cuma_tcache *tc) {
-    cuma_heap *h = tc->heap->primary;
-    int64_t req = atomic_load_explicit(&h->req_global, memory_order_relaxed) +
-                  atomic_load_explicit(&tc->requested, memory_order_relaxed);
-    uint64_t peak = atomic_load_explicit(&h->peak_req, memory_order_relaxed);
-    while (req > 0 && (uint64_t)req > peak &&
-           !atomic_compare_exchange_weak_explicit(&h->peak_req, &peak, (uint64_t)req,
-                                                  memory_order_relaxed, memory_order_relaxed)) {
-    }
-}
-
-bool cuma_tcache_alloc(cuma_tcache *tc, uint64_t size, uint64_t n, cuma_stream stream, void **ptr) {
-    int si = stream_index(tc, stream);
-    if (si < 0) return false;
-    cuma_tc_bin *bin = &tc->bins[bin_of(n, (unsigned)si)];
-    if (bin->size != n || bin->stream != si || !bin->n) return false;
-    cuma_block *b = NULL;
-    while (bin->n && !b) {
-        b = atomic_exchange_explicit(&bin->slot[--bin->n], NULL, memory_order_acquire);
-        tc->held -= n; /* popped, or taken by a flush */
-    }
-    if (!b) return false;
-    cuma_heap *h = tc->heap;
-    if (h->vmm && ((b->off + size - 1) >> h->pages.shift) !=
-                      ((b->off + b->mapped_len - 1) >> h->pages.shift)) {
-        /* The request ends on another page than the block's mapped bytes: the slow path must
-         * change page references. Put it back. */
-        atomic_store_explicit(&bin->slot[bin->n++], b, memory_order_release);
-        tc->held += n;
-        return false;
-    }
-    b->req = size;
-    b->stream = (uint16_t)si;
-    uint64_t g = atomic_load_explicit(&b->gen, memory_order_relaxed) + 1;
-    atomic_store_explicit(&b->gen, g, memory_order_release);
-    uint64_t addr = h->base + b->off;
-    /* The slot its last free emptied is in the right set for this address: take it again
-     * unless the table was rebuilt since or someone else took it. */
-    cuma_tc_entry *e = tc->tab + b->tc_slot;
-    if (b->tc_tabgen == tc->tabgen && b->tc_slot < tc->tabcap && !e->key) {
-        *e = (cuma_tc_entry){addr, b, g};
-        tc->tabn++;
-    } else {
-        tab_put(tc, addr, b, g);
-    }
-    BUMP(requested, (int64_t)size);
-    BUMP(allocated, (int64_t)n);
-    BUMP(allocs, 1);
-    note_peaks(tc);
-    *ptr = (void *)(uintptr_t)addr;
-    return true;
-}
-
-cuma_tc_result cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream) {
-    cuma_tc_entry *e = tab_find(tc, addr);
-    if (!e) return CUMA_TC_MISS;
-    cuma_block *b = e->b;
-    uint64_t g = e->gen;
-    if (atomic_load_explicit(&b->gen, memory_order_acquire) != g) {
-        tab_remove(tc, e); /* freed by another thread meanwhile: the slow path sorts it out */
-        return CUMA_TC_MISS;
-    }
-    if (b->extra[0] != CUMA_NO_STREAM || b->extra_all) return CUMA_TC_MISS; /* deferred */
-    int si = stream ? stream_index(tc, stream) : b->stream;
-    if (si < 0) return CUMA_TC_MISS;
-    cuma_heap *h = tc->heap;
-    uint64_t n = b->size;
-    cuma_tc_bin *bin = &tc->bins[bin_of(n, (unsigned)si)];
-    bool to_bin = n <= h->tc_max && tc->held + n <= h->tc_bytes && bin->n < CUMA_TC_DEPTH &&
-                  (!bin->n || (bin->size == n && bin->stream == si));
-    if (!atomic_compare_exchange_strong_explicit(&b->gen, &g, g + 1, memory_order_acq_rel,
-                                                 memory_order_relaxed)) {
-        tab_remove(tc, e);
-        return CUMA_TC_MISS;
-    }
-    BUMP(requested, -(int64_t)b->req);
-    BUMP(allocated, -(int64_t)n);
-    BUMP(frees, 1);
-    b->tc_slot = (uint32_t)(e - tc->tab), b->tc_tabgen = tc->tabgen;
-    tab_remove(tc, e);
-    b->stream = (uint16_t)si; /* the stream it was last used on: its fence when flushed */
-    uint64_t now = atomic_load_explicit(&h->coarse_now, memory_order_relaxed);
-    if (!to_bin) {
-        if (!tc->npending) atomic_store_explicit(&tc->pending_stamp, now, memory_order_relaxed);
-        atomic_store_explicit(&tc->pending[tc->npending++], b, memory_order_release);
-        return tc->npending == CUMA_TC_PENDING ? CUMA_TC_DRAIN : CUMA_TC_DONE;
-    }
-    if (!bin->n) bin->size = n, bin->stream = (uint16_t)si;
-    atomic_store_explicit(&bin->stamp, now, memory_order_relaxed);
-    atomic_store_explicit(&bin->slot[bin->n++], b, memory_order_release);
-    tc->held += n;
-    return CUMA_TC_DONE;
+    cuma_tcache_tab_put(tc, addr, b, atomic_load_explicit(&b->gen, memory_order_relaxed));
 }
 
 void cuma_tcache_drain(cuma_heap *h, cuma_tcache *tc, void (*give)(cuma_heap *, cuma_block *)) {

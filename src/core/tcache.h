@@ -97,13 +97,11 @@ static inline cuma_tcache *cuma_tcache_get(struct cuma_heap *h, uint64_t id) {
     return cuma_tcache_get_slow(h);
 }
 
-/* Fast paths. alloc: true when done, false to take the slow path (nothing changed then). */
-bool cuma_tcache_alloc(cuma_tcache *tc, uint64_t size, uint64_t n, cuma_stream stream, void **ptr);
-
+/* Fast paths (tcache_fast.h, inline). cuma_tcache_alloc: true when done, false to take the
+ * slow path (nothing changed then). cuma_tcache_free: MISS takes the slow path (nothing
+ * changed); DONE is done; DRAIN is done and the batch of pending frees is full: the caller
+ * drains it under the heap lock. */
 typedef enum { CUMA_TC_MISS = 0, CUMA_TC_DONE = 1, CUMA_TC_DRAIN = 2 } cuma_tc_result;
-/* free: MISS takes the slow path (nothing changed); DONE is done; DRAIN is done and the batch
- * of pending frees is full: the caller drains it under the heap lock. */
-cuma_tc_result cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream);
 
 /* Returns the owner's pending frees to the heap (heap lock held, owner thread). */
 void cuma_tcache_drain(struct cuma_heap *h, cuma_tcache *tc,
