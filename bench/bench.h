@@ -145,6 +145,7 @@ typedef struct bench_row {
     double ops_per_s;
     double p50, p99, p999;
     double scale_2t; /* scaling: 2-thread throughput / 1-thread throughput */
+    double vs_mim;   /* ns_per_op over mimalloc's, median over paired runs (NAN: from medians) */
     char note[96];
 } bench_row;
 
@@ -202,6 +203,20 @@ void bench_ops_free(bench_ops *ops);
 
 /* Replay, latency and scaling rows of one trace; scale multiplies every size. */
 void bench_replay(const bench_opts *o, const bench_target *t, const bench_ops *ops, uint64_t scale);
+/* The same, run by run, so that several allocators (cuma here, the peers in their children)
+ * take turns: run r of each before run r + 1 of any, and a ratio between two allocators is
+ * the median of per-run ratios, which a slow spell of a shared machine moves far less than a
+ * ratio of medians measured minutes apart. begin: buffers and warm-up; step: one 1-thread
+ * replay and one 2-thread replay (ns per operation, wall and CPU); end: the rows (vs_mim and
+ * vs_mim_2t: paired ratios to mimalloc, or NAN) and the latency runs. */
+typedef struct bench_replay_run {
+    double v, cpu, v2, cpu2;
+} bench_replay_run;
+typedef struct bench_replay_state bench_replay_state;
+bench_replay_state *bench_replay_begin(const bench_opts *o, const bench_target *t,
+                                       const bench_ops *ops, uint64_t scale);
+bench_replay_run bench_replay_step(bench_replay_state *s);
+void bench_replay_end(bench_replay_state *s, double vs_mim, double vs_mim_2t);
 /* Exactly `reps` replays after one warm-up, untimed (profile mode). Returns failed calls. */
 uint64_t bench_replay_reps(const bench_target *t, const bench_ops *ops, int reps);
 
@@ -212,8 +227,20 @@ uint64_t bench_replay_reps(const bench_target *t, const bench_ops *ops, int reps
 extern const char *const bench_peers[];
 extern const int bench_npeers;
 void bench_peer_run(const bench_opts *o, const char *peer, const char *job, const char *trace_name);
+/* A peer replaying a trace in step with the parent: start spawns the child, which loads the
+ * trace, warms up and waits; each step has it run one bench_replay_step (false when it could
+ * not); finish has it measure latencies and send its rows, which are added with the paired
+ * ratios given (NAN if none). */
+typedef struct bench_peer_proc {
+    int pi, pid, ctl, res; /* res: the child's rows and runs; ctl: the parent's commands */
+    void *in;              /* FILE * over res */
+    char lib[4096], why[96], info[160];
+} bench_peer_proc;
+void bench_peer_start(const bench_opts *o, const char *peer, const char *job, bench_peer_proc *p);
+bool bench_peer_step(bench_peer_proc *p, bench_replay_run *out);
+void bench_peer_finish(bench_peer_proc *p, const char *trace_name, double vs_mim, double vs_mim_2t);
 /* The child's side: measures `job` with the process's malloc and writes rows to fd. */
-int bench_peer_child(const bench_opts *o, const char *peer, const char *job, int fd);
+int bench_peer_child(const bench_opts *o, const char *peer, const char *job, int fd, int ctl);
 /* What each peer turned out to be ("mimalloc 2.0.9 (/usr/lib/...)"), "; "-separated. */
 const char *bench_peer_summary(void);
 /* The file of the library that provides malloc in this process ("libc.so.6"). */

@@ -101,10 +101,10 @@ static bool find_lib(int pi, char *out) {
     return false;
 }
 
-/* Runs the child; its rows go to `got` (at most max) and its last "info" line to `info`.
- * Returns its exit status (128 + signal if killed), or -1 when it could not be started. */
-static int spawn(const bench_opts *o, int pi, const char *preload, const char *job, bench_row *got,
-                 int max, int *ngot, char *info, size_t infolen) {
+/* Starts the child: its rows come back on *res (fd 3 in the child); with `stepped`, it takes
+ * commands on *ctl (fd 4 in the child). Returns the child's pid, or -1. */
+static int start_child(const bench_opts *o, int pi, const char *preload, const char *job,
+                       bool stepped, int *res, int *ctl) {
     char runs[32], run_ms[32], events[32];
     snprintf(runs, sizeof runs, "%d", o->runs);
     snprintf(run_ms, sizeof run_ms, "%g", o->run_ms);
@@ -121,6 +121,8 @@ static int spawn(const bench_opts *o, int pi, const char *preload, const char *j
                     "--peer-child",
                     (char *)bench_peers[pi],
                     (char *)job,
+                    stepped ? "--peer-ctl" : NULL,
+                    "4",
                     NULL};
     size_t ne = 0;
     while (environ[ne]) ne++;
@@ -134,63 +136,85 @@ static int spawn(const bench_opts *o, int pi, const char *preload, const char *j
         snprintf(pre, sizeof pre, "LD_PRELOAD=%s", preload);
         envp[k++] = pre;
     }
-    int p[2];
+    int p[2], c[2] = {-1, -1};
     if (pipe(p)) {
         free(envp);
+        return -1;
+    }
+    if (stepped && pipe(c)) {
+        close(p[0]), close(p[1]), free(envp);
         return -1;
     }
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
-        close(p[0]);
-        if (p[1] == 3)
-            fcntl(3, F_SETFD, 0);
-        else if (dup2(p[1], 3) < 0)
-            _exit(126);
+        /* Out of the way of fds 3 and 4 first, then into place. */
+        int rw = fcntl(p[1], F_DUPFD, 10), cr = stepped ? fcntl(c[0], F_DUPFD, 10) : -1;
+        if (rw < 0 || dup2(rw, 3) < 0) _exit(126);
+        if (stepped && (cr < 0 || dup2(cr, 4) < 0)) _exit(126);
         execve("/proc/self/exe", argv, envp);
         _exit(127);
     }
     free(envp);
     close(p[1]);
+    if (stepped) close(c[0]);
     if (pid < 0) {
         close(p[0]);
+        if (stepped) close(c[1]);
         return -1;
     }
-    size_t cap = 4096, n = 0;
-    char *buf = malloc(cap);
-    for (;;) {
-        if (buf && n + 1024 > cap) {
-            char *nb = realloc(buf, cap *= 2);
-            if (!nb) free(buf);
-            buf = nb;
-        }
-        if (!buf) break;
-        ssize_t r = read(p[0], buf + n, cap - n - 1);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) break;
-        n += (size_t)r;
-    }
-    close(p[0]);
+    *res = p[0];
+    *ctl = stepped ? c[1] : -1;
+    return (int)pid;
+}
+
+/* One line from a child: its "info" line, or a row. */
+static void take_line(char *line, bench_row *got, int max, int *ngot, char *info, size_t infolen) {
+    if (!strncmp(line, "info\t", 5))
+        snprintf(info, infolen, "%.*s", (int)strcspn(line + 5, "\n"), line + 5);
+    else if (*ngot < max && bench_row_parse(line, &got[*ngot]))
+        (*ngot)++;
+}
+
+static int wait_child(int pid) {
     int status = 0;
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
-    for (char *line = buf, *next; buf && line < buf + n; line = next) {
-        buf[n] = 0;
-        next = strchr(line, '\n');
-        next = next ? next + 1 : buf + n;
-        if (!strncmp(line, "info\t", 5)) {
-            snprintf(info, infolen, "%.*s", (int)strcspn(line + 5, "\n"), line + 5);
-        } else if (*ngot < max && bench_row_parse(line, &got[*ngot])) {
-            (*ngot)++;
-        }
-    }
-    free(buf);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-void bench_peer_run(const bench_opts *o, const char *peer, const char *job,
-                    const char *trace_name) {
-    int pi = peer_index(peer);
+/* Runs the child to its end; its rows go to `got` (at most max) and its last "info" line to
+ * `info`. Returns its exit status (128 + signal if killed), or -1 when it could not start. */
+static int spawn(const bench_opts *o, int pi, const char *preload, const char *job, bench_row *got,
+                 int max, int *ngot, char *info, size_t infolen) {
+    int res, ctl;
+    int pid = start_child(o, pi, preload, job, false, &res, &ctl);
+    if (pid < 0) return -1;
+    FILE *in = fdopen(res, "r");
+    char line[1024];
+    while (in && fgets(line, sizeof line, in)) take_line(line, got, max, ngot, info, infolen);
+    if (in)
+        fclose(in);
+    else
+        close(res);
+    return wait_child(pid);
+}
+
+/* Why a peer cannot run (empty when it can), and its library. */
+static void check_peer(int pi, char *why, size_t whylen, char *lib) {
+    if (pi < 0)
+        snprintf(why, whylen, "unknown peer");
+    else if (BENCH_SANITIZED)
+        snprintf(why, whylen, "skipped: the sanitizer's malloc replaces this one");
+    else if (lib_file[pi] && !find_lib(pi, lib))
+        snprintf(why, whylen, "not installed (%s not found; scripts/deps.sh bench)", lib_file[pi]);
+}
+
+/* Adds the rows a peer's job should give: those it sent, the others with a note saying why
+ * not. vs_mim / vs_mim_2t go into the replay and scaling rows. */
+static void add_rows(int pi, const char *peer, const char *trace_name, bench_row *got, int ngot,
+                     const char *why, const char *lib, const char *info, double vs_mim,
+                     double vs_mim_2t) {
     char name[64];
     bench_row want[16];
     int nwant = 0;
@@ -205,25 +229,6 @@ void bench_peer_run(const bench_opts *o, const char *peer, const char *job,
         want[nwant++] = bench_row_make("latency", name, peer, 1);
         want[nwant++] = bench_row_make("scaling", name, peer, 2);
     }
-    char why[96] = "", lib[PATH_MAX] = "", info[160] = "";
-    bench_row got[16];
-    int ngot = 0;
-    if (pi < 0) {
-        snprintf(why, sizeof why, "unknown peer");
-    } else if (BENCH_SANITIZED) {
-        snprintf(why, sizeof why, "skipped: the sanitizer's malloc replaces this one");
-    } else if (lib_file[pi] && !find_lib(pi, lib)) {
-        snprintf(why, sizeof why, "not installed (%s not found; scripts/deps.sh bench)",
-                 lib_file[pi]);
-    } else {
-        int rc = spawn(o, pi, lib_file[pi] ? lib : NULL, job, got, 16, &ngot, info, sizeof info);
-        if (rc < 0)
-            snprintf(why, sizeof why, "could not start the child: %s", strerror(errno));
-        else if (rc) {
-            snprintf(why, sizeof why, "child failed (exit %d): ", rc);
-            append(why, sizeof why, info);
-        }
-    }
     if (pi >= 0 && !summary[pi][0]) {
         const char *parts[4] = {peer, ": ", why, ""};
         if (!why[0])
@@ -237,6 +242,8 @@ void bench_peer_run(const bench_opts *o, const char *peer, const char *job,
             if (strcmp(got[g].section, want[w].section) || strcmp(got[g].name, want[w].name) ||
                 got[g].threads != want[w].threads)
                 continue;
+            if (!strcmp(got[g].section, "replay")) got[g].vs_mim = vs_mim;
+            if (!strcmp(got[g].section, "scaling")) got[g].vs_mim = vs_mim_2t;
             bench_row_add(&got[g]);
             found = true;
         }
@@ -245,6 +252,82 @@ void bench_peer_run(const bench_opts *o, const char *peer, const char *job,
                  why[0] ? why : "no figure from the child");
         bench_row_add(&want[w]);
     }
+}
+
+void bench_peer_run(const bench_opts *o, const char *peer, const char *job,
+                    const char *trace_name) {
+    int pi = peer_index(peer);
+    char why[96] = "", lib[PATH_MAX] = "", info[160] = "";
+    bench_row got[16];
+    int ngot = 0;
+    check_peer(pi, why, sizeof why, lib);
+    if (!why[0]) {
+        int rc = spawn(o, pi, lib_file[pi] ? lib : NULL, job, got, 16, &ngot, info, sizeof info);
+        if (rc < 0)
+            snprintf(why, sizeof why, "could not start the child: %s", strerror(errno));
+        else if (rc) {
+            snprintf(why, sizeof why, "child failed (exit %d): ", rc);
+            append(why, sizeof why, info);
+        }
+    }
+    add_rows(pi, peer, trace_name, got, ngot, why, lib, info, NAN, NAN);
+}
+
+void bench_peer_start(const bench_opts *o, const char *peer, const char *job, bench_peer_proc *p) {
+    memset(p, 0, sizeof *p);
+    p->pi = peer_index(peer);
+    p->pid = p->ctl = p->res = -1;
+    check_peer(p->pi, p->why, sizeof p->why, p->lib);
+    if (p->why[0]) return;
+    p->pid = start_child(o, p->pi, lib_file[p->pi] ? p->lib : NULL, job, true, &p->res, &p->ctl);
+    if (p->pid < 0) {
+        snprintf(p->why, sizeof p->why, "could not start the child: %s", strerror(errno));
+        return;
+    }
+    p->in = fdopen(p->res, "r");
+    char line[1024];
+    /* Until "ready": the child has loaded the trace and warmed up. */
+    while (p->in && fgets(line, sizeof line, p->in)) {
+        if (!strcmp(line, "ready\n")) return;
+        if (!strncmp(line, "info\t", 5))
+            snprintf(p->info, sizeof p->info, "%.*s", (int)strcspn(line + 5, "\n"), line + 5);
+    }
+    snprintf(p->why, sizeof p->why, "child failed before its runs: ");
+    append(p->why, sizeof p->why, p->info);
+}
+
+bool bench_peer_step(bench_peer_proc *p, bench_replay_run *out) {
+    if (p->why[0] || !p->in) return false;
+    char line[256];
+    if (write(p->ctl, "r", 1) != 1 || !fgets(line, sizeof line, p->in)) return false;
+    return sscanf(line, "run\t%lf\t%lf\t%lf\t%lf", &out->v, &out->cpu, &out->v2, &out->cpu2) == 4;
+}
+
+void bench_peer_finish(bench_peer_proc *p, const char *trace_name, double vs_mim,
+                       double vs_mim_2t) {
+    bench_row got[16];
+    int ngot = 0;
+    const char *peer = p->pi >= 0 ? bench_peers[p->pi] : "?";
+    if (p->pid >= 0) {
+        if (p->ctl >= 0) {
+            if (write(p->ctl, "q", 1) != 1) { /* the child is gone: EOF ends its loop too */
+            }
+            close(p->ctl);
+        }
+        char line[1024];
+        while (p->in && fgets(line, sizeof line, p->in))
+            take_line(line, got, 16, &ngot, p->info, sizeof p->info);
+        if (p->in)
+            fclose(p->in);
+        else
+            close(p->res);
+        int rc = wait_child(p->pid);
+        if (rc && !p->why[0]) {
+            snprintf(p->why, sizeof p->why, "child failed (exit %d): ", rc);
+            append(p->why, sizeof p->why, p->info);
+        }
+    }
+    add_rows(p->pi, peer, trace_name, got, ngot, p->why, p->lib, p->info, vs_mim, vs_mim_2t);
 }
 
 const char *bench_peer_summary(void) {
@@ -277,7 +360,21 @@ static void describe(int pi, char *buf, size_t len) {
     }
 }
 
-int bench_peer_child(const bench_opts *o, const char *peer, const char *job, int fd) {
+/* In step with the parent (bench_peer_start): a byte 'r' on ctl runs one step, anything else
+ * (or the end of the pipe) ends the runs. */
+static void stepped_replay(const bench_opts *o, const bench_target *t, const bench_ops *ops, int fd,
+                           int ctl) {
+    bench_replay_state *s = bench_replay_begin(o, t, ops, 1);
+    dprintf(fd, "ready\n");
+    char c;
+    while (read(ctl, &c, 1) == 1 && c == 'r') {
+        bench_replay_run r = bench_replay_step(s);
+        dprintf(fd, "run\t%.9g\t%.9g\t%.9g\t%.9g\n", r.v, r.cpu, r.v2, r.cpu2);
+    }
+    bench_replay_end(s, NAN, NAN);
+}
+
+int bench_peer_child(const bench_opts *o, const char *peer, const char *job, int fd, int ctl) {
     int pi = peer_index(peer);
     if (pi < 0) {
         dprintf(fd, "info\tunknown peer %s\n", peer);
@@ -301,7 +398,10 @@ int bench_peer_child(const bench_opts *o, const char *peer, const char *job, int
             dprintf(fd, "info\tcannot load %s\n", job);
             return 4;
         }
-        bench_replay(o, &t, &ops, 1);
+        if (ctl >= 0)
+            stepped_replay(o, &t, &ops, fd, ctl);
+        else
+            bench_replay(o, &t, &ops, 1);
         bench_ops_free(&ops);
     }
     for (size_t i = 0; i < bench_row_count(); i++) bench_row_write(fd, bench_row_get(i));

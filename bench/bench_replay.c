@@ -193,71 +193,110 @@ static void failed_note(bench_row *row, uint64_t bad) {
     if (bad) snprintf(row->note, sizeof row->note, "%llu calls failed", (unsigned long long)bad);
 }
 
-void bench_replay(const bench_opts *o, const bench_target *t, const bench_ops *ops,
-                  uint64_t scale) {
+/* A replay measured run by run (bench.h). */
+struct bench_replay_state {
+    const bench_opts *o;
+    replay_job j;
     char name[64];
-    snprintf(name, sizeof name, "%s x%llu", ops->name, (unsigned long long)scale);
+    int done;
+    bench_replay_run run[64];
+};
+
+bench_replay_state *bench_replay_begin(const bench_opts *o, const bench_target *t,
+                                       const bench_ops *ops, uint64_t scale) {
+    bench_replay_state *s = calloc(1, sizeof *s);
     size_t nslots = ops->nslots ? ops->nslots : 1;
-    replay_job j = {.t = t, .ops = ops, .scale = scale};
-    j.ptrs[0] = calloc(nslots, sizeof(void *));
-    j.ptrs[1] = calloc(nslots, sizeof(void *));
-    uint32_t *lat = malloc((ops->n ? ops->n : 1) * sizeof *lat);
-    if (!j.ptrs[0] || !j.ptrs[1] || !lat) {
+    if (s) {
+        s->o = o;
+        s->j = (replay_job){.t = t, .ops = ops, .scale = scale};
+        s->j.ptrs[0] = calloc(nslots, sizeof(void *));
+        s->j.ptrs[1] = calloc(nslots, sizeof(void *));
+    }
+    if (!s || !s->j.ptrs[0] || !s->j.ptrs[1]) {
         fprintf(stderr, "cuma-bench: no memory for the replay of %s\n", ops->name);
         exit(1);
     }
-    int runs = o->runs < 64 ? o->runs : 64;
-    double v[64], cpu[64], p50[64], p99[64], p999[64];
-    double n = (double)(ops->n ? ops->n : 1);
+    snprintf(s->name, sizeof s->name, "%s x%llu", ops->name, (unsigned long long)scale);
+    /* Warm-up: one replay on 1 thread and one on 2 (each thread its own copy of the trace on
+     * the shared heap / malloc), so that caches, arenas and thread heaps are in place. */
+    bench_run_threads(1, replay_thread, &s->j);
+    bench_run_threads(2, replay_thread, &s->j);
+    s->j.bad[0] = s->j.bad[1] = 0;
+    return s;
+}
 
-    /* 1 thread and 2 threads (each its own copy of the trace on the shared heap / malloc),
-     * warmed up, then timed in turns: a 1-thread run and a 2-thread run right after it make one
-     * pair, and 2T/1T is the median of the pairs' ratios, so that a slow spell of a shared
-     * machine moves both sides of a ratio rather than one. */
-    double v2[64], cpu2[64], ratio[64];
-    bench_run_threads(1, replay_thread, &j);
-    bench_run_threads(2, replay_thread, &j);
-    j.bad[0] = j.bad[1] = 0;
+bench_replay_run bench_replay_step(bench_replay_state *s) {
+    double n = (double)(s->j.ops->n ? s->j.ops->n : 1);
+    bench_time bt = bench_run_threads(1, replay_thread, &s->j);
+    bench_time bt2 = bench_run_threads(2, replay_thread, &s->j);
+    bench_replay_run r = {bt.wall_ns / n, bt.cpu_ns / n, bt2.wall_ns / (2 * n),
+                          bt2.cpu_ns / (2 * n)};
+    if (s->done < 64) s->run[s->done++] = r;
+    return r;
+}
+
+void bench_replay_end(bench_replay_state *s, double vs_mim, double vs_mim_2t) {
+    const bench_opts *o = s->o;
+    const bench_target *t = s->j.t;
+    const bench_ops *ops = s->j.ops;
+    int runs = s->done;
+    double v[64], cpu[64], v2[64], cpu2[64], ratio[64], p50[64], p99[64], p999[64];
     for (int r = 0; r < runs; r++) {
-        bench_time bt = bench_run_threads(1, replay_thread, &j);
-        v[r] = bt.wall_ns / n, cpu[r] = bt.cpu_ns / n;
-        bench_time bt2 = bench_run_threads(2, replay_thread, &j);
-        v2[r] = bt2.wall_ns / (2 * n), cpu2[r] = bt2.cpu_ns / (2 * n);
-        ratio[r] = v[r] / v2[r];
+        v[r] = s->run[r].v, cpu[r] = s->run[r].cpu;
+        v2[r] = s->run[r].v2, cpu2[r] = s->run[r].cpu2;
+        ratio[r] = s->run[r].v / s->run[r].v2;
     }
-    bench_row one = bench_row_make("replay", name, t->name, 1);
+    bench_row one = bench_row_make("replay", s->name, t->name, 1);
     one.ns_per_op = bench_median(v, runs);
     one.cpu_ns = bench_median(cpu, runs);
     one.ops_per_s = 1e9 / one.ns_per_op;
-    bench_row two = bench_row_make("scaling", name, t->name, 2);
+    one.vs_mim = vs_mim;
+    bench_row two = bench_row_make("scaling", s->name, t->name, 2);
     two.ns_per_op = bench_median(v2, runs);
     two.cpu_ns = bench_median(cpu2, runs);
     two.ops_per_s = 1e9 / two.ns_per_op;
+    /* A 1-thread run and the 2-thread run right after it make one pair: a slow spell of a
+     * shared machine moves both sides of a ratio rather than one. */
     two.scale_2t = bench_median(ratio, runs);
-    failed_note(&two, j.bad[0] + j.bad[1]); /* thread 0 runs in both: one count */
-    failed_note(&one, j.bad[0] + j.bad[1]);
+    two.vs_mim = vs_mim_2t;
+    failed_note(&one, s->j.bad[0] + s->j.bad[1]);
+    failed_note(&two, s->j.bad[0] + s->j.bad[1]);
     bench_row_add(&one);
 
     /* Latency of single calls: the same replay with the timer around each call. */
+    uint32_t *lat = malloc((ops->n ? ops->n : 1) * sizeof *lat);
+    if (!lat) {
+        fprintf(stderr, "cuma-bench: no memory for the latencies of %s\n", ops->name);
+        exit(1);
+    }
     uint64_t bad = 0;
-    for (int r = 0; r < runs; r++) {
+    int lruns = o->runs < 64 ? o->runs : 64;
+    for (int r = 0; r < lruns; r++) {
         size_t nlat = 0;
-        bad += t->heap ? replay_cuma_lat(t->heap, ops, scale, j.ptrs[0], lat, &nlat)
-                       : replay_host_lat(ops, scale, j.ptrs[0], lat, &nlat);
-        cleanup(t, j.ptrs[0], ops->nslots);
+        bad += t->heap ? replay_cuma_lat(t->heap, ops, s->j.scale, s->j.ptrs[0], lat, &nlat)
+                       : replay_host_lat(ops, s->j.scale, s->j.ptrs[0], lat, &nlat);
+        cleanup(t, s->j.ptrs[0], ops->nslots);
         bench_pct p = bench_percentiles(lat, nlat);
         p50[r] = p.p50, p99[r] = p.p99, p999[r] = p.p999;
     }
-    bench_row lr = bench_row_make("latency", name, t->name, 1);
-    lr.p50 = bench_median(p50, runs);
-    lr.p99 = bench_median(p99, runs);
-    lr.p999 = bench_median(p999, runs);
+    bench_row lr = bench_row_make("latency", s->name, t->name, 1);
+    lr.p50 = bench_median(p50, lruns);
+    lr.p99 = bench_median(p99, lruns);
+    lr.p999 = bench_median(p999, lruns);
     failed_note(&lr, bad);
     bench_row_add(&lr);
-
     bench_row_add(&two);
 
-    free(j.ptrs[0]);
-    free(j.ptrs[1]);
+    free(s->j.ptrs[0]);
+    free(s->j.ptrs[1]);
     free(lat);
+    free(s);
+}
+
+void bench_replay(const bench_opts *o, const bench_target *t, const bench_ops *ops,
+                  uint64_t scale) {
+    bench_replay_state *s = bench_replay_begin(o, t, ops, scale);
+    int runs = o->runs < 64 ? o->runs : 64;
+    for (int r = 0; r < runs; r++) bench_replay_step(s);
+    bench_replay_end(s, NAN, NAN);
 }

@@ -2,6 +2,8 @@
  * from a peer child to the parent as tab-separated lines. */
 #include "bench.h"
 
+#include <math.h>
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,7 +18,7 @@ bench_row bench_row_make(const char *section, const char *name, const char *allo
     snprintf(r.name, sizeof r.name, "%s", name);
     snprintf(r.alloc, sizeof r.alloc, "%s", alloc);
     r.threads = threads;
-    r.ns_per_op = r.cpu_ns = r.ops_per_s = r.p50 = r.p99 = r.p999 = r.scale_2t = NAN;
+    r.ns_per_op = r.cpu_ns = r.ops_per_s = r.p50 = r.p99 = r.p999 = r.scale_2t = r.vs_mim = NAN;
     return r;
 }
 
@@ -46,10 +48,12 @@ void bench_rows_free(void) {
     nrows = caprows = 0;
 }
 
-/* ns/op of this row over mimalloc's on the same section, case and thread count. */
+/* ns/op of this row over mimalloc's on the same section, case and thread count: the median
+ * of the per-run ratios where the runs were paired (replays), else the ratio of the medians. */
 static double vs_mimalloc(const bench_row *r) {
     if (strcmp(r->section, "fast") && strcmp(r->section, "replay") && strcmp(r->section, "scaling"))
         return NAN;
+    if (!isnan(r->vs_mim)) return r->vs_mim;
     for (size_t i = 0; i < nrows; i++) {
         const bench_row *m = &rows[i];
         if (!strcmp(m->alloc, "mimalloc") && !strcmp(m->section, r->section) &&

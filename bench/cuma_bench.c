@@ -68,7 +68,7 @@ static void progress(const char *what, const char *detail) {
 typedef struct cli {
     bench_opts o;
     const char *peer, *peer_job; /* --peer-child */
-    int peer_fd;
+    int peer_fd, peer_ctl;
     const char *prof_fast, *prof_replay, *prof_count;
     glob_t g;
     bool globbed;
@@ -129,6 +129,8 @@ static void parse(int argc, char **argv, cli *c) {
             i++;
         } else if (!strcmp(a, "--peer-fd")) {
             c->peer_fd = (int)number(a, v, 0), i++;
+        } else if (!strcmp(a, "--peer-ctl")) {
+            c->peer_ctl = (int)number(a, v, 0), i++;
         } else if (!strcmp(a, "--peer-child") && i + 2 < argc) {
             c->peer = argv[i + 1], c->peer_job = argv[i + 2], i += 2;
         } else if ((!strcmp(a, "--profile-fast") || !strcmp(a, "--profile-replay")) &&
@@ -234,18 +236,49 @@ static void run_fast(const bench_opts *o) {
     }
 }
 
+/* Median over paired runs of a's ns/op over b's (1 thread, or 2 with `two`); NAN if none. */
+static double paired(const bench_replay_run *a, const bench_replay_run *b, int n, bool two) {
+    double r[64];
+    for (int i = 0; i < n; i++) r[i] = two ? a[i].v2 / b[i].v2 : a[i].v / b[i].v;
+    return n ? bench_median(r, n) : NAN;
+}
+
 static int run_trace(const bench_opts *o, const char *path) {
     bench_ops ops;
     progress("replay:", path);
     if (bench_ops_load(path, o->max_events, &ops)) return 1;
-    for (uint64_t scale = 1; scale <= 16; scale *= 16) {
-        cuma_heap *h = make_heap(o, NULL);
-        bench_target cuma = {"cuma", h};
-        bench_replay(o, &cuma, &ops, scale);
-        cuma_heap_destroy(h);
+    /* At x1, cuma and the peers take turns run by run (bench_replay_begin). */
+    enum { NP = 3 };
+    bench_peer_proc peer[NP];
+    int np = o->peers ? bench_npeers : 0, runs = o->runs < 64 ? o->runs : 64, mim = -1;
+    static bench_replay_run pr[NP + 1][64]; /* [NP]: cuma */
+    int ok[NP + 1] = {0};
+    for (int p = 0; p < np; p++) {
+        bench_peer_start(o, bench_peers[p], path, &peer[p]);
+        if (!strcmp(bench_peers[p], "mimalloc")) mim = p;
     }
-    for (int p = 0; o->peers && p < bench_npeers; p++)
-        bench_peer_run(o, bench_peers[p], path, ops.name);
+    cuma_heap *h = make_heap(o, NULL);
+    bench_target cuma = {"cuma", h};
+    bench_replay_state *s = bench_replay_begin(o, &cuma, &ops, 1);
+    for (int r = 0; r < runs; r++) {
+        pr[NP][ok[NP]++] = bench_replay_step(s);
+        for (int p = 0; p < np; p++)
+            if (ok[p] == r && bench_peer_step(&peer[p], &pr[p][r])) ok[p]++;
+    }
+    /* Paired ratios need every run of both sides. */
+    bool have_mim = mim >= 0 && ok[mim] == runs;
+    bench_replay_end(s, have_mim ? paired(pr[NP], pr[mim], runs, false) : NAN,
+                     have_mim ? paired(pr[NP], pr[mim], runs, true) : NAN);
+    cuma_heap_destroy(h);
+    h = make_heap(o, NULL);
+    cuma.heap = h;
+    bench_replay(o, &cuma, &ops, 16);
+    cuma_heap_destroy(h);
+    for (int p = 0; p < np; p++) {
+        bool both = have_mim && ok[p] == runs;
+        bench_peer_finish(&peer[p], ops.name, both ? paired(pr[p], pr[mim], runs, false) : NAN,
+                          both ? paired(pr[p], pr[mim], runs, true) : NAN);
+    }
     bench_ops_free(&ops);
     return 0;
 }
@@ -253,10 +286,11 @@ static int run_trace(const bench_opts *o, const char *path) {
 int main(int argc, char **argv) {
     cli c;
     memset(&c, 0, sizeof c);
-    c.peer_fd = -1;
+    c.peer_fd = c.peer_ctl = -1;
     parse(argc, argv, &c);
     bench_opts *o = &c.o;
-    if (c.peer) return bench_peer_child(o, c.peer, c.peer_job, c.peer_fd < 0 ? 1 : c.peer_fd);
+    if (c.peer)
+        return bench_peer_child(o, c.peer, c.peer_job, c.peer_fd < 0 ? 1 : c.peer_fd, c.peer_ctl);
     if (c.prof_fast || c.prof_replay) return profile(&c);
     if (!o->ntraces && (o->only & BENCH_REPLAY)) {
         fprintf(stderr, "cuma-bench: no trace given and none in %s\n", CUMA_BENCH_DATA_DIR);
