@@ -513,9 +513,10 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
     *ptr = NULL;
     cuma_heap *h = cuma_arena_mine(heap);
     if (size == 0) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size 0");
-    uint64_t n = h->tlsf && size <= (1ull << 47)
-                     ? (size + CUMA_GRANULE - 1) & ~(uint64_t)(CUMA_GRANULE - 1)
-                     : h->pol->ops->round(size);
+    uint64_t n = !h->tlsf || size > (1ull << 47) ? h->pol->ops->round(size)
+                 : size - 1 < h->fast_max
+                     ? cuma_tc_round(size)
+                     : (size + CUMA_GRANULE - 1) & ~(uint64_t)(CUMA_GRANULE - 1);
     uint64_t room = h->vmm ? h->va_size : h->be->capacity;
     if (!n || size > room)
         return cuma_fail(CUMA_ERR_INVALID,
@@ -584,7 +585,7 @@ cuma_status cuma_alloc(cuma_heap *heap, size_t size, cuma_stream stream, void **
         /* Sizes a thread cache can hold, with the default policy's rounding. */
         if (size - 1 < h->fast_max && h->tlsf) {
             cuma_tcache *tc = cuma_tcache_get(h, h->id);
-            uint64_t n = (size + CUMA_GRANULE - 1) & ~(uint64_t)(CUMA_GRANULE - 1);
+            uint64_t n = cuma_tc_round(size);
             if (tc && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
             return alloc_slow(heap, size, stream, ptr, tc != NULL);
         }

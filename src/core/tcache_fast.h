@@ -7,12 +7,34 @@
 #include "heap.h"
 #include "tcache.h"
 
+/* The size a request a thread cache may serve is rounded to: granules up to 4 KiB, then eight
+ * classes per power of two (at most 1/8 more). A cache keeps blocks by exact size, and a program
+ * whose sizes drift a little from step to step (a sequence that grows by a token) would miss on
+ * every new size; in a class, the block freed a step ago serves the next. The slack costs
+ * address space, not memory: pages are mapped under the requested bytes only. */
+static inline uint64_t cuma_tc_round(uint64_t size) {
+    uint64_t n = (size + CUMA_GRANULE - 1) & ~(uint64_t)(CUMA_GRANULE - 1);
+    if (n <= 4096) return n;
+    uint64_t step = 1ull << (60 - __builtin_clzll(n)); /* an eighth of n's top power of two */
+    return (n + step - 1) & ~(step - 1);
+}
+
 /* Records a block the owner handed out in its pointer table (tcache.c). */
 void cuma_tcache_tab_put(cuma_tcache *tc, uint64_t key, cuma_block *b, uint64_t gen);
 
+/* A block's bin: its size class (cuma_tc_round: 0-7 the granules up to 4 KiB, then 8 per power
+ * of two, 72 at 1 MiB, 120 at 64 MiB), so that the sizes a thread uses at once never share a
+ * bin on one stream; other streams' bins are the same spread by a stride. Sizes that are not
+ * a class (another policy's rounding) land in the class below and find no match there. */
 static inline unsigned cuma_tc_bin_of(uint64_t n, unsigned stream) {
-    return (unsigned)(((n >> 9) * 0x9E3779B97F4A7C15ull + stream * 0xC2B2AE3D27D4EB4Full) >> 57) &
-           (CUMA_TC_BINS - 1);
+    unsigned c;
+    if (n <= 4096) {
+        c = (unsigned)(n >> 9) - 1;
+    } else {
+        unsigned b = 63u - (unsigned)__builtin_clzll(n);
+        c = 8u * (b - 11u) + (unsigned)(n >> (b - 3)) - 8u;
+    }
+    return (c + stream * 37u) & (CUMA_TC_BINS - 1);
 }
 
 /* The owner's pointer table: 4-way set-associative by address, no probing and no shifting. An
