@@ -31,7 +31,7 @@ static _Thread_local struct {
     uint64_t id; /* the heap's registry id: a new heap at the same address is another heap */
     cuma_heap *arena;
     int score;
-} tl;
+} tl __attribute__((tls_model("initial-exec"))); /* as cuma_tl_last (tcache.h) */
 
 cuma_heap *cuma_arena_mine_slow(cuma_heap *h) {
     if (tl.heap == h && tl.id == h->id && tl.arena) return tl.arena;

@@ -79,7 +79,7 @@ cuma_status cuma_heap_build(cuma_heap *h) {
     h->tc_age_ns = h->set.tcache_age_ms < 0 ? INT64_MAX : h->set.tcache_age_ms * 1000000;
     h->tlsf = pol == &cuma_tlsf_ops;
     uint64_t room = h->vmm ? h->va_size : h->be->capacity;
-    h->fast_max = !h->tc_on ? 0 : h->tc_max < room ? h->tc_max : room;
+    h->fast_max = !h->tc_on || !h->tlsf ? 0 : h->tc_max < room ? h->tc_max : room;
     h->max_cached_bytes = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached;
     cuma_heap_refresh_limit(h);
     if (h->set.preallocate && first) {
@@ -583,7 +583,7 @@ cuma_status cuma_alloc(cuma_heap *heap, size_t size, cuma_stream stream, void **
     if (heap && ptr) {
         cuma_heap *h = cuma_arena_mine(heap);
         /* Sizes a thread cache can hold, with the default policy's rounding. */
-        if (size - 1 < h->fast_max && h->tlsf) {
+        if (size - 1 < h->fast_max) {
             cuma_tcache *tc = cuma_tcache_get(h, h->id);
             uint64_t n = cuma_tc_round(size);
             if (tc && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;

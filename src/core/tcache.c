@@ -8,7 +8,7 @@
 
 #define TL_HEAPS 8
 
-_Thread_local cuma_tl_slot cuma_tl_last;
+_Thread_local cuma_tl_slot cuma_tl_last __attribute__((tls_model("initial-exec")));
 
 /* The calling thread's caches, one per heap it used (at most TL_HEAPS get one). */
 static _Thread_local cuma_tl_slot tl[TL_HEAPS];
@@ -125,6 +125,9 @@ cuma_tcache *cuma_tcache_get_slow(cuma_heap *h) {
     cuma_tcache *tc = calloc(1, sizeof *tc);
     if (!tc) return NULL;
     tc->heap = h, tc->heap_id = h->id;
+    tc->primary = h->primary;
+    tc->base = h->base, tc->max_block = h->tc_max, tc->max_bytes = h->tc_bytes;
+    tc->page_shift = h->vmm ? h->pages.shift : 0;
     pthread_once(&exit_once, make_key);
     pthread_setspecific(exit_key, tc); /* any non-NULL value makes the destructor run */
     pthread_mutex_lock(&h->lock);

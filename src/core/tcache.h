@@ -58,6 +58,11 @@ typedef struct cuma_tc_entry {
 typedef struct cuma_tcache {
     struct cuma_heap *heap;
     uint64_t heap_id;
+    /* The heap's settings the fast paths read, copied here (constant) so that a call touches
+     * the cache's own lines rather than the heap's. */
+    struct cuma_heap *primary;
+    uint64_t base, max_block, max_bytes;
+    unsigned page_shift; /* 0: no pages (segment mode) */
     cuma_tc_bin bins[CUMA_TC_BINS];
     cuma_tc_entry *tab; /* owner: pointer table, 4-way sets, tabcap a power of two */
     uint32_t tabcap, tabn;
@@ -85,7 +90,11 @@ typedef struct cuma_tl_slot {
     uint64_t heap_id;
     cuma_tcache *tc;
 } cuma_tl_slot;
-extern _Thread_local cuma_tl_slot cuma_tl_last __attribute__((visibility("hidden")));
+/* initial-exec: a fixed offset from the thread pointer, where the default model for a shared
+ * library calls __tls_get_addr on every access (twice per alloc+free pair). It takes a few bytes
+ * of the static TLS space that glibc keeps for libraries loaded later (dlopen, ctypes). */
+extern _Thread_local cuma_tl_slot cuma_tl_last
+    __attribute__((visibility("hidden"), tls_model("initial-exec")));
 
 cuma_tcache *cuma_tcache_get_slow(struct cuma_heap *h);
 

@@ -43,7 +43,7 @@ static inline unsigned cuma_tc_bin_of(uint64_t n, unsigned stream) {
 /* Hashed by offset from the heap's base, so that which blocks collide (and so which frees take
  * the slow path) does not depend on where the heap's range happens to lie: replays repeat. */
 static inline uint32_t cuma_tc_key_slot(const cuma_tcache *tc, uint64_t key, uint32_t cap) {
-    uint64_t x = ((key - tc->heap->base) >> 9) * 0x9E3779B97F4A7C15ull;
+    uint64_t x = ((key - tc->base) >> 9) * 0x9E3779B97F4A7C15ull;
     return (uint32_t)((x ^ (x >> 29)) >> 20) & (cap - 4);
 }
 
@@ -73,7 +73,7 @@ static inline int cuma_tc_stream_index(const cuma_tcache *tc, cuma_stream s) {
                           memory_order_relaxed)
 
 static inline void cuma_tc_note_peaks(cuma_tcache *tc) {
-    cuma_heap *h = tc->heap->primary;
+    cuma_heap *h = tc->primary;
     int64_t req = atomic_load_explicit(&h->req_global, memory_order_relaxed) +
                   atomic_load_explicit(&tc->requested, memory_order_relaxed);
     uint64_t peak = atomic_load_explicit(&h->peak_req, memory_order_relaxed);
@@ -95,9 +95,8 @@ cuma_tcache_alloc(cuma_tcache *tc, uint64_t size, uint64_t n, cuma_stream stream
         tc->held -= n; /* popped, or taken by a flush */
     }
     if (!b) return false;
-    cuma_heap *h = tc->heap;
-    if (h->vmm && ((b->off + size - 1) >> h->pages.shift) !=
-                      ((b->off + b->mapped_len - 1) >> h->pages.shift)) {
+    unsigned sh = tc->page_shift;
+    if (sh && ((b->off + size - 1) >> sh) != ((b->off + b->mapped_len - 1) >> sh)) {
         /* The request ends on another page than the block's mapped bytes: the slow path must
          * change page references. Put it back. */
         atomic_store_explicit(&bin->slot[bin->n++], b, memory_order_release);
@@ -108,7 +107,7 @@ cuma_tcache_alloc(cuma_tcache *tc, uint64_t size, uint64_t n, cuma_stream stream
     b->stream = (uint16_t)si;
     uint64_t g = atomic_load_explicit(&b->gen, memory_order_relaxed) + 1;
     atomic_store_explicit(&b->gen, g, memory_order_release);
-    uint64_t addr = h->base + b->off;
+    uint64_t addr = tc->base + b->off;
     /* The slot its last free emptied is in the right set for this address: take it again
      * unless the table was rebuilt since or someone else took it. */
     cuma_tc_entry *e = tc->tab + b->tc_slot;
@@ -140,10 +139,9 @@ cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream) {
     if (b->extra[0] != CUMA_NO_STREAM || b->extra_all) return CUMA_TC_MISS; /* deferred */
     int si = stream ? cuma_tc_stream_index(tc, stream) : b->stream;
     if (si < 0) return CUMA_TC_MISS;
-    cuma_heap *h = tc->heap;
     uint64_t n = b->size;
     cuma_tc_bin *bin = &tc->bins[cuma_tc_bin_of(n, (unsigned)si)];
-    bool to_bin = n <= h->tc_max && tc->held + n <= h->tc_bytes && bin->n < CUMA_TC_DEPTH &&
+    bool to_bin = n <= tc->max_block && tc->held + n <= tc->max_bytes && bin->n < CUMA_TC_DEPTH &&
                   (!bin->n || (bin->size == n && bin->stream == si));
     if (!atomic_compare_exchange_strong_explicit(&b->gen, &g, g + 1, memory_order_acq_rel,
                                                  memory_order_relaxed)) {
@@ -156,7 +154,7 @@ cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream) {
     b->tc_slot = (uint32_t)(e - tc->tab), b->tc_tabgen = tc->tabgen;
     cuma_tc_tab_remove(tc, e);
     b->stream = (uint16_t)si; /* the stream it was last used on: its fence when flushed */
-    uint64_t now = atomic_load_explicit(&h->coarse_now, memory_order_relaxed);
+    uint64_t now = atomic_load_explicit(&tc->heap->coarse_now, memory_order_relaxed);
     if (!to_bin) {
         if (!tc->npending) atomic_store_explicit(&tc->pending_stamp, now, memory_order_relaxed);
         atomic_store_explicit(&tc->pending[tc->npending++], b, memory_order_release);
