@@ -234,6 +234,12 @@ static void raise_peak(_Atomic uint64_t *peak, uint64_t v) {
     }
 }
 
+/* Publishes this arena's counters for the lock-free totals (arena lock held). */
+static void publish(cuma_heap *h) {
+    atomic_store_explicit(&h->pub_req, (int64_t)h->c.requested, memory_order_relaxed);
+    atomic_store_explicit(&h->pub_alloc, (int64_t)h->c.allocated, memory_order_relaxed);
+}
+
 static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache *tc) {
     cuma_counters *c = &h->c;
     cuma_heap *p = h->primary;
@@ -241,18 +247,16 @@ static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache
     c->allocated += size;
     c->active++;
     c->allocs++;
-    int64_t all_req =
-        atomic_fetch_add_explicit(&p->req_global, (int64_t)req, memory_order_relaxed) +
-        (int64_t)req;
-    int64_t all_alloc =
-        atomic_fetch_add_explicit(&p->alloc_global, (int64_t)size, memory_order_relaxed) +
-        (int64_t)size;
+    publish(h);
     /* The peaks count the calling thread's cache; other threads' caches move them only when
      * those threads allocate (documented in cuma.h). */
     int64_t mine = tc ? atomic_load_explicit(&tc->requested, memory_order_relaxed) : 0;
     int64_t mine_a = tc ? atomic_load_explicit(&tc->allocated, memory_order_relaxed) : 0;
-    if (all_req + mine > 0) raise_peak(&p->peak_req, (uint64_t)(all_req + mine));
-    if (all_alloc + mine_a > 0) raise_peak(&p->peak_alloc, (uint64_t)(all_alloc + mine_a));
+    int64_t total = cuma_heap_total_req(p);
+    if (tc) tc->others_req = total - (int64_t)c->requested;
+    int64_t all_req = total + mine, all_alloc = cuma_heap_total_alloc(p) + mine_a;
+    if (all_req > 0) raise_peak(&p->peak_req, (uint64_t)all_req);
+    if (all_alloc > 0) raise_peak(&p->peak_alloc, (uint64_t)all_alloc);
     raise_peak(&p->peak_res, cuma_heap_reserved_all(h));
 }
 
@@ -263,9 +267,7 @@ static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_
         h->c.requested -= b->req;
         h->c.allocated -= b->size;
         h->c.active--;
-        atomic_fetch_sub_explicit(&h->primary->req_global, (int64_t)b->req, memory_order_relaxed);
-        atomic_fetch_sub_explicit(&h->primary->alloc_global, (int64_t)b->size,
-                                  memory_order_relaxed);
+        publish(h);
     }
     bool was_empty = cuma_heap_cached(h) == 0;
     if (h->vmm) cuma_pages_unref(&h->pages, b->off, b->mapped_len, t, fstream, fseq);
@@ -409,7 +411,7 @@ static cuma_status fail_oom(cuma_heap *h, cuma_status st, size_t size) {
                      "out of memory: %zu bytes requested; %" PRIu64 " reserved (%" PRIu64
                      " cached) of a %" PRIu64 "-byte limit, %" PRIu64 " bytes live (%s)",
                      size, cuma_heap_reserved_all(h), cuma_heap_cached(h), h->limit_bytes,
-                     (uint64_t)atomic_load(&h->primary->req_global),
+                     (uint64_t)cuma_heap_total_req(h->primary),
                      st == CUMA_ERR_LIMIT ? "limit reached" : "device full");
 }
 

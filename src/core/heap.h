@@ -39,10 +39,10 @@ typedef struct cuma_counters {
  * Invariants (cuma_heap_check, under lock): every live block is in `live` under its address
  * base + off and in no free list; the page reference counts equal the number of live and
  * deferred blocks whose requested bytes overlap each page; counters.requested is the sum of
- * the live blocks' requests; the policy, pages and streams hold their own invariants. Across
- * arenas (all locks held): req_global and alloc_global are the sums of the arenas'
- * counters.requested and counters.allocated; pages.own_reserved of the first arena is the sum
- * of the arenas' pages.nreserved; arenas' virtual ranges do not overlap. */
+ * the live blocks' requests, and pub_req / pub_alloc equal counters.requested / allocated; the
+ * policy, pages and streams hold their own invariants. Across arenas (all locks held):
+ * pages.own_reserved of the first arena is the sum of the arenas' pages.nreserved; arenas'
+ * virtual ranges do not overlap. */
 struct cuma_heap {
     pthread_mutex_t lock;      /* guards everything below unless a field says otherwise */
     struct cuma_heap *primary; /* the first arena (itself for the first); constant */
@@ -91,16 +91,38 @@ struct cuma_heap {
     cuma_tcache *tcaches;
     _Atomic uint64_t manual_now; /* sim_clock:manual: the time cuma_sim_set_time set */
     _Atomic uint64_t coarse_now; /* the clock as of the last slow path (fast paths stamp with it) */
-    /* First arena only: sums over the arenas' slow-path counters (the fast path adds its own
-     * cache's share), kept so that the peaks of the whole heap need no lock. */
-    _Atomic int64_t req_global, alloc_global;
-    _Atomic uint64_t peak_req, peak_alloc, peak_res; /* peak requested, allocated, reserved */
+    /* This arena's c.requested and c.allocated, published for the peaks of the whole heap,
+     * which are taken without locks (the fast path adds its own cache's share): written under
+     * this arena's lock, read by anyone. On a cache line of their own, so that arenas of
+     * threads running side by side do not write into the same line. */
+    char pad0[64];
+    _Atomic int64_t pub_req, pub_alloc;
+    char pad1[64];
+    /* First arena only: the peaks of the whole heap (requested, allocated, reserved); raised
+     * lock-free, read on every allocation, written rarely. */
+    _Atomic uint64_t peak_req, peak_alloc, peak_res;
     /* Background release thread. */
     pthread_t thread;
     pthread_cond_t wake;
     bool thread_running, stopping;
     uint64_t thread_wake_at; /* when the release thread plans to wake (heap clock) */
 };
+
+/* Requested and allocated bytes of the whole heap outside the thread caches (lock-free). */
+static inline int64_t cuma_heap_total_req(const cuma_heap *p) {
+    unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
+    int64_t t = atomic_load_explicit(&p->pub_req, memory_order_relaxed);
+    for (unsigned i = 1; i < n; i++)
+        t += atomic_load_explicit(&p->arenas[i]->pub_req, memory_order_relaxed);
+    return t;
+}
+static inline int64_t cuma_heap_total_alloc(const cuma_heap *p) {
+    unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
+    int64_t t = atomic_load_explicit(&p->pub_alloc, memory_order_relaxed);
+    for (unsigned i = 1; i < n; i++)
+        t += atomic_load_explicit(&p->arenas[i]->pub_alloc, memory_order_relaxed);
+    return t;
+}
 
 /* Reserved bytes of the whole heap (every arena): what the limit bounds. */
 static inline uint64_t cuma_heap_reserved_all(const cuma_heap *h) {

@@ -184,12 +184,13 @@ bad:
 
 /* What ties the arenas together (every arena's lock held). */
 static const char *check_arenas(cuma_heap *h, unsigned n) {
-    int64_t req = 0, alloc = 0;
     uint64_t pages = 0;
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *a = h->arenas[i];
         if (a->primary != h || (i == 0) != (a == h)) return "an arena names another heap";
-        req += (int64_t)a->c.requested, alloc += (int64_t)a->c.allocated;
+        if (atomic_load(&a->pub_req) != (int64_t)a->c.requested ||
+            atomic_load(&a->pub_alloc) != (int64_t)a->c.allocated)
+            return "an arena's published counters differ from its own";
         pages += a->pages.nreserved;
         if (a->vmm && a->pages.shared != &h->pages.own_reserved)
             return "an arena counts its pages apart from the heap's";
@@ -199,9 +200,6 @@ static const char *check_arenas(cuma_heap *h, unsigned n) {
                 return "two arenas' virtual ranges overlap";
         }
     }
-    if (req != atomic_load(&h->req_global)) return "requested bytes differ from the arenas' sum";
-    if (alloc != atomic_load(&h->alloc_global))
-        return "allocated bytes differ from the arenas' sum";
     if (h->vmm && pages != atomic_load(&h->pages.own_reserved))
         return "reserved pages differ from the arenas' sum";
     return NULL;

@@ -274,10 +274,6 @@ void cuma_tcache_sums_retire(cuma_heap *h, cuma_tcache *tc) {
                    atomic_load_explicit(&tc->frees, memory_order_relaxed);
     h->c.allocs += atomic_load_explicit(&tc->allocs, memory_order_relaxed);
     h->c.frees += atomic_load_explicit(&tc->frees, memory_order_relaxed);
-    atomic_fetch_add_explicit(&h->primary->req_global,
-                              atomic_load_explicit(&tc->requested, memory_order_relaxed),
-                              memory_order_relaxed);
-    atomic_fetch_add_explicit(&h->primary->alloc_global,
-                              atomic_load_explicit(&tc->allocated, memory_order_relaxed),
-                              memory_order_relaxed);
+    atomic_store_explicit(&h->pub_req, (int64_t)h->c.requested, memory_order_relaxed);
+    atomic_store_explicit(&h->pub_alloc, (int64_t)h->c.allocated, memory_order_relaxed);
 }

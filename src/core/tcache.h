@@ -73,6 +73,10 @@ typedef struct cuma_tcache {
     } streams[CUMA_TC_STREAMS]; /* owner: stream handle -> heap stream index */
     unsigned nstreams;
     uint64_t held; /* owner: bytes it believes its bins hold */
+    /* owner: the other arenas' published requested bytes as of this thread's last slow call.
+     * The fast path's peak check reads them from here rather than from lines that threads in
+     * those arenas keep writing. */
+    int64_t others_req;
     /* Frees the bins refuse (too big, bin taken, full): batched, so that one acquisition of the
      * heap lock returns up to CUMA_TC_PENDING of them. Slots like a bin's: the owner pushes,
      * the owner's next slow call (or any flusher) takes them. */
