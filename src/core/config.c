@@ -74,7 +74,7 @@ static const key_desc keys[] = {
      "makes no allocator call (not with sim_clock:manual, whose time only moves when told)"},
     {"tcache", K_BOOL, F(tcache), "on", NULL,
      "per-thread caches of freed blocks: the fast path, without the heap lock"},
-    {"tcache_bytes", K_SIZE, F(tcache_bytes), "16M", NULL, "most bytes one thread's cache holds"},
+    {"tcache_bytes", K_SIZE, F(tcache_bytes), "32M", NULL, "most bytes one thread's cache holds"},
     {"tcache_max", K_SIZE, F(tcache_max), "1M", NULL, "largest block a thread cache holds"},
     {"tcache_age_ms", K_MS, F(tcache_age_ms), "50", NULL,
      "blocks idle in a thread cache longer than this go back to the heap (and from there to the "
