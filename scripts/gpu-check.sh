@@ -14,15 +14,17 @@
 #   5. PyTorch   scripts/gpu/torch_compare.py: one variable-length transformer training loop
 #                under the native allocator and under cuma (goal: step time within 3%, peak
 #                reserved at least 15% lower); SKIP without PyTorch+CUDA
+#   6. Bench     cuma-bench --only replay on the host CPUs (1 and 2 threads; the peers where
+#                installed): the 2-thread scaling a quiet many-core machine can show
 #
-# Every step runs, each under its own timeout and within one overall budget (--budget, 290 s);
+# Every step runs, each under its own timeout and within one overall budget (--budget, 330 s);
 # a summary table of PASS/FAIL/SKIP ends the output. Exit status 1 if any step FAILed, else 0.
 # Without a GPU the GPU steps SKIP, saying why, and the script exits 0; --require-gpu turns
 # those SKIPs into FAILs.
 #
 # Output: build-gpu/ (the build, build-gpu/gpu/churn) and build-gpu/gpu-check/ (logs). When $OUT
-# is set, at most 8 files are copied there: summary.txt results.json gpu-check.log build.log
-# ctest.log replay.jsonl churn.log torch.log.
+# is set, at most 9 files are copied there: summary.txt results.json gpu-check.log build.log
+# ctest.log replay.jsonl churn.log torch.log bench.log.
 #
 # Environment: GPU_CHECK_BUDGET (seconds, as --budget), CUMA_GPU_DEBS (a folder of .deb files,
 # e.g. zlib1g-dev, unpacked into build-gpu/sysroot when apt cannot install them), NVCC.
@@ -34,7 +36,7 @@ usage() { sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
 REQUIRE_GPU=0
 NO_TORCH=0
-BUDGET=${GPU_CHECK_BUDGET:-290}
+BUDGET=${GPU_CHECK_BUDGET:-330}
 while [ $# -gt 0 ]; do
   case "$1" in
     --require-gpu) REQUIRE_GPU=1 ;;
@@ -508,6 +510,27 @@ step_torch() {
   esac
 }
 
+# ---- 6. host scaling ------------------------------------------------------------------------
+
+# The replays of cuma-bench on this machine's CPUs: a quiet many-core machine measures the
+# 2-thread scaling that a shared 2-CPU machine cannot (issue: 2T/1T >= 1.6). No GPU needed.
+step_bench() {
+  section "6. Host replays and scaling: $BUILD/bin/cuma-bench --only replay --runs 5"
+  step_start
+  local name="bench replays (CPU)"
+  if [ "$BUILD_OK" != 1 ] || [ ! -x "$BUILD/bin/cuma-bench" ]; then
+    record "$name" SKIP "needs the build, which failed"
+    return
+  fi
+  if ! t=$(tmo 90); then record "$name" SKIP "$NO_TIME"; return; fi
+  local rc=0
+  run "$t" "$WORK/bench.log" "$BUILD/bin/cuma-bench" --only replay --runs 5 || rc=$?
+  if [ $rc -ne 0 ]; then record "$name" FAIL "cuma-bench $(why_rc $rc "$t")"; return; fi
+  local sc
+  sc=$(awk -F'|' '$2 ~ /scaling/ && $3 ~ / x1 / && $4 ~ /cuma/ { gsub(/^ +| +$/, "", $3); gsub(/ /, "", $13); printf "%s%s %s", sep, $3, $13; sep = ", " }' "$WORK/bench.log")
+  record "$name" PASS "cuma 2T/1T: ${sc:-?}"
+}
+
 # ---- summary --------------------------------------------------------------------------------
 
 summary() {
@@ -591,6 +614,7 @@ main() {
   step_churn_build
   step_churn
   step_torch
+  step_bench
   summary
 }
 
@@ -598,7 +622,7 @@ main 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT" &&
-    for f in summary.txt results.json gpu-check.log build.log ctest.log replay.jsonl churn.log torch.log; do
+    for f in summary.txt results.json gpu-check.log build.log ctest.log replay.jsonl churn.log torch.log bench.log; do
       [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
     done
   echo "gpu-check: logs copied to $OUT"
