@@ -79,7 +79,9 @@ cuma_status cuma_heap_build(cuma_heap *h) {
     h->tc_age_ns = h->set.tcache_age_ms < 0 ? INT64_MAX : h->set.tcache_age_ms * 1000000;
     h->tlsf = pol == &cuma_tlsf_ops;
     uint64_t room = h->vmm ? h->va_size : h->be->capacity;
-    h->fast_max = !h->tc_on || !h->tlsf ? 0 : h->tc_max < room ? h->tc_max : room;
+    /* Size classes only where pages are mapped under requested bytes: in segment mode the
+     * slack of a class would be memory. */
+    h->fast_max = !h->tc_on || !h->tlsf || !h->vmm ? 0 : h->tc_max < room ? h->tc_max : room;
     h->max_cached_bytes = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached;
     cuma_heap_refresh_limit(h);
     if (h->set.preallocate && first) {

@@ -83,8 +83,9 @@ struct cuma_heap {
     /* Thread caches (tcache.h): settings constant after creation; the list under the lock. */
     bool tc_on;
     bool tlsf;         /* the default policy (its rounding is inline in cuma_alloc) */
-    uint64_t fast_max; /* requests of 1..fast_max bytes try the thread cache inline (0: caches
-                          off, or a policy whose rounding the slow path must do) */
+    uint64_t fast_max; /* requests of 1..fast_max bytes are rounded to size classes and try the
+                          thread cache inline (0: caches off, another policy's rounding, or
+                          segment mode: the slow path rounds and tries the cache) */
     uint64_t tc_bytes, tc_max;
     int64_t tc_age_ns;
     uint64_t tc_due; /* no thread-cache block is due to go back before this (coarse time) */
