@@ -254,9 +254,9 @@ static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache
      * those threads allocate (documented in cuma.h). */
     int64_t mine = tc ? atomic_load_explicit(&tc->requested, memory_order_relaxed) : 0;
     int64_t mine_a = tc ? atomic_load_explicit(&tc->allocated, memory_order_relaxed) : 0;
-    int64_t total = cuma_heap_total_req(p);
+    int64_t total = cuma_heap_total(p, false);
     if (tc) tc->others_req = total - (int64_t)c->requested;
-    int64_t all_req = total + mine, all_alloc = cuma_heap_total_alloc(p) + mine_a;
+    int64_t all_req = total + mine, all_alloc = cuma_heap_total(p, true) + mine_a;
     if (all_req > 0) raise_peak(&p->peak_req, (uint64_t)all_req);
     if (all_alloc > 0) raise_peak(&p->peak_alloc, (uint64_t)all_alloc);
     raise_peak(&p->peak_res, cuma_heap_reserved_all(h));
@@ -413,7 +413,7 @@ static cuma_status fail_oom(cuma_heap *h, cuma_status st, size_t size) {
                      "out of memory: %zu bytes requested; %" PRIu64 " reserved (%" PRIu64
                      " cached) of a %" PRIu64 "-byte limit, %" PRIu64 " bytes live (%s)",
                      size, cuma_heap_reserved_all(h), cuma_heap_cached(h), h->limit_bytes,
-                     (uint64_t)cuma_heap_total_req(h->primary),
+                     (uint64_t)cuma_heap_total(h->primary, false),
                      st == CUMA_ERR_LIMIT ? "limit reached" : "device full");
 }
 

@@ -109,19 +109,15 @@ struct cuma_heap {
     uint64_t thread_wake_at; /* when the release thread plans to wake (heap clock) */
 };
 
-/* Requested and allocated bytes of the whole heap outside the thread caches (lock-free). */
-static inline int64_t cuma_heap_total_req(const cuma_heap *p) {
+/* Requested (or, with `alloc`, allocated) bytes of the whole heap outside the thread caches,
+ * lock-free from what the arenas publish. */
+static inline int64_t cuma_heap_total(const cuma_heap *p, bool alloc) {
     unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
-    int64_t t = atomic_load_explicit(&p->pub_req, memory_order_relaxed);
-    for (unsigned i = 1; i < n; i++)
-        t += atomic_load_explicit(&p->arenas[i]->pub_req, memory_order_relaxed);
-    return t;
-}
-static inline int64_t cuma_heap_total_alloc(const cuma_heap *p) {
-    unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
-    int64_t t = atomic_load_explicit(&p->pub_alloc, memory_order_relaxed);
-    for (unsigned i = 1; i < n; i++)
-        t += atomic_load_explicit(&p->arenas[i]->pub_alloc, memory_order_relaxed);
+    int64_t t = 0;
+    for (unsigned i = 0; i < n; i++) {
+        const cuma_heap *a = i ? p->arenas[i] : p;
+        t += atomic_load_explicit(alloc ? &a->pub_alloc : &a->pub_req, memory_order_relaxed);
+    }
     return t;
 }
 
