@@ -44,14 +44,23 @@ typedef struct cuma_counters {
  * pages.own_reserved of the first arena is the sum of the arenas' pages.nreserved; arenas'
  * virtual ranges do not overlap. */
 struct cuma_heap {
-    pthread_mutex_t lock;      /* guards everything below unless a field says otherwise */
+    /* Read by the threads of every arena on every call, written only while the heap is built
+     * or an arena is added: its own cache lines, apart from what the slow path writes (the
+     * lock above all), so that a thread in another arena does not miss on them. */
     struct cuma_heap *primary; /* the first arena (itself for the first); constant */
-    bool owns_be;              /* the first arena: destroys the backend; constant */
     uint64_t id;               /* registry id (tcache.c); constant */
-    cuma_settings set;         /* constant after creation, except limit fields (under lock) */
-    cuma_backend *be;          /* constant after creation */
     uint64_t base;             /* address of offset 0 of the virtual range; constant */
     uint64_t va_size;          /* constant */
+    /* First arena only: the arenas. arenas[i] is written before narenas covers it (release)
+     * and never changes after; arena_lock (below) serialises making one with changes of
+     * settings that every arena must see. */
+    _Atomic unsigned narenas;
+    struct cuma_heap *arenas[CUMA_MAX_ARENAS];
+    char pad_shared[64];
+    pthread_mutex_t lock; /* guards everything below unless a field says otherwise */
+    bool owns_be;         /* the first arena: destroys the backend; constant */
+    cuma_settings set;    /* constant after creation, except limit fields (under lock) */
+    cuma_backend *be;     /* constant after creation */
     cuma_policy *pol;
     cuma_streams streams;
     bool vmm;              /* page mode (pages) or segment mode (segs); constant */
@@ -74,12 +83,7 @@ struct cuma_heap {
     /* First arena only, under managed_lock (a leaf lock): managed fallbacks (the map above,
      * c.managed, c.managed_fallbacks and the frees of managed memory). */
     pthread_mutex_t managed_lock;
-    /* First arena only: the arenas. arena_lock serialises making one with changes of settings
-     * that every arena must see; arenas[i] is written before narenas covers it (release) and
-     * never changes after. */
-    pthread_mutex_t arena_lock;
-    struct cuma_heap *arenas[CUMA_MAX_ARENAS];
-    _Atomic unsigned narenas;
+    pthread_mutex_t arena_lock; /* first arena only: see narenas */
     /* Thread caches (tcache.h): settings constant after creation; the list under the lock. */
     bool tc_on;
     bool tlsf;         /* the default policy (its rounding is inline in cuma_alloc) */
