@@ -82,7 +82,8 @@ static const key_desc keys[] = {
     {"arenas", K_INT, F(arenas), "4", NULL,
      "most arenas (each with its own lock, placement and page cache over its own virtual range) "
      "a heap spreads threads over when their slow paths keep colliding on one lock; 1 = one lock "
-     "for every thread. A single thread, or threads that rarely collide, stay in one arena"},
+     "for every thread. A single thread, or threads that rarely collide, stay in one arena; "
+     "a heap with preallocate keeps one"},
     {"device", K_INT, F(device), "0", NULL, "CUDA device ordinal"},
 };
 

@@ -169,6 +169,9 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         st = cuma_backend_create(&h->set, &h->be);
     }
     if (st) goto fail_free;
+    /* Preallocated pages are the first arena's and never move: another arena could not
+     * create a page within the limit they take. Such a heap keeps one arena. */
+    if (h->set.preallocate) h->set.arenas = 1;
     if (h->set.arenas > 1 && (h->be->caps & CUMA_CAP_VMM)) {
         /* Arenas share the backend: its calls go through one mutex from the start. */
         cuma_backend *shared;

@@ -135,6 +135,10 @@ static void test_settings(void) {
     CHECK(cuma_backend_unwrap(h->be) == h->be); /* no shared-backend mutex for one arena */
     CHECK_ST(cuma_arena_use(h, 1), CUMA_ERR_INVALID);
     cuma_heap_destroy(h);
+    /* Preallocated pages are the first arena's: such a heap keeps one arena. */
+    h = make("capacity:64M,preallocate:8M,growth:off");
+    CHECK_ST(cuma_arena_use(h, 1), CUMA_ERR_INVALID);
+    cuma_heap_destroy(h);
     h = make("capacity:64M,sim_segments:on");
     CHECK_ST(cuma_arena_use(h, 1), CUMA_ERR_UNSUPPORTED);
     CHECK(heap_stats(h).arenas == 1);
