@@ -370,8 +370,15 @@ static void coalesce(cuma_heap *h, bool wait) {
 void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
     if (h->deferred) process_deferred(h, false);
     age_tcaches(h, t);
-    if (t >= next_age_due(h) || cuma_heap_cached(h) > h->max_cached_bytes)
-        cuma_heap_release(h, t, h->release_delay_ns, h->max_cached_bytes, age_keep(h), false);
+    /* max_cached is the heap's: this arena keeps what the others' caches leave of it. */
+    uint64_t cap = h->max_cached_bytes;
+    if (cap != UINT64_MAX) {
+        uint64_t others = cuma_heap_total_cached(h->primary) - atomic_load(&h->pub_cached);
+        cap = others >= cap ? 0 : cap - others;
+    }
+    if (t >= next_age_due(h) || cuma_heap_cached(h) > cap)
+        cuma_heap_release(h, t, h->release_delay_ns, cap, age_keep(h), false);
+    atomic_store_explicit(&h->pub_cached, cuma_heap_cached(h), memory_order_relaxed);
 }
 
 /* One placement attempt: a block and the pages under it, or a status. */

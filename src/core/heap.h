@@ -102,6 +102,7 @@ struct cuma_heap {
      * threads running side by side do not write into the same line. */
     char pad0[64];
     _Atomic int64_t pub_req, pub_alloc;
+    _Atomic uint64_t pub_cached; /* cuma_heap_cached as of this arena's last slow call */
     char pad1[64];
     /* First arena only: the peaks of the whole heap (requested, allocated, reserved); raised
      * lock-free, read on every allocation, written rarely. */
@@ -122,6 +123,15 @@ static inline int64_t cuma_heap_total(const cuma_heap *p, bool alloc) {
         const cuma_heap *a = i ? p->arenas[i] : p;
         t += atomic_load_explicit(alloc ? &a->pub_alloc : &a->pub_req, memory_order_relaxed);
     }
+    return t;
+}
+
+/* Idle bytes of the whole heap as the arenas last published them: what max_cached bounds. */
+static inline uint64_t cuma_heap_total_cached(const cuma_heap *p) {
+    unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
+    uint64_t t = 0;
+    for (unsigned i = 0; i < n; i++)
+        t += atomic_load_explicit(&(i ? p->arenas[i] : p)->pub_cached, memory_order_relaxed);
     return t;
 }
 

@@ -126,6 +126,23 @@ static void test_one_limit(void) {
     cuma_heap_destroy(h);
 }
 
+/* max_cached bounds the idle pages of the whole heap, not of each arena. */
+static void test_max_cached(void) {
+    cuma_heap *h = make("capacity:64M,sim_clock:manual,max_cached:4M");
+    void *a, *b;
+    CHECK_OK(cuma_alloc(h, 6 * MB, NULL, &a));
+    CHECK_OK(cuma_arena_use(h, 1));
+    CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &b));
+    CHECK_OK(cuma_free(h, a, NULL)); /* arena 0: 3 idle pages, 2 kept */
+    CHECK(heap_stats(h).cached_bytes == 4 * MB);
+    CHECK_OK(cuma_free(h, b, NULL)); /* arena 1: the heap's 4 MiB are taken: none kept */
+    cuma_stats s = heap_stats(h);
+    CHECK(s.cached_bytes == 4 * MB && s.reserved_bytes == 4 * MB);
+    CHECK(h->pages.ncached == 2 && h->arenas[1]->pages.ncached == 0);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
 static void test_settings(void) {
     CHECK_ST(cuma_config_check("arenas:0"), CUMA_ERR_CONFIG);
     CHECK_ST(cuma_config_check("arenas:9"), CUMA_ERR_CONFIG);
@@ -202,6 +219,7 @@ static void test_collisions(void) {
 int main(void) {
     test_routing_and_stats();
     test_one_limit();
+    test_max_cached();
     test_settings();
     test_collisions();
     printf("test_arena: passed\n");
