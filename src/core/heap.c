@@ -1,4 +1,5 @@
-/* Heap life cycle, allocation, free and the out-of-memory ladder. */
+/* Allocation, free and the out-of-memory ladder (the life cycle is heap_life.c, the release
+ * policy release.c). */
 #include "heap.h"
 #include "error.h"
 #include "tcache_fast.h"
@@ -7,225 +8,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static uint64_t round_pow2(uint64_t x) {
-    uint64_t p = 1;
-    while (p < x) p <<= 1;
-    return p;
-}
-
-void cuma_heap_refresh_limit(cuma_heap *h) {
-    uint64_t lim = h->be->capacity;
-    if (h->set.limit != CUMA_UNLIMITED && h->set.limit < lim) lim = h->set.limit;
-    if (h->set.memory_fraction > 0) {
-        uint64_t f = (uint64_t)(h->set.memory_fraction * (double)h->be->capacity);
-        if (f < lim) lim = f;
-    }
-    if (!h->set.growth && h->set.preallocate < lim) lim = h->set.preallocate;
-    h->limit_bytes = lim;
-    if (h->vmm) {
-        h->pages.limit_pages = lim / h->pages.page_size;
-        h->pages.limit_is_device = lim == h->be->capacity;
-    } else {
-        h->segs.limit_bytes = lim;
-        h->segs.limit_is_device = lim == h->be->capacity;
-    }
-}
-
-static void *release_thread(void *arg);
-
-/* Everything an arena needs besides its settings, backend and first arena (set by the caller):
- * placement, virtual range and pages (or segments), tables, limits, the first arena's
- * preallocation, the lock and the release thread. On failure nothing is left to undo. */
-cuma_status cuma_heap_build(cuma_heap *h) {
-    cuma_status st;
-    bool first = h->primary == h;
-    h->vmm = (h->be->caps & CUMA_CAP_VMM) != 0;
-    if (!h->vmm && !(h->be->caps & CUMA_CAP_SEGMENTS))
-        return cuma_fail(CUMA_ERR_UNSUPPORTED, "backend %s offers neither pages nor segments",
-                         h->be->name);
-    bool buddy = !strcmp(h->set.policy, "buddy");
-    if (!h->vmm && buddy)
-        return cuma_fail(
-            CUMA_ERR_CONFIG,
-            "policy:buddy needs a virtual range; backend %s has segments only (use policy:tlsf)",
-            h->be->name);
-    st = cuma_streams_init(&h->streams, h->be);
-    if (st) return st;
-    const cuma_policy_ops *pol = buddy ? &cuma_buddy_ops : &cuma_tlsf_ops;
-    st = pol->create(&h->pol, &h->streams, h->vmm ? CUMA_POLICY_KEEP_TOP_CLEAN : 0);
-    if (st) goto fail_streams;
-    if (h->vmm) {
-        h->va_size = h->set.virtual_size ? h->set.virtual_size : 4 * h->be->capacity;
-        h->va_size = round_pow2(h->va_size);
-        if (h->va_size < h->be->page_size) h->va_size = h->be->page_size;
-        /* Aligned to its size, the buddy's orders line up with real addresses and pages. */
-        uint64_t align = h->va_size < (1ull << 30) ? h->va_size : (1ull << 30);
-        st = h->be->ops->reserve(h->be, h->va_size, align, &h->base);
-        if (st) goto fail_pol;
-        st = cuma_pages_init(&h->pages, h->be, &h->streams, h->base, h->va_size);
-        if (st) goto fail_reserve;
-        h->pages.shared = &h->primary->pages.own_reserved;
-        st = h->pol->ops->add_range(h->pol, 0, h->va_size);
-        if (st) goto fail_pages;
-    } else {
-        cuma_segs_init(&h->segs, h->be, &h->streams, h->pol, h->set.segment_size);
-    }
-    cuma_map_init(&h->live);
-    h->release_delay_ns = h->set.release_delay_ms < 0 ? -1 : h->set.release_delay_ms * 1000000;
-    h->tc_on = h->set.tcache;
-    h->tc_bytes = h->set.tcache_bytes;
-    h->tc_max = h->set.tcache_max;
-    h->tc_age_ns = h->set.tcache_age_ms < 0 ? INT64_MAX : h->set.tcache_age_ms * 1000000;
-    h->tlsf = pol == &cuma_tlsf_ops;
-    uint64_t room = h->vmm ? h->va_size : h->be->capacity;
-    /* Size classes only where pages are mapped under requested bytes: in segment mode the
-     * slack of a class would be memory. */
-    h->fast_max = !h->tc_on || !h->tlsf || !h->vmm ? 0 : h->tc_max < room ? h->tc_max : room;
-    h->max_cached_bytes = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached;
-    cuma_heap_refresh_limit(h);
-    if (h->set.preallocate && first) {
-        st = h->vmm ? cuma_pages_prefill(
-                          &h->pages, (h->set.preallocate + h->be->page_size - 1) / h->be->page_size,
-                          cuma_heap_now(h))
-                    : cuma_segs_prefill(&h->segs, h->set.preallocate, cuma_heap_now(h));
-        if (st) goto fail_all;
-    }
-    /* Adaptive: threads whose slow paths collide spin a little before sleeping, which costs
-     * less than a futex sleep and wake for critical sections this short. */
-    pthread_mutexattr_t ma;
-    pthread_mutexattr_init(&ma);
-    pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_ADAPTIVE_NP);
-    pthread_mutex_init(&h->lock, &ma);
-    pthread_mutexattr_destroy(&ma);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&h->wake, &ca);
-    pthread_condattr_destroy(&ca);
-    if (h->set.release_thread && !h->set.sim_clock_manual && h->release_delay_ns >= 0) {
-        if (pthread_create(&h->thread, NULL, release_thread, h)) {
-            st = cuma_fail(CUMA_ERR_BACKEND, "could not start the release thread");
-            pthread_mutex_destroy(&h->lock);
-            pthread_cond_destroy(&h->wake);
-            goto fail_all;
-        }
-        h->thread_running = true;
-    }
-    atomic_store(&h->coarse_now, cuma_heap_now(h));
-    h->id = cuma_tcache_register_heap(h);
-    return CUMA_OK;
-fail_all:
-    cuma_map_destroy(&h->live);
-    if (!h->vmm) cuma_segs_destroy(&h->segs);
-fail_pages:
-    if (h->vmm) cuma_pages_destroy(&h->pages);
-fail_reserve:
-    if (h->vmm) h->be->ops->unreserve(h->be, h->base, h->va_size);
-fail_pol:
-    h->pol->ops->destroy(h->pol);
-fail_streams:
-    cuma_streams_destroy(&h->streams);
-    return st;
-}
-
-void cuma_heap_teardown(cuma_heap *h) {
-    if (h->thread_running) {
-        pthread_mutex_lock(&h->lock);
-        h->stopping = true;
-        pthread_cond_signal(&h->wake);
-        pthread_mutex_unlock(&h->lock);
-        pthread_join(h->thread, NULL);
-    }
-    cuma_tcache_unregister_heap(h);
-    cuma_tcache_destroy_all(h);
-    cuma_map_destroy(&h->live);
-    if (h->vmm) {
-        cuma_pages_destroy(&h->pages);
-        h->be->ops->unreserve(h->be, h->base, h->va_size);
-    } else {
-        cuma_segs_destroy(&h->segs);
-    }
-    h->pol->ops->destroy(h->pol);
-    cuma_streams_destroy(&h->streams);
-    pthread_mutex_destroy(&h->lock);
-    pthread_cond_destroy(&h->wake);
-}
-
-cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
-    cuma_clear_error();
-    if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_heap_create: out is NULL");
-    *out = NULL;
-    cuma_heap *h = calloc(1, sizeof *h);
-    if (!h) return cuma_fail(CUMA_ERR_OOM, "no host memory for a heap");
-    cuma_status st = cuma_settings_from_config(&h->set, cfg);
-    if (st) goto fail_free;
-    st = cuma_backend_create(&h->set, &h->be);
-    if (st == CUMA_ERR_NO_DEVICE && !h->set.backend_named) {
-        /* No backend named and no CUDA driver: the simulated device, said in the stats
-         * ("backend_fallback"). A named backend gets exactly that backend or the error. */
-        snprintf(h->set.backend, sizeof h->set.backend, "sim");
-        h->backend_fallback = true;
-        st = cuma_backend_create(&h->set, &h->be);
-    }
-    if (st) goto fail_free;
-    /* Preallocated pages are the first arena's and never move: another arena could not
-     * create a page within the limit they take. Such a heap keeps one arena. */
-    if (h->set.preallocate) h->set.arenas = 1;
-    if (h->set.arenas > 1 && (h->be->caps & CUMA_CAP_VMM)) {
-        /* Arenas share the backend: its calls go through one mutex from the start. */
-        cuma_backend *shared;
-        st = cuma_backend_locked(h->be, &shared);
-        if (st) goto fail_be;
-        h->be = shared;
-    }
-    h->primary = h;
-    h->owns_be = true;
-    h->arenas[0] = h;
-    atomic_store(&h->narenas, 1);
-    cuma_map_init(&h->managed);
-    pthread_mutex_init(&h->arena_lock, NULL);
-    pthread_mutex_init(&h->oom_lock, NULL);
-    pthread_mutex_init(&h->managed_lock, NULL);
-    st = cuma_heap_build(h);
-    if (st) {
-        pthread_mutex_destroy(&h->arena_lock);
-        pthread_mutex_destroy(&h->oom_lock);
-        pthread_mutex_destroy(&h->managed_lock);
-        cuma_map_destroy(&h->managed);
-        goto fail_be;
-    }
-    *out = h;
-    return CUMA_OK;
-fail_be:
-    h->be->ops->destroy(h->be);
-fail_free:
-    free(h);
-    return st;
-}
-
-static bool free_managed(void *ctx, uint64_t key, void *val) {
-    cuma_heap *h = ctx;
-    h->be->ops->managed_free(h->be, key, (uint64_t)(uintptr_t)val);
-    return true;
-}
-
-void cuma_heap_destroy(cuma_heap *h) {
-    if (!h) return;
-    /* The other arenas first: their pages count against the first arena's page counter. */
-    for (unsigned i = atomic_load(&h->narenas); i-- > 1;) {
-        cuma_heap_teardown(h->arenas[i]);
-        free(h->arenas[i]);
-    }
-    cuma_map_each(&h->managed, free_managed, h);
-    cuma_map_destroy(&h->managed);
-    cuma_heap_teardown(h);
-    h->be->ops->destroy(h->be);
-    pthread_mutex_destroy(&h->arena_lock);
-    pthread_mutex_destroy(&h->oom_lock);
-    pthread_mutex_destroy(&h->managed_lock);
-    free(h);
-}
 
 static uint64_t now(cuma_heap *h) {
     return cuma_heap_now(h);
@@ -286,7 +68,7 @@ static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_
 }
 
 /* Releases deferred blocks whose record_stream fences completed. */
-static void process_deferred(cuma_heap *h, bool wait) {
+void cuma_heap_process_deferred(cuma_heap *h, bool wait) {
     cuma_block **pp = &h->deferred;
     uint64_t t = now(h);
     while (*pp) {
@@ -310,75 +92,6 @@ void cuma_heap_give_cached(cuma_heap *h, cuma_block *b) {
 
 void cuma_heap_flush_tcaches(cuma_heap *h) {
     if (h->tcaches) cuma_tcache_flush_all(h, UINT64_MAX, cuma_heap_give_cached);
-}
-
-/* Blocks idle in thread caches longer than tcache_age_ms go back. Walking every cache is not
- * free, so it runs only when something is due: after a walk, the oldest block left (or any
- * block pushed later, stamped later) is due no earlier than tc_due. */
-static void age_tcaches(cuma_heap *h, uint64_t t) {
-    atomic_store_explicit(&h->coarse_now, t, memory_order_relaxed);
-    if (!h->tcaches || h->tc_age_ns == INT64_MAX || t < h->tc_due) return;
-    if (t >= (uint64_t)h->tc_age_ns)
-        cuma_tcache_flush_all(h, t - (uint64_t)h->tc_age_ns + 1, cuma_heap_give_cached);
-    uint64_t oldest = cuma_tcache_oldest(h);
-    h->tc_due = (oldest < t ? oldest : t) + (uint64_t)h->tc_age_ns;
-}
-
-void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_cached_bytes,
-                       uint64_t age_keep_bytes, bool wait) {
-    if (h->vmm) {
-        uint64_t ps = h->pages.page_size;
-        cuma_pages_release(&h->pages, t, delay_ns,
-                           max_cached_bytes == UINT64_MAX ? UINT64_MAX : max_cached_bytes / ps,
-                           age_keep_bytes / ps, wait);
-    } else {
-        cuma_segs_release(&h->segs, t, delay_ns, max_cached_bytes, age_keep_bytes, wait);
-    }
-}
-
-/* fragmentation_threshold: idle memory past its delay stays while it is at most this share of
- * the memory in use (mapped under live bytes). A cache of a few percent of a busy heap costs
- * little and saves the next step the churn of creating and mapping pages again; an idle heap
- * (nothing in use) keeps nothing. */
-static uint64_t age_keep(const cuma_heap *h) {
-    uint64_t in_use = cuma_heap_reserved(h) - cuma_heap_cached(h);
-    return (uint64_t)(h->set.fragmentation_threshold * (double)in_use);
-}
-
-/* When the release policy will next act by age: UINT64_MAX when nothing is due. */
-static uint64_t next_age_due(const cuma_heap *h) {
-    uint64_t oldest = cuma_heap_oldest_idle(h);
-    if (h->release_delay_ns < 0 || oldest == UINT64_MAX || cuma_heap_cached(h) <= age_keep(h))
-        return UINT64_MAX;
-    return oldest + (uint64_t)h->release_delay_ns;
-}
-
-static void on_whole_segment(void *ctx, cuma_block *whole) {
-    cuma_heap *h = ctx;
-    cuma_segs_on_free(&h->segs, whole, now(h));
-}
-
-/* Merges free blocks whose fences completed since they were freed; in segment mode that is
- * how a segment freed by several streams becomes whole again and can go back. */
-static void coalesce(cuma_heap *h, bool wait) {
-    if (h->streams.n <= 1) return;
-    for (unsigned i = 0; i < h->streams.n; i++)
-        cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, wait);
-    h->pol->ops->coalesce(h->pol, h->vmm ? NULL : on_whole_segment, h);
-}
-
-void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
-    if (h->deferred) process_deferred(h, false);
-    age_tcaches(h, t);
-    /* max_cached is the heap's: this arena keeps what the others' caches leave of it. */
-    uint64_t cap = h->max_cached_bytes;
-    if (cap != UINT64_MAX) {
-        uint64_t others = cuma_heap_total_cached(h->primary) - atomic_load(&h->pub_cached);
-        cap = others >= cap ? 0 : cap - others;
-    }
-    if (t >= next_age_due(h) || cuma_heap_cached(h) > cap)
-        cuma_heap_release(h, t, h->release_delay_ns, cap, age_keep(h), false);
-    atomic_store_explicit(&h->pub_cached, cuma_heap_cached(h), memory_order_relaxed);
 }
 
 /* One placement attempt: a block and the pages under it, or a status. */
@@ -433,8 +146,8 @@ static cuma_status fail_oom(cuma_heap *h, cuma_status st, size_t size) {
  * (arena lock held). */
 static void release_all(cuma_heap *h) {
     cuma_heap_flush_tcaches(h);
-    process_deferred(h, true);
-    coalesce(h, true);
+    cuma_heap_process_deferred(h, true);
+    cuma_heap_coalesce(h, true);
     cuma_heap_release(h, now(h), 0, 0, 0, true);
 }
 
@@ -550,7 +263,7 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
     uint64_t t = now(h);
     /* This thread's batched frees first: their memory may serve this very request. */
     if (tc && tc->npending) cuma_tcache_drain(h, tc, cuma_heap_give_cached);
-    if (h->deferred) process_deferred(h, false);
+    if (h->deferred) cuma_heap_process_deferred(h, false);
     cuma_block *b = NULL;
     uint64_t managed_addr = 0;
     st = try_alloc(h, size, n, (unsigned)si, t, &b);
@@ -664,7 +377,7 @@ free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_
         b->fence_stream = fs, b->fence_seq = fq;
         b->fnext = h->deferred;
         h->deferred = b;
-        process_deferred(h, false);
+        cuma_heap_process_deferred(h, false);
     } else {
         release_block(h, b, (uint16_t)si, seq, t, true);
     }
@@ -676,7 +389,7 @@ free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_
             for (unsigned i = 0; i < h->streams.n; i++)
                 cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, false);
         } else {
-            coalesce(h, false);
+            cuma_heap_coalesce(h, false);
         }
     }
     cuma_heap_release_policy(h, t);
@@ -732,93 +445,4 @@ cuma_status cuma_record_stream(cuma_heap *heap, void *ptr, cuma_stream stream) {
     }
     pthread_mutex_unlock(&h->lock);
     return st;
-}
-
-cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
-    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_trim: heap is NULL");
-    unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
-    for (unsigned i = 0; i < n; i++) {
-        cuma_heap *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
-        if (!i) a->c.trims++;
-        cuma_heap_flush_tcaches(a);
-        process_deferred(a, true);
-        coalesce(a, true);
-        /* keep_bytes is the heap's: the first arena keeps them, the others keep nothing. */
-        cuma_heap_release(a, now(a), -1, i ? 0 : keep_bytes, 0, true);
-        pthread_mutex_unlock(&a->lock);
-    }
-    return CUMA_OK;
-}
-
-cuma_status cuma_poll(cuma_heap *h) {
-    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_poll: heap is NULL");
-    unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
-    for (unsigned i = 0; i < n; i++) {
-        cuma_heap *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
-        cuma_heap_release_policy(a, now(a));
-        pthread_mutex_unlock(&a->lock);
-    }
-    return CUMA_OK;
-}
-
-static uint64_t next_release_of(cuma_heap *h) {
-    uint64_t ns = next_age_due(h);
-    if (h->tcaches && h->tc_age_ns != INT64_MAX) {
-        /* A cache block is due at tc_due at the earliest; whether one is there is only known
-         * by walking the caches, so report tc_due only when some cache holds a block. */
-        uint64_t oldest = cuma_tcache_oldest(h);
-        uint64_t due = oldest == UINT64_MAX ? UINT64_MAX : oldest + (uint64_t)h->tc_age_ns;
-        if (due != UINT64_MAX && due < h->tc_due) due = h->tc_due;
-        if (due < ns) ns = due;
-    }
-    return ns;
-}
-
-cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
-    if (!h || !ns) return cuma_fail(CUMA_ERR_INVALID, "cuma_next_release: NULL argument");
-    *ns = UINT64_MAX;
-    unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
-    for (unsigned i = 0; i < n; i++) {
-        cuma_heap *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
-        uint64_t due = next_release_of(a);
-        pthread_mutex_unlock(&a->lock);
-        if (due < *ns) *ns = due;
-    }
-    return CUMA_OK;
-}
-
-/* Gives idle memory back while the program runs, even when it makes no allocator call: sleeps
- * until the oldest idle page's delay ends (or a page goes idle in an empty cache). */
-static void *release_thread(void *arg) {
-    cuma_heap *h = arg;
-    pthread_mutex_lock(&h->lock);
-    while (!h->stopping) {
-        uint64_t t = now(h), due = next_age_due(h), wait_ns = 1000000000ull;
-        if (h->tcaches && h->tc_age_ns != INT64_MAX) wait_ns = (uint64_t)h->tc_age_ns / 2 + 1;
-        if (wait_ns > 1000000000ull) wait_ns = 1000000000ull;
-        if (due != UINT64_MAX) {
-            if (due <= t)
-                wait_ns = 0;
-            else if (due - t < wait_ns)
-                wait_ns = due - t;
-        }
-        /* At least 1 ms: a due page whose fence is still pending stays due, and the thread must
-         * not spin on the lock while the stream works. */
-        if (wait_ns < 1000000) wait_ns = 1000000;
-        h->thread_wake_at = t + wait_ns;
-        {
-            struct timespec ts;
-            clock_gettime(CLOCK_MONOTONIC, &ts);
-            uint64_t ns = (uint64_t)ts.tv_nsec + wait_ns + 100000; /* a little late, never early */
-            ts.tv_sec += (time_t)(ns / 1000000000ull);
-            ts.tv_nsec = (long)(ns % 1000000000ull);
-            pthread_cond_timedwait(&h->wake, &h->lock, &ts);
-        }
-        if (!h->stopping) cuma_heap_release_policy(h, now(h));
-    }
-    pthread_mutex_unlock(&h->lock);
-    return NULL;
 }

@@ -193,6 +193,15 @@ cuma_status cuma_arena_use(cuma_heap *h, unsigned index);
 cuma_status cuma_heap_build(cuma_heap *h);
 void cuma_heap_teardown(cuma_heap *h);
 
+/* Locked helpers shared by heap.c, heap_life.c, release.c and heap_api.c. Deferred frees
+ * whose fences completed go back (`wait`: block on the fences where the backend can). */
+void cuma_heap_process_deferred(cuma_heap *h, bool wait);
+/* Merges free blocks whose fences completed since their free (segments that become whole go
+ * back to the segment list). */
+void cuma_heap_coalesce(cuma_heap *h, bool wait);
+/* The release thread's body (release.c); started by cuma_heap_build. */
+void *cuma_heap_release_thread(void *arg);
+
 /* Locked helpers shared by heap.c and heap_api.c. */
 void cuma_heap_refresh_limit(cuma_heap *h);
 void cuma_heap_release_policy(cuma_heap *h, uint64_t now);

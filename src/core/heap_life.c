@@ -1,0 +1,224 @@
+/* Heap life cycle: settings, backend, arenas' common parts, creation and destruction. */
+#include "error.h"
+#include "heap.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t round_pow2(uint64_t x) {
+    uint64_t p = 1;
+    while (p < x) p <<= 1;
+    return p;
+}
+
+void cuma_heap_refresh_limit(cuma_heap *h) {
+    uint64_t lim = h->be->capacity;
+    if (h->set.limit != CUMA_UNLIMITED && h->set.limit < lim) lim = h->set.limit;
+    if (h->set.memory_fraction > 0) {
+        uint64_t f = (uint64_t)(h->set.memory_fraction * (double)h->be->capacity);
+        if (f < lim) lim = f;
+    }
+    if (!h->set.growth && h->set.preallocate < lim) lim = h->set.preallocate;
+    h->limit_bytes = lim;
+    if (h->vmm) {
+        h->pages.limit_pages = lim / h->pages.page_size;
+        h->pages.limit_is_device = lim == h->be->capacity;
+    } else {
+        h->segs.limit_bytes = lim;
+        h->segs.limit_is_device = lim == h->be->capacity;
+    }
+}
+
+/* Everything an arena needs besides its settings, backend and first arena (set by the caller):
+ * placement, virtual range and pages (or segments), tables, limits, the first arena's
+ * preallocation, the lock and the release thread. On failure nothing is left to undo. */
+cuma_status cuma_heap_build(cuma_heap *h) {
+    cuma_status st;
+    bool first = h->primary == h;
+    h->vmm = (h->be->caps & CUMA_CAP_VMM) != 0;
+    if (!h->vmm && !(h->be->caps & CUMA_CAP_SEGMENTS))
+        return cuma_fail(CUMA_ERR_UNSUPPORTED, "backend %s offers neither pages nor segments",
+                         h->be->name);
+    bool buddy = !strcmp(h->set.policy, "buddy");
+    if (!h->vmm && buddy)
+        return cuma_fail(
+            CUMA_ERR_CONFIG,
+            "policy:buddy needs a virtual range; backend %s has segments only (use policy:tlsf)",
+            h->be->name);
+    st = cuma_streams_init(&h->streams, h->be);
+    if (st) return st;
+    const cuma_policy_ops *pol = buddy ? &cuma_buddy_ops : &cuma_tlsf_ops;
+    st = pol->create(&h->pol, &h->streams, h->vmm ? CUMA_POLICY_KEEP_TOP_CLEAN : 0);
+    if (st) goto fail_streams;
+    if (h->vmm) {
+        h->va_size = h->set.virtual_size ? h->set.virtual_size : 4 * h->be->capacity;
+        h->va_size = round_pow2(h->va_size);
+        if (h->va_size < h->be->page_size) h->va_size = h->be->page_size;
+        /* Aligned to its size, the buddy's orders line up with real addresses and pages. */
+        uint64_t align = h->va_size < (1ull << 30) ? h->va_size : (1ull << 30);
+        st = h->be->ops->reserve(h->be, h->va_size, align, &h->base);
+        if (st) goto fail_pol;
+        st = cuma_pages_init(&h->pages, h->be, &h->streams, h->base, h->va_size);
+        if (st) goto fail_reserve;
+        h->pages.shared = &h->primary->pages.own_reserved;
+        st = h->pol->ops->add_range(h->pol, 0, h->va_size);
+        if (st) goto fail_pages;
+    } else {
+        cuma_segs_init(&h->segs, h->be, &h->streams, h->pol, h->set.segment_size);
+    }
+    cuma_map_init(&h->live);
+    h->release_delay_ns = h->set.release_delay_ms < 0 ? -1 : h->set.release_delay_ms * 1000000;
+    h->tc_on = h->set.tcache;
+    h->tc_bytes = h->set.tcache_bytes;
+    h->tc_max = h->set.tcache_max;
+    h->tc_age_ns = h->set.tcache_age_ms < 0 ? INT64_MAX : h->set.tcache_age_ms * 1000000;
+    h->tlsf = pol == &cuma_tlsf_ops;
+    uint64_t room = h->vmm ? h->va_size : h->be->capacity;
+    /* Size classes only where pages are mapped under requested bytes: in segment mode the
+     * slack of a class would be memory. */
+    h->fast_max = !h->tc_on || !h->tlsf || !h->vmm ? 0 : h->tc_max < room ? h->tc_max : room;
+    h->max_cached_bytes = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached;
+    cuma_heap_refresh_limit(h);
+    if (h->set.preallocate && first) {
+        st = h->vmm ? cuma_pages_prefill(
+                          &h->pages, (h->set.preallocate + h->be->page_size - 1) / h->be->page_size,
+                          cuma_heap_now(h))
+                    : cuma_segs_prefill(&h->segs, h->set.preallocate, cuma_heap_now(h));
+        if (st) goto fail_all;
+    }
+    /* Adaptive: threads whose slow paths collide spin a little before sleeping, which costs
+     * less than a futex sleep and wake for critical sections this short. */
+    pthread_mutexattr_t ma;
+    pthread_mutexattr_init(&ma);
+    pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_ADAPTIVE_NP);
+    pthread_mutex_init(&h->lock, &ma);
+    pthread_mutexattr_destroy(&ma);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&h->wake, &ca);
+    pthread_condattr_destroy(&ca);
+    if (h->set.release_thread && !h->set.sim_clock_manual && h->release_delay_ns >= 0) {
+        if (pthread_create(&h->thread, NULL, cuma_heap_release_thread, h)) {
+            st = cuma_fail(CUMA_ERR_BACKEND, "could not start the release thread");
+            pthread_mutex_destroy(&h->lock);
+            pthread_cond_destroy(&h->wake);
+            goto fail_all;
+        }
+        h->thread_running = true;
+    }
+    atomic_store(&h->coarse_now, cuma_heap_now(h));
+    h->id = cuma_tcache_register_heap(h);
+    return CUMA_OK;
+fail_all:
+    cuma_map_destroy(&h->live);
+    if (!h->vmm) cuma_segs_destroy(&h->segs);
+fail_pages:
+    if (h->vmm) cuma_pages_destroy(&h->pages);
+fail_reserve:
+    if (h->vmm) h->be->ops->unreserve(h->be, h->base, h->va_size);
+fail_pol:
+    h->pol->ops->destroy(h->pol);
+fail_streams:
+    cuma_streams_destroy(&h->streams);
+    return st;
+}
+
+void cuma_heap_teardown(cuma_heap *h) {
+    if (h->thread_running) {
+        pthread_mutex_lock(&h->lock);
+        h->stopping = true;
+        pthread_cond_signal(&h->wake);
+        pthread_mutex_unlock(&h->lock);
+        pthread_join(h->thread, NULL);
+    }
+    cuma_tcache_unregister_heap(h);
+    cuma_tcache_destroy_all(h);
+    cuma_map_destroy(&h->live);
+    if (h->vmm) {
+        cuma_pages_destroy(&h->pages);
+        h->be->ops->unreserve(h->be, h->base, h->va_size);
+    } else {
+        cuma_segs_destroy(&h->segs);
+    }
+    h->pol->ops->destroy(h->pol);
+    cuma_streams_destroy(&h->streams);
+    pthread_mutex_destroy(&h->lock);
+    pthread_cond_destroy(&h->wake);
+}
+
+cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
+    cuma_clear_error();
+    if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_heap_create: out is NULL");
+    *out = NULL;
+    cuma_heap *h = calloc(1, sizeof *h);
+    if (!h) return cuma_fail(CUMA_ERR_OOM, "no host memory for a heap");
+    cuma_status st = cuma_settings_from_config(&h->set, cfg);
+    if (st) goto fail_free;
+    st = cuma_backend_create(&h->set, &h->be);
+    if (st == CUMA_ERR_NO_DEVICE && !h->set.backend_named) {
+        /* No backend named and no CUDA driver: the simulated device, said in the stats
+         * ("backend_fallback"). A named backend gets exactly that backend or the error. */
+        snprintf(h->set.backend, sizeof h->set.backend, "sim");
+        h->backend_fallback = true;
+        st = cuma_backend_create(&h->set, &h->be);
+    }
+    if (st) goto fail_free;
+    /* Preallocated pages are the first arena's and never move: another arena could not
+     * create a page within the limit they take. Such a heap keeps one arena. */
+    if (h->set.preallocate) h->set.arenas = 1;
+    if (h->set.arenas > 1 && (h->be->caps & CUMA_CAP_VMM)) {
+        /* Arenas share the backend: its calls go through one mutex from the start. */
+        cuma_backend *shared;
+        st = cuma_backend_locked(h->be, &shared);
+        if (st) goto fail_be;
+        h->be = shared;
+    }
+    h->primary = h;
+    h->owns_be = true;
+    h->arenas[0] = h;
+    atomic_store(&h->narenas, 1);
+    cuma_map_init(&h->managed);
+    pthread_mutex_init(&h->arena_lock, NULL);
+    pthread_mutex_init(&h->oom_lock, NULL);
+    pthread_mutex_init(&h->managed_lock, NULL);
+    st = cuma_heap_build(h);
+    if (st) {
+        pthread_mutex_destroy(&h->arena_lock);
+        pthread_mutex_destroy(&h->oom_lock);
+        pthread_mutex_destroy(&h->managed_lock);
+        cuma_map_destroy(&h->managed);
+        goto fail_be;
+    }
+    *out = h;
+    return CUMA_OK;
+fail_be:
+    h->be->ops->destroy(h->be);
+fail_free:
+    free(h);
+    return st;
+}
+
+static bool free_managed(void *ctx, uint64_t key, void *val) {
+    cuma_heap *h = ctx;
+    h->be->ops->managed_free(h->be, key, (uint64_t)(uintptr_t)val);
+    return true;
+}
+
+void cuma_heap_destroy(cuma_heap *h) {
+    if (!h) return;
+    /* The other arenas first: their pages count against the first arena's page counter. */
+    for (unsigned i = atomic_load(&h->narenas); i-- > 1;) {
+        cuma_heap_teardown(h->arenas[i]);
+        free(h->arenas[i]);
+    }
+    cuma_map_each(&h->managed, free_managed, h);
+    cuma_map_destroy(&h->managed);
+    cuma_heap_teardown(h);
+    h->be->ops->destroy(h->be);
+    pthread_mutex_destroy(&h->arena_lock);
+    pthread_mutex_destroy(&h->oom_lock);
+    pthread_mutex_destroy(&h->managed_lock);
+    free(h);
+}

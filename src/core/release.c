@@ -1,0 +1,165 @@
+/* The release policy: idle memory back to the device by age, cache size and fragmentation,
+ * thread caches by age, trim and poll, and the thread that does it while the program makes no
+ * call. */
+#include "error.h"
+#include "heap.h"
+
+#include <time.h>
+
+/* Blocks idle in thread caches longer than tcache_age_ms go back. Walking every cache is not
+ * free, so it runs only when something is due: after a walk, the oldest block left (or any
+ * block pushed later, stamped later) is due no earlier than tc_due. */
+static void age_tcaches(cuma_heap *h, uint64_t t) {
+    atomic_store_explicit(&h->coarse_now, t, memory_order_relaxed);
+    if (!h->tcaches || h->tc_age_ns == INT64_MAX || t < h->tc_due) return;
+    if (t >= (uint64_t)h->tc_age_ns)
+        cuma_tcache_flush_all(h, t - (uint64_t)h->tc_age_ns + 1, cuma_heap_give_cached);
+    uint64_t oldest = cuma_tcache_oldest(h);
+    h->tc_due = (oldest < t ? oldest : t) + (uint64_t)h->tc_age_ns;
+}
+
+void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_cached_bytes,
+                       uint64_t age_keep_bytes, bool wait) {
+    if (h->vmm) {
+        uint64_t ps = h->pages.page_size;
+        cuma_pages_release(&h->pages, t, delay_ns,
+                           max_cached_bytes == UINT64_MAX ? UINT64_MAX : max_cached_bytes / ps,
+                           age_keep_bytes / ps, wait);
+    } else {
+        cuma_segs_release(&h->segs, t, delay_ns, max_cached_bytes, age_keep_bytes, wait);
+    }
+}
+
+/* fragmentation_threshold: idle memory past its delay stays while it is at most this share of
+ * the memory in use (mapped under live bytes). A cache of a few percent of a busy heap costs
+ * little and saves the next step the churn of creating and mapping pages again; an idle heap
+ * (nothing in use) keeps nothing. */
+static uint64_t age_keep(const cuma_heap *h) {
+    uint64_t in_use = cuma_heap_reserved(h) - cuma_heap_cached(h);
+    return (uint64_t)(h->set.fragmentation_threshold * (double)in_use);
+}
+
+/* When the release policy will next act by age: UINT64_MAX when nothing is due. */
+static uint64_t next_age_due(const cuma_heap *h) {
+    uint64_t oldest = cuma_heap_oldest_idle(h);
+    if (h->release_delay_ns < 0 || oldest == UINT64_MAX || cuma_heap_cached(h) <= age_keep(h))
+        return UINT64_MAX;
+    return oldest + (uint64_t)h->release_delay_ns;
+}
+
+static void on_whole_segment(void *ctx, cuma_block *whole) {
+    cuma_heap *h = ctx;
+    cuma_segs_on_free(&h->segs, whole, cuma_heap_now(h));
+}
+
+/* Merges free blocks whose fences completed since they were freed; in segment mode that is
+ * how a segment freed by several streams becomes whole again and can go back. */
+void cuma_heap_coalesce(cuma_heap *h, bool wait) {
+    if (h->streams.n <= 1) return;
+    for (unsigned i = 0; i < h->streams.n; i++)
+        cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, wait);
+    h->pol->ops->coalesce(h->pol, h->vmm ? NULL : on_whole_segment, h);
+}
+
+void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
+    if (h->deferred) cuma_heap_process_deferred(h, false);
+    age_tcaches(h, t);
+    /* max_cached is the heap's: this arena keeps what the others' caches leave of it. */
+    uint64_t cap = h->max_cached_bytes;
+    if (cap != UINT64_MAX) {
+        uint64_t others = cuma_heap_total_cached(h->primary) - atomic_load(&h->pub_cached);
+        cap = others >= cap ? 0 : cap - others;
+    }
+    if (t >= next_age_due(h) || cuma_heap_cached(h) > cap)
+        cuma_heap_release(h, t, h->release_delay_ns, cap, age_keep(h), false);
+    atomic_store_explicit(&h->pub_cached, cuma_heap_cached(h), memory_order_relaxed);
+}
+
+cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_trim: heap is NULL");
+    unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = h->arenas[i];
+        pthread_mutex_lock(&a->lock);
+        if (!i) a->c.trims++;
+        cuma_heap_flush_tcaches(a);
+        cuma_heap_process_deferred(a, true);
+        cuma_heap_coalesce(a, true);
+        /* keep_bytes is the heap's: the first arena keeps them, the others keep nothing. */
+        cuma_heap_release(a, cuma_heap_now(a), -1, i ? 0 : keep_bytes, 0, true);
+        pthread_mutex_unlock(&a->lock);
+    }
+    return CUMA_OK;
+}
+
+cuma_status cuma_poll(cuma_heap *h) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_poll: heap is NULL");
+    unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = h->arenas[i];
+        pthread_mutex_lock(&a->lock);
+        cuma_heap_release_policy(a, cuma_heap_now(a));
+        pthread_mutex_unlock(&a->lock);
+    }
+    return CUMA_OK;
+}
+
+static uint64_t next_release_of(cuma_heap *h) {
+    uint64_t ns = next_age_due(h);
+    if (h->tcaches && h->tc_age_ns != INT64_MAX) {
+        /* A cache block is due at tc_due at the earliest; whether one is there is only known
+         * by walking the caches, so report tc_due only when some cache holds a block. */
+        uint64_t oldest = cuma_tcache_oldest(h);
+        uint64_t due = oldest == UINT64_MAX ? UINT64_MAX : oldest + (uint64_t)h->tc_age_ns;
+        if (due != UINT64_MAX && due < h->tc_due) due = h->tc_due;
+        if (due < ns) ns = due;
+    }
+    return ns;
+}
+
+cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
+    if (!h || !ns) return cuma_fail(CUMA_ERR_INVALID, "cuma_next_release: NULL argument");
+    *ns = UINT64_MAX;
+    unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = h->arenas[i];
+        pthread_mutex_lock(&a->lock);
+        uint64_t due = next_release_of(a);
+        pthread_mutex_unlock(&a->lock);
+        if (due < *ns) *ns = due;
+    }
+    return CUMA_OK;
+}
+
+/* Gives idle memory back while the program runs, even when it makes no allocator call: sleeps
+ * until the oldest idle page's delay ends (or a page goes idle in an empty cache). */
+void *cuma_heap_release_thread(void *arg) {
+    cuma_heap *h = arg;
+    pthread_mutex_lock(&h->lock);
+    while (!h->stopping) {
+        uint64_t t = cuma_heap_now(h), due = next_age_due(h), wait_ns = 1000000000ull;
+        if (h->tcaches && h->tc_age_ns != INT64_MAX) wait_ns = (uint64_t)h->tc_age_ns / 2 + 1;
+        if (wait_ns > 1000000000ull) wait_ns = 1000000000ull;
+        if (due != UINT64_MAX) {
+            if (due <= t)
+                wait_ns = 0;
+            else if (due - t < wait_ns)
+                wait_ns = due - t;
+        }
+        /* At least 1 ms: a due page whose fence is still pending stays due, and the thread must
+         * not spin on the lock while the stream works. */
+        if (wait_ns < 1000000) wait_ns = 1000000;
+        h->thread_wake_at = t + wait_ns;
+        {
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            uint64_t ns = (uint64_t)ts.tv_nsec + wait_ns + 100000; /* a little late, never early */
+            ts.tv_sec += (time_t)(ns / 1000000000ull);
+            ts.tv_nsec = (long)(ns % 1000000000ull);
+            pthread_cond_timedwait(&h->wake, &h->lock, &ts);
+        }
+        if (!h->stopping) cuma_heap_release_policy(h, cuma_heap_now(h));
+    }
+    pthread_mutex_unlock(&h->lock);
+    return NULL;
+}
