@@ -134,9 +134,9 @@ cuma_status cuma_set_memory_fraction(cuma_heap *heap, double fraction);
 typedef struct cuma_stats {
     uint64_t requested_bytes;      /* sum of the sizes asked for by live allocations */
     uint64_t peak_requested_bytes; /* highest requested_bytes since creation/reset; exact with
-                                      one thread; with several, a thread's cached reuse moves
-                                      it as seen by that thread (others' caches, and other
-                                      arenas since this thread's last slow call, lag) */
+                                      one thread; with several, each thread's allocations
+                                      count with the others' as of their last call that took
+                                      a lock (what they did in their caches since, lags) */
     uint64_t allocated_bytes;      /* live allocations after rounding */
     uint64_t peak_allocated_bytes;
     uint64_t reserved_bytes; /* physical memory held from the device: mapped + cached */

@@ -34,14 +34,20 @@ static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache
     c->allocated += size;
     c->active++;
     c->allocs++;
+    if (tc) {
+        /* The calling thread's cache share (what its fast paths handed out minus what they
+         * took back) joins the arena's counters, so that what arenas publish is every thread's
+         * total as of its last slow call. Published alone, a block freed into a cache would
+         * still count, and other threads' peak checks would see more than was ever live. */
+        c->requested += (uint64_t)atomic_load_explicit(&tc->requested, memory_order_relaxed);
+        c->allocated += (uint64_t)atomic_load_explicit(&tc->allocated, memory_order_relaxed);
+        atomic_store_explicit(&tc->requested, 0, memory_order_relaxed);
+        atomic_store_explicit(&tc->allocated, 0, memory_order_relaxed);
+    }
     publish(h);
-    /* The peaks count the calling thread's cache; other threads' caches move them only when
-     * those threads allocate (documented in cuma.h). */
-    int64_t mine = tc ? atomic_load_explicit(&tc->requested, memory_order_relaxed) : 0;
-    int64_t mine_a = tc ? atomic_load_explicit(&tc->allocated, memory_order_relaxed) : 0;
-    int64_t total = cuma_heap_total(p, false);
-    if (tc) tc->others_req = total - (int64_t)c->requested;
-    int64_t all_req = total + mine, all_alloc = cuma_heap_total(p, true) + mine_a;
+    /* Other threads' shares since their last slow calls are not seen (documented in cuma.h). */
+    int64_t all_req = cuma_heap_total(p, false), all_alloc = cuma_heap_total(p, true);
+    if (tc) tc->others_req = all_req - (int64_t)c->requested;
     if (all_req > 0) raise_peak(&p->peak_req, (uint64_t)all_req);
     if (all_alloc > 0) raise_peak(&p->peak_alloc, (uint64_t)all_alloc);
     raise_peak(&p->peak_res, cuma_heap_reserved_all(h));
