@@ -144,8 +144,10 @@ static uint64_t replay_host_lat(const bench_ops *ops, uint64_t scale, void **ptr
     return bad;
 }
 
-/* Frees what the trace left live (untimed), so every replay starts from the same state. */
-static void cleanup(const bench_target *t, void **ptrs, size_t nslots) {
+/* Frees what the trace left live, so every replay starts from the same state. Returns the
+ * frees. */
+static uint64_t cleanup(const bench_target *t, void **ptrs, size_t nslots) {
+    uint64_t n = 0;
     for (size_t i = 0; i < nslots; i++) {
         if (!ptrs[i]) continue;
         if (t->heap)
@@ -153,7 +155,9 @@ static void cleanup(const bench_target *t, void **ptrs, size_t nslots) {
         else
             free(ptrs[i]);
         ptrs[i] = NULL;
+        n++;
     }
+    return n;
 }
 
 static uint64_t replay_once(const bench_target *t, const bench_ops *ops, uint64_t scale,
@@ -167,14 +171,22 @@ typedef struct replay_job {
     uint64_t scale;
     void **ptrs[2];
     uint64_t bad[2];
+    int reps;         /* replays per timed run (bench_replay_begin) */
+    uint64_t done[2]; /* operations of each thread's last run */
 } replay_job;
 
+/* One timed run of a thread: the trace `reps` times, each followed by the frees of what it
+ * left live (operations too: the next replay starts from an empty heap, as the first did). */
 static void replay_thread(void *arg, int index, bench_span *span) {
     replay_job *j = arg;
+    uint64_t ops = 0;
     bench_span_begin(span);
-    j->bad[index] += replay_once(j->t, j->ops, j->scale, j->ptrs[index]);
+    for (int k = 0; k < j->reps; k++) {
+        j->bad[index] += replay_once(j->t, j->ops, j->scale, j->ptrs[index]);
+        ops += j->ops->n + cleanup(j->t, j->ptrs[index], j->ops->nslots);
+    }
     bench_span_end(span);
-    cleanup(j->t, j->ptrs[index], j->ops->nslots);
+    j->done[index] = ops;
 }
 
 uint64_t bench_replay_reps(const bench_target *t, const bench_ops *ops, int reps) {
@@ -208,7 +220,7 @@ bench_replay_state *bench_replay_begin(const bench_opts *o, const bench_target *
     size_t nslots = ops->nslots ? ops->nslots : 1;
     if (s) {
         s->o = o;
-        s->j = (replay_job){.t = t, .ops = ops, .scale = scale};
+        s->j = (replay_job){.t = t, .ops = ops, .scale = scale, .reps = 1};
         s->j.ptrs[0] = calloc(nslots, sizeof(void *));
         s->j.ptrs[1] = calloc(nslots, sizeof(void *));
     }
@@ -219,18 +231,24 @@ bench_replay_state *bench_replay_begin(const bench_opts *o, const bench_target *
     snprintf(s->name, sizeof s->name, "%s x%llu", ops->name, (unsigned long long)scale);
     /* Warm-up: one replay on 1 thread and one on 2 (each thread its own copy of the trace on
      * the shared heap / malloc), so that caches, arenas and thread heaps are in place. */
-    bench_run_threads(1, replay_thread, &s->j);
+    bench_time w = bench_run_threads(1, replay_thread, &s->j);
     bench_run_threads(2, replay_thread, &s->j);
+    /* A run of a few milliseconds measures the scheduler as much as the allocator (a thread
+     * preempted for part of a time slice halves a 2-thread figure): each timed run replays the
+     * trace as often as it takes to last --run-ms. */
+    double reps = o->run_ms * 1e6 / (w.wall_ns > 1 ? w.wall_ns : 1);
+    s->j.reps = reps <= 1 ? 1 : reps > 1000 ? 1000 : (int)ceil(reps);
     s->j.bad[0] = s->j.bad[1] = 0;
     return s;
 }
 
 bench_replay_run bench_replay_step(bench_replay_state *s) {
-    double n = (double)(s->j.ops->n ? s->j.ops->n : 1);
     bench_time bt = bench_run_threads(1, replay_thread, &s->j);
+    double n = (double)(s->j.done[0] ? s->j.done[0] : 1);
     bench_time bt2 = bench_run_threads(2, replay_thread, &s->j);
-    bench_replay_run r = {bt.wall_ns / n, bt.cpu_ns / n, bt2.wall_ns / (2 * n),
-                          bt2.cpu_ns / (2 * n)};
+    double n2 = (double)(s->j.done[0] + s->j.done[1]);
+    if (n2 < 1) n2 = 1;
+    bench_replay_run r = {bt.wall_ns / n, bt.cpu_ns / n, bt2.wall_ns / n2, bt2.cpu_ns / n2};
     if (s->done < 64) s->run[s->done++] = r;
     return r;
 }
