@@ -76,6 +76,9 @@ cuma_status cuma_sim_backend_create(const cuma_settings *s, cuma_backend **out);
 cuma_status cuma_backend_locked(cuma_backend *inner, cuma_backend **out);
 /* The backend a wrapper holds (be itself when it is no wrapper). */
 cuma_backend *cuma_backend_unwrap(cuma_backend *be);
+/* From now on the wrapper's calls take its mutex (before: one caller, the first arena, under its
+ * own lock). Call with that lock held, before a second arena calls the backend. */
+void cuma_backend_share(cuma_backend *be);
 /* Holds a wrapper's mutex around a call on the backend it holds (no-ops for other backends). */
 void cuma_backend_lock(cuma_backend *be);
 void cuma_backend_unlock(cuma_backend *be);

@@ -6,14 +6,20 @@
 #include "core/error.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* Fields constant after creation, except what `lock` guards inside `inner`. */
+/* Fields constant after creation, except what `lock` guards inside `inner`, and `shared`. */
 typedef struct locked {
     cuma_backend base; /* first: a cuma_backend * is a locked * */
     cuma_backend *inner;
     pthread_mutex_t lock;
+    /* Set (once) by cuma_backend_share when a second arena is made, under the first arena's
+     * lock; until then every call comes from the first arena under its lock, and the mutex
+     * (a lock and an unlock per page mapped) would buy nothing. */
+    _Atomic bool shared;
 } locked;
 
 static const cuma_backend_ops locked_ops;
@@ -25,9 +31,10 @@ static locked *as_locked(cuma_backend *be) {
 #define CALL(be, expr)                                                                             \
     do {                                                                                           \
         locked *l_ = as_locked(be);                                                                \
-        pthread_mutex_lock(&l_->lock);                                                             \
+        bool on_ = atomic_load_explicit(&l_->shared, memory_order_relaxed);                        \
+        if (on_) pthread_mutex_lock(&l_->lock);                                                    \
         expr;                                                                                      \
-        pthread_mutex_unlock(&l_->lock);                                                           \
+        if (on_) pthread_mutex_unlock(&l_->lock);                                                  \
     } while (0)
 
 static cuma_status l_reserve(cuma_backend *be, uint64_t size, uint64_t align, uint64_t *addr) {
@@ -126,6 +133,10 @@ cuma_status cuma_backend_locked(cuma_backend *inner, cuma_backend **out) {
 
 cuma_backend *cuma_backend_unwrap(cuma_backend *be) {
     return be && be->ops == &locked_ops ? as_locked(be)->inner : be;
+}
+
+void cuma_backend_share(cuma_backend *be) {
+    if (be->ops == &locked_ops) atomic_store(&as_locked(be)->shared, true);
 }
 
 void cuma_backend_lock(cuma_backend *be) {

@@ -111,6 +111,7 @@ cuma_status cuma_arena_add(cuma_heap *h, cuma_heap **out) {
      * walk the arenas under arena_lock, which this holds. */
     pthread_mutex_lock(&h->lock);
     a->set = h->set;
+    cuma_backend_share(h->be); /* the first arena's calls, under this lock, take the mutex now */
     pthread_mutex_unlock(&h->lock);
     a->be = h->be;
     a->primary = h;

@@ -254,19 +254,14 @@ cuma_status cuma_sim_get_time(cuma_heap *h, uint64_t *ns) {
     return CUMA_OK;
 }
 
-/* The simulated stream's state is the backend's: under the arenas' shared backend mutex, or
- * the heap lock where the backend is the heap's alone. */
+/* The simulated stream's state is the backend's: under the first arena's lock (its calls before
+ * a second arena exists) and the arenas' shared-backend mutex (theirs after). */
 static cuma_status hold(cuma_heap *h, cuma_stream s, bool on) {
-    bool shared = cuma_backend_unwrap(h->be) != h->be;
-    if (shared)
-        cuma_backend_lock(h->be);
-    else
-        pthread_mutex_lock(&h->lock);
+    pthread_mutex_lock(&h->lock);
+    cuma_backend_lock(h->be);
     cuma_status st = cuma_simbe_hold(cuma_backend_unwrap(h->be), s, on);
-    if (shared)
-        cuma_backend_unlock(h->be);
-    else
-        pthread_mutex_unlock(&h->lock);
+    cuma_backend_unlock(h->be);
+    pthread_mutex_unlock(&h->lock);
     return st;
 }
 
