@@ -70,6 +70,12 @@ bool cuma_fence_poll(cuma_streams *ss, unsigned stream, uint64_t seq, bool wait)
  * streams). */
 static inline void cuma_fence_join(const cuma_streams *ss, uint16_t *stream, uint64_t *seq,
                                    uint16_t ostream, uint64_t oseq) {
+    /* One stream (the common case: a page freed again by its stream): its later tag covers
+     * the earlier, done or not; for CUMA_FENCE_MULTI the later tag waits at least as long. */
+    if (*stream == ostream) {
+        if (oseq > *seq) *seq = oseq;
+        return;
+    }
     if (cuma_fence_known_done(ss, ostream, oseq)) return;
     if (cuma_fence_known_done(ss, *stream, *seq)) {
         *stream = ostream, *seq = oseq;
