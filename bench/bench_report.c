@@ -185,9 +185,11 @@ void bench_report(const char *machine_json, const char *machine_text, bool json)
         print_table();
         printf("\nns/op: wall time / operations of all threads (fast: one op = one alloc+free "
                "pair); cpu ns/op: the threads' CPU time / operations\n(less sensitive to other "
-               "work on the machine); x mimalloc: ns/op over mimalloc's on the same row; latency: "
-               "one alloc or free,\ntimer overhead subtracted; 2T/1T: two-thread throughput over "
-               "one-thread. Each figure is the median of the runs.\n");
+               "work on the machine); x mimalloc: ns/op over mimalloc's on the same row (x1 "
+               "replays: median of\nper-run ratios, the allocators taking turns); latency: one "
+               "alloc or free, timer overhead subtracted; 2T/1T: two-thread\nthroughput over "
+               "one-thread (median of per-run ratios). Each other figure is the median of the "
+               "runs.\n");
     }
     fflush(stdout);
 }
