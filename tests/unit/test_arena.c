@@ -204,8 +204,9 @@ static void test_collisions(void) {
     churn_arg two = {h, &stop, 1L << 40};
     pthread_t th[2];
     for (int t = 0; t < 2; t++) CHECK(!pthread_create(&th[t], NULL, churn, &two));
-    /* Up to 20 s: the threads stop as soon as a second arena exists. */
-    for (int i = 0; i < 2000 && heap_stats(h).arenas < 2; i++) usleep(10000);
+    /* Up to 60 s (a sanitizer build on a loaded machine took 16): the threads stop as soon as
+     * a second arena exists. */
+    for (int i = 0; i < 6000 && heap_stats(h).arenas < 2; i++) usleep(10000);
     atomic_store(&stop, 1);
     for (int t = 0; t < 2; t++) pthread_join(th[t], NULL);
     cuma_stats s = heap_stats(h);
