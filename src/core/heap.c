@@ -21,12 +21,6 @@ static void raise_peak(_Atomic uint64_t *peak, uint64_t v) {
     }
 }
 
-/* Publishes this arena's counters for the lock-free totals (arena lock held). */
-static void publish(cuma_heap *h) {
-    atomic_store_explicit(&h->pub_req, (int64_t)h->c.requested, memory_order_relaxed);
-    atomic_store_explicit(&h->pub_alloc, (int64_t)h->c.allocated, memory_order_relaxed);
-}
-
 static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache *tc) {
     cuma_counters *c = &h->c;
     cuma_heap *p = h->primary;
@@ -44,9 +38,10 @@ static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache
         atomic_store_explicit(&tc->requested, 0, memory_order_relaxed);
         atomic_store_explicit(&tc->allocated, 0, memory_order_relaxed);
     }
-    publish(h);
+    cuma_heap_publish(h);
     /* Other threads' shares since their last slow calls are not seen (documented in cuma.h). */
-    int64_t all_req = cuma_heap_total(p, false), all_alloc = cuma_heap_total(p, true);
+    int64_t all_req = cuma_heap_total(p, CUMA_PUB_REQUESTED);
+    int64_t all_alloc = cuma_heap_total(p, CUMA_PUB_ALLOCATED);
     if (tc) tc->others_req = all_req - (int64_t)c->requested;
     if (all_req > 0) raise_peak(&p->peak_req, (uint64_t)all_req);
     if (all_alloc > 0) raise_peak(&p->peak_alloc, (uint64_t)all_alloc);
@@ -60,7 +55,7 @@ static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_
         h->c.requested -= b->req;
         h->c.allocated -= b->size;
         h->c.active--;
-        publish(h);
+        cuma_heap_publish(h);
     }
     bool was_empty = cuma_heap_cached(h) == 0;
     if (h->vmm) cuma_pages_unref(&h->pages, b->off, b->mapped_len, t, fstream, fseq);
@@ -142,7 +137,7 @@ static cuma_status fail_oom(cuma_heap *h, cuma_status st, size_t size) {
                      "out of memory: %zu bytes requested; %" PRIu64 " reserved (%" PRIu64
                      " cached) of a %" PRIu64 "-byte limit, %" PRIu64 " bytes live (%s)",
                      size, cuma_heap_reserved_all(h), cuma_heap_cached(h), h->limit_bytes,
-                     (uint64_t)cuma_heap_total(h->primary, false),
+                     (uint64_t)cuma_heap_total(h->primary, CUMA_PUB_REQUESTED),
                      st == CUMA_ERR_LIMIT ? "limit reached" : "device full");
 }
 

@@ -17,6 +17,9 @@
 
 #define CUMA_MAX_OOM_CALLBACKS 16
 
+/* The figures an arena publishes (cuma_heap.pub). */
+enum { CUMA_PUB_REQUESTED, CUMA_PUB_ALLOCATED, CUMA_PUB_CACHED, CUMA_PUB_N };
+
 typedef struct cuma_oom_slot {
     cuma_oom_fn fn;
     void *user;
@@ -39,7 +42,7 @@ typedef struct cuma_counters {
  * Invariants (cuma_heap_check, under lock): every live block is in `live` under its address
  * base + off and in no free list; the page reference counts equal the number of live and
  * deferred blocks whose requested bytes overlap each page; counters.requested is the sum of
- * the live blocks' requests, and pub_req / pub_alloc equal counters.requested / allocated; the
+ * the live blocks' requests, and pub[] holds counters.requested / allocated; the
  * policy, pages and streams hold their own invariants. Across arenas (all locks held):
  * pages.own_reserved of the first arena is the sum of the arenas' pages.nreserved; arenas'
  * virtual ranges do not overlap. */
@@ -96,13 +99,13 @@ struct cuma_heap {
     cuma_tcache *tcaches;
     _Atomic uint64_t manual_now; /* sim_clock:manual: the time cuma_sim_set_time set */
     _Atomic uint64_t coarse_now; /* the clock as of the last slow path (fast paths stamp with it) */
-    /* This arena's c.requested and c.allocated, published for the peaks of the whole heap,
-     * which are taken without locks (the fast path adds its own cache's share): written under
-     * this arena's lock, read by anyone. On a cache line of their own, so that arenas of
-     * threads running side by side do not write into the same line. */
+    /* This arena's c.requested and c.allocated (cuma_heap_publish) and its idle bytes as of its
+     * last release policy run, indexed by CUMA_PUB_*: the totals of the whole heap are taken
+     * from them without locks (peaks, max_cached). Written under this arena's lock, read by
+     * anyone; on a cache line of their own, so that arenas of threads running side by side do
+     * not write into the same line. */
     char pad0[64];
-    _Atomic int64_t pub_req, pub_alloc;
-    _Atomic uint64_t pub_cached; /* cuma_heap_cached as of this arena's last slow call */
+    _Atomic int64_t pub[CUMA_PUB_N];
     char pad1[64];
     /* First arena only: the peaks of the whole heap (requested, allocated, reserved); raised
      * lock-free, read on every allocation, written rarely. */
@@ -114,25 +117,22 @@ struct cuma_heap {
     uint64_t thread_wake_at; /* when the release thread plans to wake (heap clock) */
 };
 
-/* Requested (or, with `alloc`, allocated) bytes of the whole heap outside the thread caches,
- * lock-free from what the arenas publish. */
-static inline int64_t cuma_heap_total(const cuma_heap *p, bool alloc) {
+/* One published figure (CUMA_PUB_*) summed over the arenas of heap p, lock-free: requested and
+ * allocated bytes outside the thread caches, idle bytes. */
+static inline int64_t cuma_heap_total(const cuma_heap *p, int what) {
     unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
     int64_t t = 0;
-    for (unsigned i = 0; i < n; i++) {
-        const cuma_heap *a = i ? p->arenas[i] : p;
-        t += atomic_load_explicit(alloc ? &a->pub_alloc : &a->pub_req, memory_order_relaxed);
-    }
+    for (unsigned i = 0; i < n; i++)
+        t += atomic_load_explicit(&(i ? p->arenas[i] : p)->pub[what], memory_order_relaxed);
     return t;
 }
 
-/* Idle bytes of the whole heap as the arenas last published them: what max_cached bounds. */
-static inline uint64_t cuma_heap_total_cached(const cuma_heap *p) {
-    unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
-    uint64_t t = 0;
-    for (unsigned i = 0; i < n; i++)
-        t += atomic_load_explicit(&(i ? p->arenas[i] : p)->pub_cached, memory_order_relaxed);
-    return t;
+/* Publishes the arena's requested and allocated bytes (its lock held). */
+static inline void cuma_heap_publish(cuma_heap *h) {
+    atomic_store_explicit(&h->pub[CUMA_PUB_REQUESTED], (int64_t)h->c.requested,
+                          memory_order_relaxed);
+    atomic_store_explicit(&h->pub[CUMA_PUB_ALLOCATED], (int64_t)h->c.allocated,
+                          memory_order_relaxed);
 }
 
 /* Reserved bytes of the whole heap (every arena): what the limit bounds. */

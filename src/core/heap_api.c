@@ -188,8 +188,8 @@ static const char *check_arenas(cuma_heap *h, unsigned n) {
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *a = h->arenas[i];
         if (a->primary != h || (i == 0) != (a == h)) return "an arena names another heap";
-        if (atomic_load(&a->pub_req) != (int64_t)a->c.requested ||
-            atomic_load(&a->pub_alloc) != (int64_t)a->c.allocated)
+        if (atomic_load(&a->pub[CUMA_PUB_REQUESTED]) != (int64_t)a->c.requested ||
+            atomic_load(&a->pub[CUMA_PUB_ALLOCATED]) != (int64_t)a->c.allocated)
             return "an arena's published counters differ from its own";
         pages += a->pages.nreserved;
         if (a->vmm && a->pages.shared != &h->pages.own_reserved)

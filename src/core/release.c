@@ -67,12 +67,14 @@ void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
     /* max_cached is the heap's: this arena keeps what the others' caches leave of it. */
     uint64_t cap = h->max_cached_bytes;
     if (cap != UINT64_MAX) {
-        uint64_t others = cuma_heap_total_cached(h->primary) - atomic_load(&h->pub_cached);
+        uint64_t others = (uint64_t)(cuma_heap_total(h->primary, CUMA_PUB_CACHED) -
+                                     atomic_load(&h->pub[CUMA_PUB_CACHED]));
         cap = others >= cap ? 0 : cap - others;
     }
     if (t >= next_age_due(h) || cuma_heap_cached(h) > cap)
         cuma_heap_release(h, t, h->release_delay_ns, cap, age_keep(h), false);
-    atomic_store_explicit(&h->pub_cached, cuma_heap_cached(h), memory_order_relaxed);
+    atomic_store_explicit(&h->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(h),
+                          memory_order_relaxed);
 }
 
 cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {

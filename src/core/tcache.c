@@ -282,6 +282,5 @@ void cuma_tcache_sums_retire(cuma_heap *h, cuma_tcache *tc) {
                    atomic_load_explicit(&tc->frees, memory_order_relaxed);
     h->c.allocs += atomic_load_explicit(&tc->allocs, memory_order_relaxed);
     h->c.frees += atomic_load_explicit(&tc->frees, memory_order_relaxed);
-    atomic_store_explicit(&h->pub_req, (int64_t)h->c.requested, memory_order_relaxed);
-    atomic_store_explicit(&h->pub_alloc, (int64_t)h->c.allocated, memory_order_relaxed);
+    cuma_heap_publish(h);
 }

@@ -74,7 +74,8 @@ static inline int cuma_tc_stream_index(const cuma_tcache *tc, cuma_stream s) {
 
 static inline void cuma_tc_note_peaks(cuma_tcache *tc) {
     cuma_heap *h = tc->primary;
-    int64_t req = tc->others_req + atomic_load_explicit(&tc->heap->pub_req, memory_order_relaxed) +
+    int64_t req = tc->others_req +
+                  atomic_load_explicit(&tc->heap->pub[CUMA_PUB_REQUESTED], memory_order_relaxed) +
                   atomic_load_explicit(&tc->requested, memory_order_relaxed);
     uint64_t peak = atomic_load_explicit(&h->peak_req, memory_order_relaxed);
     while (req > 0 && (uint64_t)req > peak &&
