@@ -143,15 +143,6 @@ static cuma_status fail_oom(cuma_heap *h, cuma_status st, size_t size) {
 
 /* The out-of-memory ladder: release the cache and retry, call the callbacks and retry, fall
  * back to managed memory, then fail. Called with the lock held; callbacks run without it. */
-/* Everything idle goes back: thread caches, deferred frees whose work is done, the page cache
- * (arena lock held). */
-static void release_all(cuma_heap *h) {
-    cuma_heap_flush_tcaches(h);
-    cuma_heap_process_deferred(h, true);
-    cuma_heap_coalesce(h, true);
-    cuma_heap_release(h, now(h), 0, 0, 0, true);
-}
-
 /* The idle memory of the heap's other arenas goes back too, so this arena can have it (h's lock
  * held on entry and exit, dropped meanwhile: an arena never waits for another's lock while
  * holding its own). */
@@ -164,7 +155,7 @@ static void release_other_arenas(cuma_heap *h) {
         cuma_heap *o = p->arenas[i];
         if (o == h) continue;
         pthread_mutex_lock(&o->lock);
-        release_all(o);
+        cuma_heap_release_idle(o, 0);
         pthread_mutex_unlock(&o->lock);
     }
     pthread_mutex_lock(&h->lock);
@@ -183,7 +174,7 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
     cuma_heap *p = h->primary;
     h->c.retries++;
     h->c.trims++;
-    release_all(h);
+    cuma_heap_release_idle(h, 0);
     st = try_alloc(h, size, n, si, now(h), out);
     if (!is_oom(st)) return st;
     if (atomic_load(&p->narenas) > 1) {
@@ -206,7 +197,7 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
             pthread_mutex_lock(&h->lock);
             atomic_fetch_sub(&p->in_oom, 1);
             if (r != CUMA_OOM_RETRY) continue;
-            release_all(h); /* what the callback freed may sit in its thread's cache */
+            cuma_heap_release_idle(h, 0); /* what the callback freed may sit in a thread cache */
             release_other_arenas(h);
             st = try_alloc(h, size, n, si, now(h), out);
             if (!is_oom(st)) return st;

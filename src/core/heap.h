@@ -199,6 +199,10 @@ void cuma_heap_process_deferred(cuma_heap *h, bool wait);
 /* Merges free blocks whose fences completed since their free (segments that become whole go
  * back to the segment list). */
 void cuma_heap_coalesce(cuma_heap *h, bool wait);
+/* Gives back all idle memory but keep_bytes, the oldest first: thread caches, deferred frees
+ * and merges whose fences complete (waiting where the device can), the cache. cuma_trim and
+ * the out-of-memory ladder. */
+void cuma_heap_release_idle(cuma_heap *h, uint64_t keep_bytes);
 /* The release thread's body (release.c); started by cuma_heap_build. */
 void *cuma_heap_release_thread(void *arg);
 

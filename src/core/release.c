@@ -77,6 +77,13 @@ void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
                           memory_order_relaxed);
 }
 
+void cuma_heap_release_idle(cuma_heap *h, uint64_t keep_bytes) {
+    cuma_heap_flush_tcaches(h);
+    cuma_heap_process_deferred(h, true);
+    cuma_heap_coalesce(h, true);
+    cuma_heap_release(h, cuma_heap_now(h), -1, keep_bytes, 0, true);
+}
+
 cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_trim: heap is NULL");
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
@@ -84,11 +91,8 @@ cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
         cuma_heap *a = h->arenas[i];
         pthread_mutex_lock(&a->lock);
         if (!i) a->c.trims++;
-        cuma_heap_flush_tcaches(a);
-        cuma_heap_process_deferred(a, true);
-        cuma_heap_coalesce(a, true);
         /* keep_bytes is the heap's: the first arena keeps them, the others keep nothing. */
-        cuma_heap_release(a, cuma_heap_now(a), -1, i ? 0 : keep_bytes, 0, true);
+        cuma_heap_release_idle(a, i ? 0 : keep_bytes);
         pthread_mutex_unlock(&a->lock);
     }
     return CUMA_OK;
