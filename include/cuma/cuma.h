@@ -162,6 +162,7 @@ typedef struct cuma_stats {
     uint64_t maps;              /* page map operations */
     uint64_t unmaps;
     uint64_t events_recorded; /* stream events recorded to fence reuse */
+    uint64_t event_queries;   /* times the device was asked whether such an event is done */
     uint64_t trims;           /* cuma_trim calls and OOM cache releases */
     double fragmentation;     /* share of mapped bytes not under live allocations */
     uint64_t arenas; /* arenas the heap has made (1 until threads kept colliding: `arenas` key) */

@@ -16,6 +16,7 @@
 #include "core/config.h"
 #include "cuma/cuma.h"
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -85,6 +86,8 @@ void cuma_backend_unlock(cuma_backend *be);
 
 /* Sim controls behind include/cuma/sim.h; CUMA_ERR_UNSUPPORTED if be is not a sim. */
 cuma_status cuma_simbe_hold(cuma_backend *be, cuma_stream stream, bool hold);
+/* The clock sim_lag_ms counts on: a heap's manual clock (read atomically from any thread). */
+cuma_status cuma_simbe_set_clock(cuma_backend *be, const _Atomic uint64_t *clock);
 
 /* CUDA backends (src/backend/cuda_*.c); CUMA_ERR_NO_DEVICE when not built or no driver. */
 cuma_status cuma_cuda_backend_create(const cuma_settings *s, cuma_backend **out);

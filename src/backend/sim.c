@@ -27,6 +27,7 @@ typedef struct sim_event {
     uint32_t stream;   /* index into streams */
     uint32_t next;     /* free list */
     uint64_t releases; /* the stream's release count at record time */
+    uint64_t due;      /* sim_lag_ms: complete from this time on (0: at once) */
     bool held;         /* the stream was held at record time */
 } sim_event;
 
@@ -47,6 +48,11 @@ typedef struct sim {
     sim_event *events;
     uint32_t nevents, capevents, free_event;
     uint64_t managed_bytes;
+    /* sim_lag_ms: how far the simulated device runs behind the host. The clock is the heap's
+     * manual one when it has one (set once, before any event; read atomically because the
+     * heap writes it under its own locks), else the monotonic clock. Constant after setup. */
+    uint64_t lag_ns;
+    const _Atomic uint64_t *clock;
 } sim;
 
 #define NO_EVENT UINT32_MAX
@@ -176,6 +182,17 @@ static cuma_status sim_mem_info(cuma_backend *be, uint64_t *fr, uint64_t *total)
     return CUMA_OK;
 }
 
+static uint64_t sim_now(cuma_backend *be) {
+    (void)be;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t sim_clock(const sim *s) {
+    return s->clock ? atomic_load_explicit(s->clock, memory_order_relaxed) : sim_now(NULL);
+}
+
 static int stream_slot(sim *s, cuma_stream h) {
     for (uint32_t i = 0; i < s->nstreams; i++)
         if (s->streams[i].handle == h) return (int)i;
@@ -205,23 +222,36 @@ static cuma_status sim_event_record(cuma_backend *be, cuma_stream stream, uint64
         }
         e = s->nevents++;
     }
+    uint64_t due = s->lag_ns ? sim_clock(s) + s->lag_ns : 0;
     s->events[e] =
-        (sim_event){(uint32_t)si, NO_EVENT, s->streams[si].releases, s->streams[si].held};
+        (sim_event){(uint32_t)si, NO_EVENT, s->streams[si].releases, due, s->streams[si].held};
     *event = e;
     return CUMA_OK;
+}
+
+/* Held-stream rule only: the stream was not held, or has been released since. */
+static bool unheld(const sim *s, const sim_event *e) {
+    return !e->held || s->streams[e->stream].releases > e->releases;
 }
 
 static int sim_event_query(cuma_backend *be, uint64_t event) {
     sim *s = (sim *)be;
     if (event >= s->nevents) return -1;
     const sim_event *e = &s->events[event];
-    return !e->held || s->streams[e->stream].releases > e->releases;
+    return unheld(s, e) && (!e->due || sim_clock(s) >= e->due);
 }
 
 static cuma_status sim_event_wait(cuma_backend *be, uint64_t event) {
-    int q = sim_event_query(be, event);
-    if (q > 0) return CUMA_OK;
-    return cuma_fail(CUMA_ERR_UNSUPPORTED, "sim: waiting on a held stream would never end");
+    sim *s = (sim *)be;
+    if (event >= s->nevents)
+        return cuma_fail(CUMA_ERR_INVALID, "sim: no event %llu", (unsigned long long)event);
+    sim_event *e = &s->events[event];
+    if (!unheld(s, e))
+        return cuma_fail(CUMA_ERR_UNSUPPORTED, "sim: waiting on a held stream would never end");
+    /* A lagging device catches up while the host waits: the host's clock does not move (a
+     * manual clock cannot), the work is simply done. */
+    e->due = 0;
+    return CUMA_OK;
 }
 
 static void sim_event_release(cuma_backend *be, uint64_t event) {
@@ -229,13 +259,6 @@ static void sim_event_release(cuma_backend *be, uint64_t event) {
     if (event >= s->nevents) return;
     s->events[event].next = s->free_event;
     s->free_event = (uint32_t)event;
-}
-
-static uint64_t sim_now(cuma_backend *be) {
-    (void)be;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 static void sim_destroy(cuma_backend *be) {
@@ -278,6 +301,7 @@ cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out
     s->be.capacity = set->capacity;
     snprintf(s->be.device_id, sizeof s->be.device_id, "sim");
     s->backing = set->host_backing;
+    s->lag_ns = (uint64_t)set->sim_lag_ms * 1000000ull;
     s->npages = set->capacity / set->page_size;
     s->free_pages = malloc(s->npages * sizeof *s->free_pages);
     s->free_event = NO_EVENT;
@@ -310,5 +334,12 @@ cuma_status cuma_simbe_hold(cuma_backend *be, cuma_stream stream, bool hold) {
     if (si < 0) return cuma_fail(CUMA_ERR_OOM, "sim: no host memory for a stream");
     if (!hold && s->streams[si].held) s->streams[si].releases++;
     s->streams[si].held = hold;
+    return CUMA_OK;
+}
+
+cuma_status cuma_simbe_set_clock(cuma_backend *be, const _Atomic uint64_t *clock) {
+    sim *s = as_sim(be);
+    if (!s) return cuma_fail(CUMA_ERR_UNSUPPORTED, "sim clock: backend %s is not sim", be->name);
+    s->clock = clock;
     return CUMA_OK;
 }

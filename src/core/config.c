@@ -67,6 +67,10 @@ static const key_desc keys[] = {
     {"sim_segments", K_BOOL, F(sim_segments), "off", NULL,
      "sim: simulate a device without virtual memory management, so the heap runs in segment "
      "mode (whole segments, as backend:segment does with cuMemAlloc)"},
+    {"sim_lag_ms", K_INT, F(sim_lag_ms), "0", NULL,
+     "sim: the simulated device runs this many milliseconds behind the host (work recorded on "
+     "a stream completes that long after; on the heap's clock), as a GPU does while the host "
+     "queues kernels ahead; 0 = at once"},
     {"managed_fallback", K_BOOL, F(managed_fallback), "off", NULL,
      "serve a request from managed memory when the device is full"},
     {"release_thread", K_BOOL, F(release_thread), "on", NULL,

@@ -253,6 +253,7 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
                          CUMA_MAX_STREAMS);
     }
     uint64_t t = now(h);
+    cuma_streams_tick(&h->streams);
     /* This thread's batched frees first: their memory may serve this very request. */
     if (tc && tc->npending) cuma_tcache_drain(h, tc, cuma_heap_give_cached);
     if (h->deferred) cuma_heap_process_deferred(h, false);

@@ -165,6 +165,8 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         st = cuma_backend_create(&h->set, &h->be);
     }
     if (st) goto fail_free;
+    if (h->set.sim_clock_manual && !strcmp(h->be->name, "sim"))
+        cuma_simbe_set_clock(h->be, &h->manual_now); /* sim_lag_ms counts on the heap's time */
     /* Preallocated pages are the first arena's and never move: another arena could not
      * create a page within the limit they take. Such a heap keeps one arena. */
     if (h->set.preallocate) h->set.arenas = 1;

@@ -62,6 +62,7 @@ void cuma_heap_coalesce(cuma_heap *h, bool wait) {
 }
 
 void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
+    cuma_streams_tick(&h->streams);
     if (h->deferred) cuma_heap_process_deferred(h, false);
     age_tcaches(h, t);
     /* max_cached is the heap's: this arena keeps what the others' caches leave of it. */
@@ -78,6 +79,7 @@ void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
 }
 
 void cuma_heap_release_idle(cuma_heap *h, uint64_t keep_bytes) {
+    cuma_streams_tick(&h->streams);
     cuma_heap_flush_tcaches(h);
     cuma_heap_process_deferred(h, true);
     cuma_heap_coalesce(h, true);

@@ -32,6 +32,7 @@ static void add_arena(cuma_heap *a, cuma_stats *s) {
     s->maps += a->pages.maps;
     s->unmaps += a->pages.unmaps;
     s->events_recorded += a->streams.events_recorded;
+    s->event_queries += a->streams.event_queries;
     s->trims += c->trims;
 }
 
@@ -125,6 +126,7 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(maps);
     U(unmaps);
     U(events_recorded);
+    U(event_queries);
     U(trims);
     U(arenas);
 #undef U

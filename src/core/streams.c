@@ -7,7 +7,9 @@ cuma_status cuma_streams_init(cuma_streams *ss, cuma_backend *be) {
     ss->be = be;
     ss->n = 0;
     ss->gseq = 0;
+    ss->epoch = 1; /* slots start at nd_epoch 0: nothing remembered */
     ss->events_recorded = 0;
+    ss->event_queries = 0;
     ss->slot = calloc(CUMA_MAX_STREAMS, sizeof *ss->slot);
     if (!ss->slot) return cuma_fail(CUMA_ERR_OOM, "no host memory for the stream table");
     return CUMA_OK;
@@ -38,6 +40,7 @@ static void retire(cuma_streams *ss, cuma_stream_slot *s, bool wait) {
     while (s->npending) {
         uint64_t ev = s->ring[s->head].event;
         int q = be->ops->event_query(be, ev);
+        ss->event_queries++;
         if (q == 0 && wait && be->ops->event_wait(be, ev) == CUMA_OK) q = 1;
         if (q <= 0) return; /* an error counts as not done: memory stays held, never reused early */
         s->done = s->ring[s->head].covers;
@@ -50,6 +53,7 @@ static void retire(cuma_streams *ss, cuma_stream_slot *s, bool wait) {
 static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
     cuma_stream_slot *s = &ss->slot[i];
     if (s->done >= seq) return true;
+    if (!wait && s->nd_epoch == ss->epoch && seq >= s->nd_seq) return false;
     retire(ss, s, false);
     if (s->done >= seq) return true;
     if (s->fenced < seq && s->npending < CUMA_FENCE_RING) {
@@ -63,7 +67,10 @@ static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
         }
     }
     retire(ss, s, wait);
-    return s->done >= seq;
+    if (s->done >= seq) return true;
+    if (!wait && (s->nd_epoch != ss->epoch || seq < s->nd_seq))
+        s->nd_seq = seq, s->nd_epoch = ss->epoch;
+    return false;
 }
 
 bool cuma_fence_poll(cuma_streams *ss, unsigned stream, uint64_t seq, bool wait) {

@@ -30,14 +30,22 @@ typedef struct cuma_stream_slot {
         uint64_t event, covers;
     } ring[CUMA_FENCE_RING];
     unsigned head, npending;
+    /* The device said gseq nd_seq was not done yet during epoch nd_epoch: later tags of this
+     * stream are not done either, and are not asked about again in that epoch. */
+    uint64_t nd_seq, nd_epoch;
 } cuma_stream_slot;
 
 typedef struct cuma_streams {
     cuma_backend *be;
     cuma_stream_slot *slot; /* CUMA_MAX_STREAMS entries, the first n in use */
     unsigned n;
-    uint64_t gseq;            /* last sequence number handed out */
+    uint64_t gseq; /* last sequence number handed out */
+    /* A device that runs behind the host leaves many idle pages and blocks with pending tags;
+     * a scan over them must not ask the device once per tag. Within one epoch (one allocator
+     * operation: cuma_streams_tick) each stream's pending work is asked about once. */
+    uint64_t epoch;
     uint64_t events_recorded; /* statistics */
+    uint64_t event_queries;
 } cuma_streams;
 
 cuma_status cuma_streams_init(cuma_streams *ss, cuma_backend *be);
@@ -45,6 +53,11 @@ void cuma_streams_destroy(cuma_streams *ss);
 
 /* The index of a stream, adding it on first sight; -1 when the table is full. */
 int cuma_streams_index(cuma_streams *ss, cuma_stream handle);
+
+/* A new allocator operation: what the device said about pending work may have changed. */
+static inline void cuma_streams_tick(cuma_streams *ss) {
+    ss->epoch++;
+}
 
 /* Tags a free on stream index i: returns its gseq. */
 static inline uint64_t cuma_streams_note_free(cuma_streams *ss, unsigned i) {
@@ -63,7 +76,8 @@ static inline bool cuma_fence_known_done(const cuma_streams *ss, unsigned stream
 }
 
 /* Whether a tag is complete now: asks the device, recording an event if none covers the
- * tag yet. With `wait`, blocks until complete where the backend can. */
+ * tag yet, unless the device said in this epoch that an earlier tag of the stream was not done.
+ * With `wait`, blocks until complete where the backend can. */
 bool cuma_fence_poll(cuma_streams *ss, unsigned stream, uint64_t seq, bool wait);
 
 /* Combines two tags of memory that becomes one (a merged block, a page freed by two

@@ -28,6 +28,12 @@ typedef struct env {
     uint64_t range_off, range_size;
 } env;
 
+/* Asks the device as a new allocator operation does (a new epoch: see streams.h). */
+static bool op_poll(cuma_streams *ss, unsigned stream, uint64_t seq, bool wait) {
+    cuma_streams_tick(ss);
+    return cuma_fence_poll(ss, stream, seq, wait);
+}
+
 static bool is_buddy(const env *e) {
     return e->ops == &cuma_buddy_ops;
 }
@@ -298,14 +304,14 @@ static void test_fences(const cuma_policy_ops *ops, unsigned flags) {
     ops->free(e.p, y, (uint16_t)s0, q);
     cuma_block *x2 = get(&e, MB, s1);
     CHECK(x2 && (x2->off + x2->size <= aoff || x2->off >= aoff + asize));
-    CHECK(!cuma_fence_poll(&e.ss, s0, q, false)); /* held: not complete */
+    CHECK(!op_poll(&e.ss, s0, q, false)); /* held: not complete */
     cuma_block *x3 = get(&e, MB, s1);
     CHECK(x3 && (x3->off + x3->size <= aoff || x3->off >= aoff + asize));
     CHECK_OK(cuma_simbe_hold(e.be, S(0xA0), false));
     /* Complete on the device, but not known until someone asks: still not handed out. */
     cuma_block *x4 = get(&e, MB, s1);
     CHECK(x4 && (x4->off + x4->size <= aoff || x4->off >= aoff + asize));
-    CHECK(cuma_fence_poll(&e.ss, s0, q, false) && e.ss.slot[s0].done >= q);
+    CHECK(op_poll(&e.ss, s0, q, false) && e.ss.slot[s0].done >= q);
     cuma_block *z = get(&e, MB, s1);
     CHECK(z && z->off == aoff);
     validate(&e, 6 * MB);
@@ -385,8 +391,8 @@ static void test_merge_rules(const cuma_policy_ops *ops) {
     /* Completed and known: the held blocks become everyone's. */
     CHECK_OK(cuma_simbe_hold(e.be, S(0xA0), false));
     CHECK_OK(cuma_simbe_hold(e.be, S(0xB0), false));
-    CHECK(cuma_fence_poll(&e.ss, s0, e.ss.slot[s0].last, false));
-    CHECK(cuma_fence_poll(&e.ss, s1, e.ss.slot[s1].last, false));
+    CHECK(op_poll(&e.ss, s0, e.ss.slot[s0].last, false));
+    CHECK(op_poll(&e.ss, s1, e.ss.slot[s1].last, false));
     ops->free(e.p, g, (uint16_t)s1, 0);
     ops->free(e.p, h1, (uint16_t)s1, 0);
     ops->free(e.p, h2, (uint16_t)s1, 0);
@@ -435,7 +441,7 @@ static void test_tlsf_top_and_coalesce(void) {
         cuma_tlsf_ops.coalesce(e.p, count_whole, calls);
         CHECK(calls[0] == (flags ? 0u : 1u)); /* still pending, unless merged already */
         CHECK_OK(cuma_simbe_hold(e.be, S(0xA0), false));
-        CHECK(cuma_fence_poll(&e.ss, s0, q, false));
+        CHECK(op_poll(&e.ss, s0, q, false));
         calls[0] = 0;
         cuma_tlsf_ops.coalesce(e.p, count_whole, calls);
         CHECK(calls[0] == 1 && calls[1] == 0 && calls[2] == RANGE);
@@ -468,7 +474,7 @@ static void test_tlsf_top_and_coalesce(void) {
     calls[0] = 0;
     cuma_tlsf_ops.coalesce(e.p, count_whole, calls); /* complete, but nobody asked */
     CHECK(calls[0] == 1);
-    CHECK(cuma_fence_poll(&e.ss, s0, q, false));
+    CHECK(op_poll(&e.ss, s0, q, false));
     calls[0] = 0;
     cuma_tlsf_ops.coalesce(e.p, count_whole, calls);
     CHECK(calls[0] == 2);
@@ -545,8 +551,7 @@ static void test_random_fences(const cuma_policy_ops *ops, unsigned flags,
             held[i] = !held[i];
             CHECK_OK(cuma_simbe_hold(e.be, S(0x100 * (i + 1)), held[i]));
         } else if (r < 98) {
-            for (int i = 0; i < NS; i++)
-                cuma_fence_poll(&e.ss, sidx[i], e.ss.slot[sidx[i]].last, false);
+            for (int i = 0; i < NS; i++) op_poll(&e.ss, sidx[i], e.ss.slot[sidx[i]].last, false);
         } else {
             ops->coalesce(e.p, NULL, NULL);
         }
@@ -563,15 +568,14 @@ static void test_random_fences(const cuma_policy_ops *ops, unsigned flags,
     /* Everything completes and comes back. */
     for (int i = 0; i < NS; i++) {
         if (held[i]) CHECK_OK(cuma_simbe_hold(e.be, S(0x100 * (i + 1)), false));
-        CHECK(cuma_fence_poll(&e.ss, sidx[i], e.ss.slot[sidx[i]].last, false));
+        CHECK(op_poll(&e.ss, sidx[i], e.ss.slot[sidx[i]].last, false));
     }
     while (n) {
         live_block lb = live[--n];
         ops->free(e.p, lb.b, lb.b->stream, cuma_streams_note_free(&e.ss, lb.b->stream));
         live_bytes -= lb.size;
     }
-    for (int i = 0; i < NS; i++)
-        CHECK(cuma_fence_poll(&e.ss, sidx[i], e.ss.slot[sidx[i]].last, false));
+    for (int i = 0; i < NS; i++) CHECK(op_poll(&e.ss, sidx[i], e.ss.slot[sidx[i]].last, false));
     ops->coalesce(e.p, NULL, NULL);
     validate(&e, 0);
     if (ops == &cuma_tlsf_ops) CHECK(ops->largest_free(e.p) == R);
@@ -644,7 +648,7 @@ static void test_buddy_coalesce(void) {
     cuma_buddy_ops.free(e.p, a, (uint16_t)s0, q);
     cuma_buddy_ops.free(e.p, b, (uint16_t)s0, 0);
     CHECK_OK(cuma_simbe_hold(e.be, S(0xA0), false));
-    CHECK(cuma_fence_poll(&e.ss, s0, q, false));
+    CHECK(op_poll(&e.ss, s0, q, false));
     uint64_t calls[3] = {0};
     cuma_buddy_ops.coalesce(e.p, count_whole, calls);
     CHECK(calls[0] == 1);                              /* fails: 0 */

@@ -6,6 +6,7 @@
 #include "core/config.h"
 #include "core/streams.h"
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
@@ -39,6 +40,13 @@ static void validate(const cuma_streams *ss) {
     }
 }
 
+/* A poll as one allocator operation makes it: a new epoch, then the poll (test_epoch tests
+ * several polls within one). */
+static bool op_poll(cuma_streams *ss, unsigned stream, uint64_t seq, bool wait) {
+    cuma_streams_tick(ss);
+    return cuma_fence_poll(ss, stream, seq, wait);
+}
+
 static void hold(cuma_stream s, bool on) {
     CHECK_OK(cuma_simbe_hold(be, s, on));
 }
@@ -65,7 +73,7 @@ static void test_table(void) {
     CHECK(cuma_streams_index(&ss, S(0x1000 + CUMA_MAX_STREAMS - 1)) == CUMA_MAX_STREAMS - 1);
     /* Fences work on the last slot too. */
     uint64_t q = cuma_streams_note_free(&ss, CUMA_MAX_STREAMS - 1);
-    CHECK(cuma_fence_poll(&ss, CUMA_MAX_STREAMS - 1, q, false));
+    CHECK(op_poll(&ss, CUMA_MAX_STREAMS - 1, q, false));
     validate(&ss);
     teardown(&ss);
 }
@@ -90,21 +98,21 @@ static void test_lazy(void) {
     CHECK(cuma_fence_known_done(&ss, a, 0) && cuma_fence_known_done(&ss, CUMA_FENCE_MULTI, 0));
     CHECK(!cuma_fence_known_done(&ss, a, 1));
     CHECK(ss.events_recorded == 0);
-    CHECK(cuma_fence_poll(&ss, a, 0, false)); /* clean: no event */
+    CHECK(op_poll(&ss, a, 0, false)); /* clean: no event */
     CHECK(ss.events_recorded == 0);
     /* One poll records one event, which covers every free on the stream so far. */
-    CHECK(cuma_fence_poll(&ss, a, 2, false));
+    CHECK(op_poll(&ss, a, 2, false));
     CHECK(ss.events_recorded == 1);
     CHECK(ss.slot[a].done == 999 && ss.slot[a].fenced == 999 && ss.slot[a].npending == 0);
     CHECK(ss.slot[b].done == 0 && ss.slot[b].fenced == 0); /* the other stream is untouched */
     for (uint64_t q = 1; q <= 999; q++) CHECK(cuma_fence_known_done(&ss, a, q));
-    CHECK(cuma_fence_poll(&ss, a, 999, false) && cuma_fence_poll(&ss, a, 500, true));
+    CHECK(op_poll(&ss, a, 999, false) && op_poll(&ss, a, 500, true));
     CHECK(ss.events_recorded == 1);
     validate(&ss);
     /* More frees: the next poll records again. */
     uint64_t q = cuma_streams_note_free(&ss, a);
     CHECK(!cuma_fence_known_done(&ss, a, q));
-    CHECK(cuma_fence_poll(&ss, a, q, false) && ss.events_recorded == 2 && ss.slot[a].done == q);
+    CHECK(op_poll(&ss, a, q, false) && ss.events_recorded == 2 && ss.slot[a].done == q);
     validate(&ss);
     teardown(&ss);
 }
@@ -120,38 +128,38 @@ static void test_held(void) {
     uint64_t q3 = cuma_streams_note_free(&ss, a);
     hold(S(0xA), true);
     /* A held stream keeps `done` behind; one event covers q1..q3 and is not recorded twice. */
-    CHECK(!cuma_fence_poll(&ss, a, q1, false));
+    CHECK(!op_poll(&ss, a, q1, false));
     CHECK(ss.events_recorded == 1 && ss.slot[a].fenced == q3 && ss.slot[a].npending == 1);
     CHECK(ss.slot[a].done == 0);
-    CHECK(!cuma_fence_poll(&ss, a, q3, false) && !cuma_fence_poll(&ss, a, q2, false));
+    CHECK(!op_poll(&ss, a, q3, false) && !op_poll(&ss, a, q2, false));
     CHECK(ss.events_recorded == 1);
     /* Waiting on a held simulated stream would never end: the poll says not done. */
-    CHECK(!cuma_fence_poll(&ss, a, q1, true));
+    CHECK(!op_poll(&ss, a, q1, true));
     CHECK(ss.slot[a].done == 0 && ss.events_recorded == 1);
     validate(&ss);
     /* Other streams are not held. */
-    CHECK(cuma_fence_poll(&ss, b, qb, false) && ss.slot[b].done == qb);
+    CHECK(op_poll(&ss, b, qb, false) && ss.slot[b].done == qb);
     /* A free after the event needs a second one, also held. */
     uint64_t q4 = cuma_streams_note_free(&ss, a);
-    CHECK(!cuma_fence_poll(&ss, a, q4, false));
+    CHECK(!op_poll(&ss, a, q4, false));
     CHECK(ss.events_recorded == 3 && ss.slot[a].npending == 2 && ss.slot[a].fenced == q4);
     validate(&ss);
     /* Released: both events complete at the next poll, without a new one. */
     hold(S(0xA), false);
     CHECK(!cuma_fence_known_done(&ss, a, q1)); /* nobody asked yet */
-    CHECK(cuma_fence_poll(&ss, a, q1, false));
+    CHECK(op_poll(&ss, a, q1, false));
     CHECK(ss.slot[a].done == q4 && ss.slot[a].npending == 0 && ss.events_recorded == 3);
     CHECK(cuma_fence_known_done(&ss, a, q4));
     validate(&ss);
     /* Held again: events recorded before the new hold are complete, later ones are not. */
     uint64_t q5 = cuma_streams_note_free(&ss, a);
-    CHECK(cuma_fence_poll(&ss, a, q5, false)); /* not held: done at once */
+    CHECK(op_poll(&ss, a, q5, false)); /* not held: done at once */
     hold(S(0xA), true);
     uint64_t q6 = cuma_streams_note_free(&ss, a);
-    CHECK(!cuma_fence_poll(&ss, a, q6, false));
+    CHECK(!op_poll(&ss, a, q6, false));
     CHECK(ss.slot[a].done == q5);
     hold(S(0xA), false);
-    CHECK(cuma_fence_poll(&ss, a, q6, true) && ss.slot[a].done == q6);
+    CHECK(op_poll(&ss, a, q6, true) && ss.slot[a].done == q6);
     validate(&ss);
     teardown(&ss);
 }
@@ -165,7 +173,7 @@ static void test_ring(void) {
     uint64_t qs[CUMA_FENCE_RING + 3];
     for (int i = 0; i < CUMA_FENCE_RING + 3; i++) {
         qs[i] = cuma_streams_note_free(&ss, a);
-        CHECK(!cuma_fence_poll(&ss, a, qs[i], false));
+        CHECK(!op_poll(&ss, a, qs[i], false));
         uint64_t want = i < CUMA_FENCE_RING ? (uint64_t)i + 1 : CUMA_FENCE_RING;
         CHECK(ss.events_recorded == want && ss.slot[a].npending == want);
         validate(&ss);
@@ -173,10 +181,10 @@ static void test_ring(void) {
     CHECK(ss.slot[a].fenced == qs[CUMA_FENCE_RING - 1]);
     hold(S(0xA), false);
     /* The first poll retires the whole ring. */
-    CHECK(cuma_fence_poll(&ss, a, qs[0], false));
+    CHECK(op_poll(&ss, a, qs[0], false));
     CHECK(ss.slot[a].done >= qs[CUMA_FENCE_RING - 1]);
     validate(&ss);
-    CHECK(cuma_fence_poll(&ss, a, qs[CUMA_FENCE_RING + 2], false));
+    CHECK(op_poll(&ss, a, qs[CUMA_FENCE_RING + 2], false));
     CHECK(ss.slot[a].done == qs[CUMA_FENCE_RING + 2] && ss.slot[a].npending == 0);
     CHECK(ss.events_recorded == CUMA_FENCE_RING + 1);
     validate(&ss);
@@ -186,17 +194,82 @@ static void test_ring(void) {
         uint64_t last = 0;
         for (int i = 0; i < CUMA_FENCE_RING - 1; i++) {
             last = cuma_streams_note_free(&ss, a);
-            CHECK(!cuma_fence_poll(&ss, a, last, false));
+            CHECK(!op_poll(&ss, a, last, false));
         }
         validate(&ss);
         hold(S(0xA), false);
-        CHECK(cuma_fence_poll(&ss, a, last, false) && ss.slot[a].npending == 0);
+        CHECK(op_poll(&ss, a, last, false) && ss.slot[a].npending == 0);
         validate(&ss);
     }
     /* Destroy with events still pending releases them (ASan builds see leaks). */
     hold(S(0xA), true);
-    CHECK(!cuma_fence_poll(&ss, a, cuma_streams_note_free(&ss, a), false));
+    CHECK(!op_poll(&ss, a, cuma_streams_note_free(&ss, a), false));
     CHECK(ss.slot[a].npending == 1);
+    teardown(&ss);
+}
+
+/* Within one epoch the device is asked about a stream's pending work once: a scan over many
+ * idle pages of a lagging stream costs one query, not one per page. */
+static void test_epoch(void) {
+    cuma_streams ss;
+    setup(&ss);
+    unsigned a = (unsigned)cuma_streams_index(&ss, S(0xA)),
+             b = (unsigned)cuma_streams_index(&ss, S(0xB));
+    uint64_t q[100];
+    for (int i = 0; i < 100; i++) q[i] = cuma_streams_note_free(&ss, i % 2 ? a : b);
+    hold(S(0xA), true);
+    cuma_streams_tick(&ss);
+    CHECK(!cuma_fence_poll(&ss, a, q[1], false));
+    uint64_t asked = ss.event_queries, recorded = ss.events_recorded;
+    CHECK(asked >= 1 && recorded == 1);
+    for (int i = 1; i < 100; i += 2) CHECK(!cuma_fence_poll(&ss, a, q[i], false));
+    CHECK(ss.event_queries == asked && ss.events_recorded == recorded);
+    /* Other streams are asked as usual. */
+    CHECK(cuma_fence_poll(&ss, b, q[98], false) && ss.event_queries > asked);
+    asked = ss.event_queries;
+    /* The stream completes (and is held again for later work); within the epoch a later tag is
+     * still answered from memory, but a wait always asks and sees the completion. */
+    hold(S(0xA), false);
+    hold(S(0xA), true);
+    uint64_t later = cuma_streams_note_free(&ss, a);
+    CHECK(!cuma_fence_poll(&ss, a, later, false) && ss.event_queries == asked);
+    CHECK(cuma_fence_poll(&ss, a, q[1], true) && ss.event_queries > asked);
+    CHECK(ss.slot[a].done == q[99]);
+    /* The next operation records an event for the later tag: held, so pending. */
+    recorded = ss.events_recorded;
+    cuma_streams_tick(&ss);
+    CHECK(!cuma_fence_poll(&ss, a, later, false) && ss.events_recorded == recorded + 1);
+    validate(&ss);
+    hold(S(0xA), false);
+    cuma_streams_tick(&ss);
+    CHECK(cuma_fence_poll(&ss, a, later, false));
+    validate(&ss);
+    teardown(&ss);
+}
+
+/* sim_lag_ms: the simulated device completes work that long after it was recorded, on the
+ * clock it is given (a heap's manual clock). */
+static void test_lag(void) {
+    cuma_settings set;
+    cuma_settings_default(&set);
+    CHECK_OK(cuma_settings_parse(&set, "capacity:64M,sim_lag_ms:5", "test"));
+    CHECK(set.sim_lag_ms == 5);
+    CHECK_OK(cuma_sim_backend_create(&set, &be));
+    _Atomic uint64_t clock = 1000000;
+    CHECK_OK(cuma_simbe_set_clock(be, &clock));
+    cuma_streams ss;
+    CHECK_OK(cuma_streams_init(&ss, be));
+    unsigned a = (unsigned)cuma_streams_index(&ss, S(0xA));
+    uint64_t q = cuma_streams_note_free(&ss, a);
+    CHECK(!op_poll(&ss, a, q, false)); /* recorded at 1 ms: due at 6 ms */
+    atomic_store(&clock, 5999999);
+    CHECK(!op_poll(&ss, a, q, false));
+    atomic_store(&clock, 6000000);
+    CHECK(op_poll(&ss, a, q, false) && ss.events_recorded == 1);
+    /* Waiting completes at once: the host waits, the clock stays. */
+    uint64_t q2 = cuma_streams_note_free(&ss, a);
+    CHECK(op_poll(&ss, a, q2, true) && ss.slot[a].done == q2 && atomic_load(&clock) == 6000000);
+    validate(&ss);
     teardown(&ss);
 }
 
@@ -212,7 +285,7 @@ static void test_multi(void) {
     /* MULTI (seq): every stream's frees up to seq have completed. */
     CHECK(!cuma_fence_known_done(&ss, CUMA_FENCE_MULTI, qb));
     hold(S(0xB), true);
-    CHECK(!cuma_fence_poll(&ss, CUMA_FENCE_MULTI, qb, false));
+    CHECK(!op_poll(&ss, CUMA_FENCE_MULTI, qb, false));
     CHECK(ss.slot[a].done == qa); /* a was asked too, and is done */
     CHECK(ss.slot[b].done == 0);
     CHECK(ss.events_recorded == 2); /* one per stream with frees, none for c */
@@ -222,7 +295,7 @@ static void test_multi(void) {
     CHECK(!cuma_fence_known_done(&ss, CUMA_FENCE_MULTI, qb));
     hold(S(0xB), false);
     CHECK(!cuma_fence_known_done(&ss, CUMA_FENCE_MULTI, qb)); /* nobody asked yet */
-    CHECK(cuma_fence_poll(&ss, CUMA_FENCE_MULTI, qb, false));
+    CHECK(op_poll(&ss, CUMA_FENCE_MULTI, qb, false));
     CHECK(ss.slot[b].done == qb && ss.slot[a].done == qa2);
     CHECK(cuma_fence_known_done(&ss, CUMA_FENCE_MULTI, qb));
     CHECK(cuma_fence_known_done(&ss, CUMA_FENCE_MULTI, qa2));
@@ -231,7 +304,7 @@ static void test_multi(void) {
     /* A stream that frees nothing never holds a MULTI tag back. */
     hold(S(0xC), true);
     uint64_t qa3 = cuma_streams_note_free(&ss, a);
-    CHECK(cuma_fence_poll(&ss, CUMA_FENCE_MULTI, qa3, false));
+    CHECK(op_poll(&ss, CUMA_FENCE_MULTI, qa3, false));
     teardown(&ss);
 }
 
@@ -273,7 +346,7 @@ static void test_join(void) {
     cuma_fence_join(&ss, &st, &sq, CUMA_FENCE_MULTI, b1);
     CHECK(st == CUMA_FENCE_MULTI && sq == b1);
     /* A tag known complete counts as clean, whatever its number. */
-    CHECK(cuma_fence_poll(&ss, a, a1, false) && ss.slot[a].done == a2);
+    CHECK(op_poll(&ss, a, a1, false) && ss.slot[a].done == a2);
     st = (uint16_t)a, sq = a2;
     cuma_fence_join(&ss, &st, &sq, (uint16_t)b, b1);
     CHECK(st == b && sq == b1);
@@ -286,10 +359,10 @@ static void test_join(void) {
     cuma_fence_join(&ss, &st, &sq, (uint16_t)b, b2);
     CHECK(st == CUMA_FENCE_MULTI);
     hold(S(0xB), true);
-    CHECK(!cuma_fence_poll(&ss, st, sq, false));
+    CHECK(!op_poll(&ss, st, sq, false));
     CHECK(ss.slot[a].done == a3); /* a's part is done */
     hold(S(0xB), false);
-    CHECK(cuma_fence_poll(&ss, st, sq, false));
+    CHECK(op_poll(&ss, st, sq, false));
     validate(&ss);
     teardown(&ss);
 }
@@ -301,9 +374,9 @@ static void test_validate_detects(void) {
     (void)cuma_streams_index(&ss, S(0xB));
     hold(S(0xA), true);
     uint64_t q1 = cuma_streams_note_free(&ss, a);
-    CHECK(!cuma_fence_poll(&ss, a, q1, false));
+    CHECK(!op_poll(&ss, a, q1, false));
     uint64_t q2 = cuma_streams_note_free(&ss, a);
-    CHECK(!cuma_fence_poll(&ss, a, q2, false));
+    CHECK(!op_poll(&ss, a, q2, false));
     validate(&ss);
     cuma_stream_slot saved = ss.slot[a];
     const char *why;
@@ -337,7 +410,7 @@ static void test_validate_detects(void) {
     ss.slot[1].handle = hb;
     validate(&ss);
     hold(S(0xA), false);
-    CHECK(cuma_fence_poll(&ss, a, q2, false));
+    CHECK(op_poll(&ss, a, q2, false));
     validate(&ss);
     teardown(&ss);
 }
@@ -347,6 +420,8 @@ int main(void) {
     test_lazy();
     test_held();
     test_ring();
+    test_epoch();
+    test_lag();
     test_multi();
     test_join();
     test_validate_detects();
