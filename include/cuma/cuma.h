@@ -161,6 +161,11 @@ typedef struct cuma_stats {
     uint64_t page_releases;     /* physical pages given back */
     uint64_t maps;              /* page map operations */
     uint64_t unmaps;
+    /* Idle pages mapped at a new address while the device still had work on their old one,
+     * from the same stream (the old mapping goes when that work is done), and times the host
+     * had to wait for such work because its address was needed again. */
+    uint64_t early_remaps;
+    uint64_t remap_waits;
     uint64_t events_recorded; /* stream events recorded to fence reuse */
     uint64_t event_queries;   /* times the device was asked whether such an event is done */
     uint64_t trims;           /* cuma_trim calls and OOM cache releases */

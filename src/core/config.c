@@ -71,6 +71,10 @@ static const key_desc keys[] = {
      "sim: the simulated device runs this many milliseconds behind the host (work recorded on "
      "a stream completes that long after; on the heap's clock), as a GPU does while the host "
      "queues kernels ahead; 0 = at once"},
+    {"early_remap", K_BOOL, F(early_remap), "on", NULL,
+     "a page whose old address still has work pending on the stream that needs it may be mapped "
+     "at the new address at once (the old mapping goes when the work is done) instead of "
+     "creating a page; off = only pages whose work is done move"},
     {"managed_fallback", K_BOOL, F(managed_fallback), "off", NULL,
      "serve a request from managed memory when the device is full"},
     {"release_thread", K_BOOL, F(release_thread), "on", NULL,

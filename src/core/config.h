@@ -32,6 +32,7 @@ typedef struct cuma_settings {
     bool sim_clock_manual;          /* sim: clock driven by cuma_sim_set_time */
     bool sim_segments;              /* sim: a device without virtual memory management */
     int sim_lag_ms;                 /* sim: work completes this long after it is recorded */
+    bool early_remap;               /* share pending idle pages with their own stream */
     bool managed_fallback;          /* serve from managed memory when the device is full */
     bool release_thread;            /* background thread that gives idle pages back on time */
     bool tcache;                    /* per-thread caches (the fast path) */

@@ -138,28 +138,111 @@ static void release_page(cuma_pages *pp, uint32_t i) {
     pp->releases++;
 }
 
-/* An idle page whose fence is complete, taken off the cache and unmapped; never one idling
- * inside [keep_first, keep_last], the range being backed, which reuses those in place. */
-static bool steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t keep_last) {
+/* ---- ghosts ---------------------------------------------------------------------------------- */
+
+static cuma_status ghost_add(cuma_pages *pp, uint32_t va, uint32_t phys, uint16_t fstream,
+                             uint64_t fseq) {
+    if (pp->nghosts == pp->capghosts) {
+        uint32_t nc = pp->capghosts ? pp->capghosts * 2 : 64;
+        cuma_ghost *n = realloc(pp->ghosts, (size_t)nc * sizeof *n);
+        if (!n) return cuma_fail(CUMA_ERR_OOM, "no host memory for the ghost table");
+        pp->ghosts = n, pp->capghosts = nc;
+    }
+    pp->ghosts[pp->nghosts] = (cuma_ghost){fseq, va, phys, fstream};
+    pp->phys_of[va] = CUMA_GHOST | pp->nghosts++;
+    pp->phys[phys].nghost++;
+    return CUMA_OK;
+}
+
+/* Unmaps ghost gi (its work is complete) and forgets it; the last ghost takes its index. */
+static cuma_status ghost_drop(cuma_pages *pp, uint32_t gi) {
+    cuma_ghost *g = &pp->ghosts[gi];
+    cuma_status st = pp->be->ops->unmap(pp->be, va_addr(pp, g->va));
+    if (st) return st;
+    pp->unmaps++;
+    pp->phys_of[g->va] = 0;
+    pp->phys[g->phys].nghost--;
+    *g = pp->ghosts[--pp->nghosts];
+    if (gi < pp->nghosts) pp->phys_of[g->va] = CUMA_GHOST | gi;
+    return CUMA_OK;
+}
+
+/* Unmaps the ghosts whose work completed (one device query per stream: streams.h). */
+void cuma_pages_reap(cuma_pages *pp) {
+    for (uint32_t gi = 0; gi < pp->nghosts;) {
+        const cuma_ghost *g = &pp->ghosts[gi];
+        if (cuma_fence_poll(pp->ss, g->fstream, g->fseq, false) && ghost_drop(pp, gi) == CUMA_OK)
+            continue; /* another ghost now sits at gi */
+        gi++;
+    }
+}
+
+/* Virtual page v, about to be backed, holds ghost gi: unmap it if its work is done; else, when
+ * its page idles elsewhere with only this stream's work pending (and outside [v, last], which
+ * this call backs), take the page back to v (no driver call; its other place becomes the ghost);
+ * else wait for the device. */
+static cuma_status ghost_clear(cuma_pages *pp, uint32_t v, uint32_t last, int stream) {
+    uint32_t gi = pp->phys_of[v] & ~CUMA_GHOST;
+    cuma_ghost *g = &pp->ghosts[gi];
+    if (cuma_fence_poll(pp->ss, g->fstream, g->fseq, false)) return ghost_drop(pp, gi);
+    cuma_phys *p = &pp->phys[g->phys];
+    if (stream == (int)g->fstream && p->cached && p->va != CUMA_NIL &&
+        (p->va < v || p->va > last) && p->fence_stream == g->fstream) {
+        uint32_t y = p->va;
+        g->va = y;
+        if (p->fence_seq > g->fseq) g->fseq = p->fence_seq;
+        pp->phys_of[y] = CUMA_GHOST | gi;
+        pp->phys_of[v] = g->phys + 1;
+        p->va = v;
+        return CUMA_OK; /* v now idles in place on its old page */
+    }
+    pp->remap_waits++;
+    if (cuma_fence_poll(pp->ss, g->fstream, g->fseq, true)) return ghost_drop(pp, gi);
+    return cuma_fail(CUMA_ERR_BACKEND,
+                     "virtual page at 0x%llx is still mapped for work the device has not finished",
+                     (unsigned long long)va_addr(pp, v));
+}
+
+/* ---- backing a virtual page ------------------------------------------------------------------ */
+
+enum { STOLE_NONE, STOLE_MOVED, STOLE_SHARED };
+
+/* An idle page for another virtual page; never one idling inside [keep_first, keep_last], the
+ * range being backed, which reuses those in place. STOLE_MOVED: one whose fence is complete,
+ * taken off the cache and unmapped. STOLE_SHARED: none is, but this one's pending work is all
+ * on `stream`: still cached and mapped, to become a ghost where it is. */
+static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t keep_last,
+                 int stream) {
+    uint32_t shared = CUMA_NIL;
     int n = 0;
     for (uint32_t i = pp->head; i != CUMA_NIL && n < STEAL_SCAN; n++) {
         cuma_phys *p = &pp->phys[i];
         uint32_t next = p->next;
         bool own = p->va != CUMA_NIL && p->va >= keep_first && p->va <= keep_last;
-        if (!own && cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, false) &&
-            unmap_page(pp, i) == CUMA_OK) {
-            cache_remove(pp, i);
-            *out = i;
-            return true;
+        if (own) {
+        } else if (cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, false)) {
+            if (unmap_page(pp, i) == CUMA_OK) {
+                cache_remove(pp, i);
+                *out = i;
+                return STOLE_MOVED;
+            }
+        } else if (stream == (int)p->fence_stream && p->va != CUMA_NIL &&
+                   (shared == CUMA_NIL || p->fence_seq < pp->phys[shared].fence_seq)) {
+            shared = i;
         }
         i = next;
     }
-    return false;
+    *out = shared;
+    return shared == CUMA_NIL ? STOLE_NONE : STOLE_SHARED;
 }
 
 /* Backs virtual page v, whose live count just went from 0 to 1. */
-static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t last) {
+static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t last, int stream) {
     uint32_t i = CUMA_NIL;
+    if (pp->phys_of[v] & CUMA_GHOST) {
+        cuma_status st = ghost_clear(pp, v, last, stream);
+        if (st) return st;
+    }
     if (pp->phys_of[v]) { /* idle in place: no driver call */
         uint32_t x = pp->phys_of[v] - 1, h = pp->head;
         if (h != x) {
@@ -189,33 +272,44 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t la
         pp->nmapped++;
         return CUMA_OK;
     }
-    bool created = false;
-    if (!steal(pp, &i, v, last)) {
+    int stole = steal(pp, &i, v, last, stream);
+    if (stole == STOLE_NONE) {
         cuma_status st = create_page(pp, &i);
         if (st) return st;
-        created = true;
     }
-    cuma_status st = pp->be->ops->map(pp->be, va_addr(pp, v), pp->phys[i].handle);
+    cuma_phys *p = &pp->phys[i];
+    cuma_status st = pp->be->ops->map(pp->be, va_addr(pp, v), p->handle);
+    if (st == CUMA_OK && stole == STOLE_SHARED) {
+        st = ghost_add(pp, p->va, i, p->fence_stream, p->fence_seq);
+        if (st) {
+            pp->be->ops->unmap(pp->be, va_addr(pp, v)); /* nothing else to do should it fail */
+        } else {
+            cache_remove(pp, i);
+            pp->early_remaps++;
+        }
+    }
     if (st) {
-        if (created)
+        if (stole == STOLE_NONE)
             release_page(pp, i);
-        else
+        else if (stole == STOLE_MOVED)
             cache_push(pp, i, now); /* back to the cache, unmapped */
         return st;
     }
     pp->maps++;
-    pp->phys[i].va = v;
-    pp->phys[i].fence_seq = 0;
+    /* A moved page's work is complete; a shared one keeps its fence: its ghost's work. */
+    if (stole != STOLE_SHARED) p->fence_seq = 0;
+    p->va = v;
     pp->phys_of[v] = i + 1;
     pp->nmapped++;
     return CUMA_OK;
 }
 
-cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now) {
+cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, int stream) {
     uint32_t first = (uint32_t)(off >> pp->shift), last = (uint32_t)((off + len - 1) >> pp->shift);
     uint64_t need = 0;
     for (uint32_t v = first; v <= last; v++) need += !pp->live[v];
     cuma_streams_tick(pp->ss); /* one query per lagging stream for all the pages it steals */
+    if (pp->nghosts) cuma_pages_reap(pp);
     /* A request that cannot fit even with every idle page reused fails before touching any. */
     if (pp->nmapped + need > pp->limit_pages)
         return cuma_fail(pp->limit_is_device ? CUMA_ERR_OOM : CUMA_ERR_LIMIT,
@@ -224,7 +318,7 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
                          (unsigned long long)pp->limit_pages);
     for (uint32_t v = first; v <= last; v++) {
         if (pp->live[v]++) continue;
-        cuma_status st = acquire(pp, v, now, last);
+        cuma_status st = acquire(pp, v, now, last, stream);
         if (st == CUMA_OK) continue;
         pp->live[v]--;
         /* Undo this call's references; pages it backed go back to the cache as fresh. */
@@ -251,6 +345,7 @@ uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint
     uint64_t released = 0;
     uint32_t i = pp->tail;
     cuma_streams_tick(pp->ss);
+    if (pp->nghosts) cuma_pages_reap(pp);
     while (i != CUMA_NIL) {
         cuma_phys *p = &pp->phys[i];
         uint32_t prev = p->prev;
@@ -258,7 +353,9 @@ uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint
                    now - p->idle_since >= (uint64_t)delay_ns && pp->ncached > age_keep;
         bool over = pp->ncached > max_cached;
         if (!old && !over) break; /* newer pages are younger still */
-        if (!p->pinned && cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, wait) &&
+        /* A page with ghosts has work pending (its fence covers theirs): it stays. */
+        if (!p->pinned && !p->nghost &&
+            cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, wait) &&
             unmap_page(pp, i) == CUMA_OK) {
             cache_remove(pp, i);
             release_page(pp, i);
@@ -286,6 +383,9 @@ uint64_t cuma_pages_oldest_idle(const cuma_pages *pp) {
 }
 
 void cuma_pages_destroy(cuma_pages *pp) {
+    for (uint32_t gi = 0; gi < pp->nghosts; gi++)
+        pp->be->ops->unmap(pp->be, va_addr(pp, pp->ghosts[gi].va));
+    free(pp->ghosts);
     for (uint32_t i = 0; i < pp->nslots; i++) {
         if (!pp->phys[i].used) continue;
         if (pp->phys[i].va != CUMA_NIL) pp->be->ops->unmap(pp->be, va_addr(pp, pp->phys[i].va));
@@ -296,11 +396,12 @@ void cuma_pages_destroy(cuma_pages *pp) {
 }
 
 bool cuma_pages_validate(const cuma_pages *pp, const char **why) {
-    uint64_t used = 0, cached = 0, mapped_live = 0;
+    uint64_t used = 0, cached = 0, mapped_live = 0, ghosts = 0;
     for (uint32_t i = 0; i < pp->nslots; i++) {
         const cuma_phys *p = &pp->phys[i];
         if (!p->used) continue;
         used++;
+        ghosts += p->nghost;
         if (p->va != CUMA_NIL && pp->phys_of[p->va] != i + 1)
             return *why = "pages: physical page and page table disagree", false;
         bool idle = p->va == CUMA_NIL || pp->live[p->va] == 0;
@@ -322,11 +423,22 @@ bool cuma_pages_validate(const cuma_pages *pp, const char **why) {
             return *why = "pages: cache links broken", false;
     }
     if (n != cached) return *why = "pages: cache list misses cached pages", false;
+    if (ghosts != pp->nghosts) return *why = "pages: ghost counts of the pages differ", false;
+    for (uint32_t gi = 0; gi < pp->nghosts; gi++) {
+        const cuma_ghost *g = &pp->ghosts[gi];
+        if (g->va >= pp->nva || pp->phys_of[g->va] != (CUMA_GHOST | gi) || pp->live[g->va] ||
+            g->phys >= pp->nslots || !pp->phys[g->phys].used || g->fstream == CUMA_FENCE_MULTI)
+            return *why = "pages: a ghost and the page table disagree", false;
+    }
     for (uint32_t v = 0; v < pp->nva; v++) {
-        if (pp->live[v] && !pp->phys_of[v])
+        if (pp->live[v] && (!pp->phys_of[v] || (pp->phys_of[v] & CUMA_GHOST)))
             return *why = "pages: live bytes on an unmapped page", false;
-        if (pp->phys_of[v] && (pp->phys_of[v] > pp->nslots || !pp->phys[pp->phys_of[v] - 1].used ||
-                               pp->phys[pp->phys_of[v] - 1].va != v))
+        if (pp->phys_of[v] & CUMA_GHOST) {
+            if ((pp->phys_of[v] & ~CUMA_GHOST) >= pp->nghosts)
+                return *why = "pages: page table points at a missing ghost", false;
+        } else if (pp->phys_of[v] &&
+                   (pp->phys_of[v] > pp->nslots || !pp->phys[pp->phys_of[v] - 1].used ||
+                    pp->phys[pp->phys_of[v] - 1].va != v))
             return *why = "pages: page table points at a wrong physical page", false;
     }
     return true;

@@ -8,6 +8,13 @@
  * newest idle page, the release policy takes the oldest. A page is unmapped only after the
  * work of the streams that last freed memory in it is complete (its fence).
  *
+ * A GPU runs behind the host, so the newest idle pages usually still have work pending. When
+ * none is done but one's pending work is all on the stream that needs a page, that page is
+ * mapped at the new place at once and its old mapping stays until the work completes (a ghost:
+ * the stream runs the old work before the new, so both never touch it at once). A ghost's
+ * virtual page is backed by nothing the allocator may hand out; backing it again first unmaps
+ * the ghost (its work done), takes its page back (idle there, same stream), or waits.
+ *
  * Not thread-safe: the heap lock protects everything here.
  */
 #ifndef CUMA_CORE_PAGES_H
@@ -32,14 +39,26 @@ typedef struct cuma_phys {
     uint32_t prev, next; /* cache list, or free-slot list */
     uint16_t fence_stream;
     uint8_t cached;
-    uint8_t pinned; /* preallocated: never given back */
-    uint8_t used;   /* slot holds a page */
+    uint8_t pinned;  /* preallocated: never given back */
+    uint8_t used;    /* slot holds a page */
+    uint16_t nghost; /* ghost mappings of this page */
 } cuma_phys;
+
+/* A mapping kept for pending work after its page moved on. Invariant: phys_of[va] == CUMA_GHOST
+ * | its index; live[va] == 0; phys[phys].used; the fence is one stream's, never MULTI. */
+typedef struct cuma_ghost {
+    uint64_t fseq;
+    uint32_t va, phys;
+    uint16_t fstream;
+} cuma_ghost;
+
+#define CUMA_GHOST 0x80000000u /* phys_of: a ghost mapping; its index in the low bits */
 
 /* Invariants (cuma_pages_validate): nreserved == slots in use == nmapped + ncached;
  * nreserved <= *shared <= limit_pages unless the limit was lowered below it (*shared sums
  * nreserved over the heap's arenas: cuma_heap_check); live[v] > 0 implies
- * phys_of[v] != 0; the cache list is ordered by idle_since, newest first. */
+ * phys_of[v] != 0 and is no ghost; the cache list is ordered by idle_since, newest first;
+ * nghost sums to nghosts. */
 typedef struct cuma_pages {
     cuma_backend *be;
     cuma_streams *ss;
@@ -48,7 +67,7 @@ typedef struct cuma_pages {
     unsigned shift;
     uint32_t nva;      /* virtual pages */
     uint32_t *live;    /* per virtual page: live allocations overlapping it */
-    uint32_t *phys_of; /* per virtual page: physical slot + 1, 0 = unmapped */
+    uint32_t *phys_of; /* per virtual page: physical slot + 1, 0 = unmapped, or CUMA_GHOST | g */
     cuma_phys *phys;
     uint32_t nslots, capslots, free_slot;
     uint32_t head, tail; /* cache list */
@@ -60,7 +79,11 @@ typedef struct cuma_pages {
     _Atomic uint64_t *shared;
     uint64_t limit_pages;
     bool limit_is_device; /* the limit is the device size: hitting it is OOM, not LIMIT */
+    cuma_ghost *ghosts;
+    uint32_t nghosts, capghosts;
     uint64_t creates, releases, maps, unmaps;
+    uint64_t early_remaps; /* ghosts made: pages mapped anew before their old work was done */
+    uint64_t remap_waits;  /* times backing a ghost's virtual page waited for the device */
 } cuma_pages;
 
 cuma_status cuma_pages_init(cuma_pages *pp, cuma_backend *be, cuma_streams *ss, uint64_t base,
@@ -69,9 +92,11 @@ cuma_status cuma_pages_init(cuma_pages *pp, cuma_backend *be, cuma_streams *ss, 
 void cuma_pages_destroy(cuma_pages *pp);
 
 /* References the pages under [off, off+len) (offsets from base), backing those that had no
- * live byte. On failure nothing changed; CUMA_ERR_LIMIT or CUMA_ERR_OOM (device full),
- * or CUMA_ERR_BACKEND. */
-cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now);
+ * live byte, for work on stream index `stream` (CUMA_PAGES_NO_STREAM: unknown, so no page with
+ * pending work is shared). On failure nothing changed; CUMA_ERR_LIMIT or CUMA_ERR_OOM (device
+ * full), or CUMA_ERR_BACKEND. */
+#define CUMA_PAGES_NO_STREAM (-1)
+cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, int stream);
 
 /* Drops the references of [off, off+len); pages left without a live byte join the cache with
  * the given fence. */
@@ -83,6 +108,9 @@ void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, 
  * fence is not complete stay. Returns pages released. */
 uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint64_t max_cached,
                             uint64_t age_keep, bool wait);
+
+/* Unmaps the ghosts whose work completed (ref and release do it first thing). */
+void cuma_pages_reap(cuma_pages *pp);
 
 /* Creates `n` pinned pages into the cache (preallocation): never given back. */
 cuma_status cuma_pages_prefill(cuma_pages *pp, uint64_t n, uint64_t now);

@@ -34,14 +34,15 @@ int cuma_streams_index(cuma_streams *ss, cuma_stream handle) {
     return (int)ss->n++;
 }
 
-/* Retires completed events from the front of the ring. */
-static void retire(cuma_streams *ss, cuma_stream_slot *s, bool wait) {
+/* Retires completed events from the front of the ring, waiting for those that cover tags up to
+ * wait_until (0: none); the work after that tag may go on. */
+static void retire(cuma_streams *ss, cuma_stream_slot *s, uint64_t wait_until) {
     cuma_backend *be = ss->be;
     while (s->npending) {
         uint64_t ev = s->ring[s->head].event;
         int q = be->ops->event_query(be, ev);
         ss->event_queries++;
-        if (q == 0 && wait && be->ops->event_wait(be, ev) == CUMA_OK) q = 1;
+        if (q == 0 && s->done < wait_until && be->ops->event_wait(be, ev) == CUMA_OK) q = 1;
         if (q <= 0) return; /* an error counts as not done: memory stays held, never reused early */
         s->done = s->ring[s->head].covers;
         be->ops->event_release(be, ev);
@@ -54,7 +55,7 @@ static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
     cuma_stream_slot *s = &ss->slot[i];
     if (s->done >= seq) return true;
     if (!wait && s->nd_epoch == ss->epoch && seq >= s->nd_seq) return false;
-    retire(ss, s, false);
+    retire(ss, s, 0);
     if (s->done >= seq) return true;
     if (s->fenced < seq && s->npending < CUMA_FENCE_RING) {
         uint64_t ev;
@@ -66,7 +67,7 @@ static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
             ss->events_recorded++;
         }
     }
-    retire(ss, s, wait);
+    retire(ss, s, wait ? seq : 0);
     if (s->done >= seq) return true;
     if (!wait && (s->nd_epoch != ss->epoch || seq < s->nd_seq))
         s->nd_seq = seq, s->nd_epoch = ss->epoch;

@@ -137,6 +137,54 @@ static void test_busy_stream(void) {
     CHECK_CU(cuStreamDestroy(b));
 }
 
+/* Work still queued on a stream (held here) keeps its idle pages at their addresses; a block
+ * the same stream needs elsewhere maps them there at once (a second mapping of the same handle,
+ * no cuMemCreate), and the old mappings go when the work completes. Another stream gets new
+ * pages. */
+static void test_early_remap(void) {
+    CUstream a = stream_new(), b = stream_new();
+    cuma_heap *h = heap_make("backend:vmm,release_delay_ms:never,tcache:off");
+    void *p, *g, *q, *r;
+    CHECK_OK(cuma_alloc(h, 4 * MB, a, &p));
+    CHECK_OK(cuma_alloc(h, 2 * MB, a, &g)); /* keeps p's hole from growing */
+    pattern_fill(p, 4 * MB, 1);
+    fakecuda_stream_hold(a);
+    CHECK_OK(cuma_free(h, p, a));
+    unsigned long creates0 = fakecuda_calls("cuMemCreate"), maps0 = fakecuda_calls("cuMemMap");
+    unsigned long unmaps0 = fakecuda_calls("cuMemUnmap");
+    long mappings0 = fakecuda_live("mappings");
+    CHECK_OK(cuma_alloc(h, 6 * MB, a, &q)); /* does not fit p's hole */
+    uintptr_t pa = (uintptr_t)p, qa = (uintptr_t)q;
+    CHECK(qa >= pa + 4 * MB || qa + 6 * MB <= pa);
+    CHECK(fakecuda_calls("cuMemCreate") == creates0 + 1);
+    CHECK(fakecuda_calls("cuMemMap") == maps0 + 3 && fakecuda_calls("cuMemUnmap") == unmaps0);
+    CHECK(fakecuda_live("mappings") == mappings0 + 3); /* p's two stay mapped as well */
+    cuma_stats st;
+    CHECK_OK(cuma_get_stats(h, &st));
+    CHECK(st.early_remaps == 2 && st.remap_waits == 0);
+    pattern_fill(q, 6 * MB, 2);
+    CHECK_OK(cuma_validate(h));
+    /* Another stream cannot share a's pending pages. */
+    creates0 = fakecuda_calls("cuMemCreate");
+    CHECK_OK(cuma_alloc(h, 2 * MB, b, &r));
+    CHECK(fakecuda_calls("cuMemCreate") == creates0 + 1);
+    /* The work completes: the next poll unmaps the old addresses. */
+    fakecuda_stream_release(a);
+    CHECK_OK(cuma_poll(h));
+    CHECK(fakecuda_calls("cuMemUnmap") == unmaps0 + 2);
+    CHECK(fakecuda_live("mappings") == mappings0 + 2); /* + q's 3 + r's 1 - p's 2 */
+    CHECK(pattern_ok(q, 6 * MB, 2));
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, q, a));
+    CHECK_OK(cuma_free(h, g, a));
+    CHECK_OK(cuma_free(h, r, b));
+    CHECK_OK(cuma_trim(h, 0));
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+    CHECK_CU(cuStreamDestroy(a));
+    CHECK_CU(cuStreamDestroy(b));
+}
+
 /* The release policy does not wait: a page under held work stays while the rest goes. (No
  * thread cache: it would keep both freed blocks for its own age first.) */
 static void test_held_page_stays(void) {
@@ -482,6 +530,7 @@ int main(int argc, char **argv) {
         test_vmm_churn();
         test_busy_stream();
         test_held_page_stays();
+        test_early_remap();
         test_busy_stream_does_not_block();
         test_context_restored(&t);
         test_page_size();
