@@ -5,8 +5,9 @@
  * An idle page stays mapped where it was (so a block placed there again costs no driver call)
  * until another virtual page needs backing (it is then moved: unmap, map) or the release policy
  * gives it back. The cache is one list, newest first: a page that needs backing takes the
- * newest idle page, the release policy takes the oldest. A page is unmapped only after the
- * work of the streams that last freed memory in it is complete (its fence).
+ * oldest idle page (its address, freed longest ago, is the least likely to be wanted again
+ * soon), and so does the release policy once it has idled its delay. A page is unmapped only
+ * after the work of the streams that last freed memory in it is complete (its fence).
  *
  * A GPU runs behind the host, so the newest idle pages usually still have work pending. When
  * none is done but one's pending work is all on the stream that needs a page, that page is

@@ -162,8 +162,8 @@ static void test_reuse_in_place_and_steal(void) {
     CHECK_OK(cuma_pages_ref(&e.pp, 3 * P, P, 21, CUMA_PAGES_NO_STREAM));
     CHECK(e.pp.maps == c0.maps && slot_at(&e, 3) == s3 && !in_cache(&e, s3));
     validate(&e);
-    /* A virtual page without a page steals the newest idle one: unmap + map, no create. */
-    uint32_t victim = e.pp.head;
+    /* A virtual page without a page steals the oldest idle one: unmap + map, no create. */
+    uint32_t victim = e.pp.tail;
     uint32_t victim_va = e.pp.phys[victim].va;
     CHECK(victim_va == 2 || victim_va == 0);
     CHECK_OK(cuma_pages_ref(&e.pp, 10 * P, 1, 22, CUMA_PAGES_NO_STREAM));
