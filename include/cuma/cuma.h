@@ -159,8 +159,9 @@ typedef struct cuma_stats {
     uint64_t managed_fallbacks; /* allocations served from managed memory */
     uint64_t page_creates;      /* physical pages obtained from the device */
     uint64_t page_releases;     /* physical pages given back */
-    uint64_t maps;              /* page map operations */
-    uint64_t unmaps;
+    uint64_t maps;              /* pages mapped */
+    uint64_t unmaps;            /* pages unmapped */
+    uint64_t map_runs;          /* map calls: runs of consecutive pages made accessible at once */
     /* Idle pages mapped at a new address while the device still had work on their old one,
      * from the same stream (the old mapping goes when that work is done), and times the host
      * had to wait for such work because its address was needed again. */

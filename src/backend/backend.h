@@ -34,8 +34,10 @@ typedef struct cuma_backend_ops {
     /* A physical page of page_size bytes; CUMA_ERR_OOM when the device is full. */
     cuma_status (*page_create)(cuma_backend *be, uint64_t *handle);
     void (*page_release)(cuma_backend *be, uint64_t handle);
-    /* Maps a page at addr (inside the reserved range) and makes it accessible. */
-    cuma_status (*map)(cuma_backend *be, uint64_t addr, uint64_t handle);
+    /* Maps n pages at addr, addr + page_size, ... (inside the reserved range) and makes the
+     * run accessible: all of it or, on failure, none. One access call for the run: on CUDA,
+     * cuMemSetAccess is the costly part of a map, and a block's new pages come in runs. */
+    cuma_status (*map)(cuma_backend *be, uint64_t addr, const uint64_t *handles, uint32_t n);
     cuma_status (*unmap)(cuma_backend *be, uint64_t addr);
     /* Whole segments (no VMM). */
     cuma_status (*seg_alloc)(cuma_backend *be, uint64_t size, uint64_t *addr);

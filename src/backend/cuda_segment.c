@@ -80,8 +80,8 @@ static void seg_page_release(cuma_backend *be, uint64_t handle) {
     (void)be, (void)handle;
 }
 
-static cuma_status seg_map(cuma_backend *be, uint64_t addr, uint64_t handle) {
-    (void)addr, (void)handle;
+static cuma_status seg_map(cuma_backend *be, uint64_t addr, const uint64_t *handles, uint32_t n) {
+    (void)addr, (void)handles, (void)n;
     return no_vmm(be, "mapping a page");
 }
 

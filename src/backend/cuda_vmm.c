@@ -65,27 +65,43 @@ static void vmm_page_release(cuma_backend *be, uint64_t handle) {
     cudabe_ctx_leave(b, &g);
 }
 
-static cuma_status vmm_map(cuma_backend *be, uint64_t addr, uint64_t handle) {
+/* Undoes the first n mappings of a run (the core believes none of it mapped). */
+static void unmap_run(cuda_be *b, uint64_t addr, uint32_t n) {
+    size_t ps = (size_t)b->be.page_size;
+    for (uint32_t k = 0; k < n; k++) {
+        uint64_t at = addr + (uint64_t)k * ps;
+        if (b->cu->MemUnmap((CUdeviceptr)at, ps) != CUDA_SUCCESS)
+            cuma_cudabe_stuck_add(b, STUCK_MAPPING, at, ps);
+    }
+}
+
+static cuma_status vmm_map(cuma_backend *be, uint64_t addr, const uint64_t *handles, uint32_t n) {
     cuda_be *b = (cuda_be *)be;
     size_t ps = (size_t)be->page_size;
     cudabe_ctx_guard g;
     cuma_status st = cudabe_ctx_enter(b, &g);
     if (st) return st;
-    /* A failed rollback below may have left a page here that the core believes gone. */
-    if (b->nstuck) cuma_cudabe_stuck_retry(b, STUCK_MAPPING, addr, addr + 1);
-    CUresult r = b->cu->MemMap((CUdeviceptr)addr, ps, 0, (CUmemGenericAllocationHandle)handle, 0);
-    if (r != CUDA_SUCCESS) {
-        cudabe_ctx_leave(b, &g);
-        return cuma_cudabe_check(r, "cuMemMap at 0x%" PRIx64, addr);
+    /* A failed rollback below may have left pages here that the core believes gone. */
+    if (b->nstuck) cuma_cudabe_stuck_retry(b, STUCK_MAPPING, addr, addr + (uint64_t)n * ps);
+    for (uint32_t k = 0; k < n; k++) {
+        uint64_t at = addr + (uint64_t)k * ps;
+        CUresult r =
+            b->cu->MemMap((CUdeviceptr)at, ps, 0, (CUmemGenericAllocationHandle)handles[k], 0);
+        if (r != CUDA_SUCCESS) {
+            st = cuma_cudabe_check(r, "cuMemMap at 0x%" PRIx64, at);
+            unmap_run(b, addr, k);
+            cudabe_ctx_leave(b, &g);
+            return st;
+        }
     }
-    r = b->cu->MemSetAccess((CUdeviceptr)addr, ps, b->access, b->naccess);
+    /* One call for the run: each mapping is one handle, but access is set on a range. */
+    CUresult r = b->cu->MemSetAccess((CUdeviceptr)addr, (size_t)n * ps, b->access, b->naccess);
     if (r != CUDA_SUCCESS) {
         /* An inaccessible mapping is useless and the core will not unmap what it thinks
          * failed to map: undo it here. */
-        if (b->cu->MemUnmap((CUdeviceptr)addr, ps) != CUDA_SUCCESS)
-            cuma_cudabe_stuck_add(b, STUCK_MAPPING, addr, ps);
-        st = cuma_cudabe_check(r, "cuMemSetAccess at 0x%" PRIx64 " for %zu device(s)", addr,
-                               b->naccess);
+        st = cuma_cudabe_check(r, "cuMemSetAccess at 0x%" PRIx64 " (%u pages) for %zu device(s)",
+                               addr, n, b->naccess);
+        unmap_run(b, addr, n);
     }
     cudabe_ctx_leave(b, &g);
     return st;

@@ -53,9 +53,9 @@ static cuma_status l_page_create(cuma_backend *be, uint64_t *handle) {
 static void l_page_release(cuma_backend *be, uint64_t handle) {
     CALL(be, l_->inner->ops->page_release(l_->inner, handle));
 }
-static cuma_status l_map(cuma_backend *be, uint64_t addr, uint64_t handle) {
+static cuma_status l_map(cuma_backend *be, uint64_t addr, const uint64_t *handles, uint32_t n) {
     cuma_status st;
-    CALL(be, st = l_->inner->ops->map(l_->inner, addr, handle));
+    CALL(be, st = l_->inner->ops->map(l_->inner, addr, handles, n));
     return st;
 }
 static cuma_status l_unmap(cuma_backend *be, uint64_t addr) {

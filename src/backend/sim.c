@@ -109,14 +109,22 @@ static void sim_page_release(cuma_backend *be, uint64_t handle) {
     s->used_pages--;
 }
 
-static cuma_status sim_map(cuma_backend *be, uint64_t addr, uint64_t handle) {
+static cuma_status sim_unmap(cuma_backend *be, uint64_t addr);
+
+static cuma_status sim_map(cuma_backend *be, uint64_t addr, const uint64_t *handles, uint32_t n) {
     sim *s = (sim *)be;
     if (!s->backing) return CUMA_OK;
-    void *p = mmap((void *)(uintptr_t)addr, be->page_size, PROT_READ | PROT_WRITE,
-                   MAP_SHARED | MAP_FIXED, s->fd, (off_t)(handle * be->page_size));
-    if (p == MAP_FAILED)
-        return cuma_fail(CUMA_ERR_BACKEND, "sim: map at 0x%llx failed: %s",
-                         (unsigned long long)addr, strerror(errno));
+    for (uint32_t k = 0; k < n; k++) {
+        uint64_t at = addr + k * be->page_size;
+        void *p = mmap((void *)(uintptr_t)at, be->page_size, PROT_READ | PROT_WRITE,
+                       MAP_SHARED | MAP_FIXED, s->fd, (off_t)(handles[k] * be->page_size));
+        if (p == MAP_FAILED) {
+            cuma_status st = cuma_fail(CUMA_ERR_BACKEND, "sim: map at 0x%llx failed: %s",
+                                       (unsigned long long)at, strerror(errno));
+            while (k--) sim_unmap(be, addr + k * be->page_size); /* all or nothing */
+            return st;
+        }
+    }
     return CUMA_OK;
 }
 

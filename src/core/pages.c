@@ -238,8 +238,72 @@ static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t ke
     return shared == CUMA_NIL ? STOLE_NONE : STOLE_SHARED;
 }
 
-/* Backs virtual page v, whose live count just went from 0 to 1. */
-static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t last, int stream) {
+/* Pages chosen for consecutive virtual pages first..first+n-1 of one cuma_pages_ref call, mapped
+ * together (one access call for the run) before the call returns. Until then a chosen page is
+ * out of the cache and not in the page table: created, moved (unmapped) or shared (still mapped
+ * at its old place, which becomes a ghost once the run is mapped). */
+#define RUN_MAX 128
+typedef struct run {
+    uint32_t first, n;
+    bool dropped; /* run_map failed and gave the pages back */
+    uint32_t slot[RUN_MAX];
+    uint8_t kind[RUN_MAX]; /* STOLE_* */
+} run;
+
+/* Puts a run's pages back in the cache when it cannot be mapped: created and moved ones
+ * unmapped, shared ones still where they were. */
+static void run_drop(cuma_pages *pp, run *r, uint64_t now) {
+    for (uint32_t k = 0; k < r->n; k++) cache_push(pp, r->slot[k], now);
+}
+
+/* Maps the run and enters it in the page table. On failure the pages are given back (run_drop:
+ * r->dropped) and r->n stays, for the caller to undo the references of those virtual pages. */
+static cuma_status run_map(cuma_pages *pp, run *r, uint64_t now) {
+    uint64_t handles[RUN_MAX];
+    uint32_t shared = 0;
+    for (uint32_t k = 0; k < r->n; k++) {
+        handles[k] = pp->phys[r->slot[k]].handle;
+        shared += r->kind[k] == STOLE_SHARED;
+    }
+    cuma_status st = CUMA_OK;
+    if (pp->nghosts + shared > pp->capghosts) { /* room first: after the map nothing may fail */
+        uint32_t nc = pp->capghosts ? pp->capghosts : 64;
+        while (nc < pp->nghosts + shared) nc *= 2;
+        cuma_ghost *n = realloc(pp->ghosts, (size_t)nc * sizeof *n);
+        if (n)
+            pp->ghosts = n, pp->capghosts = nc;
+        else
+            st = cuma_fail(CUMA_ERR_OOM, "no host memory for the ghost table");
+    }
+    if (!st) st = pp->be->ops->map(pp->be, va_addr(pp, r->first), handles, r->n);
+    if (!st) pp->map_runs++;
+    if (st) {
+        run_drop(pp, r, now);
+        r->dropped = true;
+        return st;
+    }
+    for (uint32_t k = 0; k < r->n; k++) {
+        uint32_t i = r->slot[k], v = r->first + k;
+        cuma_phys *p = &pp->phys[i];
+        if (r->kind[k] == STOLE_SHARED) {
+            ghost_add(pp, p->va, i, p->fence_stream, p->fence_seq); /* keeps its fence */
+            pp->early_remaps++;
+        } else {
+            p->fence_seq = 0; /* new, or moved after its work completed */
+        }
+        p->va = v;
+        pp->phys_of[v] = i + 1;
+        pp->nmapped++;
+        pp->maps++;
+    }
+    r->n = 0;
+    return CUMA_OK;
+}
+
+/* Backs virtual page v, whose live count just went from 0 to 1: in place, or with a page chosen
+ * into the run (mapped with it). */
+static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t last, int stream,
+                           run *r) {
     uint32_t i = CUMA_NIL;
     if (pp->phys_of[v] & CUMA_GHOST) {
         cuma_status st = ghost_clear(pp, v, last, stream);
@@ -274,35 +338,21 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t la
         pp->nmapped++;
         return CUMA_OK;
     }
+    if (r->n && (v != r->first + r->n || r->n == RUN_MAX)) {
+        cuma_status st = run_map(pp, r, now);
+        if (st) return st;
+    }
     int stole = steal(pp, &i, v, last, stream);
     if (stole == STOLE_NONE) {
         cuma_status st = create_page(pp, &i);
         if (st) return st;
+    } else if (stole == STOLE_SHARED) {
+        cache_remove(pp, i);
     }
-    cuma_phys *p = &pp->phys[i];
-    cuma_status st = pp->be->ops->map(pp->be, va_addr(pp, v), p->handle);
-    if (st == CUMA_OK && stole == STOLE_SHARED) {
-        st = ghost_add(pp, p->va, i, p->fence_stream, p->fence_seq);
-        if (st) {
-            pp->be->ops->unmap(pp->be, va_addr(pp, v)); /* nothing else to do should it fail */
-        } else {
-            cache_remove(pp, i);
-            pp->early_remaps++;
-        }
-    }
-    if (st) {
-        if (stole == STOLE_NONE)
-            release_page(pp, i);
-        else if (stole == STOLE_MOVED)
-            cache_push(pp, i, now); /* back to the cache, unmapped */
-        return st;
-    }
-    pp->maps++;
-    /* A moved page's work is complete; a shared one keeps its fence: its ghost's work. */
-    if (stole != STOLE_SHARED) p->fence_seq = 0;
-    p->va = v;
-    pp->phys_of[v] = i + 1;
-    pp->nmapped++;
+    if (!r->n) r->first = v;
+    r->slot[r->n] = i;
+    r->kind[r->n] = (uint8_t)stole;
+    r->n++;
     return CUMA_OK;
 }
 
@@ -318,16 +368,36 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
                          "%llu more pages needed, %llu of a %llu-page limit in use",
                          (unsigned long long)need, (unsigned long long)pp->nmapped,
                          (unsigned long long)pp->limit_pages);
-    for (uint32_t v = first; v <= last; v++) {
+    run r;
+    r.n = 0, r.dropped = false;
+    cuma_status st = CUMA_OK;
+    uint32_t v;
+    for (v = first; v <= last; v++) {
         if (pp->live[v]++) continue;
-        cuma_status st = acquire(pp, v, now, last, stream);
-        if (st == CUMA_OK) continue;
-        pp->live[v]--;
-        /* Undo this call's references; pages it backed go back to the cache as fresh. */
-        if (v > first) cuma_pages_unref(pp, off, ((uint64_t)v << pp->shift) - off, now, 0, 0);
-        return st;
+        st = acquire(pp, v, now, last, stream, &r);
+        if (st) {
+            pp->live[v]--;
+            break;
+        }
     }
-    return CUMA_OK;
+    if (!st && r.n) st = run_map(pp, &r, now);
+    if (!st) return CUMA_OK;
+    /* Undo this call's references: the run's pages were given back unmapped (or are still to
+     * be), the others go back to the cache as fresh. */
+    uint32_t rend = v;
+    if (r.n) {
+        if (!r.dropped) run_drop(pp, &r, now); /* failed before mapping its run */
+        for (uint32_t k = 0; k < r.n; k++) pp->live[r.first + k]--;
+        rend = r.first + r.n;
+        if (r.first > first)
+            cuma_pages_unref(pp, off, ((uint64_t)r.first << pp->shift) - off, now, 0, 0);
+    } else {
+        rend = first;
+    }
+    if (v > rend)
+        cuma_pages_unref(pp, (uint64_t)rend << pp->shift, ((uint64_t)v - rend) << pp->shift, now, 0,
+                         0);
+    return st;
 }
 
 void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, uint16_t fstream,

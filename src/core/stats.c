@@ -31,6 +31,7 @@ static void add_arena(cuma_heap *a, cuma_stats *s) {
     s->page_releases += a->vmm ? a->pages.releases : a->segs.releases;
     s->maps += a->pages.maps;
     s->unmaps += a->pages.unmaps;
+    s->map_runs += a->pages.map_runs;
     s->early_remaps += a->pages.early_remaps;
     s->remap_waits += a->pages.remap_waits;
     s->events_recorded += a->streams.events_recorded;
@@ -127,6 +128,7 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(page_releases);
     U(maps);
     U(unmaps);
+    U(map_runs);
     U(early_remaps);
     U(remap_waits);
     U(events_recorded);
