@@ -51,6 +51,10 @@ static const key_desc keys[] = {
     {"fragmentation_threshold", K_FRACTION, F(fragmentation_threshold), "0.05", NULL,
      "idle pages past the release delay stay while the cache is at most this share of the "
      "memory in use (avoids churn; an idle heap keeps nothing); 0 = release every one"},
+    {"remap_threshold", K_FRACTION, F(remap_threshold), "0", NULL,
+     "while idle pages are at most this share of the memory in use, a page that needs backing "
+     "is created instead of moved from another address (a move is an unmap and a map): up to "
+     "this much more memory for fewer driver calls; 0 = always move (the least memory)"},
     {"growth", K_BOOL, F(growth), "on", NULL,
      "grow on demand; off = map `preallocate` bytes at creation and never grow beyond it"},
     {"preallocate", K_SIZE, F(preallocate), "0", NULL,

@@ -12,6 +12,7 @@
 
 /* Invariants (cuma_settings_validate): page_size is a power of two >= 4 KiB; capacity is a
  * multiple of page_size; 0 <= memory_fraction <= 1; 0 <= fragmentation_threshold <= 1;
+ * 0 <= remap_threshold <= 1;
  * virtual_size == 0 (derived) or >= capacity; backend and policy are known names. */
 typedef struct cuma_settings {
     char backend[16];               /* sim, vmm, segment, managed, auto */
@@ -24,6 +25,7 @@ typedef struct cuma_settings {
     uint64_t max_cached;            /* CUMA_UNLIMITED = no cap */
     int64_t release_delay_ms;       /* -1 = never by time */
     double fragmentation_threshold; /* see config.c */
+    double remap_threshold;         /* idle share below which backing creates, not moves */
     bool growth;                    /* grow on demand; false = preallocate and stay */
     uint64_t preallocate;           /* bytes mapped at creation and never released */
     uint64_t virtual_size;          /* 0 = derived from capacity */

@@ -342,7 +342,10 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t la
         cuma_status st = run_map(pp, r, now);
         if (st) return st;
     }
-    int stole = steal(pp, &i, v, last, stream);
+    /* Idle pages within remap_threshold of the memory in use stay where they are. */
+    int stole = (double)pp->ncached <= pp->remap_threshold * (double)pp->nmapped
+                    ? STOLE_NONE
+                    : steal(pp, &i, v, last, stream);
     if (stole == STOLE_NONE) {
         cuma_status st = create_page(pp, &i);
         if (st) return st;

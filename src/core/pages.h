@@ -79,7 +79,8 @@ typedef struct cuma_pages {
     _Atomic uint64_t own_reserved;
     _Atomic uint64_t *shared;
     uint64_t limit_pages;
-    bool limit_is_device; /* the limit is the device size: hitting it is OOM, not LIMIT */
+    double remap_threshold; /* settings' remap_threshold: no moves while ncached <= it x nmapped */
+    bool limit_is_device;   /* the limit is the device size: hitting it is OOM, not LIMIT */
     cuma_ghost *ghosts;
     uint32_t nghosts, capghosts;
     uint64_t creates, releases, maps, unmaps;

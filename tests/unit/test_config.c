@@ -79,6 +79,7 @@ static void test_defaults(void) {
     CHECK(d.release_delay_ms == 1000 && d.growth && d.preallocate == 0 && d.virtual_size == 0);
     CHECK(d.segment_size == 20 * MB && !d.host_backing && !d.sim_clock_manual);
     CHECK(!d.managed_fallback && d.device == 0);
+    CHECK(d.remap_threshold == 0 && d.early_remap && d.sim_lag_ms == 0);
     CHECK_OK(cuma_settings_validate(&d));
 
     /* Every key of the table parses its own default: onto defaults (no change), onto a value
@@ -240,6 +241,9 @@ static void test_bad_values(void) {
     bad_conf("memory_fraction:half", "memory_fraction", "half");
     bad_conf("memory_fraction:nan", "memory_fraction", "nan");
     bad_conf("fragmentation_threshold:2", "fragmentation_threshold", "'2'");
+    bad_conf("remap_threshold:-0.5", "remap_threshold", "'-0.5'");
+    bad_conf("early_remap:sometimes", "early_remap", "sometimes");
+    bad_conf("sim_lag_ms:5000", "sim_lag_ms", "5000");
     bad_conf("growth:maybe", "growth", "maybe");
     bad_conf("host_backing:2", "host_backing", "'2'");
     bad_conf("managed_fallback:", "managed_fallback", "''");
@@ -307,6 +311,8 @@ static void test_special_values(void) {
     CHECK(!strcmp(s.backend, "vmm"));
     CHECK_OK(cuma_settings_parse(&s, "memory_fraction:0,fragmentation_threshold:1", "test"));
     CHECK(s.memory_fraction == 0 && s.fragmentation_threshold == 1);
+    CHECK_OK(cuma_settings_parse(&s, "remap_threshold:0.1,early_remap:off,sim_lag_ms:7", "test"));
+    CHECK(s.remap_threshold == 0.1 && !s.early_remap && s.sim_lag_ms == 7);
     CHECK_OK(cuma_settings_parse(&s, "memory_fraction:0.25,device:1023", "test"));
     CHECK(s.memory_fraction == 0.25 && s.device == 1023);
 }

@@ -492,6 +492,26 @@ static void test_ghosts(void) {
     teardown(&e);
 }
 
+/* remap_threshold: while idle pages are at most that share of the mapped ones, backing creates
+ * a page instead of moving an idle one (fewer driver calls for a little memory). */
+static void test_remap_threshold(void) {
+    env e;
+    setup(&e);
+    e.pp.remap_threshold = 0.5;
+    CHECK_OK(cuma_pages_ref(&e.pp, 0, 4 * P, 0, CUMA_PAGES_NO_STREAM));
+    cuma_pages_unref(&e.pp, 3 * P, P, 1, 0, 0); /* 3 mapped, 1 idle: 1 <= 0.5 x 3 */
+    counts c0 = get_counts(&e);
+    CHECK_OK(cuma_pages_ref(&e.pp, 10 * P, P, 2, CUMA_PAGES_NO_STREAM));
+    CHECK(e.pp.creates == c0.creates + 1 && e.pp.unmaps == c0.unmaps && slot_at(&e, 3) != CUMA_NIL);
+    validate(&e);
+    cuma_pages_unref(&e.pp, 0, 3 * P, 3, 0, 0); /* 1 mapped, 4 idle: over the threshold */
+    c0 = get_counts(&e);
+    CHECK_OK(cuma_pages_ref(&e.pp, 20 * P, P, 4, CUMA_PAGES_NO_STREAM));
+    CHECK(e.pp.creates == c0.creates && e.pp.unmaps == c0.unmaps + 1);
+    validate(&e);
+    teardown(&e);
+}
+
 /* pages.c acquire()/steal(): cuma_pages_ref backs the pages of a range in address order, and
  * the newest idle page may be that of a later virtual page of the same range. steal() skips
  * those (they are reused in place), or the earlier page would take it and the later one need
@@ -619,6 +639,7 @@ int main(void) {
     test_fences();
     test_data_survives();
     test_ghosts();
+    test_remap_threshold();
     test_prefill();
     test_steal_own_range();
     test_random();
