@@ -21,8 +21,11 @@ Exit status: 0 PASS, 1 FAIL, 3 SKIP (no PyTorch with CUDA), 2 usage error.
 
 Options: --steps, --warmup, --tokens, --min-len/--max-len, --d-model, --layers, --heads,
 --vocab, --seed, --cuma-conf (CUMA_CONF for the cuma run; default: none, i.e. backend:auto),
---json-out FILE, --child-timeout SECONDS, --only native|cuma, --expandable (a third run with
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, reported only).
+--json-out FILE, --child-timeout SECONDS, --only native|cuma, --expandable (a run with
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, reported only), --cuma-alt-conf CONF (a
+further cuma run with these settings, reported only: remap_threshold:0.1 trades about 10% of
+peak memory for several times fewer page maps, in case the driver's map calls cost the default
+its step time).
 """
 
 import argparse
@@ -52,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cuma-conf", default=None, help="settings for cuma.torch.enable() (CUMA_CONF)")
+    p.add_argument("--cuma-alt-conf", default=None,
+                   help="a further cuma run with these settings (reported, not judged)")
     p.add_argument("--time-ratio-max", type=float, default=1.03)
     p.add_argument("--reserved-ratio-max", type=float, default=0.85)
     p.add_argument("--loss-rel-tol", type=float, default=0.02)
@@ -60,7 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--only", choices=("native", "cuma"), default=None, help="run one child in this process's stead")
     p.add_argument("--expandable", action="store_true",
                    help="also run native with expandable_segments:True (reported, not judged)")
-    p.add_argument("--child", choices=("native", "cuma", "expandable"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("native", "cuma", "cuma_alt", "expandable"), default=None,
+                   help=argparse.SUPPRESS)
     # A dry run of the loop and the report on the CPU (tests of this script; figures meaningless,
     # cuma is not enabled there because it needs CUDA).
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
@@ -90,7 +96,7 @@ def child(a):
     if on_gpu and not torch.cuda.is_available():
         raise SystemExit("torch.cuda.is_available() is False")
     backend = "pytorch native"
-    if a.child == "cuma":
+    if a.child in ("cuma", "cuma_alt"):
         import cuma
 
         if on_gpu:
@@ -161,16 +167,21 @@ def child(a):
             print("  [%s] step %d/%d: batch %d x %d, %.1f ms, loss %.4f" % (
                 a.child, i + 1, len(steps), b, n, times[-1] * 1e3, losses[-1]), file=sys.stderr, flush=True)
     wall = time.perf_counter() - t_start
-    if a.child == "cuma":
+    if a.child in ("cuma", "cuma_alt"):
         import cuma
 
         s = cuma.torch.memory_stats()
         peak_reserved = s["reserved_bytes.all.peak"]
         peak_allocated = s["allocated_bytes.all.peak"]
         peak_requested = s.get("requested_bytes.all.peak")
-        extra = {k: s.get("cuma." + k) for k in ("page_creates", "page_releases", "maps", "unmaps",
-                                                   "events_recorded", "num_alloc_retries", "failed_allocs",
+        extra = {k: s.get("cuma." + k) for k in ("page_creates", "page_releases", "maps", "unmaps", "map_runs",
+                                                   "early_remaps", "remap_waits", "events_recorded",
+                                                   "event_queries", "num_alloc_retries", "failed_allocs",
                                                    "fragmentation", "policy")}
+        # Driver calls per training step: what the step time pays for cuma's memory.
+        for k in ("page_creates", "maps", "unmaps", "map_runs", "remap_waits", "event_queries"):
+            if isinstance(extra.get(k), (int, float)):
+                extra[k + "_per_step"] = round(extra[k] / max(1, a.steps), 1)
     elif on_gpu:
         peak_reserved = torch.cuda.max_memory_reserved()
         peak_allocated = torch.cuda.max_memory_allocated()
@@ -208,8 +219,9 @@ def child_argv(a, mode):
     for k in ("steps", "warmup", "tokens", "min_len", "max_len", "d_model", "layers", "heads", "vocab", "seed",
               "device"):
         argv += ["--" + k.replace("_", "-"), str(getattr(a, k))]
-    if a.cuma_conf is not None:
-        argv += ["--cuma-conf", a.cuma_conf]
+    conf = a.cuma_alt_conf if mode == "cuma_alt" else a.cuma_conf
+    if conf is not None:
+        argv += ["--cuma-conf", conf]
     return argv
 
 
@@ -219,14 +231,15 @@ def run_child(a, mode):
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if mode == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    if mode == "cuma":
+    if mode in ("cuma", "cuma_alt"):
         py = os.path.join(REPO, "python")
         env["PYTHONPATH"] = py + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("CUMA_LIBRARY", os.path.join(REPO, "build-gpu", "lib", "libcuma.so"))
         env.pop("CUMA_CUDA_LIBRARY", None)
     else:
         env.pop("CUMA_CONF", None)
-    print("== %s run (%s)" % (mode, "CUMA_LIBRARY=" + env["CUMA_LIBRARY"] if mode == "cuma" else "no cuma"), flush=True)
+    print("== %s run (%s)" % (mode, "CUMA_LIBRARY=" + env["CUMA_LIBRARY"] if mode.startswith("cuma") else "no cuma"),
+          flush=True)
     t0 = time.time()
     try:
         p = subprocess.run(child_argv(a, mode), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -258,7 +271,7 @@ def report(a, runs, errors):
     print("== side by side (%d steps, %d tokens/step, lengths %d..%d, d_model %d, %d layers; median "
           "step time over steps %d..%d)" % (a.steps, a.tokens, a.min_len, a.max_len, a.d_model, a.layers,
                                            a.warmup + 1, a.steps))
-    cols = [m for m in ("native", "expandable", "cuma") if m in runs]
+    cols = [m for m in ("native", "expandable", "cuma", "cuma_alt") if m in runs]
     rows = [
         ("backend", lambda r: r["backend"]),
         ("peak reserved", lambda r: gib(r["peak_reserved"])),
@@ -295,6 +308,11 @@ def report(a, runs, errors):
          math.isfinite(cum["loss_last20"]) and loss_rel <= a.loss_rel_tol),
     ]
     print("  device used (sampled) cuma/native = %.4f (reported only)" % u_ratio)
+    alt = runs.get("cuma_alt")
+    if alt:
+        print("  cuma_alt (%s, reported only): step time x%.4f, peak reserved x%.4f of native" % (
+            a.cuma_alt_conf, alt["median_step_ms"] / nat["median_step_ms"],
+            alt["peak_reserved"] / max(1, nat["peak_reserved"])))
     for text, ok in checks:
         print("  %s  %s" % ("PASS" if ok else "FAIL", text))
     ok = all(c[1] for c in checks)
@@ -327,7 +345,8 @@ def main(argv=None):
         return 3
     # The parent asks nothing else of the device: it must hold no memory beside the children.
     print("torch %s (CUDA %s), %s" % (torch.__version__, torch.version.cuda, sys.executable))
-    modes = [a.only] if a.only else ["native"] + (["expandable"] if a.expandable else []) + ["cuma"]
+    modes = [a.only] if a.only else (["native"] + (["expandable"] if a.expandable else []) + ["cuma"] +
+                                     (["cuma_alt"] if a.cuma_alt_conf else []))
     runs, errors = {}, []
     for m in modes:
         res, err = run_child(a, m)

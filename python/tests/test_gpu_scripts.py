@@ -1,0 +1,80 @@
+"""The GPU check's PyTorch scripts, run where they can run without a GPU: torch_trace.py (the
+allocation trace of torch_compare.py's training loop on the meta device) and torch_compare.py's
+CPU dry run. Tiny models, a few steps: they test the scripts, not the figures."""
+
+import csv
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = os.path.join(ROOT, "scripts", "gpu")
+TINY = ["--steps", "3", "--d-model", "64", "--layers", "1", "--heads", "2", "--vocab", "128",
+        "--tokens", "256", "--max-len", "64"]
+
+
+def cuma_cli():
+    """build/bin/cuma next to the libcuma.so the tests load (scripts/pytest.sh sets it)."""
+    lib = os.environ.get("CUMA_LIBRARY")
+    if not lib:
+        pytest.skip("CUMA_LIBRARY is not set (run through scripts/pytest.sh)")
+    cli = os.path.join(os.path.dirname(os.path.dirname(lib)), "bin", "cuma")
+    if not os.path.exists(cli):
+        pytest.skip("no %s" % cli)
+    return cli
+
+
+def run(args, timeout=240):
+    return subprocess.run([sys.executable] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("name", ["lm.csv", "lm.csv.gz"])
+def test_torch_trace_writes_a_matched_trace_that_replays(tmp_path, name):
+    out = str(tmp_path / name)
+    p = run([os.path.join(SCRIPTS, "torch_trace.py"), "--out", out, "--step-ms", "10"] + TINY)
+    assert p.returncode == 0, p.stderr
+    opener = gzip.open if name.endswith(".gz") else open
+    with opener(out, "rt", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["Thread", "Time", "Action", "Pointer", "Size", "Stream"]
+    live, peak, cur, last_t = {}, 0, 0, -1
+    for thread, t, action, ptr, size, stream in rows[1:]:
+        h, m, s, us = (int(x) for x in t.split(":"))
+        t_us = ((h * 60 + m) * 60 + s) * 1000000 + us
+        assert t_us >= last_t  # in time order
+        last_t = t_us
+        size = int(size)
+        if action == "allocate":
+            assert ptr not in live and size > 0
+            live[ptr] = size
+            cur += size
+            peak = max(peak, cur)
+        else:
+            assert action == "free" and live.pop(ptr) == size  # frees match their allocation
+            cur -= size
+    assert peak > 0 and len(rows) > 100
+    # The events span the steps: 3 steps of 10 ms plus the set-up slot.
+    assert 20000 <= last_t <= 40000
+    r = subprocess.run([cuma_cli(), "replay", "--json", out], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["failed_allocs"] == 0 and d["unmatched_frees"] == 0
+    assert d["peak_requested_bytes"] == peak
+
+
+def test_torch_compare_dry_run_with_an_alternative_cuma_run():
+    p = run([os.path.join(SCRIPTS, "torch_compare.py"), "--device", "cpu", "--warmup", "1",
+             "--cuma-alt-conf", "remap_threshold:0.1"] + TINY)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "TORCH RESULT: DRY RUN" in p.stdout
+    assert "cuma_alt (remap_threshold:0.1, reported only)" in p.stdout
+    for mode in ("native", "cuma", "cuma_alt"):
+        assert "== %s run" % mode in p.stdout
