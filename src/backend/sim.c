@@ -53,6 +53,8 @@ typedef struct sim {
      * heap writes it under its own locks), else the monotonic clock. Constant after setup. */
     uint64_t lag_ns;
     const _Atomic uint64_t *clock;
+    uint64_t call_ns; /* sim_call_us: host time each page created, mapped, unmapped or released
+                       * takes (spent spinning, as a driver call would), constant */
 } sim;
 
 #define NO_EVENT UINT32_MAX
@@ -90,8 +92,19 @@ static void sim_unreserve(cuma_backend *be, uint64_t addr, uint64_t size) {
     if (((sim *)be)->backing) munmap((void *)(uintptr_t)addr, size);
 }
 
+static uint64_t sim_now(cuma_backend *be);
+
+/* sim_call_us: a page call of a real driver takes tens of microseconds of host time. */
+static void spend(const sim *s, uint64_t pages) {
+    if (!s->call_ns) return;
+    uint64_t until = sim_now(NULL) + s->call_ns * pages;
+    while (sim_now(NULL) < until) {
+    }
+}
+
 static cuma_status sim_page_create(cuma_backend *be, uint64_t *handle) {
     sim *s = (sim *)be;
+    spend(s, 1);
     if (s->used_pages == s->npages)
         return cuma_fail(CUMA_ERR_OOM, "sim: device full (%llu pages of %llu bytes)",
                          (unsigned long long)s->npages, (unsigned long long)be->page_size);
@@ -102,6 +115,7 @@ static cuma_status sim_page_create(cuma_backend *be, uint64_t *handle) {
 
 static void sim_page_release(cuma_backend *be, uint64_t handle) {
     sim *s = (sim *)be;
+    spend(s, 1);
     if (s->backing)
         fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                   (off_t)(handle * be->page_size), (off_t)be->page_size);
@@ -113,6 +127,7 @@ static cuma_status sim_unmap(cuma_backend *be, uint64_t addr);
 
 static cuma_status sim_map(cuma_backend *be, uint64_t addr, const uint64_t *handles, uint32_t n) {
     sim *s = (sim *)be;
+    spend(s, n);
     if (!s->backing) return CUMA_OK;
     for (uint32_t k = 0; k < n; k++) {
         uint64_t at = addr + k * be->page_size;
@@ -130,6 +145,7 @@ static cuma_status sim_map(cuma_backend *be, uint64_t addr, const uint64_t *hand
 
 static cuma_status sim_unmap(cuma_backend *be, uint64_t addr) {
     sim *s = (sim *)be;
+    spend(s, 1);
     if (!s->backing) return CUMA_OK;
     void *p = mmap((void *)(uintptr_t)addr, be->page_size, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
@@ -310,6 +326,7 @@ cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out
     snprintf(s->be.device_id, sizeof s->be.device_id, "sim");
     s->backing = set->host_backing;
     s->lag_ns = (uint64_t)set->sim_lag_ms * 1000000ull;
+    s->call_ns = (uint64_t)set->sim_call_us * 1000ull;
     s->npages = set->capacity / set->page_size;
     s->free_pages = malloc(s->npages * sizeof *s->free_pages);
     s->free_event = NO_EVENT;

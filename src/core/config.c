@@ -55,6 +55,10 @@ static const key_desc keys[] = {
      "while idle pages are at most this share of the memory in use, a page that needs backing "
      "is created instead of moved from another address (a move is an unmap and a map): up to "
      "this much more memory for fewer driver calls; 0 = always move (the least memory)"},
+    {"page_call_budget", K_FRACTION, F(page_call_budget), "0.01", NULL,
+     "share of the wall time the page calls (create, map, unmap, release: tens of microseconds "
+     "each on a GPU) may take: over it, idle pages are kept where they are (up to a quarter of "
+     "the memory in use) so that fewer move; 0 = off (not with sim_clock:manual)"},
     {"growth", K_BOOL, F(growth), "on", NULL,
      "grow on demand; off = map `preallocate` bytes at creation and never grow beyond it"},
     {"preallocate", K_SIZE, F(preallocate), "0", NULL,
@@ -79,6 +83,9 @@ static const key_desc keys[] = {
      "a page whose old address still has work pending on the stream that needs it may be mapped "
      "at the new address at once (the old mapping goes when the work is done) instead of "
      "creating a page; off = only pages whose work is done move"},
+    {"sim_call_us", K_INT, F(sim_call_us), "0", NULL,
+     "sim: host time each page created, mapped, unmapped or released takes, as a GPU driver's "
+     "calls do (tens of microseconds); 0 = none"},
     {"managed_fallback", K_BOOL, F(managed_fallback), "off", NULL,
      "serve a request from managed memory when the device is full"},
     {"release_thread", K_BOOL, F(release_thread), "on", NULL,

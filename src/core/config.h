@@ -26,6 +26,7 @@ typedef struct cuma_settings {
     int64_t release_delay_ms;       /* -1 = never by time */
     double fragmentation_threshold; /* see config.c */
     double remap_threshold;         /* idle share below which backing creates, not moves */
+    double page_call_budget;        /* pacing: share of wall time for page calls */
     bool growth;                    /* grow on demand; false = preallocate and stay */
     uint64_t preallocate;           /* bytes mapped at creation and never released */
     uint64_t virtual_size;          /* 0 = derived from capacity */
@@ -34,6 +35,7 @@ typedef struct cuma_settings {
     bool sim_clock_manual;          /* sim: clock driven by cuma_sim_set_time */
     bool sim_segments;              /* sim: a device without virtual memory management */
     int sim_lag_ms;                 /* sim: work completes this long after it is recorded */
+    int sim_call_us;                /* sim: host time of each page call */
     bool early_remap;               /* share pending idle pages with their own stream */
     bool managed_fallback;          /* serve from managed memory when the device is full */
     bool release_thread;            /* background thread that gives idle pages back on time */

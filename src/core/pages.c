@@ -69,10 +69,76 @@ static uint64_t va_addr(const cuma_pages *pp, uint32_t v) {
     return pp->base + ((uint64_t)v << pp->shift);
 }
 
+void cuma_pages_policy(cuma_pages *pp, double remap_threshold, double budget, bool timed) {
+    pp->remap_threshold = remap_threshold;
+    pp->budget = timed ? budget : 0;
+    pp->timed = timed;
+}
+
+/* ---- the backend's page calls, timed -------------------------------------------------------- */
+
+static uint64_t call_start(const cuma_pages *pp) {
+    return pp->timed ? pp->be->ops->now_ns(pp->be) : 0;
+}
+
+static void call_end(cuma_pages *pp, uint64_t t0) {
+    if (pp->timed) pp->call_ns += pp->be->ops->now_ns(pp->be) - t0;
+}
+
+static cuma_status be_unmap(cuma_pages *pp, uint32_t v) {
+    uint64_t t0 = call_start(pp);
+    cuma_status st = pp->be->ops->unmap(pp->be, va_addr(pp, v));
+    call_end(pp, t0);
+    return st;
+}
+
+static cuma_status be_map(cuma_pages *pp, uint32_t v, const uint64_t *handles, uint32_t n) {
+    uint64_t t0 = call_start(pp);
+    cuma_status st = pp->be->ops->map(pp->be, va_addr(pp, v), handles, n);
+    call_end(pp, t0);
+    return st;
+}
+
+static cuma_status be_create(cuma_pages *pp, uint64_t *handle) {
+    uint64_t t0 = call_start(pp);
+    cuma_status st = pp->be->ops->page_create(pp->be, handle);
+    call_end(pp, t0);
+    return st;
+}
+
+static void be_release(cuma_pages *pp, uint64_t handle) {
+    uint64_t t0 = call_start(pp);
+    pp->be->ops->page_release(pp->be, handle);
+    call_end(pp, t0);
+}
+
+/* Once a window: page calls over budget double the idle share kept in place (from 2 %), calls
+ * under a quarter of it halve it (to 0 below 4 %). A window of 250 ms holds a few training
+ * steps; from nothing to the most kept takes about a second. */
+#define PACE_WINDOW_NS 250000000ull
+#define PACE_MAX_KEEP  0.25
+static void pace(cuma_pages *pp) {
+    uint64_t t = pp->be->ops->now_ns(pp->be);
+    if (!pp->win_start || t < pp->win_start) {
+        pp->win_start = t, pp->win_call_ns = pp->call_ns;
+        return;
+    }
+    uint64_t el = t - pp->win_start;
+    if (el < PACE_WINDOW_NS) return;
+    double frac = (double)(pp->call_ns - pp->win_call_ns) / (double)el;
+    if (frac > pp->budget)
+        pp->keep = pp->keep < 0.02                ? 0.02
+                   : pp->keep * 2 > PACE_MAX_KEEP ? PACE_MAX_KEEP
+                                                  : pp->keep * 2;
+    else if (frac < pp->budget / 4)
+        pp->keep = pp->keep < 0.04 ? 0 : pp->keep / 2;
+    pp->win_start = t, pp->win_call_ns = pp->call_ns;
+}
+
 static cuma_status unmap_page(cuma_pages *pp, uint32_t i) {
     cuma_phys *p = &pp->phys[i];
     if (p->va == CUMA_NIL) return CUMA_OK;
-    cuma_status st = pp->be->ops->unmap(pp->be, va_addr(pp, p->va));
+    cuma_status st = be_unmap(pp, p->va);
     if (st) return st;
     pp->phys_of[p->va] = 0;
     p->va = CUMA_NIL;
@@ -120,7 +186,7 @@ static cuma_status create_page(cuma_pages *pp, uint32_t *out) {
                                                     memory_order_relaxed, memory_order_relaxed));
     uint32_t i = CUMA_NIL;
     cuma_status st = new_slot(pp, &i);
-    if (!st) st = pp->be->ops->page_create(pp->be, &pp->phys[i].handle);
+    if (!st) st = be_create(pp, &pp->phys[i].handle);
     if (st) {
         if (i != CUMA_NIL) drop_slot(pp, i);
         atomic_fetch_sub_explicit(pp->shared, 1, memory_order_relaxed);
@@ -133,7 +199,7 @@ static cuma_status create_page(cuma_pages *pp, uint32_t *out) {
 }
 
 static void release_page(cuma_pages *pp, uint32_t i) {
-    pp->be->ops->page_release(pp->be, pp->phys[i].handle);
+    be_release(pp, pp->phys[i].handle);
     drop_slot(pp, i);
     pp->nreserved--;
     atomic_fetch_sub_explicit(pp->shared, 1, memory_order_relaxed);
@@ -159,7 +225,7 @@ static cuma_status ghost_add(cuma_pages *pp, uint32_t va, uint32_t phys, uint16_
 /* Unmaps ghost gi (its work is complete) and forgets it; the last ghost takes its index. */
 static cuma_status ghost_drop(cuma_pages *pp, uint32_t gi) {
     cuma_ghost *g = &pp->ghosts[gi];
-    cuma_status st = pp->be->ops->unmap(pp->be, va_addr(pp, g->va));
+    cuma_status st = be_unmap(pp, g->va);
     if (st) return st;
     pp->unmaps++;
     pp->phys_of[g->va] = 0;
@@ -275,7 +341,7 @@ static cuma_status run_map(cuma_pages *pp, run *r, uint64_t now) {
         else
             st = cuma_fail(CUMA_ERR_OOM, "no host memory for the ghost table");
     }
-    if (!st) st = pp->be->ops->map(pp->be, va_addr(pp, r->first), handles, r->n);
+    if (!st) st = be_map(pp, r->first, handles, r->n);
     if (!st) pp->map_runs++;
     if (st) {
         run_drop(pp, r, now);
@@ -342,10 +408,11 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t la
         cuma_status st = run_map(pp, r, now);
         if (st) return st;
     }
-    /* Idle pages within remap_threshold of the memory in use stay where they are. */
-    int stole = (double)pp->ncached <= pp->remap_threshold * (double)pp->nmapped
-                    ? STOLE_NONE
-                    : steal(pp, &i, v, last, stream);
+    /* Idle pages within remap_threshold (or what pacing keeps) of the memory in use stay where
+     * they are. */
+    double keep = pp->keep > pp->remap_threshold ? pp->keep : pp->remap_threshold;
+    int stole = (double)pp->ncached <= keep * (double)pp->nmapped ? STOLE_NONE
+                                                                  : steal(pp, &i, v, last, stream);
     if (stole == STOLE_NONE) {
         cuma_status st = create_page(pp, &i);
         if (st) return st;
@@ -364,6 +431,7 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
     uint64_t need = 0;
     for (uint32_t v = first; v <= last; v++) need += !pp->live[v];
     cuma_streams_tick(pp->ss); /* one query per lagging stream for all the pages it steals */
+    if (pp->budget > 0) pace(pp);
     if (pp->nghosts) cuma_pages_reap(pp);
     /* A request that cannot fit even with every idle page reused fails before touching any. */
     if (pp->nmapped + need > pp->limit_pages)

@@ -80,7 +80,16 @@ typedef struct cuma_pages {
     _Atomic uint64_t *shared;
     uint64_t limit_pages;
     double remap_threshold; /* settings' remap_threshold: no moves while ncached <= it x nmapped */
-    bool limit_is_device;   /* the limit is the device size: hitting it is OOM, not LIMIT */
+    /* Pacing (page_call_budget): the time the backend's page calls take, on its own clock
+     * (timed unless the heap runs on a manual clock), and the share of the memory in use that
+     * idle pages may hold unmoved, raised while the calls take more than the budget of the
+     * wall time and lowered while they take much less. keep <= PACE_MAX_KEEP. */
+    bool timed;
+    double budget;
+    double keep;
+    uint64_t call_ns;                /* time in page calls, in all */
+    uint64_t win_start, win_call_ns; /* the current pacing window: start, call_ns then */
+    bool limit_is_device; /* the limit is the device size: hitting it is OOM, not LIMIT */
     cuma_ghost *ghosts;
     uint32_t nghosts, capghosts;
     uint64_t creates, releases, maps, unmaps;
@@ -91,6 +100,9 @@ typedef struct cuma_pages {
 
 cuma_status cuma_pages_init(cuma_pages *pp, cuma_backend *be, cuma_streams *ss, uint64_t base,
                             uint64_t va_size);
+/* Settings of the remap policy: remap_threshold, page_call_budget, and whether calls are timed
+ * (not on a manual clock, whose replays must not depend on how fast this machine is). */
+void cuma_pages_policy(cuma_pages *pp, double remap_threshold, double budget, bool timed);
 /* Releases every page and unmaps everything (the caller frees the range). */
 void cuma_pages_destroy(cuma_pages *pp);
 

@@ -32,6 +32,8 @@ static void add_arena(cuma_heap *a, cuma_stats *s) {
     s->maps += a->pages.maps;
     s->unmaps += a->pages.unmaps;
     s->map_runs += a->pages.map_runs;
+    s->page_call_ns += a->pages.call_ns;
+    if (a->pages.keep > s->remap_keep) s->remap_keep = a->pages.keep;
     s->early_remaps += a->pages.early_remaps;
     s->remap_waits += a->pages.remap_waits;
     s->events_recorded += a->streams.events_recorded;
@@ -129,6 +131,7 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(maps);
     U(unmaps);
     U(map_runs);
+    U(page_call_ns);
     U(early_remaps);
     U(remap_waits);
     U(events_recorded);
@@ -136,7 +139,8 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(trims);
     U(arenas);
 #undef U
-    cuma_strbuf_put(&o, "\"fragmentation\":%.6f,\"config\":{", s.fragmentation);
+    cuma_strbuf_put(&o, "\"remap_keep\":%.4f,\"fragmentation\":%.6f,\"config\":{", s.remap_keep,
+                    s.fragmentation);
     size_t room = cuma_strbuf_room(&o);
     o.used += cuma_settings_json(&h->set, room ? o.buf + o.used : NULL, room);
     cuma_strbuf_put(&o, "}}");
