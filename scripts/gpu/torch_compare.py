@@ -23,9 +23,9 @@ Options: --steps, --warmup, --tokens, --min-len/--max-len, --d-model, --layers, 
 --vocab, --seed, --cuma-conf (CUMA_CONF for the cuma run; default: none, i.e. backend:auto),
 --json-out FILE, --child-timeout SECONDS, --only native|cuma, --expandable (a run with
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, reported only), --cuma-alt-conf CONF (a
-further cuma run with these settings, reported only: remap_threshold:0.1 trades about 10% of
-peak memory for several times fewer page maps, in case the driver's map calls cost the default
-its step time).
+further cuma run with these settings, reported only: remap_threshold:0.25, the fewest page
+moves cuma makes (about 19% more peak memory on torch_trace.py's trace of this loop, a tenth of
+the maps), tells whether page calls are what a slower step time pays for).
 """
 
 import argparse
@@ -176,10 +176,11 @@ def child(a):
         peak_requested = s.get("requested_bytes.all.peak")
         extra = {k: s.get("cuma." + k) for k in ("page_creates", "page_releases", "maps", "unmaps", "map_runs",
                                                    "early_remaps", "remap_waits", "events_recorded",
-                                                   "event_queries", "num_alloc_retries", "failed_allocs",
-                                                   "fragmentation", "policy")}
+                                                   "event_queries", "page_call_ns", "remap_keep",
+                                                   "num_alloc_retries", "failed_allocs", "fragmentation",
+                                                   "policy")}
         # Driver calls per training step: what the step time pays for cuma's memory.
-        for k in ("page_creates", "maps", "unmaps", "map_runs", "remap_waits", "event_queries"):
+        for k in ("page_creates", "maps", "unmaps", "map_runs", "remap_waits", "event_queries", "page_call_ns"):
             if isinstance(extra.get(k), (int, float)):
                 extra[k + "_per_step"] = round(extra[k] / max(1, a.steps), 1)
     elif on_gpu:
