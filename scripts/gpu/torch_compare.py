@@ -42,10 +42,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_loop_args(p):
+    """The model and the step plan: shared with torch_trace.py, which records this loop."""
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--warmup", type=int, default=20, help="steps left out of the step-time median")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch = tokens // length)")
     p.add_argument("--min-len", type=int, default=32)
     p.add_argument("--max-len", type=int, default=1024)
@@ -54,6 +53,12 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_loop_args(p)
+    p.add_argument("--warmup", type=int, default=20, help="steps left out of the step-time median")
     p.add_argument("--cuma-conf", default=None, help="settings for cuma.torch.enable() (CUMA_CONF)")
     p.add_argument("--cuma-alt-conf", default=None,
                    help="a further cuma run with these settings (reported, not judged)")

@@ -61,7 +61,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from torch_compare import plan  # noqa: E402  (the same seed and lengths as the GPU run)
+from torch_compare import add_loop_args, plan  # noqa: E402  (the GPU run's model and steps)
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -77,15 +77,7 @@ BF16 = torch.bfloat16
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="trace file (RMM CSV; gzip if it ends in .gz)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch = tokens // length)")
-    p.add_argument("--min-len", type=int, default=32)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--d-model", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seed", type=int, default=0)
+    add_loop_args(p)
     p.add_argument("--step-ms", type=float, default=60.0, help="synthetic duration of one training step")
     return p.parse_args(argv)
 
