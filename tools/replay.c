@@ -359,18 +359,18 @@ static void print_json(const result *r, const options *o, const char *conf) {
            ratio((double)r->peak_reserved, (double)r->peak_requested),
            ratio(r->int_reserved, r->int_requested), (unsigned long long)r->end_reserved);
     printf("\"page_creates\":%llu,\"page_releases\":%llu,\"maps\":%llu,\"unmaps\":%llu,"
-           "\"map_runs\":%llu,"
+           "\"map_runs\":%llu,\"unmap_runs\":%llu,"
            "\"early_remaps\":%llu,\"remap_waits\":%llu,"
            "\"events_recorded\":%llu,\"event_queries\":%llu,"
            "\"num_alloc_retries\":%llu,\"release_delay_ms\":%lld,\"sim_lag_ms\":%lld,"
            "\"ops\":%llu,\"ns_per_op\":%.1f,\"policy\":",
            (unsigned long long)s->page_creates, (unsigned long long)s->page_releases,
            (unsigned long long)s->maps, (unsigned long long)s->unmaps,
-           (unsigned long long)s->map_runs, (unsigned long long)s->early_remaps,
-           (unsigned long long)s->remap_waits, (unsigned long long)s->events_recorded,
-           (unsigned long long)s->event_queries, (unsigned long long)s->num_alloc_retries,
-           (long long)r->release_delay_ms, (long long)r->lag_ms, (unsigned long long)r->ops,
-           r->ns_per_op);
+           (unsigned long long)s->map_runs, (unsigned long long)s->unmap_runs,
+           (unsigned long long)s->early_remaps, (unsigned long long)s->remap_waits,
+           (unsigned long long)s->events_recorded, (unsigned long long)s->event_queries,
+           (unsigned long long)s->num_alloc_retries, (long long)r->release_delay_ms,
+           (long long)r->lag_ms, (unsigned long long)r->ops, r->ns_per_op);
     print_json_string(r->policy);
     printf(",\"scale\":%llu,\"conf\":", (unsigned long long)o->scale);
     print_json_string(conf);

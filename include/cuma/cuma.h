@@ -162,6 +162,7 @@ typedef struct cuma_stats {
     uint64_t maps;              /* pages mapped */
     uint64_t unmaps;            /* pages unmapped */
     uint64_t map_runs;          /* map calls: runs of consecutive pages made accessible at once */
+    uint64_t unmap_runs;        /* unmap calls for moved pages: runs of consecutive old places */
     uint64_t page_call_ns;      /* time spent in the device's page calls (0 on a manual clock) */
     double remap_keep;          /* idle share of the memory in use pacing keeps in place now */
     /* Idle pages mapped at a new address while the device still had work on their old one,

@@ -180,12 +180,14 @@ def child(a):
         peak_allocated = s["allocated_bytes.all.peak"]
         peak_requested = s.get("requested_bytes.all.peak")
         extra = {k: s.get("cuma." + k) for k in ("page_creates", "page_releases", "maps", "unmaps", "map_runs",
+                                                   "unmap_runs",
                                                    "early_remaps", "remap_waits", "events_recorded",
                                                    "event_queries", "page_call_ns", "remap_keep",
                                                    "num_alloc_retries", "failed_allocs", "fragmentation",
                                                    "policy")}
         # Driver calls per training step: what the step time pays for cuma's memory.
-        for k in ("page_creates", "maps", "unmaps", "map_runs", "remap_waits", "event_queries", "page_call_ns"):
+        for k in ("page_creates", "maps", "unmaps", "map_runs", "unmap_runs", "remap_waits", "event_queries",
+                  "page_call_ns"):
             if isinstance(extra.get(k), (int, float)):
                 extra[k + "_per_step"] = round(extra[k] / max(1, a.steps), 1)
     elif on_gpu:

@@ -38,7 +38,10 @@ typedef struct cuma_backend_ops {
      * run accessible: all of it or, on failure, none. One access call for the run: on CUDA,
      * cuMemSetAccess is the costly part of a map, and a block's new pages come in runs. */
     cuma_status (*map)(cuma_backend *be, uint64_t addr, const uint64_t *handles, uint32_t n);
-    cuma_status (*unmap)(cuma_backend *be, uint64_t addr);
+    /* Unmaps n mapped pages at addr, addr + page_size, ... (one call where the driver takes a
+     * range). On failure some may stay mapped: a CUDA backend remembers them and unmaps them
+     * before anything is mapped there again, or at destroy. */
+    cuma_status (*unmap)(cuma_backend *be, uint64_t addr, uint32_t n);
     /* Whole segments (no VMM). */
     cuma_status (*seg_alloc)(cuma_backend *be, uint64_t size, uint64_t *addr);
     void (*seg_free)(cuma_backend *be, uint64_t addr, uint64_t size);

@@ -85,8 +85,8 @@ static cuma_status seg_map(cuma_backend *be, uint64_t addr, const uint64_t *hand
     return no_vmm(be, "mapping a page");
 }
 
-static cuma_status seg_unmap(cuma_backend *be, uint64_t addr) {
-    (void)addr;
+static cuma_status seg_unmap(cuma_backend *be, uint64_t addr, uint32_t n) {
+    (void)addr, (void)n;
     return no_vmm(be, "unmapping a page");
 }
 

@@ -107,20 +107,36 @@ static cuma_status vmm_map(cuma_backend *be, uint64_t addr, const uint64_t *hand
     return st;
 }
 
-static cuma_status vmm_unmap(cuma_backend *be, uint64_t addr) {
+/* One range for n pages (the driver unmaps every whole mapping in a range); on failure page by
+ * page, and a page that still fails is remembered until an unmap at its address succeeds or the
+ * range is freed: the core does not retry it, nor does destroy without the list. */
+static cuma_status vmm_unmap(cuma_backend *be, uint64_t addr, uint32_t n) {
     cuda_be *b = (cuda_be *)be;
+    uint64_t ps = be->page_size;
     cudabe_ctx_guard g;
     cuma_status st = cudabe_ctx_enter(b, &g);
     if (st) return st;
-    CUresult r = b->cu->MemUnmap((CUdeviceptr)addr, (size_t)be->page_size);
-    /* The core keeps a page whose unmap failed and retries, but not at destroy: remember it
-     * until an unmap at this address succeeds or the range is freed. */
-    if (r != CUDA_SUCCESS)
-        cuma_cudabe_stuck_add(b, STUCK_MAPPING, addr, be->page_size);
-    else if (b->nstuck)
-        cuma_cudabe_stuck_forget(b, STUCK_MAPPING, addr);
+    CUresult r = b->cu->MemUnmap((CUdeviceptr)addr, (size_t)(n * ps));
+    uint64_t bad = addr;
+    if (r != CUDA_SUCCESS && n > 1) {
+        r = CUDA_SUCCESS;
+        for (uint32_t k = 0; k < n; k++) {
+            uint64_t at = addr + k * ps;
+            CUresult rk = b->cu->MemUnmap((CUdeviceptr)at, (size_t)ps);
+            if (rk != CUDA_SUCCESS) {
+                cuma_cudabe_stuck_add(b, STUCK_MAPPING, at, ps);
+                if (r == CUDA_SUCCESS) r = rk, bad = at;
+            } else if (b->nstuck) {
+                cuma_cudabe_stuck_forget(b, STUCK_MAPPING, at);
+            }
+        }
+    } else if (r != CUDA_SUCCESS) {
+        cuma_cudabe_stuck_add(b, STUCK_MAPPING, addr, ps);
+    } else if (b->nstuck) {
+        for (uint32_t k = 0; k < n; k++) cuma_cudabe_stuck_forget(b, STUCK_MAPPING, addr + k * ps);
+    }
     cudabe_ctx_leave(b, &g);
-    return cuma_cudabe_check(r, "cuMemUnmap at 0x%" PRIx64, addr);
+    return cuma_cudabe_check(r, "cuMemUnmap at 0x%" PRIx64 " (of %u pages)", bad, n);
 }
 
 static const cuma_backend_ops vmm_ops = {

@@ -58,9 +58,9 @@ static cuma_status l_map(cuma_backend *be, uint64_t addr, const uint64_t *handle
     CALL(be, st = l_->inner->ops->map(l_->inner, addr, handles, n));
     return st;
 }
-static cuma_status l_unmap(cuma_backend *be, uint64_t addr) {
+static cuma_status l_unmap(cuma_backend *be, uint64_t addr, uint32_t n) {
     cuma_status st;
-    CALL(be, st = l_->inner->ops->unmap(l_->inner, addr));
+    CALL(be, st = l_->inner->ops->unmap(l_->inner, addr, n));
     return st;
 }
 static cuma_status l_seg_alloc(cuma_backend *be, uint64_t size, uint64_t *addr) {

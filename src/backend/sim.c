@@ -123,7 +123,7 @@ static void sim_page_release(cuma_backend *be, uint64_t handle) {
     s->used_pages--;
 }
 
-static cuma_status sim_unmap(cuma_backend *be, uint64_t addr);
+static cuma_status sim_unmap(cuma_backend *be, uint64_t addr, uint32_t n);
 
 static cuma_status sim_map(cuma_backend *be, uint64_t addr, const uint64_t *handles, uint32_t n) {
     sim *s = (sim *)be;
@@ -136,18 +136,18 @@ static cuma_status sim_map(cuma_backend *be, uint64_t addr, const uint64_t *hand
         if (p == MAP_FAILED) {
             cuma_status st = cuma_fail(CUMA_ERR_BACKEND, "sim: map at 0x%llx failed: %s",
                                        (unsigned long long)at, strerror(errno));
-            while (k--) sim_unmap(be, addr + k * be->page_size); /* all or nothing */
+            if (k) sim_unmap(be, addr, k); /* all or nothing */
             return st;
         }
     }
     return CUMA_OK;
 }
 
-static cuma_status sim_unmap(cuma_backend *be, uint64_t addr) {
+static cuma_status sim_unmap(cuma_backend *be, uint64_t addr, uint32_t n) {
     sim *s = (sim *)be;
-    spend(s, 1);
+    spend(s, n);
     if (!s->backing) return CUMA_OK;
-    void *p = mmap((void *)(uintptr_t)addr, be->page_size, PROT_NONE,
+    void *p = mmap((void *)(uintptr_t)addr, n * be->page_size, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
     if (p == MAP_FAILED)
         return cuma_fail(CUMA_ERR_BACKEND, "sim: unmap at 0x%llx failed: %s",

@@ -85,9 +85,9 @@ static void call_end(cuma_pages *pp, uint64_t t0) {
     if (pp->timed) pp->call_ns += pp->be->ops->now_ns(pp->be) - t0;
 }
 
-static cuma_status be_unmap(cuma_pages *pp, uint32_t v) {
+static cuma_status be_unmap(cuma_pages *pp, uint32_t v, uint32_t n) {
     uint64_t t0 = call_start(pp);
-    cuma_status st = pp->be->ops->unmap(pp->be, va_addr(pp, v));
+    cuma_status st = pp->be->ops->unmap(pp->be, va_addr(pp, v), n);
     call_end(pp, t0);
     return st;
 }
@@ -138,7 +138,7 @@ static void pace(cuma_pages *pp) {
 static cuma_status unmap_page(cuma_pages *pp, uint32_t i) {
     cuma_phys *p = &pp->phys[i];
     if (p->va == CUMA_NIL) return CUMA_OK;
-    cuma_status st = be_unmap(pp, p->va);
+    cuma_status st = be_unmap(pp, p->va, 1);
     if (st) return st;
     pp->phys_of[p->va] = 0;
     p->va = CUMA_NIL;
@@ -225,7 +225,7 @@ static cuma_status ghost_add(cuma_pages *pp, uint32_t va, uint32_t phys, uint16_
 /* Unmaps ghost gi (its work is complete) and forgets it; the last ghost takes its index. */
 static cuma_status ghost_drop(cuma_pages *pp, uint32_t gi) {
     cuma_ghost *g = &pp->ghosts[gi];
-    cuma_status st = be_unmap(pp, g->va);
+    cuma_status st = be_unmap(pp, g->va, 1);
     if (st) return st;
     pp->unmaps++;
     pp->phys_of[g->va] = 0;
@@ -275,12 +275,59 @@ static cuma_status ghost_clear(cuma_pages *pp, uint32_t v, uint32_t last, int st
 
 enum { STOLE_NONE, STOLE_MOVED, STOLE_SHARED };
 
+/* Pages chosen for consecutive virtual pages first..first+n-1 of one cuma_pages_ref call, mapped
+ * together (one access call for the run) before the call returns, and the old places of pages
+ * moved, unmapped together. Until then a chosen page is
+ * out of the cache and not in the page table: created, moved (unmapped) or shared (still mapped
+ * at its old place, which becomes a ghost once the run is mapped). */
+#define RUN_MAX 128
+typedef struct run {
+    uint32_t first, n;
+    bool dropped; /* run_map failed and gave the pages back */
+    /* Old virtual pages of the pages moved, unmapped at the end of the cuma_pages_ref call (or
+     * when full) in runs of adjacent ones, one call a run. */
+    uint32_t un_n;
+    uint32_t un_va[RUN_MAX];
+    uint32_t slot[RUN_MAX];
+    uint8_t kind[RUN_MAX]; /* STOLE_* */
+} run;
+
+static int cmp_u32(const void *a, const void *b) {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+static void unmap_flush(cuma_pages *pp, run *r) {
+    if (!r->un_n) return;
+    qsort(r->un_va, r->un_n, sizeof r->un_va[0], cmp_u32);
+    for (uint32_t k = 0, n; k < r->un_n; k += n) {
+        for (n = 1; k + n < r->un_n && r->un_va[k + n] == r->un_va[k] + n; n++) {
+        }
+        be_unmap(pp, r->un_va[k], n); /* a failure leaves mappings the backend retries */
+        pp->unmap_runs++;
+    }
+    r->un_n = 0;
+}
+
+/* Takes idle page i off its virtual page now; the driver unmaps it with the others at the end.
+ * The old virtual page is outside the range being backed: nothing maps there before. */
+static void unmap_later(cuma_pages *pp, run *r, uint32_t i) {
+    cuma_phys *p = &pp->phys[i];
+    if (p->va == CUMA_NIL) return;
+    if (r->un_n == RUN_MAX) unmap_flush(pp, r);
+    r->un_va[r->un_n++] = p->va;
+    pp->phys_of[p->va] = 0;
+    p->va = CUMA_NIL;
+    pp->unmaps++;
+}
+
 /* An idle page for another virtual page; never one idling inside [keep_first, keep_last], the
  * range being backed, which reuses those in place. STOLE_MOVED: one whose fence is complete,
- * taken off the cache and unmapped. STOLE_SHARED: none is, but this one's pending work is all
- * on `stream`: still cached and mapped, to become a ghost where it is. */
-static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t keep_last,
-                 int stream) {
+ * taken off the cache and its old place (unmapped with the run's others: unmap_later).
+ * STOLE_SHARED: none is, but this one's pending work is all on `stream`: still cached and mapped,
+ * to become a ghost where it is. */
+static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t keep_last, int stream,
+                 run *r) {
     uint32_t shared = CUMA_NIL;
     int n = 0;
     for (uint32_t i = pp->tail; i != CUMA_NIL && n < STEAL_SCAN; n++) {
@@ -289,11 +336,10 @@ static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t ke
         bool own = p->va != CUMA_NIL && p->va >= keep_first && p->va <= keep_last;
         if (own) {
         } else if (cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, false)) {
-            if (unmap_page(pp, i) == CUMA_OK) {
-                cache_remove(pp, i);
-                *out = i;
-                return STOLE_MOVED;
-            }
+            unmap_later(pp, r, i);
+            cache_remove(pp, i);
+            *out = i;
+            return STOLE_MOVED;
         } else if (stream == (int)p->fence_stream && p->va != CUMA_NIL &&
                    (shared == CUMA_NIL || p->fence_seq < pp->phys[shared].fence_seq)) {
             shared = i;
@@ -303,18 +349,6 @@ static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t ke
     *out = shared;
     return shared == CUMA_NIL ? STOLE_NONE : STOLE_SHARED;
 }
-
-/* Pages chosen for consecutive virtual pages first..first+n-1 of one cuma_pages_ref call, mapped
- * together (one access call for the run) before the call returns. Until then a chosen page is
- * out of the cache and not in the page table: created, moved (unmapped) or shared (still mapped
- * at its old place, which becomes a ghost once the run is mapped). */
-#define RUN_MAX 128
-typedef struct run {
-    uint32_t first, n;
-    bool dropped; /* run_map failed and gave the pages back */
-    uint32_t slot[RUN_MAX];
-    uint8_t kind[RUN_MAX]; /* STOLE_* */
-} run;
 
 /* Puts a run's pages back in the cache when it cannot be mapped: created and moved ones
  * unmapped, shared ones still where they were. */
@@ -411,8 +445,9 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t la
     /* Idle pages within remap_threshold (or what pacing keeps) of the memory in use stay where
      * they are. */
     double keep = pp->keep > pp->remap_threshold ? pp->keep : pp->remap_threshold;
-    int stole = (double)pp->ncached <= keep * (double)pp->nmapped ? STOLE_NONE
-                                                                  : steal(pp, &i, v, last, stream);
+    int stole = (double)pp->ncached <= keep * (double)pp->nmapped
+                    ? STOLE_NONE
+                    : steal(pp, &i, v, last, stream, r);
     if (stole == STOLE_NONE) {
         cuma_status st = create_page(pp, &i);
         if (st) return st;
@@ -440,7 +475,7 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
                          (unsigned long long)need, (unsigned long long)pp->nmapped,
                          (unsigned long long)pp->limit_pages);
     run r;
-    r.n = 0, r.dropped = false;
+    r.n = 0, r.dropped = false, r.un_n = 0;
     cuma_status st = CUMA_OK;
     uint32_t v;
     for (v = first; v <= last; v++) {
@@ -452,6 +487,7 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
         }
     }
     if (!st && r.n) st = run_map(pp, &r, now);
+    unmap_flush(pp, &r); /* moved pages leave their old places either way */
     if (!st) return CUMA_OK;
     /* Undo this call's references: the run's pages were given back unmapped (or are still to
      * be), the others go back to the cache as fresh. */
@@ -527,11 +563,11 @@ uint64_t cuma_pages_oldest_idle(const cuma_pages *pp) {
 
 void cuma_pages_destroy(cuma_pages *pp) {
     for (uint32_t gi = 0; gi < pp->nghosts; gi++)
-        pp->be->ops->unmap(pp->be, va_addr(pp, pp->ghosts[gi].va));
+        pp->be->ops->unmap(pp->be, va_addr(pp, pp->ghosts[gi].va), 1);
     free(pp->ghosts);
     for (uint32_t i = 0; i < pp->nslots; i++) {
         if (!pp->phys[i].used) continue;
-        if (pp->phys[i].va != CUMA_NIL) pp->be->ops->unmap(pp->be, va_addr(pp, pp->phys[i].va));
+        if (pp->phys[i].va != CUMA_NIL) pp->be->ops->unmap(pp->be, va_addr(pp, pp->phys[i].va), 1);
         pp->be->ops->page_release(pp->be, pp->phys[i].handle);
     }
     free(pp->phys), free(pp->live), free(pp->phys_of);

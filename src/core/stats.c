@@ -32,6 +32,7 @@ static void add_arena(cuma_heap *a, cuma_stats *s) {
     s->maps += a->pages.maps;
     s->unmaps += a->pages.unmaps;
     s->map_runs += a->pages.map_runs;
+    s->unmap_runs += a->pages.unmap_runs;
     s->page_call_ns += a->pages.call_ns;
     if (a->pages.keep > s->remap_keep) s->remap_keep = a->pages.keep;
     s->early_remaps += a->pages.early_remaps;
@@ -131,6 +132,7 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(maps);
     U(unmaps);
     U(map_runs);
+    U(unmap_runs);
     U(page_call_ns);
     U(early_remaps);
     U(remap_waits);
