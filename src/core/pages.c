@@ -443,15 +443,16 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t la
         if (st) return st;
     }
     /* Idle pages within remap_threshold (or what pacing keeps) of the memory in use stay where
-     * they are. */
+     * they are, unless no page can be created (the limit, a full device). */
     double keep = pp->keep > pp->remap_threshold ? pp->keep : pp->remap_threshold;
-    int stole = (double)pp->ncached <= keep * (double)pp->nmapped
-                    ? STOLE_NONE
-                    : steal(pp, &i, v, last, stream, r);
+    bool stay = (double)pp->ncached <= keep * (double)pp->nmapped;
+    int stole = stay ? STOLE_NONE : steal(pp, &i, v, last, stream, r);
     if (stole == STOLE_NONE) {
         cuma_status st = create_page(pp, &i);
+        if (st && stay && (stole = steal(pp, &i, v, last, stream, r)) != STOLE_NONE) st = CUMA_OK;
         if (st) return st;
-    } else if (stole == STOLE_SHARED) {
+    }
+    if (stole == STOLE_SHARED) {
         cache_remove(pp, i);
     }
     if (!r->n) r->first = v;

@@ -509,6 +509,14 @@ static void test_remap_threshold(void) {
     CHECK_OK(cuma_pages_ref(&e.pp, 20 * P, P, 4, CUMA_PAGES_NO_STREAM));
     CHECK(e.pp.creates == c0.creates && e.pp.unmaps == c0.unmaps + 1);
     validate(&e);
+    /* Within the threshold but at the limit: an idle page moves rather than the call failing. */
+    e.pp.remap_threshold = 1;
+    e.pp.limit_pages = e.pp.nreserved;
+    c0 = get_counts(&e);
+    CHECK_OK(cuma_pages_ref(&e.pp, 30 * P, P, 5, CUMA_PAGES_NO_STREAM));
+    CHECK(e.pp.creates == c0.creates && e.pp.unmaps == c0.unmaps + 1);
+    e.pp.limit_pages = UINT64_MAX;
+    validate(&e);
     teardown(&e);
 }
 
