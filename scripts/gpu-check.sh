@@ -14,19 +14,21 @@
 #   5. PyTorch   scripts/gpu/torch_compare.py: one variable-length transformer training loop
 #                under the native allocator and under cuma (goal: step time within 3%, peak
 #                reserved at least 15% lower), then cuma with remap_threshold:0.25 (reported:
-#                the fewest page moves, for some memory); SKIP without PyTorch+CUDA
+#                the fewest page moves, for some memory), then 120 steps under cuma logging the
+#                allocation trace (torch_trace.csv.gz); SKIP without PyTorch+CUDA
 #   6. Bench     cuma-bench --only replay --no-peers on the host CPUs (1 and 2 threads; runs
 #                before step 5 so that it fits the budget): the 2-thread scaling a quiet
 #                many-core machine can show
 #
-# Every step runs, each under its own timeout and within one overall budget (--budget, 400 s);
+# Every step runs, each under its own timeout and within one overall budget (--budget, 420 s);
 # a summary table of PASS/FAIL/SKIP ends the output. Exit status 1 if any step FAILed, else 0.
 # Without a GPU the GPU steps SKIP, saying why, and the script exits 0; --require-gpu turns
 # those SKIPs into FAILs.
 #
 # Output: build-gpu/ (the build, build-gpu/gpu/churn) and build-gpu/gpu-check/ (logs). When $OUT
-# is set, at most 9 files are copied there: summary.txt results.json gpu-check.log build.log
-# ctest.log replay.jsonl churn.log torch.log bench.log.
+# is set, 7 files are copied there: summary.txt results.json gpu-check.log torch.log torch.json
+# torch_trace.csv.gz (the allocation trace of the training loop under cuma, for `cuma replay`
+# anywhere) and logs.tar.gz (every log).
 #
 # Environment: GPU_CHECK_BUDGET (seconds, as --budget), CUMA_GPU_DEBS (a folder of .deb files,
 # e.g. zlib1g-dev, unpacked into build-gpu/sysroot when apt cannot install them), NVCC.
@@ -38,7 +40,7 @@ usage() { sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
 REQUIRE_GPU=0
 NO_TORCH=0
-BUDGET=${GPU_CHECK_BUDGET:-400}
+BUDGET=${GPU_CHECK_BUDGET:-420}
 while [ $# -gt 0 ]; do
   case "$1" in
     --require-gpu) REQUIRE_GPU=1 ;;
@@ -57,7 +59,7 @@ BUILD=build-gpu
 WORK=$BUILD/gpu-check
 JOBS=$(nproc 2>/dev/null || echo 4)
 mkdir -p "$WORK" || exit 2
-rm -f "$WORK"/*.log "$WORK"/*.jsonl "$WORK"/*.json "$WORK"/*.txt "$WORK"/*.tsv "$WORK"/*.err
+rm -f "$WORK"/*.log "$WORK"/*.jsonl "$WORK"/*.json "$WORK"/*.txt "$WORK"/*.tsv "$WORK"/*.err "$WORK"/*.csv.gz
 LOG=$WORK/gpu-check.log
 T0=$SECONDS
 export PYTHONDONTWRITEBYTECODE=1 # nothing written outside build-gpu/ (python/cuma/__pycache__)
@@ -495,14 +497,14 @@ step_torch() {
     return
   fi
   if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build, which failed" gpu; return; fi
-  if ! t=$(tmo 260); then record "$name" FAIL "$NO_TIME"; return; fi
-  local child=$(((t - 15) / 3))
+  if ! t=$(tmo 280); then record "$name" FAIL "$NO_TIME"; return; fi
+  local child=$(((t - 15) / 4))
   [ "$child" -lt 20 ] && child=20
   rc=0
   run "$t" "$WORK/torch.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
     CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
     python3 scripts/gpu/torch_compare.py --json-out "$WORK/torch.json" --child-timeout "$child" \
-    --cuma-alt-conf remap_threshold:0.25 || rc=$?
+    --cuma-alt-conf remap_threshold:0.25 --trace-out "$WORK/torch_trace.csv.gz" || rc=$?
   local res
   res=$(grep 'TORCH RESULT' "$WORK/torch.log" | tail -1)
   res=${res#TORCH RESULT: }
@@ -625,9 +627,11 @@ main 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT" &&
-    for f in summary.txt results.json gpu-check.log build.log ctest.log replay.jsonl churn.log torch.log bench.log; do
+    for f in summary.txt results.json gpu-check.log torch.log torch.json torch_trace.csv.gz; do
       [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
     done
+  # Every log in one file: the device tool brings back at most 8.
+  (cd "$WORK" && tar -czf "$OUT/logs.tar.gz" -- *.log *.jsonl *.json *.txt 2>/dev/null)
   echo "gpu-check: logs copied to $OUT"
 fi
 exit "$rc"

@@ -84,6 +84,25 @@ def test_torch_malloc_free_entry_points(monkeypatch, lib):
     cuma.default_heap(0).validate()
 
 
+def test_torch_entry_points_log_a_trace(monkeypatch, lib, tmp_path):
+    """The `trace` setting of the default heap logs what PyTorch asks for (the GPU check records
+    its training loop so), in a file `cuma replay` reads; complete once the heap is gone."""
+    path = tmp_path / "torch.csv"
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M,trace:%s" % path)
+    p = lib.cuma_torch_malloc(3000, 0, None)
+    q = lib.cuma_torch_malloc(5000, 0, ctypes.c_void_p(42))
+    lib.cuma_torch_free(p, 3000, 0, None)
+    assert cuma.torch.memory_stats()["cuma.config.tcache"] is False  # every call in the log
+    lib.cuma_torch_free(q, 5000, 0, ctypes.c_void_p(42))
+    cuma.shutdown_default_heaps()
+    lines = path.read_text().splitlines()
+    assert lines[0] == "Thread,Time,Action,Pointer,Size,Stream"
+    rows = [line.split(",") for line in lines[1:]]
+    assert [(r[2], int(r[3], 16), int(r[4]), r[5]) for r in rows] == [
+        ("allocate", p, 3000, "0"), ("allocate", q, 5000, "0x2a"),
+        ("free", p, 3000, "0"), ("free", q, 5000, "0x2a")]
+
+
 def test_torch_malloc_zero_negative_and_failures(monkeypatch, lib):
     monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M")
     assert lib.cuma_torch_malloc(0, 0, None) is None

@@ -70,11 +70,13 @@ def test_torch_trace_writes_a_matched_trace_that_replays(tmp_path, name):
     assert d["peak_requested_bytes"] == peak
 
 
-def test_torch_compare_dry_run_with_an_alternative_cuma_run():
+def test_torch_compare_dry_run_with_an_alternative_cuma_run(tmp_path):
     p = run([os.path.join(SCRIPTS, "torch_compare.py"), "--device", "cpu", "--warmup", "1",
-             "--cuma-alt-conf", "remap_threshold:0.25"] + TINY)
+             "--cuma-alt-conf", "remap_threshold:0.25", "--trace-out", str(tmp_path / "t.csv.gz"),
+             "--trace-steps", "2"] + TINY)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "TORCH RESULT: DRY RUN" in p.stdout
     assert "cuma_alt (remap_threshold:0.25, reported only)" in p.stdout
-    for mode in ("native", "cuma", "cuma_alt"):
+    for mode in ("native", "cuma", "cuma_alt", "cuma_trace"):
         assert "== %s run" % mode in p.stdout
+    assert "[cuma_trace] step 2/2" in p.stderr + p.stdout  # --trace-steps sets its length

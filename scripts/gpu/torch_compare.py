@@ -25,7 +25,9 @@ Options: --steps, --warmup, --tokens, --min-len/--max-len, --d-model, --layers, 
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, reported only), --cuma-alt-conf CONF (a
 further cuma run with these settings, reported only: remap_threshold:0.25, the fewest page
 moves cuma makes (about 19% more peak memory on torch_trace.py's trace of this loop, a tenth of
-the maps), tells whether page calls are what a slower step time pays for).
+the maps), tells whether page calls are what a slower step time pays for), --trace-out FILE
+(a last cuma run of --trace-steps steps, 120 by default, with the `trace` setting: the training
+loop's allocation trace on this machine, for `cuma replay` anywhere; reported only).
 """
 
 import argparse
@@ -62,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--cuma-conf", default=None, help="settings for cuma.torch.enable() (CUMA_CONF)")
     p.add_argument("--cuma-alt-conf", default=None,
                    help="a further cuma run with these settings (reported, not judged)")
+    p.add_argument("--trace-out", default=None,
+                   help="a last cuma run that logs its allocations to this file (RMM CSV, .gz)")
+    p.add_argument("--trace-steps", type=int, default=120, help="steps of the --trace-out run")
     p.add_argument("--time-ratio-max", type=float, default=1.03)
     p.add_argument("--reserved-ratio-max", type=float, default=0.85)
     p.add_argument("--loss-rel-tol", type=float, default=0.02)
@@ -70,8 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--only", choices=("native", "cuma"), default=None, help="run one child in this process's stead")
     p.add_argument("--expandable", action="store_true",
                    help="also run native with expandable_segments:True (reported, not judged)")
-    p.add_argument("--child", choices=("native", "cuma", "cuma_alt", "expandable"), default=None,
-                   help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("native", "cuma", "cuma_alt", "cuma_trace", "expandable"),
+                   default=None, help=argparse.SUPPRESS)
     # A dry run of the loop and the report on the CPU (tests of this script; figures meaningless,
     # cuma is not enabled there because it needs CUDA).
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
@@ -101,7 +106,7 @@ def child(a):
     if on_gpu and not torch.cuda.is_available():
         raise SystemExit("torch.cuda.is_available() is False")
     backend = "pytorch native"
-    if a.child in ("cuma", "cuma_alt"):
+    if a.child in ("cuma", "cuma_alt", "cuma_trace"):
         import cuma
 
         if on_gpu:
@@ -172,7 +177,7 @@ def child(a):
             print("  [%s] step %d/%d: batch %d x %d, %.1f ms, loss %.4f" % (
                 a.child, i + 1, len(steps), b, n, times[-1] * 1e3, losses[-1]), file=sys.stderr, flush=True)
     wall = time.perf_counter() - t_start
-    if a.child in ("cuma", "cuma_alt"):
+    if a.child in ("cuma", "cuma_alt", "cuma_trace"):
         import cuma
 
         s = cuma.torch.memory_stats()
@@ -228,6 +233,9 @@ def child_argv(a, mode):
               "device"):
         argv += ["--" + k.replace("_", "-"), str(getattr(a, k))]
     conf = a.cuma_alt_conf if mode == "cuma_alt" else a.cuma_conf
+    if mode == "cuma_trace":
+        conf = ((conf + ",") if conf else "") + "trace:" + os.path.abspath(a.trace_out)
+        argv[argv.index("--steps") + 1] = str(a.trace_steps)
     if conf is not None:
         argv += ["--cuma-conf", conf]
     return argv
@@ -239,7 +247,7 @@ def run_child(a, mode):
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if mode == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    if mode in ("cuma", "cuma_alt"):
+    if mode.startswith("cuma"):
         py = os.path.join(REPO, "python")
         env["PYTHONPATH"] = py + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("CUMA_LIBRARY", os.path.join(REPO, "build-gpu", "lib", "libcuma.so"))
@@ -298,6 +306,11 @@ def report(a, runs, errors):
         print("  %-*s" % (w, name) + "".join("%-28s" % str(f(runs[c]))[:27] for c in cols))
     for c in cols:
         print("  %s extra: %s" % (c, json.dumps(runs[c]["extra"])))
+    tr = runs.get("cuma_trace")
+    if tr and a.trace_out:
+        size = os.path.getsize(a.trace_out) if os.path.exists(a.trace_out) else 0
+        print("  allocation trace: %s, %d steps, %.1f MiB (replay: build/bin/cuma replay --json %s)" % (
+            a.trace_out, tr["steps"], size / 2**20, os.path.basename(a.trace_out)))
 
     verdict = {"pass": False, "errors": errors}
     if nat is None or cum is None:
@@ -354,7 +367,8 @@ def main(argv=None):
     # The parent asks nothing else of the device: it must hold no memory beside the children.
     print("torch %s (CUDA %s), %s" % (torch.__version__, torch.version.cuda, sys.executable))
     modes = [a.only] if a.only else (["native"] + (["expandable"] if a.expandable else []) + ["cuma"] +
-                                     (["cuma_alt"] if a.cuma_alt_conf else []))
+                                     (["cuma_alt"] if a.cuma_alt_conf else []) +
+                                     (["cuma_trace"] if a.trace_out else []))
     runs, errors = {}, []
     for m in modes:
         res, err = run_child(a, m)

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum kind { K_SIZE, K_SIZE_OR_NONE, K_MS, K_FRACTION, K_BOOL, K_NAME, K_INT };
+enum kind { K_SIZE, K_SIZE_OR_NONE, K_MS, K_FRACTION, K_BOOL, K_NAME, K_INT, K_PATH };
 
 typedef struct key_desc {
     const char *key;
@@ -104,6 +104,10 @@ static const key_desc keys[] = {
      "for every thread. A single thread, or threads that rarely collide, stay in one arena; "
      "a heap with preallocate keeps one"},
     {"device", K_INT, F(device), "0", NULL, "CUDA device ordinal"},
+    {"trace", K_PATH, F(trace), "none", NULL,
+     "log every allocation, failed allocation and free to this file as RMM's CSV event log "
+     "(gzip when it ends in .gz), for `cuma replay`; the thread caches are off meanwhile, so "
+     "every call is seen in order; none (or empty) = no log (./none is a file of that name)"},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])
@@ -185,6 +189,8 @@ static const char *kind_hint(enum kind k) {
         return "an integer";
     case K_NAME:
         return "one of the listed names";
+    case K_PATH:
+        return "a file path of at most 255 bytes, without commas, or none";
     }
     return "";
 }
@@ -234,6 +240,11 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
         if (ok) *(int *)field = (int)x;
         break;
     }
+    case K_PATH:
+        if (!strcmp(v, "none")) v = "";
+        ok = strlen(v) < sizeof s->trace;
+        if (ok) snprintf(field, sizeof s->trace, "%s", v);
+        break;
     case K_NAME:
         ok = name_in(v, d->choices);
         if (!ok) break;
@@ -362,6 +373,20 @@ cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed) {
     return CUMA_OK;
 }
 
+/* A JSON string: quotes, backslashes and control characters escaped. */
+static void json_string(cuma_strbuf *o, const char *v) {
+    cuma_strbuf_put(o, "\"");
+    for (const unsigned char *c = (const unsigned char *)v; *c; c++) {
+        if (*c == '"' || *c == '\\')
+            cuma_strbuf_put(o, "\\%c", *c);
+        else if (*c < 0x20)
+            cuma_strbuf_put(o, "\\u%04x", *c);
+        else
+            cuma_strbuf_put(o, "%c", *c);
+    }
+    cuma_strbuf_put(o, "\"");
+}
+
 size_t cuma_settings_json(const cuma_settings *s, char *buf, size_t len) {
     cuma_strbuf o = {buf, len, 0};
     for (size_t i = 0; i < NKEYS; i++) {
@@ -390,6 +415,12 @@ size_t cuma_settings_json(const cuma_settings *s, char *buf, size_t len) {
             break;
         case K_INT:
             cuma_strbuf_put(&o, "%d", *(const int *)field);
+            break;
+        case K_PATH:
+            if (*field)
+                json_string(&o, field);
+            else
+                cuma_strbuf_put(&o, "null");
             break;
         case K_NAME:
             if (keys[i].offset == F(sim_clock_manual))

@@ -44,6 +44,7 @@ typedef struct cuma_settings {
     uint64_t tcache_max;            /* largest block a thread cache holds */
     int64_t tcache_age_ms;          /* blocks idle longer go back to the heap */
     int arenas;                     /* most arenas threads spread over under contention */
+    char trace[256];                /* log of every call to this file; "" = none */
     int device;
 } cuma_settings;
 

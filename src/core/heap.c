@@ -1,6 +1,7 @@
 /* Allocation, free and the out-of-memory ladder (the life cycle is heap_life.c, the release
  * policy release.c). */
 #include "heap.h"
+#include "trace/writer.h"
 #include "error.h"
 #include "tcache_fast.h"
 
@@ -283,6 +284,10 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
         h->c.allocs++;
     }
     if (st) h->c.failed++;
+    /* Under the heap lock: a free of this block, on any thread, is logged after it. */
+    if (h->primary->tw)
+        cuma_trace_writer_event(h->primary->tw, st ? CUMA_TRACE_ALLOC_FAIL : CUMA_TRACE_ALLOC,
+                                (uint64_t)(uintptr_t)*ptr, size, (uint64_t)(uintptr_t)stream);
     cuma_heap_release_policy(h, t);
     pthread_mutex_unlock(&h->lock);
     return st;
@@ -345,6 +350,9 @@ free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_
         pthread_mutex_unlock(&p->managed_lock);
         cuma_status st = CUMA_OK;
         if (msize) {
+            if (p->tw)
+                cuma_trace_writer_event(p->tw, CUMA_TRACE_FREE, a, (uint64_t)(uintptr_t)msize,
+                                        (uint64_t)(uintptr_t)stream);
             h->be->ops->managed_free(h->be, a, (uint64_t)(uintptr_t)msize);
             h->c.frees++;
         } else {
@@ -357,6 +365,9 @@ free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_
     if (si < 0) si = b->stream; /* table full: the allocation stream still orders this free */
     cuma_map_remove(&h->live, a);
     h->c.frees++;
+    if (h->primary->tw)
+        cuma_trace_writer_event(h->primary->tw, CUMA_TRACE_FREE, a, b->req,
+                                (uint64_t)(uintptr_t)stream);
     uint64_t t = now(h);
     uint64_t seq = cuma_streams_note_free(&h->streams, (unsigned)si);
     if (b->extra[0] != CUMA_NO_STREAM || b->extra_all) {

@@ -68,6 +68,7 @@ struct cuma_heap {
     cuma_streams streams;
     bool vmm;              /* page mode (pages) or segment mode (segs); constant */
     bool backend_fallback; /* no backend named, no driver: on the simulated device; constant */
+    struct cuma_trace_writer *tw; /* first arena's: the `trace` log, or NULL; constant */
     cuma_pages pages;
     cuma_segs segs;
     cuma_map live;    /* address -> cuma_block of every live allocation */

@@ -1,6 +1,7 @@
 /* Heap life cycle: settings, backend, arenas' common parts, creation and destruction. */
 #include "error.h"
 #include "heap.h"
+#include "trace/writer.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -167,6 +168,11 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         st = cuma_backend_create(&h->set, &h->be);
     }
     if (st) goto fail_free;
+    if (h->set.trace[0]) {
+        h->set.tcache = false; /* every call takes the lock: the log sees them all, in order */
+        st = cuma_trace_writer_open(h->set.trace, &h->tw);
+        if (st) goto fail_be;
+    }
     if (h->set.sim_clock_manual && !strcmp(h->be->name, "sim"))
         cuma_simbe_set_clock(h->be, &h->manual_now); /* sim_lag_ms counts on the heap's time */
     /* Preallocated pages are the first arena's and never move: another arena could not
@@ -198,6 +204,7 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     *out = h;
     return CUMA_OK;
 fail_be:
+    cuma_trace_writer_close(h->tw);
     h->be->ops->destroy(h->be);
 fail_free:
     free(h);
@@ -224,5 +231,6 @@ void cuma_heap_destroy(cuma_heap *h) {
     pthread_mutex_destroy(&h->arena_lock);
     pthread_mutex_destroy(&h->oom_lock);
     pthread_mutex_destroy(&h->managed_lock);
+    cuma_trace_writer_close(h->tw);
     free(h);
 }

@@ -1,0 +1,34 @@
+/* Writer of RMM's CSV event log (the format trace.h reads): a heap with the `trace` setting
+ * logs every allocation, failed allocation and free, so that a run on a GPU can be replayed
+ * anywhere with `cuma replay`.
+ *
+ * Thread safety: events from any thread; one mutex per writer keeps lines whole and in the
+ * order they were written. Files are closed at process exit if nobody closed them (the default
+ * heaps are never destroyed), so a gzip log is complete; events after that are dropped.
+ */
+#ifndef CUMA_TRACE_WRITER_H
+#define CUMA_TRACE_WRITER_H
+
+#include "trace.h"
+
+#include <stdint.h>
+
+typedef struct cuma_trace_writer cuma_trace_writer;
+
+/* Creates (truncates) the log at path: gzip-compressed when the name ends in ".gz", else plain
+ * text. Writes the header. CUMA_ERR_IO names the path and the cause. */
+cuma_status cuma_trace_writer_open(const char *path, cuma_trace_writer **out);
+
+/* One line: the action, the block's address (0 for a failed allocation), its size in bytes
+ * and the stream, stamped with the time since the log was opened and the calling thread. A
+ * write error stops the log (said once on stderr); the program goes on. */
+void cuma_trace_writer_event(cuma_trace_writer *w, cuma_trace_action action, uint64_t ptr,
+                             uint64_t size, uint64_t stream);
+
+/* Events written so far (tests). */
+uint64_t cuma_trace_writer_count(cuma_trace_writer *w);
+
+/* Flushes, closes and frees. NULL is fine. */
+void cuma_trace_writer_close(cuma_trace_writer *w);
+
+#endif
