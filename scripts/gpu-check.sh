@@ -33,13 +33,19 @@
 # Environment: GPU_CHECK_BUDGET (seconds, as --budget), CUMA_GPU_DEBS (a folder of .deb files,
 # e.g. zlib1g-dev, unpacked into build-gpu/sysroot when apt cannot install them), NVCC.
 #
-# usage: scripts/gpu-check.sh [--require-gpu] [--budget SECONDS] [--no-torch] [--help]
+# --only STEPS runs those steps alone (comma-separated: ctest, replays, churn, bench, torch; the
+# machine and build steps always run), e.g. `--only torch` to run the PyTorch comparison again
+# within the same device session.
+#
+# usage: scripts/gpu-check.sh [--require-gpu] [--budget SECONDS] [--no-torch] [--only STEPS]
+#                             [--help]
 set -uo pipefail
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
 REQUIRE_GPU=0
 NO_TORCH=0
+ONLY=""
 BUDGET=${GPU_CHECK_BUDGET:-420}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -47,12 +53,21 @@ while [ $# -gt 0 ]; do
     --no-torch) NO_TORCH=1 ;;
     --budget) BUDGET=${2:-}; shift ;;
     --budget=*) BUDGET=${1#--budget=} ;;
+    --only) ONLY=${2:-}; shift ;;
+    --only=*) ONLY=${1#--only=} ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu-check: unknown option '$1'" >&2; usage >&2; exit 2 ;;
   esac
   shift
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu-check: --budget wants seconds, not '$BUDGET'" >&2; exit 2 ;; esac
+for s in ${ONLY//,/ }; do
+  case "$s" in ctest|replays|churn|bench|torch) ;;
+    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch)" >&2; exit 2 ;;
+  esac
+done
+# wanted STEP: whether --only leaves the step in.
+wanted() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 BUILD=build-gpu
@@ -560,7 +575,7 @@ summary() {
       echo "GPU: $GPU_LINE"
     else
       echo "NO GPU here ($NO_GPU_WHY): the $gskip steps that need one were skipped;"
-      echo "the build, the fake-driver tests, the sim and fake-driver replays and the nvcc build ran."
+      echo "the steps that need none ran (the table above)"
       if [ "$REQUIRE_GPU" = 1 ]; then echo "--require-gpu: those skips count as failures."
       else echo "Run with --require-gpu to make that a failure."; fi
     fi
@@ -613,13 +628,13 @@ main() {
   [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && echo "(the working tree has uncommitted changes)"
   step_machine
   step_build
-  start_churn_build
-  step_ctest
-  step_replays
-  step_churn_build
-  step_churn
-  step_bench
-  step_torch
+  wanted churn && start_churn_build
+  wanted ctest && step_ctest
+  wanted replays && step_replays
+  wanted churn && step_churn_build
+  wanted churn && step_churn
+  wanted bench && step_bench
+  wanted torch && step_torch
   summary
 }
 
