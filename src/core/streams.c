@@ -57,6 +57,10 @@ static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
     if (!wait && s->nd_epoch == ss->epoch && seq >= s->nd_seq) return false;
     retire(ss, s, 0);
     if (s->done >= seq) return true;
+    /* A full ring has no event for this tag yet: a wait first waits for the oldest event,
+     * which frees a place for one that covers the tag. */
+    if (wait && s->fenced < seq && s->npending == CUMA_FENCE_RING)
+        retire(ss, s, s->ring[s->head].covers);
     if (s->fenced < seq && s->npending < CUMA_FENCE_RING) {
         uint64_t ev;
         if (ss->be->ops->event_record(ss->be, s->handle, &ev) == CUMA_OK) {

@@ -270,6 +270,14 @@ static void test_lag(void) {
     uint64_t q2 = cuma_streams_note_free(&ss, a);
     CHECK(op_poll(&ss, a, q2, true) && ss.slot[a].done == q2 && atomic_load(&clock) == 6000000);
     validate(&ss);
+    /* A full ring of pending events and a later tag no event covers: the wait waits for the
+     * oldest, records one for the tag and waits for it (it used to give up). */
+    for (int i = 0; i < CUMA_FENCE_RING; i++)
+        CHECK(!op_poll(&ss, a, cuma_streams_note_free(&ss, a), false));
+    CHECK(ss.slot[a].npending == CUMA_FENCE_RING);
+    uint64_t q3 = cuma_streams_note_free(&ss, a);
+    CHECK(op_poll(&ss, a, q3, true) && ss.slot[a].done == q3);
+    validate(&ss);
     teardown(&ss);
 }
 
