@@ -113,7 +113,8 @@ static void be_release(cuma_pages *pp, uint64_t handle) {
 }
 
 /* Once a window: page calls over budget double the idle share kept in place (from 2 %), calls
- * under a quarter of it halve it (to 0 below 4 %). A window of 250 ms holds a few training
+ * under a quarter of it take a quarter off (to 0 below 2 %): a share that keeps the calls low
+ * is left slowly, so it does not swing back and forth. A window of 250 ms holds a few training
  * steps; from nothing to the most kept takes about a second. */
 #define PACE_WINDOW_NS 250000000ull
 #define PACE_MAX_KEEP  0.25
@@ -131,7 +132,7 @@ static void pace(cuma_pages *pp) {
                    : pp->keep * 2 > PACE_MAX_KEEP ? PACE_MAX_KEEP
                                                   : pp->keep * 2;
     else if (frac < pp->budget / 4)
-        pp->keep = pp->keep < 0.04 ? 0 : pp->keep / 2;
+        pp->keep = pp->keep * 0.75 < 0.02 ? 0 : pp->keep * 0.75;
     pp->win_start = t, pp->win_call_ns = pp->call_ns;
 }
 
@@ -235,11 +236,12 @@ static cuma_status ghost_drop(cuma_pages *pp, uint32_t gi) {
     return CUMA_OK;
 }
 
-/* Unmaps the ghosts whose work completed (one device query per stream: streams.h). */
-void cuma_pages_reap(cuma_pages *pp) {
+/* Unmaps the ghosts whose work completed (one device query per stream: streams.h), waiting for
+ * it where the backend can with `wait`. */
+void cuma_pages_reap(cuma_pages *pp, bool wait) {
     for (uint32_t gi = 0; gi < pp->nghosts;) {
         const cuma_ghost *g = &pp->ghosts[gi];
-        if (cuma_fence_poll(pp->ss, g->fstream, g->fseq, false) && ghost_drop(pp, gi) == CUMA_OK)
+        if (cuma_fence_poll(pp->ss, g->fstream, g->fseq, wait) && ghost_drop(pp, gi) == CUMA_OK)
             continue; /* another ghost now sits at gi */
         gi++;
     }
@@ -468,7 +470,7 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
     for (uint32_t v = first; v <= last; v++) need += !pp->live[v];
     cuma_streams_tick(pp->ss); /* one query per lagging stream for all the pages it steals */
     if (pp->budget > 0) pace(pp);
-    if (pp->nghosts) cuma_pages_reap(pp);
+    if (pp->nghosts) cuma_pages_reap(pp, false);
     /* A request that cannot fit even with every idle page reused fails before touching any. */
     if (pp->nmapped + need > pp->limit_pages)
         return cuma_fail(pp->limit_is_device ? CUMA_ERR_OOM : CUMA_ERR_LIMIT,
@@ -525,7 +527,8 @@ uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint
     uint64_t released = 0;
     uint32_t i = pp->tail;
     cuma_streams_tick(pp->ss);
-    if (pp->nghosts) cuma_pages_reap(pp);
+    /* A page with ghosts stays until they go: waiting (a trim) waits for their work too. */
+    if (pp->nghosts) cuma_pages_reap(pp, wait);
     while (i != CUMA_NIL) {
         cuma_phys *p = &pp->phys[i];
         uint32_t prev = p->prev;

@@ -125,8 +125,9 @@ void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, 
 uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint64_t max_cached,
                             uint64_t age_keep, bool wait);
 
-/* Unmaps the ghosts whose work completed (ref and release do it first thing). */
-void cuma_pages_reap(cuma_pages *pp);
+/* Unmaps the ghosts whose work completed, waiting for it with `wait` where the backend can (ref
+ * and release do it first thing). */
+void cuma_pages_reap(cuma_pages *pp, bool wait);
 
 /* Creates `n` pinned pages into the cache (preallocation): never given back. */
 cuma_status cuma_pages_prefill(cuma_pages *pp, uint64_t n, uint64_t now);

@@ -27,6 +27,7 @@ static uint64_t now_ns(void) {
 
 typedef struct outcome {
     uint64_t passes, late_passes, late_maps; /* passes begun in the second half, their maps */
+    double keep_max;                         /* the most pacing kept, seen between passes */
     cuma_stats end;
 } outcome;
 
@@ -58,9 +59,10 @@ static outcome replay_for(const char *conf, const cuma_trace *t, void **ptrs, do
         CHECK_OK(cuma_get_stats(h, &s));
         one_pass(h, t, ptrs);
         o.passes++;
+        cuma_stats s2;
+        CHECK_OK(cuma_get_stats(h, &s2));
+        if (s2.remap_keep > o.keep_max) o.keep_max = s2.remap_keep;
         if (late) {
-            cuma_stats s2;
-            CHECK_OK(cuma_get_stats(h, &s2));
             o.late_maps += s2.maps - s.maps;
             o.late_passes++;
         }
@@ -87,19 +89,19 @@ int main(int argc, char **argv) {
     outcome b = replay_for(unpaced, &t, ptrs, 3.0);
     double ma = (double)a.late_maps / (double)a.late_passes;
     double mb = (double)b.late_maps / (double)b.late_passes;
-    printf("paced:   %llu passes, %.0f maps a pass late, keep %.3f, %.0f ms in page calls, "
+    printf("paced:   %llu passes, %.0f maps a pass late, keep up to %.3f, %.0f ms in page calls, "
            "peak %.0f MiB\n",
-           (unsigned long long)a.passes, ma, a.end.remap_keep, (double)a.end.page_call_ns / 1e6,
+           (unsigned long long)a.passes, ma, a.keep_max, (double)a.end.page_call_ns / 1e6,
            (double)a.end.peak_reserved_bytes / MB);
-    printf("unpaced: %llu passes, %.0f maps a pass late, keep %.3f, %.0f ms in page calls, "
+    printf("unpaced: %llu passes, %.0f maps a pass late, keep up to %.3f, %.0f ms in page calls, "
            "peak %.0f MiB\n",
-           (unsigned long long)b.passes, mb, b.end.remap_keep, (double)b.end.page_call_ns / 1e6,
+           (unsigned long long)b.passes, mb, b.keep_max, (double)b.end.page_call_ns / 1e6,
            (double)b.end.peak_reserved_bytes / MB);
     fflush(stdout);
-    CHECK(b.end.remap_keep == 0); /* no budget, no pacing */
-    CHECK(mb > 100);              /* the trace moves pages when nothing is kept */
+    CHECK(b.keep_max == 0); /* no budget, no pacing */
+    CHECK(mb > 100);        /* the trace moves pages when nothing is kept */
     /* 20 us a call and thousands of moves a pass: far over a 1 % budget. */
-    CHECK(a.end.remap_keep >= 0.02);
+    CHECK(a.keep_max >= 0.02);
     CHECK(ma < 0.5 * mb);
     /* What pacing keeps is bounded: at most a quarter of the memory in use. */
     CHECK(a.end.peak_reserved_bytes <= b.end.peak_reserved_bytes * 5 / 4 + 2 * MB);

@@ -10,6 +10,7 @@
 #include "core/pages.h"
 #include "core/streams.h"
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
@@ -26,12 +27,13 @@ typedef struct env {
     uint64_t base;
 } env;
 
-static void setup(env *e) {
+static void setup_with(env *e, const char *extra) {
     memset(e, 0, sizeof *e);
     cuma_settings set;
     cuma_settings_default(&set);
     CHECK_OK(cuma_settings_parse(&set, "capacity:64M,page_size:2M,host_backing:on,sim_clock:manual",
                                  "test"));
+    CHECK_OK(cuma_settings_parse(&set, extra, "test"));
     CHECK_OK(cuma_sim_backend_create(&set, &e->be));
     CHECK(e->be->page_size == P && e->be->capacity == NPHYS * P);
     CHECK_OK(cuma_streams_init(&e->ss, e->be));
@@ -39,6 +41,10 @@ static void setup(env *e) {
     CHECK(e->base % P == 0);
     CHECK_OK(cuma_pages_init(&e->pp, e->be, &e->ss, e->base, NVA * P));
     CHECK(e->pp.nva == NVA && e->pp.page_size == P && e->pp.limit_pages == UINT64_MAX);
+}
+
+static void setup(env *e) {
+    setup_with(e, "");
 }
 
 static uint64_t device_free(env *e) {
@@ -492,6 +498,29 @@ static void test_ghosts(void) {
     teardown(&e);
 }
 
+/* A device 5 ms behind (sim_lag_ms): a ghost's work is pending until the clock passes it. A
+ * release that may not wait keeps the ghost and its page; one that waits (a trim) waits for
+ * the ghost's work, unmaps it and gives the page back. */
+static void test_wait_reaps_ghosts(void) {
+    env e;
+    setup_with(&e, "sim_lag_ms:5");
+    _Atomic uint64_t clock = 1000;
+    CHECK_OK(cuma_simbe_set_clock(e.be, &clock));
+    unsigned a = (unsigned)cuma_streams_index(&e.ss, S(0xA));
+    CHECK_OK(cuma_pages_ref(&e.pp, 0, P, 1, (int)a));
+    cuma_pages_unref(&e.pp, 0, P, 2, (uint16_t)a, cuma_streams_note_free(&e.ss, a));
+    CHECK_OK(cuma_pages_ref(&e.pp, 10 * P, P, 3, (int)a)); /* pending: shared, a ghost at 0 */
+    CHECK(e.pp.nghosts == 1 && e.pp.creates == 1 && e.pp.early_remaps == 1);
+    cuma_pages_unref(&e.pp, 10 * P, P, 4, (uint16_t)a, cuma_streams_note_free(&e.ss, a));
+    validate(&e);
+    CHECK(cuma_pages_release(&e.pp, 5, 0, 0, 0, false) == 0);
+    CHECK(e.pp.nghosts == 1 && e.pp.nreserved == 1);
+    CHECK(cuma_pages_release(&e.pp, 6, 0, 0, 0, true) == 1);
+    CHECK(e.pp.nghosts == 0 && e.pp.nreserved == 0 && atomic_load(&clock) == 1000);
+    validate(&e);
+    teardown(&e);
+}
+
 /* remap_threshold: while idle pages are at most that share of the mapped ones, backing creates
  * a page instead of moving an idle one (fewer driver calls for a little memory). */
 static void test_remap_threshold(void) {
@@ -648,6 +677,7 @@ int main(void) {
     test_data_survives();
     test_ghosts();
     test_remap_threshold();
+    test_wait_reaps_ghosts();
     test_prefill();
     test_steal_own_range();
     test_random();
