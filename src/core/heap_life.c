@@ -128,14 +128,19 @@ fail_streams:
     return st;
 }
 
+/* Stops an arena's release thread (it reads every arena's published figures). */
+static void stop_thread(cuma_heap *h) {
+    if (!h->thread_running) return;
+    pthread_mutex_lock(&h->lock);
+    h->stopping = true;
+    pthread_cond_signal(&h->wake);
+    pthread_mutex_unlock(&h->lock);
+    pthread_join(h->thread, NULL);
+    h->thread_running = false;
+}
+
 void cuma_heap_teardown(cuma_heap *h) {
-    if (h->thread_running) {
-        pthread_mutex_lock(&h->lock);
-        h->stopping = true;
-        pthread_cond_signal(&h->wake);
-        pthread_mutex_unlock(&h->lock);
-        pthread_join(h->thread, NULL);
-    }
+    stop_thread(h);
     cuma_tcache_unregister_heap(h);
     cuma_tcache_destroy_all(h);
     cuma_map_destroy(&h->live);
@@ -219,6 +224,9 @@ static bool free_managed(void *ctx, uint64_t key, void *val) {
 
 void cuma_heap_destroy(cuma_heap *h) {
     if (!h) return;
+    /* Every release thread first: each reads all arenas' figures (max_cached is the heap's),
+     * so none may run while an arena is freed. */
+    for (unsigned i = atomic_load(&h->narenas); i-- > 0;) stop_thread(h->arenas[i]);
     /* The other arenas first: their pages count against the first arena's page counter. */
     for (unsigned i = atomic_load(&h->narenas); i-- > 1;) {
         cuma_heap_teardown(h->arenas[i]);
