@@ -217,12 +217,29 @@ static void test_collisions(void) {
     cuma_heap_destroy(h);
 }
 
+/* Destroying a heap while its arenas' release threads work: each thread sums every arena's
+ * figures, so all of them stop before any arena is freed (ASan saw a thread read a freed arena
+ * once). Frees just before the destroy wake the threads. */
+static void test_destroy_while_threads_release(void) {
+    for (int round = 0; round < 100; round++) {
+        cuma_heap *h = make("capacity:256M,release_delay_ms:0,max_cached:1M");
+        void *p[4];
+        for (unsigned a = 0; a < 4; a++) {
+            CHECK_OK(cuma_arena_use(h, a));
+            CHECK_OK(cuma_alloc(h, (1 + a) * MB, NULL, &p[a]));
+        }
+        for (unsigned a = 0; a < 4; a++) CHECK_OK(cuma_free(h, p[a], NULL));
+        cuma_heap_destroy(h);
+    }
+}
+
 int main(void) {
     test_routing_and_stats();
     test_one_limit();
     test_max_cached();
     test_settings();
     test_collisions();
+    test_destroy_while_threads_release();
     printf("test_arena: passed\n");
     return 0;
 }
