@@ -16,6 +16,11 @@
  * virtual page is backed by nothing the allocator may hand out; backing it again first unmaps
  * the ghost (its work done), takes its page back (idle there, same stream), or waits.
  *
+ * Driver calls are what a move costs: the pages one call backs are mapped in runs (one access
+ * call a run) and the old places of those it moves unmapped in runs. remap_threshold, and
+ * pacing when the calls take more than page_call_budget of the wall time, keep some idle pages
+ * where they are (a new page is created instead) so that fewer move.
+ *
  * Not thread-safe: the heap lock protects everything here.
  */
 #ifndef CUMA_CORE_PAGES_H
