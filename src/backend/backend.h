@@ -20,10 +20,11 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define CUMA_CAP_VMM         1u /* reserve/page_create/map/unmap work */
-#define CUMA_CAP_SEGMENTS    2u /* seg_alloc/seg_free work */
-#define CUMA_CAP_MANAGED     4u /* managed_alloc/managed_free work */
-#define CUMA_CAP_HOST_ACCESS 8u /* device addresses can be dereferenced by the host (tests) */
+#define CUMA_CAP_VMM         1u  /* reserve/page_create/map/unmap work */
+#define CUMA_CAP_SEGMENTS    2u  /* seg_alloc/seg_free work */
+#define CUMA_CAP_MANAGED     4u  /* managed_alloc/managed_free work */
+#define CUMA_CAP_HOST_ACCESS 8u  /* device addresses can be dereferenced by the host (tests) */
+#define CUMA_CAP_ALIAS       16u /* a page may be mapped at a second address (early remaps) */
 
 typedef struct cuma_backend cuma_backend;
 

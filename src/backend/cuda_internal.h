@@ -63,6 +63,9 @@ typedef struct cuda_be {
     CUmemAllocationProp prop;
     CUmemAccessDesc *access; /* owner first, then every peer that can access this device */
     size_t naccess;
+    /* What the vmm probe found this driver does (cuda_vmm.c): cuMemSetAccess and cuMemUnmap
+     * over a range of several mappings, or only one mapping at a time. */
+    bool access_per_page, unmap_per_page;
     cudabe_event *events;
     uint32_t nevents, capevents, free_event;
     cudabe_stuck *stuck;

@@ -94,8 +94,13 @@ static cuma_status vmm_map(cuma_backend *be, uint64_t addr, const uint64_t *hand
             return st;
         }
     }
-    /* One call for the run: each mapping is one handle, but access is set on a range. */
-    CUresult r = b->cu->MemSetAccess((CUdeviceptr)addr, (size_t)n * ps, b->access, b->naccess);
+    /* One call for the run: each mapping is one handle, but access is set on a range (where the
+     * probe found the driver takes one). */
+    CUresult r = CUDA_SUCCESS;
+    if (!b->access_per_page)
+        r = b->cu->MemSetAccess((CUdeviceptr)addr, (size_t)n * ps, b->access, b->naccess);
+    for (uint32_t k = 0; b->access_per_page && k < n && r == CUDA_SUCCESS; k++)
+        r = b->cu->MemSetAccess((CUdeviceptr)(addr + (uint64_t)k * ps), ps, b->access, b->naccess);
     if (r != CUDA_SUCCESS) {
         /* An inaccessible mapping is useless and the core will not unmap what it thinks
          * failed to map: undo it here. */
@@ -116,7 +121,8 @@ static cuma_status vmm_unmap(cuma_backend *be, uint64_t addr, uint32_t n) {
     cudabe_ctx_guard g;
     cuma_status st = cudabe_ctx_enter(b, &g);
     if (st) return st;
-    CUresult r = b->cu->MemUnmap((CUdeviceptr)addr, (size_t)(n * ps));
+    CUresult r = b->unmap_per_page && n > 1 ? CUDA_ERROR_NOT_SUPPORTED
+                                            : b->cu->MemUnmap((CUdeviceptr)addr, (size_t)(n * ps));
     uint64_t bad = addr;
     if (r != CUDA_SUCCESS && n > 1) {
         r = CUDA_SUCCESS;
@@ -175,6 +181,50 @@ static cuma_status build_access(cuda_be *b) {
     return CUMA_OK;
 }
 
+/* What this driver does with virtual memory, tried once at creation on two pages in a range of
+ * three (some vGPU and sandboxed drivers report VMM and refuse parts of it): a run mapped with
+ * one cuMemSetAccess (else one a page), a page mapped at a second address (else no early
+ * remaps: CUMA_CAP_ALIAS), a run unmapped with one cuMemUnmap (else one a page). A driver that
+ * cannot map and make accessible one page at all fails the backend (auto then takes segments).
+ * Everything it made is gone again on every path. */
+static cuma_status probe(cuda_be *b) {
+    uint64_t ps = b->be.page_size, va = 0, h[2] = {0, 0};
+    cuma_status st = vmm_reserve(&b->be, 3 * ps, ps, &va);
+    if (st) return st;
+    int made = 0;
+    for (; made < 2 && !st; made++) st = vmm_page_create(&b->be, &h[made]);
+    if (st) made--;
+    if (!st) {
+        st = vmm_map(&b->be, va, h, 2);
+        if (st) { /* one access call a page, then? */
+            b->access_per_page = true;
+            st = vmm_map(&b->be, va, h, 2);
+        }
+    }
+    if (!st) {
+        if (vmm_map(&b->be, va + 2 * ps, &h[0], 1) == CUMA_OK) {
+            b->be.caps |= CUMA_CAP_ALIAS;
+            vmm_unmap(&b->be, va + 2 * ps, 1);
+        }
+        cudabe_ctx_guard g;
+        if (cudabe_ctx_enter(b, &g) == CUMA_OK) {
+            if (b->cu->MemUnmap((CUdeviceptr)va, (size_t)(2 * ps)) != CUDA_SUCCESS) {
+                b->unmap_per_page = true;
+                cudabe_ctx_leave(b, &g);
+                vmm_unmap(&b->be, va, 2); /* one a page; what fails is retried later */
+            } else {
+                cudabe_ctx_leave(b, &g);
+            }
+        } else {
+            vmm_unmap(&b->be, va, 2);
+        }
+    }
+    while (made-- > 0) vmm_page_release(&b->be, h[made]);
+    vmm_unreserve(&b->be, va, 3 * ps);
+    if (!st) cuma_clear_error(); /* what failed on the way was tried and answered */
+    return st;
+}
+
 cuma_status cuma_cudabe_init_vmm(cuda_be *b, const cuma_settings *s) {
     b->be.ops = &vmm_ops;
     b->be.name = "vmm";
@@ -196,5 +246,6 @@ cuma_status cuma_cudabe_init_vmm(cuda_be *b, const cuma_settings *s) {
      * page_size the granularity does not divide cannot be mapped and is ignored. */
     b->be.page_size = gran;
     if (s->page_size > gran && s->page_size % gran == 0) b->be.page_size = s->page_size;
-    return build_access(b);
+    st = build_access(b);
+    return st ? st : probe(b);
 }

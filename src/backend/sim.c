@@ -319,8 +319,8 @@ cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out
     if (!s) return cuma_fail(CUMA_ERR_OOM, "sim: no host memory");
     s->be.ops = &sim_ops;
     s->be.name = "sim";
-    s->be.caps = (set->sim_segments ? CUMA_CAP_SEGMENTS : CUMA_CAP_VMM) | CUMA_CAP_MANAGED |
-                 (set->host_backing ? CUMA_CAP_HOST_ACCESS : 0);
+    s->be.caps = (set->sim_segments ? CUMA_CAP_SEGMENTS : CUMA_CAP_VMM | CUMA_CAP_ALIAS) |
+                 CUMA_CAP_MANAGED | (set->host_backing ? CUMA_CAP_HOST_ACCESS : 0);
     s->be.page_size = set->page_size;
     s->be.capacity = set->capacity;
     snprintf(s->be.device_id, sizeof s->be.device_id, "sim");

@@ -120,8 +120,9 @@ static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si
                          "no free block of %" PRIu64 " bytes in the %" PRIu64 "-byte virtual range",
                          n, h->va_size);
     } else {
-        cuma_status st = cuma_pages_ref(&h->pages, b->off, req, t,
-                                        h->set.early_remap ? (int)si : CUMA_PAGES_NO_STREAM);
+        cuma_status st = cuma_pages_ref(
+            &h->pages, b->off, req, t,
+            h->set.early_remap && (h->be->caps & CUMA_CAP_ALIAS) ? (int)si : CUMA_PAGES_NO_STREAM);
         if (st) {
             h->pol->ops->free(h->pol, b, 0, 0);
             return st;

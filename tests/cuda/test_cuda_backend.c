@@ -235,6 +235,53 @@ static void test_busy_stream_does_not_block(void) {
     CHECK_CU(cuStreamDestroy(a));
 }
 
+/* A vmm backend made while `spec` fails driver calls: whether it may alias, and how many
+ * cuMemSetAccess and cuMemUnmap calls a run of three pages then takes. */
+static void probe_case(const char *spec, bool alias, unsigned long access, unsigned long unmaps) {
+    CHECK(fakecuda_set_fail(spec) == 0);
+    cuma_backend *be = backend_make("vmm", 0);
+    CHECK(fakecuda_set_fail(NULL) == 0);
+    check_no_driver_objects(); /* the probe left nothing behind */
+    CHECK(!!(be->caps & CUMA_CAP_ALIAS) == alias);
+    const cuma_backend_ops *o = be->ops;
+    uint64_t base, h[3];
+    CHECK_OK(o->reserve(be, 16 * MB, 2 * MB, &base));
+    for (int i = 0; i < 3; i++) CHECK_OK(o->page_create(be, &h[i]));
+    fakecuda_reset_counters();
+    CHECK_OK(o->map(be, base, h, 3));
+    CHECK(fakecuda_calls("cuMemMap") == 3 && fakecuda_calls("cuMemSetAccess") == access);
+    CHECK_OK(o->unmap(be, base, 3));
+    CHECK(fakecuda_calls("cuMemUnmap") == unmaps && fakecuda_live("mappings") == 0);
+    for (int i = 0; i < 3; i++) o->page_release(be, h[i]);
+    o->unreserve(be, base, 16 * MB);
+    be->ops->destroy(be);
+    check_no_driver_objects();
+}
+
+/* The vmm backend's probe at creation: what the driver refuses of ranges and second mappings
+ * it does another way (one call a page; no early remaps); a driver that cannot map a page at
+ * all fails vmm, and auto takes segments. */
+static void test_vmm_probe(void) {
+    probe_case(NULL, true, 1, 1);               /* the fake driver takes all of it */
+    probe_case("cuMemSetAccess:1", true, 3, 1); /* no access over a range */
+    probe_case("cuMemMap:3", false, 1, 1);      /* no second mapping of a page */
+    probe_case("cuMemUnmap:2", true, 1, 3);     /* no unmap over a range */
+    CHECK(fakecuda_set_fail("cuMemMap:*") == 0);
+    cuma_settings set;
+    cuma_settings_default(&set);
+    snprintf(set.backend, sizeof set.backend, "vmm");
+    cuma_backend *be = NULL;
+    CHECK_ST(cuma_backend_create(&set, &be), CUMA_ERR_OOM);
+    CHECK(be == NULL && strstr(cuma_last_error(), "cuMemMap"));
+    check_no_driver_objects();
+    snprintf(set.backend, sizeof set.backend, "auto");
+    CHECK_OK(cuma_backend_create(&set, &be));
+    CHECK(fakecuda_set_fail(NULL) == 0);
+    CHECK(!strcmp(be->name, "segment"));
+    be->ops->destroy(be);
+    check_no_driver_objects();
+}
+
 /* Backend ops one by one: a page keeps its data across unmap and remap elsewhere; events
  * follow held streams; segments, managed memory, device info. */
 static void test_vmm_ops(void) {
@@ -529,6 +576,7 @@ int main(int argc, char **argv) {
         test_auto("vmm");
         test_bad_device();
         test_vmm_ops();
+        test_vmm_probe();
         test_segment_ops("segment");
         test_segment_ops("managed");
         test_vmm_churn();
