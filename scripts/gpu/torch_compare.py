@@ -189,7 +189,7 @@ def child(a):
                                                    "early_remaps", "remap_waits", "events_recorded",
                                                    "event_queries", "page_call_ns", "remap_keep",
                                                    "num_alloc_retries", "failed_allocs", "fragmentation",
-                                                   "policy")}
+                                                   "policy", "page_alias")}
         # Driver calls per training step: what the step time pays for cuma's memory.
         for k in ("page_creates", "maps", "unmaps", "map_runs", "unmap_runs", "remap_waits", "event_queries",
                   "page_call_ns"):

@@ -102,9 +102,10 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     cuma_strbuf_put(
         &o,
         "{\"version\":\"%d.%d.%d\",\"mode\":\"%s\",\"backend\":\"%s\",\"backend_fallback\":%s,"
-        "\"device\":\"%s\",\"policy\":\"%s\",",
+        "\"page_alias\":%s,\"device\":\"%s\",\"policy\":\"%s\",",
         CUMA_VERSION_MAJOR, CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->vmm ? "pages" : "segments",
-        h->be->name, h->backend_fallback ? "true" : "false", h->be->device_id, h->pol->ops->name);
+        h->be->name, h->backend_fallback ? "true" : "false",
+        (h->be->caps & CUMA_CAP_ALIAS) ? "true" : "false", h->be->device_id, h->pol->ops->name);
     U(requested_bytes);
     U(peak_requested_bytes);
     U(allocated_bytes);
