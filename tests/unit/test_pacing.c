@@ -5,7 +5,8 @@
  * memory in place and moves far fewer pages per pass than the same heap without it, for a
  * bounded amount of memory. About 6 s of wall time.
  *
- *   test_pacing TRACE */
+ *   test_pacing TRACE [SCALE]    (SCALE 16 by default; 1 for a trace at GPU size, such as
+ *                                 scripts/gpu/torch_trace.py's: about 15 s) */
 #include "check.h"
 #include "cuma/cuma.h"
 #include "trace/trace.h"
@@ -16,8 +17,9 @@
 #include <stdlib.h>
 #include <time.h>
 
-#define MB    (1024ull * 1024)
-#define SCALE 16
+#define MB (1024ull * 1024)
+
+static uint64_t scale = 16;
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -36,7 +38,7 @@ static void one_pass(cuma_heap *h, const cuma_trace *t, void **ptrs) {
         const cuma_trace_event *e = &t->ev[i];
         if (e->action == CUMA_TRACE_ALLOC) {
             ptrs[i] = NULL;
-            if (e->size) CHECK_OK(cuma_alloc(h, e->size * SCALE, NULL, &ptrs[i]));
+            if (e->size) CHECK_OK(cuma_alloc(h, e->size * scale, NULL, &ptrs[i]));
         } else if (e->action == CUMA_TRACE_FREE && e->match >= 0 && ptrs[e->match]) {
             CHECK_OK(cuma_free(h, ptrs[e->match], NULL));
             ptrs[e->match] = NULL;
@@ -74,17 +76,17 @@ static outcome replay_for(const char *conf, const cuma_trace *t, void **ptrs, do
 }
 
 int main(int argc, char **argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: test_pacing TRACE\n");
+    if (argc < 2 || argc > 3 || (argc == 3 && (scale = strtoull(argv[2], NULL, 10)) == 0)) {
+        fprintf(stderr, "usage: test_pacing TRACE [SCALE]\n");
         return 2;
     }
     cuma_trace t;
     CHECK_OK(cuma_trace_load(argv[1], &t));
     void **ptrs = calloc(t.n, sizeof *ptrs);
     CHECK(ptrs != NULL);
-    const char *paced = "backend:sim,capacity:16G,sim_call_us:20,tcache:off,arenas:1";
+    const char *paced = "backend:sim,capacity:32G,sim_call_us:20,tcache:off,arenas:1";
     const char *unpaced =
-        "backend:sim,capacity:16G,sim_call_us:20,tcache:off,arenas:1,page_call_budget:0";
+        "backend:sim,capacity:32G,sim_call_us:20,tcache:off,arenas:1,page_call_budget:0";
     outcome a = replay_for(paced, &t, ptrs, 3.0);
     outcome b = replay_for(unpaced, &t, ptrs, 3.0);
     double ma = (double)a.late_maps / (double)a.late_passes;
