@@ -61,9 +61,9 @@ cuma_status cuma_heap_build(cuma_heap *h) {
         st = h->be->ops->reserve(h->be, h->va_size, align, &h->base);
         if (st) goto fail_pol;
         st = cuma_pages_init(&h->pages, h->be, &h->streams, h->base, h->va_size);
+        if (st) goto fail_reserve;
         cuma_pages_policy(&h->pages, h->set.remap_threshold, h->set.page_call_budget,
                           !h->set.sim_clock_manual);
-        if (st) goto fail_reserve;
         h->pages.shared = &h->primary->pages.own_reserved;
         st = h->pol->ops->add_range(h->pol, 0, h->va_size);
         if (st) goto fail_pages;

@@ -72,9 +72,10 @@ void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
                                      atomic_load(&h->pub[CUMA_PUB_CACHED]));
         cap = others >= cap ? 0 : cap - others;
     }
-    if (h->vmm && h->pages.nghosts) cuma_pages_reap(&h->pages, false); /* their work is done */
     if (t >= next_age_due(h) || cuma_heap_cached(h) > cap)
-        cuma_heap_release(h, t, h->release_delay_ns, cap, age_keep(h), false);
+        cuma_heap_release(h, t, h->release_delay_ns, cap, age_keep(h), false); /* reaps too */
+    else if (h->vmm && h->pages.nghosts)
+        cuma_pages_reap(&h->pages, false); /* ghosts whose work is done go all the same */
     atomic_store_explicit(&h->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(h),
                           memory_order_relaxed);
 }

@@ -16,13 +16,12 @@
 #include <zlib.h>
 
 /* Invariant: gz == NULL once closed (by cuma_trace_writer_close or at exit) or failed; the
- * writer is on the open list while gz != NULL. mu guards gz, failed and count; the list is
+ * writer is on the open list while gz != NULL. mu guards gz and failed; the list is
  * guarded by list_mu (taken before mu). */
 struct cuma_trace_writer {
     pthread_mutex_t mu;
     gzFile gz;
     bool failed;
-    uint64_t count;
     uint64_t t0; /* ns, monotonic, at open */
     char *path;
     cuma_trace_writer *next_open;
@@ -132,18 +131,9 @@ void cuma_trace_writer_event(cuma_trace_writer *w, cuma_trace_action action, uin
                     e == Z_ERRNO ? strerror(errno) : why);
             w->failed = true;
             finish(w);
-        } else {
-            w->count++;
         }
     }
     pthread_mutex_unlock(&w->mu);
-}
-
-uint64_t cuma_trace_writer_count(cuma_trace_writer *w) {
-    pthread_mutex_lock(&w->mu);
-    uint64_t n = w->count;
-    pthread_mutex_unlock(&w->mu);
-    return n;
 }
 
 void cuma_trace_writer_close(cuma_trace_writer *w) {

@@ -25,9 +25,6 @@ cuma_status cuma_trace_writer_open(const char *path, cuma_trace_writer **out);
 void cuma_trace_writer_event(cuma_trace_writer *w, cuma_trace_action action, uint64_t ptr,
                              uint64_t size, uint64_t stream);
 
-/* Events written so far (tests). */
-uint64_t cuma_trace_writer_count(cuma_trace_writer *w);
-
 /* Flushes, closes and frees. NULL is fine. */
 void cuma_trace_writer_close(cuma_trace_writer *w);
 
