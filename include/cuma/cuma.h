@@ -175,6 +175,11 @@ typedef struct cuma_stats {
     uint64_t trims;           /* cuma_trim calls and OOM cache releases */
     double fragmentation;     /* share of mapped bytes not under live allocations */
     uint64_t arenas; /* arenas the heap has made (1 until threads kept colliding: `arenas` key) */
+    /* The cross-process ledger (cuma/ledger.h); zero when the heap is in none. */
+    uint64_t ledger_denials;       /* growths the ledger refused (others held the memory) */
+    uint64_t pressure_asks;        /* requests for other heaps' memory this heap posted */
+    uint64_t pressure_given_bytes; /* bytes it gave back on other heaps' requests */
+    uint64_t pressure_callbacks;   /* pressure callbacks it ran */
 } cuma_stats;
 
 cuma_status cuma_get_stats(cuma_heap *heap, cuma_stats *out);

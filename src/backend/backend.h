@@ -68,9 +68,10 @@ struct cuma_backend {
     const cuma_backend_ops *ops;
     const char *name;
     unsigned caps;
-    uint64_t page_size; /* granularity of page_create/map */
-    uint64_t capacity;  /* device memory in bytes */
-    char device_id[64]; /* UUID or "sim" */
+    uint64_t page_size;  /* granularity of page_create/map */
+    uint64_t capacity;   /* device memory in bytes */
+    char device_id[64];  /* UUID or "sim" */
+    cuma_backend *inner; /* a wrapper's (locked, ledger): the backend it calls; else NULL */
 };
 
 /* Creates the backend the settings name ("auto" picks the best available). */
@@ -81,7 +82,7 @@ cuma_status cuma_sim_backend_create(const cuma_settings *s, cuma_backend **out);
 /* Wraps a backend for several arenas of one heap: its calls then run under one mutex (except
  * now_ns and mem_info). Destroying the wrapper destroys the backend. */
 cuma_status cuma_backend_locked(cuma_backend *inner, cuma_backend **out);
-/* The backend a wrapper holds (be itself when it is no wrapper). */
+/* The device backend under any wrappers (be itself when it is no wrapper). */
 cuma_backend *cuma_backend_unwrap(cuma_backend *be);
 /* From now on the wrapper's calls take its mutex (before: one caller, the first arena, under its
  * own lock). Call with that lock held, before a second arena calls the backend. */

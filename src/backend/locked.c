@@ -125,6 +125,7 @@ cuma_status cuma_backend_locked(cuma_backend *inner, cuma_backend **out) {
     if (!l) return cuma_fail(CUMA_ERR_OOM, "no host memory for a shared backend");
     l->base = *inner;
     l->base.ops = &locked_ops;
+    l->base.inner = inner;
     l->inner = inner;
     pthread_mutex_init(&l->lock, NULL);
     *out = &l->base;
@@ -132,7 +133,8 @@ cuma_status cuma_backend_locked(cuma_backend *inner, cuma_backend **out) {
 }
 
 cuma_backend *cuma_backend_unwrap(cuma_backend *be) {
-    return be && be->ops == &locked_ops ? as_locked(be)->inner : be;
+    while (be && be->inner) be = be->inner;
+    return be;
 }
 
 void cuma_backend_share(cuma_backend *be) {

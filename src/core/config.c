@@ -15,7 +15,18 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum kind { K_SIZE, K_SIZE_OR_NONE, K_MS, K_FRACTION, K_BOOL, K_NAME, K_INT, K_PATH };
+enum kind {
+    K_SIZE,
+    K_SIZE_OR_NONE,
+    K_MS,
+    K_FRACTION,
+    K_BOOL,
+    K_NAME,
+    K_INT,
+    K_PATH,
+    K_WORD,
+    K_PRIO
+};
 
 typedef struct key_desc {
     const char *key;
@@ -108,6 +119,20 @@ static const key_desc keys[] = {
      "log every allocation, failed allocation and free to this file as RMM's CSV event log "
      "(gzip when it ends in .gz), for `cuma replay`; the thread caches are off meanwhile, so "
      "every call is seen in order; none (or empty) = no log (./none is a file of that name)"},
+    {"ledger", K_WORD, F(ledger), "auto", NULL,
+     "the cross-process ledger through which heaps on one device share it by priority "
+     "(include/cuma/ledger.h, `cuma ps`): auto = the user's ledger for CUDA devices, none for "
+     "the simulated one; on = the user's ledger; off = none; any other name = a ledger of that "
+     "name (letters, digits, _ - .), e.g. for a group of simulated heaps"},
+    {"priority", K_PRIO, F(priority), "0", NULL,
+     "this heap's priority in the ledger (-1000 to 1000, higher wins): heaps of lower priority "
+     "give their cache back and are asked to shrink to their guarantee when it needs memory"},
+    {"guarantee", K_SIZE, F(guarantee), "0", NULL,
+     "device memory no other heap in the ledger may take from this one; the guarantees on a "
+     "device add up to its size at most"},
+    {"pressure_timeout_ms", K_MS, F(pressure_timeout_ms), "1000", NULL,
+     "how long an allocation that does not fit waits for other heaps in the ledger to give "
+     "memory back before the OOM callbacks; 0 = do not ask them"},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])
@@ -191,6 +216,10 @@ static const char *kind_hint(enum kind k) {
         return "one of the listed names";
     case K_PATH:
         return "a file path of at most 255 bytes, without commas, or none";
+    case K_WORD:
+        return "auto, on, off, or a name of 1 to 48 letters, digits, '_', '-' or '.'";
+    case K_PRIO:
+        return "an integer from -1000 to 1000";
     }
     return "";
 }
@@ -237,6 +266,20 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
         errno = 0;
         long x = strtol(v, &end, 10);
         ok = end != v && !*end && !errno && x >= 0 && x < 1024;
+        if (ok) *(int *)field = (int)x;
+        break;
+    }
+    case K_WORD: {
+        size_t n = strspn(v, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.");
+        ok = n && n == strlen(v) && n <= 48;
+        if (ok) snprintf(field, sizeof s->ledger, "%s", v);
+        break;
+    }
+    case K_PRIO: {
+        char *end;
+        errno = 0;
+        long x = strtol(v, &end, 10);
+        ok = end != v && !*end && !errno && x >= -1000 && x <= 1000;
         if (ok) *(int *)field = (int)x;
         break;
     }
@@ -373,20 +416,6 @@ cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed) {
     return CUMA_OK;
 }
 
-/* A JSON string: quotes, backslashes and control characters escaped. */
-static void json_string(cuma_strbuf *o, const char *v) {
-    cuma_strbuf_put(o, "\"");
-    for (const unsigned char *c = (const unsigned char *)v; *c; c++) {
-        if (*c == '"' || *c == '\\')
-            cuma_strbuf_put(o, "\\%c", *c);
-        else if (*c < 0x20)
-            cuma_strbuf_put(o, "\\u%04x", *c);
-        else
-            cuma_strbuf_put(o, "%c", *c);
-    }
-    cuma_strbuf_put(o, "\"");
-}
-
 size_t cuma_settings_json(const cuma_settings *s, char *buf, size_t len) {
     cuma_strbuf o = {buf, len, 0};
     for (size_t i = 0; i < NKEYS; i++) {
@@ -414,11 +443,15 @@ size_t cuma_settings_json(const cuma_settings *s, char *buf, size_t len) {
             cuma_strbuf_put(&o, "%s", *(const bool *)field ? "true" : "false");
             break;
         case K_INT:
+        case K_PRIO:
             cuma_strbuf_put(&o, "%d", *(const int *)field);
+            break;
+        case K_WORD:
+            cuma_strbuf_json_string(&o, field);
             break;
         case K_PATH:
             if (*field)
-                json_string(&o, field);
+                cuma_strbuf_json_string(&o, field);
             else
                 cuma_strbuf_put(&o, "null");
             break;

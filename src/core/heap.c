@@ -185,6 +185,12 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
         st = try_alloc(h, size, n, si, now(h), out);
         if (!is_oom(st)) return st;
     }
+    /* Other processes' heaps on the device may give memory back (not beyond the heap's own
+     * limit: nobody can help there). */
+    if (st == CUMA_ERR_OOM && cuma_heap_ledger_reclaim(h, n)) {
+        st = try_alloc(h, size, n, si, now(h), out);
+        if (!is_oom(st)) return st;
+    }
     pthread_mutex_lock(&p->oom_lock);
     cuma_oom_slot cbs[CUMA_MAX_OOM_CALLBACKS];
     int ncb = atomic_load(&p->in_oom) ? 0 : p->noom;

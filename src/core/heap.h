@@ -5,6 +5,7 @@
 
 #include "backend/backend.h"
 #include "config.h"
+#include "cuma/ledger.h"
 #include "hashmap.h"
 #include "pages.h"
 #include "policy.h"
@@ -16,6 +17,8 @@
 #include <stdatomic.h>
 
 #define CUMA_MAX_OOM_CALLBACKS 16
+/* How often the release thread of a heap in the ledger looks for pressure requests. */
+#define CUMA_LEDGER_POLL_NS 5000000ull
 
 /* The figures an arena publishes (cuma_heap.pub). */
 enum { CUMA_PUB_REQUESTED, CUMA_PUB_ALLOCATED, CUMA_PUB_CACHED, CUMA_PUB_N };
@@ -25,6 +28,12 @@ typedef struct cuma_oom_slot {
     void *user;
     int id;
 } cuma_oom_slot;
+
+typedef struct cuma_pressure_slot {
+    cuma_pressure_fn fn;
+    void *user;
+    int id;
+} cuma_pressure_slot;
 
 /* Counters kept under the heap lock; cuma_get_stats copies them out. */
 typedef struct cuma_counters {
@@ -79,10 +88,17 @@ struct cuma_heap {
     int64_t release_delay_ns;
     uint64_t max_cached_bytes;
     cuma_counters c; /* this arena's; the peaks and managed counts live in the first's */
-    /* First arena only, under oom_lock (a leaf lock): the callbacks. */
+    /* First arena only, under oom_lock (a leaf lock): the callbacks, OOM and pressure. */
     pthread_mutex_t oom_lock;
     cuma_oom_slot oom[CUMA_MAX_OOM_CALLBACKS];
     int noom, next_oom_id;
+    cuma_pressure_slot pcb[CUMA_MAX_OOM_CALLBACKS];
+    int npcb, next_pcb_id;
+    /* First arena only: the heap's slot in the cross-process ledger (owned by the backend
+     * wrapper that admits its memory), or NULL; constant. ledger_error: why a ledger the heap
+     * was not told to use could not be joined (stats), "" otherwise; constant. */
+    struct cuma_ledger *ledger;
+    char ledger_error[160];
     _Atomic int in_oom; /* first arena: a callback is running: no recursion into callbacks */
     /* First arena only, under managed_lock (a leaf lock): managed fallbacks (the map above,
      * c.managed, c.managed_fallbacks and the frees of managed memory). */
@@ -206,6 +222,16 @@ void cuma_heap_coalesce(cuma_heap *h, bool wait);
 void cuma_heap_release_idle(cuma_heap *h, uint64_t keep_bytes);
 /* The release thread's body (release.c); started by cuma_heap_build. */
 void *cuma_heap_release_thread(void *arg);
+
+/* The cross-process ledger (pressure.c). Joins it as the settings say, wrapping h->be (first
+ * arena, at creation, before any arena shares the backend). */
+cuma_status cuma_heap_join_ledger(cuma_heap *h);
+/* Out-of-memory ladder: asks the other heaps for n bytes and waits (h's lock held on entry and
+ * exit, dropped meanwhile); true when they now fit. */
+bool cuma_heap_ledger_reclaim(cuma_heap *h, uint64_t n);
+/* Release thread of the first arena (its lock held, dropped meanwhile): publishes the heap's
+ * figures and answers the others' requests. */
+void cuma_heap_ledger_poll(cuma_heap *p);
 
 /* Locked helpers shared by heap.c and heap_api.c. */
 void cuma_heap_refresh_limit(cuma_heap *h);

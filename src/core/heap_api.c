@@ -1,9 +1,11 @@
 /* Heap calls around the core paths: limits, callbacks, lookups, validation, sim controls. */
+#include "coord/ledger_backend.h"
 #include "cuma/sim.h"
 #include "error.h"
 #include "heap.h"
 
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
@@ -202,6 +204,18 @@ static const char *check_arenas(cuma_heap *h, unsigned n) {
     }
     if (h->vmm && pages != atomic_load(&h->pages.own_reserved))
         return "reserved pages differ from the arenas' sum";
+    if (h->ledger) {
+        uint64_t held = 0;
+        for (unsigned i = 0; i < n; i++) held += cuma_heap_reserved(h->arenas[i]);
+        if (held != cuma_backend_ledger_held(h->be))
+            return "the bytes the ledger admitted differ from the arenas' reserved bytes";
+        if (cuma_ledger_validate(h->ledger, held)) {
+            /* The message is formatted into the thread's error text again: copy it first. */
+            static _Thread_local char why[256];
+            snprintf(why, sizeof why, "%s", cuma_last_error());
+            return why;
+        }
+    }
     return NULL;
 }
 

@@ -1,4 +1,5 @@
 /* Heap life cycle: settings, backend, arenas' common parts, creation and destruction. */
+#include "coord/ledger.h"
 #include "error.h"
 #include "heap.h"
 #include "trace/writer.h"
@@ -22,6 +23,7 @@ void cuma_heap_refresh_limit(cuma_heap *h) {
     }
     if (!h->set.growth && h->set.preallocate < lim) lim = h->set.preallocate;
     h->limit_bytes = lim;
+    if (h->primary == h && h->ledger) cuma_ledger_set_limit(h->ledger, lim);
     if (h->vmm) {
         h->pages.limit_pages = lim / h->pages.page_size;
         h->pages.limit_is_device = lim == h->be->capacity;
@@ -102,7 +104,9 @@ cuma_status cuma_heap_build(cuma_heap *h) {
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&h->wake, &ca);
     pthread_condattr_destroy(&ca);
-    if (h->set.release_thread && !h->set.sim_clock_manual && h->release_delay_ns >= 0) {
+    /* The thread also answers the ledger's pressure requests, whatever the release delay. */
+    bool thread = h->release_delay_ns >= 0 || (first && h->ledger);
+    if (h->set.release_thread && !h->set.sim_clock_manual && thread) {
         if (pthread_create(&h->thread, NULL, cuma_heap_release_thread, h)) {
             st = cuma_fail(CUMA_ERR_BACKEND, "could not start the release thread");
             pthread_mutex_destroy(&h->lock);
@@ -173,6 +177,8 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         st = cuma_backend_create(&h->set, &h->be);
     }
     if (st) goto fail_free;
+    st = cuma_heap_join_ledger(h);
+    if (st) goto fail_be;
     if (h->set.trace[0]) {
         h->set.tcache = false; /* every call takes the lock: the log sees them all, in order */
         st = cuma_trace_writer_open(h->set.trace, &h->tw);

@@ -150,6 +150,8 @@ void *cuma_heap_release_thread(void *arg) {
         uint64_t t = cuma_heap_now(h), due = next_age_due(h), wait_ns = 1000000000ull;
         if (h->tcaches && h->tc_age_ns != INT64_MAX) wait_ns = (uint64_t)h->tc_age_ns / 2 + 1;
         if (wait_ns > 1000000000ull) wait_ns = 1000000000ull;
+        /* Other processes' pressure requests are answered within a few ms. */
+        if (h->ledger && wait_ns > CUMA_LEDGER_POLL_NS) wait_ns = CUMA_LEDGER_POLL_NS;
         if (due != UINT64_MAX) {
             if (due <= t)
                 wait_ns = 0;
@@ -169,6 +171,7 @@ void *cuma_heap_release_thread(void *arg) {
             pthread_cond_timedwait(&h->wake, &h->lock, &ts);
         }
         if (!h->stopping) cuma_heap_release_policy(h, cuma_heap_now(h));
+        if (!h->stopping && h->ledger) cuma_heap_ledger_poll(h);
     }
     pthread_mutex_unlock(&h->lock);
     return NULL;

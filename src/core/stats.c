@@ -1,6 +1,7 @@
 /* Statistics: one snapshot struct and its JSON form. */
 #include "error.h"
 #include "strbuf.h"
+#include "coord/ledger.h"
 #include "heap.h"
 
 #include <stdarg.h>
@@ -75,6 +76,14 @@ cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
     if (!h || !out)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_get_stats: %s is NULL", h ? "out" : "heap");
     snapshot(h, out);
+    if (h->ledger) {
+        cuma_ledger_entry e;
+        cuma_ledger_self(h->ledger, &e);
+        out->ledger_denials = e.denials;
+        out->pressure_asks = e.pressure_asks;
+        out->pressure_given_bytes = e.pressure_given;
+        out->pressure_callbacks = e.pressure_calls;
+    }
     /* The driver's view is read outside the locks: it may be slow and needs no heap state. */
     uint64_t fr = 0, tot = 0;
     if (h->be->ops->mem_info(h->be, &fr, &tot) == CUMA_OK)
@@ -141,7 +150,26 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(event_queries);
     U(trims);
     U(arenas);
+    U(ledger_denials);
+    U(pressure_asks);
+    U(pressure_given_bytes);
+    U(pressure_callbacks);
 #undef U
+    if (h->ledger) {
+        cuma_ledger_entry e;
+        cuma_ledger_self(h->ledger, &e);
+        cuma_strbuf_put(&o, "\"ledger\":{\"path\":");
+        cuma_strbuf_json_string(&o, cuma_ledger_where(h->ledger));
+        cuma_strbuf_put(&o, ",\"slot\":%u,\"priority\":%d,\"guarantee\":%llu},", e.slot, e.priority,
+                        (unsigned long long)e.guarantee);
+    } else {
+        cuma_strbuf_put(&o, "\"ledger\":null,");
+    }
+    if (h->ledger_error[0]) {
+        cuma_strbuf_put(&o, "\"ledger_error\":");
+        cuma_strbuf_json_string(&o, h->ledger_error);
+        cuma_strbuf_put(&o, ",");
+    }
     cuma_strbuf_put(&o, "\"remap_keep\":%.4f,\"fragmentation\":%.6f,\"config\":{", s.remap_keep,
                     s.fragmentation);
     size_t room = cuma_strbuf_room(&o);

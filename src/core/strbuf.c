@@ -11,3 +11,16 @@ void cuma_strbuf_put(cuma_strbuf *o, const char *fmt, ...) {
     va_end(ap);
     if (n > 0) o->used += (size_t)n;
 }
+
+void cuma_strbuf_json_string(cuma_strbuf *o, const char *v) {
+    cuma_strbuf_put(o, "\"");
+    for (const unsigned char *c = (const unsigned char *)v; *c; c++) {
+        if (*c == '"' || *c == '\\')
+            cuma_strbuf_put(o, "\\%c", *c);
+        else if (*c < 0x20)
+            cuma_strbuf_put(o, "\\u%04x", *c);
+        else
+            cuma_strbuf_put(o, "%c", *c);
+    }
+    cuma_strbuf_put(o, "\"");
+}

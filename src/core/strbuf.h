@@ -14,6 +14,9 @@ typedef struct cuma_strbuf {
 
 void cuma_strbuf_put(cuma_strbuf *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* Appends v as a JSON string: quotes, backslashes and control characters escaped. */
+void cuma_strbuf_json_string(cuma_strbuf *o, const char *v);
+
 /* The room left at the end of the text (0 when full or without a buffer). */
 static inline size_t cuma_strbuf_room(const cuma_strbuf *o) {
     return o->buf && o->used < o->len ? o->len - o->used : 0;

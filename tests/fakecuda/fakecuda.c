@@ -335,8 +335,11 @@ CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) {
     FC_ENTER(DeviceGetUuid);
     if (!uuid) return CUDA_ERROR_INVALID_VALUE;
     if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
-    uint64_t w[2] = {mix64(0x63756d6166616b65ull ^ (uint64_t)dev),
-                     mix64(0x6465766963650000ull + (uint64_t)dev)};
+    /* Each process's fake device is its own memory, so its UUID names the process too: the
+     * cross-process ledger counts processes with the same UUID as sharing one device. */
+    uint64_t pid = (uint64_t)getpid();
+    uint64_t w[2] = {mix64(0x63756d6166616b65ull ^ (uint64_t)dev ^ (pid << 32)),
+                     mix64(0x6465766963650000ull + (uint64_t)dev + (pid << 8))};
     memcpy(uuid->bytes, w, sizeof uuid->bytes);
     return CUDA_SUCCESS;
 }

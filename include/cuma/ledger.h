@@ -1,0 +1,69 @@
+/* cuma's cross-process ledger: the heaps of several processes that share GPUs.
+ *
+ * Every heap on a CUDA device (and a heap on the simulated device that names a ledger) has a
+ * slot in a ledger in POSIX shared memory, one per user (mode 0600): its process, device (by
+ * UUID), priority, guarantee, limit and what it holds. A heap grows only while the device has
+ * room for it next to what the others hold and the guarantees they have not used yet; one that
+ * cannot grow asks the others (a pressure request): heaps of the same or lower priority give
+ * their idle cache back, heaps of lower priority (or any heap, for a heap under its guarantee)
+ * are asked to shrink towards their guarantee (their pressure callbacks). Settings: `ledger`,
+ * `priority`, `guarantee`, `pressure_timeout_ms` (cuma config).
+ *
+ * This header is the read side for tools (`cuma ps`, `cuma top`, `cuma exporter`) and the
+ * pressure callback of a heap. Thread-safe.
+ */
+#ifndef CUMA_LEDGER_H
+#define CUMA_LEDGER_H
+
+#include "cuma/cuma.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One heap in the ledger, as of the snapshot. Sizes in bytes. */
+typedef struct cuma_ledger_entry {
+    int pid;
+    int priority;      /* higher wins */
+    unsigned slot;     /* index in the ledger */
+    char process[32];  /* the process's name (comm) */
+    char device[64];   /* the device's UUID ("GPU-..."), or "sim" */
+    uint64_t capacity; /* the device's memory */
+    uint64_t guarantee;
+    uint64_t limit;
+    uint64_t reserved; /* held from the device (what the ledger admitted) */
+    uint64_t cached;   /* of which idle (as of the heap's last release-policy run) */
+    uint64_t requested;
+    uint64_t peak_reserved;
+    uint64_t want;           /* bytes it waits for now (a pressure request), 0 if none */
+    uint64_t denials;        /* growths the ledger refused */
+    uint64_t pressure_asks;  /* pressure requests it posted */
+    uint64_t pressure_given; /* bytes it gave back on others' requests */
+    uint64_t pressure_calls; /* pressure callbacks it ran */
+    uint64_t age_ns;         /* since its figures were last published */
+} cuma_ledger_entry;
+
+/* The live heaps of a ledger (name NULL or "on": the user's default ledger; else the name the
+ * `ledger` setting gives). Dead processes' slots are reclaimed first. At most `max` entries go
+ * to out (may be NULL when max is 0); *n gets the number of live heaps. CUMA_ERR_IO when the
+ * ledger does not exist (no heap has used it) or cannot be read, with the path in the
+ * message. */
+cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_t max, size_t *n);
+
+/* The shared-memory path of a ledger (for messages and tools), into buf (NUL-terminated). */
+cuma_status cuma_ledger_path(const char *name, char *buf, size_t len);
+
+/* Pressure callback: another heap on the device (of higher priority, or under its guarantee)
+ * needs `bytes` that this heap holds in use beyond its guarantee. Called from the heap's
+ * release thread, without heap locks, once per request; the program may free memory (through
+ * cuma_free on this heap, from any thread), halve its batch, or ignore it. */
+typedef void (*cuma_pressure_fn)(void *user, cuma_heap *heap, uint64_t bytes);
+
+/* Registers a pressure callback; *id (may be NULL) gets a handle for removal. At most 16. */
+cuma_status cuma_add_pressure_callback(cuma_heap *heap, cuma_pressure_fn fn, void *user, int *id);
+cuma_status cuma_remove_pressure_callback(cuma_heap *heap, int id);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

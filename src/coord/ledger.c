@@ -1,0 +1,672 @@
+/* The cross-process ledger: a file in POSIX shared memory, one per user, with a slot per heap.
+ *
+ * Why it is built this way (lessons from HAMi-core's shared region):
+ * - Initialisation is serialised by flock on the file, which the kernel drops when a process
+ *   dies: a process killed while creating the ledger leaves no half-made header that blocks the
+ *   others (the next opener sees no magic and initialises it), and nothing spins.
+ * - The lock is a robust, process-shared mutex: a process killed while holding it hands the next
+ *   locker EOWNERDEAD, which reclaims dead slots and goes on.
+ * - A slot is reclaimed when its process is gone or its pid was reused (start time differs).
+ * - Usage is never a running total that can wrap: each heap counts its own bytes in its slot
+ *   (it only ever gives back what it was given), and totals are summed when needed.
+ * - Opening is a handful of system calls; nothing scans /proc beyond the ledger's own slots.
+ */
+#include "ledger.h"
+
+#include "core/error.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define LEDGER_MAGIC   0x3152474c414d5543ull /* "CUMALGR1" */
+#define LEDGER_VERSION 1u
+#define LEDGER_SLOTS   256u
+
+/* One heap. state, pid, start, priority, process, device, capacity and guarantee are written
+ * under the ledger lock while the slot is taken (state last, release) and constant until it is
+ * freed. reserved grows under the lock (admission reads every slot's under it) and shrinks
+ * without it (a heap gives back only what it was given, so it cannot wrap). The rest is the
+ * owner's, written without the lock, read by anyone. Invariant: state is 0 (free, all zero)
+ * or 1 (live); a live slot's reserved <= capacity. */
+typedef struct ledger_slot {
+    _Atomic uint32_t state;
+    int32_t pid;
+    uint64_t start; /* the process's start time (clock ticks since boot), for pid reuse */
+    int32_t priority;
+    uint32_t pad;
+    char process[32];
+    char device[64];
+    uint64_t capacity, guarantee;
+    _Atomic uint64_t limit;
+    _Atomic uint64_t reserved, peak;
+    _Atomic uint64_t cached, requested;
+    _Atomic uint64_t want; /* written under the lock, with seq bumped */
+    _Atomic uint64_t denials, asks, given, calls;
+    _Atomic uint64_t published_ns; /* CLOCK_MONOTONIC of the owner's last publish */
+    uint64_t spare[8];
+} ledger_slot;
+
+/* The shared file. The header is written once, under flock, before magic is set (release);
+ * version, slot count and sizes say which layout it has, so that another build of cuma refuses
+ * a ledger it would misread. `seq` changes (under the lock) whenever a pressure request is posted
+ * or withdrawn: answering heaps poll it. */
+typedef struct ledger_shm {
+    _Atomic uint64_t magic;
+    uint32_t version, nslots;
+    uint32_t slot_size, mutex_size;
+    uint64_t size;
+    pthread_mutex_t lock;
+    _Atomic uint64_t seq;
+    uint64_t spare[16];
+    ledger_slot slot[];
+} ledger_shm;
+
+#define LEDGER_BYTES (sizeof(ledger_shm) + LEDGER_SLOTS * sizeof(ledger_slot))
+
+/* A heap's handle: its mapping and slot. seen_seq and active belong to the thread that polls
+ * cuma_ledger_asked (the heap's release thread); the rest is constant. */
+struct cuma_ledger {
+    ledger_shm *shm;
+    unsigned slot;
+    uint64_t seen_seq;
+    bool active;
+    char path[96];
+};
+
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static bool valid_name(const char *n) {
+    size_t len = strlen(n);
+    if (!len || len > 48) return false;
+    for (const char *p = n; *p; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+              *p == '_' || *p == '-' || *p == '.'))
+            return false;
+    return true;
+}
+
+/* shm_open's name: /cuma-UID for the user's ledger, /cuma-UID-NAME for a named one. */
+static cuma_status shm_name(const char *name, char *buf, size_t len) {
+    if (!name || !*name || !strcmp(name, "on")) {
+        snprintf(buf, len, "/cuma-%u", (unsigned)geteuid());
+        return CUMA_OK;
+    }
+    if (!valid_name(name))
+        return cuma_fail(CUMA_ERR_CONFIG,
+                         "ledger: bad name '%s': 1 to 48 letters, digits, '_', '-' or '.'", name);
+    snprintf(buf, len, "/cuma-%u-%s", (unsigned)geteuid(), name);
+    return CUMA_OK;
+}
+
+cuma_status cuma_ledger_path(const char *name, char *buf, size_t len) {
+    char n[72]; /* "/cuma-UID-" and a name of 48 at most */
+    if (!buf || !len) return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_path: no buffer");
+    cuma_status st = shm_name(name, n, sizeof n);
+    if (st) return st;
+    if ((size_t)snprintf(buf, len, "/dev/shm%s", n) >= len)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_path: buffer of %zu bytes too small", len);
+    return CUMA_OK;
+}
+
+/* ---- processes ------------------------------------------------------------------------------ */
+
+/* Field 22 of /proc/PID/stat (after the parenthesised name, which may hold spaces); 0 when it
+ * cannot be read. */
+static uint64_t proc_start(int pid) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    if (!p) return 0;
+    /* p + 2 is field 3 (state); the start time is field 22: 19 fields further. */
+    p += 2;
+    for (int f = 3; f < 22 && p; f++) {
+        p = strchr(p, ' ');
+        if (p) p++;
+    }
+    return p ? strtoull(p, NULL, 10) : 0;
+}
+
+static bool alive(const ledger_slot *s) {
+    if (kill(s->pid, 0) && errno == ESRCH) return false;
+    uint64_t st = proc_start(s->pid);
+    return !st || !s->start || st == s->start; /* unreadable: trust kill */
+}
+
+static void clear_slot(ledger_slot *s) {
+    atomic_store_explicit(&s->state, 0, memory_order_release);
+    s->pid = 0;
+    s->start = 0;
+    s->priority = 0;
+    memset(s->process, 0, sizeof s->process);
+    memset(s->device, 0, sizeof s->device);
+    s->capacity = s->guarantee = 0;
+    atomic_store(&s->limit, 0);
+    atomic_store(&s->reserved, 0);
+    atomic_store(&s->peak, 0);
+    atomic_store(&s->cached, 0);
+    atomic_store(&s->requested, 0);
+    atomic_store(&s->want, 0);
+    atomic_store(&s->denials, 0);
+    atomic_store(&s->asks, 0);
+    atomic_store(&s->given, 0);
+    atomic_store(&s->calls, 0);
+    atomic_store(&s->published_ns, 0);
+}
+
+/* Frees the slots of dead processes (lock held). A dead requester's want goes with its slot. */
+static unsigned reap(ledger_shm *m) {
+    unsigned n = 0;
+    for (unsigned i = 0; i < m->nslots; i++) {
+        ledger_slot *s = &m->slot[i];
+        if (atomic_load(&s->state) != 1 || alive(s)) continue;
+        if (atomic_load(&s->want)) atomic_fetch_add(&m->seq, 1);
+        clear_slot(s);
+        n++;
+    }
+    return n;
+}
+
+static cuma_status lock(ledger_shm *m, const char *path) {
+    int r = pthread_mutex_lock(&m->lock);
+    if (r == EOWNERDEAD) {
+        /* Its holder died: every change under the lock is a single store, so the ledger is
+         * whole; the dead process's slot goes. */
+        pthread_mutex_consistent(&m->lock);
+        reap(m);
+        r = 0;
+    }
+    if (r) return cuma_fail(CUMA_ERR_BACKEND, "ledger %s: its lock failed (%s)", path, strerror(r));
+    return CUMA_OK;
+}
+
+static void unlock(ledger_shm *m) {
+    pthread_mutex_unlock(&m->lock);
+}
+
+/* ---- the file ------------------------------------------------------------------------------- */
+
+static void init_header(ledger_shm *m) {
+    memset(m, 0, LEDGER_BYTES);
+    m->version = LEDGER_VERSION;
+    m->nslots = LEDGER_SLOTS;
+    m->slot_size = (uint32_t)sizeof(ledger_slot);
+    m->mutex_size = (uint32_t)sizeof(pthread_mutex_t);
+    m->size = LEDGER_BYTES;
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(&m->lock, &a);
+    pthread_mutexattr_destroy(&a);
+    atomic_store_explicit(&m->magic, LEDGER_MAGIC, memory_order_release);
+}
+
+static cuma_status check_header(const ledger_shm *m, const char *path) {
+    if (m->version != LEDGER_VERSION || m->nslots != LEDGER_SLOTS ||
+        m->slot_size != sizeof(ledger_slot) || m->mutex_size != sizeof(pthread_mutex_t) ||
+        m->size != LEDGER_BYTES)
+        return cuma_fail(CUMA_ERR_CORRUPT,
+                         "ledger %s has layout version %u (%u slots of %u bytes), this cuma uses "
+                         "version %u (%u of %zu): another cuma build shares it; give this one "
+                         "another ledger (ledger:NAME) or ledger:off",
+                         path, m->version, m->nslots, m->slot_size, LEDGER_VERSION, LEDGER_SLOTS,
+                         sizeof(ledger_slot));
+    return CUMA_OK;
+}
+
+/* Maps the ledger, creating and initialising it where `create`. */
+static cuma_status map_ledger(const char *name, bool create, ledger_shm **out, char *path,
+                              size_t plen) {
+    char n[72]; /* "/cuma-UID-" and a name of 48 at most */
+    cuma_status st = shm_name(name, n, sizeof n);
+    if (st) return st;
+    snprintf(path, plen, "/dev/shm%s", n);
+    int fd = shm_open(n, O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0), 0600);
+    if (fd < 0)
+        return cuma_fail(CUMA_ERR_IO, "ledger %s: %s", path,
+                         errno == ENOENT ? "no such ledger (no heap has joined it)"
+                                         : strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb)) {
+        st = cuma_fail(CUMA_ERR_IO, "ledger %s: fstat: %s", path, strerror(errno));
+        goto out_fd;
+    }
+    /* The ledger steers other processes' memory: only the user's own, private one will do. */
+    if (sb.st_uid != geteuid() || (sb.st_mode & 077)) {
+        st = cuma_fail(CUMA_ERR_IO,
+                       "ledger %s belongs to uid %u with mode %03o: it must be this user's (%u) "
+                       "with mode 0600",
+                       path, (unsigned)sb.st_uid, (unsigned)(sb.st_mode & 0777),
+                       (unsigned)geteuid());
+        goto out_fd;
+    }
+    if (flock(fd, LOCK_EX)) {
+        st = cuma_fail(CUMA_ERR_IO, "ledger %s: flock: %s", path, strerror(errno));
+        goto out_fd;
+    }
+    if (fstat(fd, &sb) == 0 && sb.st_size == 0) {
+        if (!create) {
+            st = cuma_fail(CUMA_ERR_IO, "ledger %s is empty (no heap has joined it)", path);
+            goto out_unlock;
+        }
+        if (ftruncate(fd, (off_t)LEDGER_BYTES)) {
+            st = cuma_fail(CUMA_ERR_IO, "ledger %s: ftruncate: %s", path, strerror(errno));
+            goto out_unlock;
+        }
+        sb.st_size = (off_t)LEDGER_BYTES;
+    }
+    if ((uint64_t)sb.st_size < sizeof(ledger_shm)) {
+        st = cuma_fail(CUMA_ERR_CORRUPT, "ledger %s has %lld bytes, too few for a header", path,
+                       (long long)sb.st_size);
+        goto out_unlock;
+    }
+    void *p = mmap(NULL, (size_t)sb.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        st = cuma_fail(CUMA_ERR_IO, "ledger %s: mmap: %s", path, strerror(errno));
+        goto out_unlock;
+    }
+    ledger_shm *m = p;
+    /* No magic under flock: its creator died before finishing (or it was just made). */
+    if (atomic_load_explicit(&m->magic, memory_order_acquire) != LEDGER_MAGIC) {
+        if ((uint64_t)sb.st_size == LEDGER_BYTES && create) {
+            init_header(m);
+        } else {
+            st = cuma_fail(CUMA_ERR_CORRUPT, "ledger %s is not a cuma ledger (no magic)", path);
+            munmap(p, (size_t)sb.st_size);
+            goto out_unlock;
+        }
+    }
+    st = (uint64_t)sb.st_size == LEDGER_BYTES
+             ? check_header(m, path)
+             : cuma_fail(CUMA_ERR_CORRUPT,
+                         "ledger %s has %lld bytes, this cuma's "
+                         "layout has %zu: another build?",
+                         path, (long long)sb.st_size, (size_t)LEDGER_BYTES);
+    if (st)
+        munmap(p, (size_t)sb.st_size);
+    else
+        *out = m;
+out_unlock:
+    flock(fd, LOCK_UN);
+out_fd:
+    close(fd);
+    return st;
+}
+
+/* ---- admission --------------------------------------------------------------------------------
+ */
+
+static bool same_device(const ledger_slot *a, const ledger_slot *b) {
+    return atomic_load_explicit(&b->state, memory_order_acquire) == 1 && a != b &&
+           !strncmp(a->device, b->device, sizeof a->device);
+}
+
+static uint64_t max64(uint64_t a, uint64_t b) {
+    return a > b ? a : b;
+}
+
+/* What the other heaps on me's device claim: what they hold or their guarantee, whichever is
+ * more; and what heaps of higher priority wait for. */
+static void claims(const ledger_shm *m, const ledger_slot *me, uint64_t *held, uint64_t *higher) {
+    *held = *higher = 0;
+    for (unsigned i = 0; i < m->nslots; i++) {
+        const ledger_slot *o = &m->slot[i];
+        if (!same_device(me, o)) continue;
+        *held += max64(atomic_load(&o->reserved), o->guarantee);
+        if (o->priority > me->priority) *higher += atomic_load(&o->want);
+    }
+}
+
+/* Whether me may hold `bytes` more (lock held). Up to its guarantee a heap competes only with
+ * what the others hold; above it, also with what heaps of higher priority wait for, so that a
+ * heap asked to give memory back does not take it again at once. */
+static bool fits(const ledger_shm *m, const ledger_slot *me, uint64_t bytes) {
+    uint64_t held, higher;
+    claims(m, me, &held, &higher);
+    uint64_t mine = atomic_load(&me->reserved) + bytes;
+    if (mine <= me->guarantee) higher = 0;
+    return held + mine + higher <= me->capacity && held + mine >= held;
+}
+
+static ledger_slot *my_slot(cuma_ledger *l) {
+    return &l->shm->slot[l->slot];
+}
+
+cuma_status cuma_ledger_admit(cuma_ledger *l, uint64_t bytes) {
+    ledger_slot *me = my_slot(l);
+    cuma_status st = lock(l->shm, l->path);
+    if (st) return st;
+    bool ok = fits(l->shm, me, bytes);
+    if (!ok && reap(l->shm)) ok = fits(l->shm, me, bytes);
+    uint64_t held = 0, higher = 0;
+    if (ok) {
+        uint64_t r = atomic_fetch_add(&me->reserved, bytes) + bytes;
+        if (r > atomic_load(&me->peak)) atomic_store(&me->peak, r);
+    } else {
+        claims(l->shm, me, &held, &higher);
+        atomic_fetch_add(&me->denials, 1);
+    }
+    unlock(l->shm);
+    if (ok) return CUMA_OK;
+    return cuma_fail(CUMA_ERR_OOM,
+                     "device %s is taken (ledger %s): other heaps hold or are guaranteed %" PRIu64
+                     " bytes and heaps of higher priority wait for %" PRIu64
+                     "; this one holds %" PRIu64 " of %" PRIu64 " and asked for %" PRIu64 " more",
+                     me->device, l->path, held, higher, atomic_load(&me->reserved), me->capacity,
+                     bytes);
+}
+
+void cuma_ledger_unadmit(cuma_ledger *l, uint64_t bytes) {
+    ledger_slot *me = my_slot(l);
+    uint64_t r = atomic_load(&me->reserved);
+    /* Only ever what was admitted; never below zero, whatever a caller does. */
+    while (!atomic_compare_exchange_weak(&me->reserved, &r, r > bytes ? r - bytes : 0)) {
+    }
+}
+
+void cuma_ledger_set_limit(cuma_ledger *l, uint64_t limit) {
+    atomic_store(&my_slot(l)->limit, limit);
+}
+
+void cuma_ledger_publish(cuma_ledger *l, uint64_t cached, uint64_t requested) {
+    ledger_slot *me = my_slot(l);
+    atomic_store_explicit(&me->cached, cached, memory_order_relaxed);
+    atomic_store_explicit(&me->requested, requested, memory_order_relaxed);
+    atomic_store_explicit(&me->published_ns, mono_ns(), memory_order_relaxed);
+}
+
+/* ---- joining -------------------------------------------------------------------------------- */
+
+static void read_comm(char *buf, size_t len) {
+    memset(buf, 0, len);
+    int fd = open("/proc/self/comm", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    ssize_t n = read(fd, buf, len - 1);
+    close(fd);
+    if (n > 0 && buf[n - 1] == '\n') buf[n - 1] = 0;
+}
+
+cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out) {
+    *out = NULL;
+    cuma_ledger *l = calloc(1, sizeof *l);
+    if (!l) return cuma_fail(CUMA_ERR_OOM, "no host memory for a ledger handle");
+    cuma_status st = map_ledger(in->name, true, &l->shm, l->path, sizeof l->path);
+    if (st) {
+        free(l);
+        return st;
+    }
+    ledger_shm *m = l->shm;
+    st = lock(m, l->path);
+    if (st) goto fail;
+    reap(m);
+    uint64_t guaranteed = 0;
+    unsigned free_slot = m->nslots;
+    for (unsigned i = 0; i < m->nslots; i++) {
+        ledger_slot *o = &m->slot[i];
+        if (atomic_load(&o->state) != 1) {
+            if (free_slot == m->nslots) free_slot = i;
+        } else if (!strncmp(o->device, in->device, sizeof o->device)) {
+            guaranteed += o->guarantee;
+        }
+    }
+    if (in->guarantee && guaranteed + in->guarantee > in->capacity) {
+        unlock(m);
+        st = cuma_fail(CUMA_ERR_LIMIT,
+                       "guarantee: %" PRIu64 " bytes asked on device %s, but other heaps are "
+                       "guaranteed %" PRIu64 " of its %" PRIu64 " (ledger %s)",
+                       in->guarantee, in->device, guaranteed, in->capacity, l->path);
+        goto fail;
+    }
+    if (free_slot == m->nslots) {
+        unlock(m);
+        st = cuma_fail(CUMA_ERR_LIMIT, "ledger %s: all %u slots are taken by live heaps", l->path,
+                       m->nslots);
+        goto fail;
+    }
+    ledger_slot *s = &m->slot[free_slot];
+    clear_slot(s);
+    s->pid = (int32_t)getpid();
+    s->start = proc_start(s->pid);
+    s->priority = in->priority;
+    read_comm(s->process, sizeof s->process);
+    snprintf(s->device, sizeof s->device, "%s", in->device);
+    s->capacity = in->capacity;
+    s->guarantee = in->guarantee;
+    atomic_store(&s->limit, in->limit);
+    atomic_store(&s->published_ns, mono_ns());
+    atomic_store_explicit(&s->state, 1, memory_order_release);
+    l->slot = free_slot;
+    l->seen_seq = atomic_load(&m->seq);
+    unlock(m);
+    *out = l;
+    return CUMA_OK;
+fail:
+    munmap(l->shm, LEDGER_BYTES);
+    free(l);
+    return st;
+}
+
+void cuma_ledger_leave(cuma_ledger *l) {
+    if (!l) return;
+    if (!lock(l->shm, l->path)) {
+        ledger_slot *me = my_slot(l);
+        if (atomic_load(&me->want)) atomic_fetch_add(&l->shm->seq, 1);
+        clear_slot(me);
+        unlock(l->shm);
+    }
+    munmap(l->shm, LEDGER_BYTES);
+    free(l);
+}
+
+/* ---- pressure ------------------------------------------------------------------------------- */
+
+/* What the others on me's device could give it (lock held): idle cache of heaps of the same or
+ * lower priority; memory in use beyond their guarantee of heaps of lower priority, or of any
+ * heap when me is under its guarantee; and what is free. */
+static uint64_t could_have(const ledger_shm *m, const ledger_slot *me, uint64_t bytes) {
+    uint64_t held, higher, g = 0;
+    claims(m, me, &held, &higher);
+    bool under = atomic_load(&me->reserved) + bytes <= me->guarantee;
+    for (unsigned i = 0; i < m->nslots; i++) {
+        const ledger_slot *o = &m->slot[i];
+        if (!same_device(me, o)) continue;
+        uint64_t res = atomic_load(&o->reserved), cached = atomic_load(&o->cached);
+        if (cached > res) cached = res;
+        if (o->priority <= me->priority || under) g += cached;
+        if (o->priority < me->priority || under) {
+            uint64_t used = res - cached;
+            if (used > o->guarantee) g += used - o->guarantee;
+        }
+    }
+    uint64_t used = held + atomic_load(&me->reserved);
+    return g + (used < me->capacity ? me->capacity - used : 0);
+}
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {0, ms * 1000000L};
+    while (nanosleep(&ts, &ts) && errno == EINTR) {
+    }
+}
+
+cuma_status cuma_ledger_reclaim(cuma_ledger *l, uint64_t bytes, int64_t timeout_ms,
+                                uint64_t (*device_free)(void *), void *ctx) {
+    ledger_shm *m = l->shm;
+    ledger_slot *me = my_slot(l);
+    cuma_status st = lock(m, l->path);
+    if (st) return st;
+    reap(m);
+    uint64_t could = could_have(m, me, bytes);
+    if (could < bytes || timeout_ms <= 0) {
+        unlock(m);
+        return cuma_fail(CUMA_ERR_OOM,
+                         "device %s (ledger %s): the other heaps could give %" PRIu64
+                         " bytes at most, %" PRIu64 " needed",
+                         me->device, l->path, could, bytes);
+    }
+    atomic_store(&me->want, bytes);
+    atomic_fetch_add(&me->asks, 1);
+    atomic_fetch_add(&m->seq, 1);
+    unlock(m);
+    uint64_t deadline = mono_ns() + (uint64_t)timeout_ms * 1000000ull;
+    bool ok = false;
+    for (;;) {
+        sleep_ms(1);
+        if (lock(m, l->path)) break;
+        ok = fits(m, me, bytes);
+        unlock(m);
+        if (ok && device_free) ok = device_free(ctx) >= bytes;
+        if (ok || mono_ns() >= deadline) break;
+    }
+    if (!lock(m, l->path)) {
+        atomic_store(&me->want, 0);
+        atomic_fetch_add(&m->seq, 1);
+        unlock(m);
+    }
+    if (ok) return CUMA_OK;
+    return cuma_fail(CUMA_ERR_OOM,
+                     "device %s (ledger %s): %" PRIu64 " bytes asked of the other heaps, not "
+                     "given within %" PRId64 " ms",
+                     me->device, l->path, bytes, timeout_ms);
+}
+
+bool cuma_ledger_asked(cuma_ledger *l, bool *cache, uint64_t *shrink, bool *fresh) {
+    ledger_shm *m = l->shm;
+    uint64_t seq = atomic_load_explicit(&m->seq, memory_order_acquire);
+    if (seq == l->seen_seq && !l->active) return false;
+    *fresh = seq != l->seen_seq;
+    l->seen_seq = seq;
+    const ledger_slot *me = my_slot(l);
+    bool c = false;
+    uint64_t want = 0;
+    for (unsigned i = 0; i < m->nslots; i++) {
+        const ledger_slot *o = &m->slot[i];
+        if (!same_device(me, o)) continue;
+        uint64_t w = atomic_load(&o->want);
+        if (!w) continue;
+        /* A heap under its guarantee is owed the memory, whatever its priority. */
+        bool under = atomic_load(&o->reserved) + w <= o->guarantee;
+        if (o->priority >= me->priority || under) c = true;
+        if (o->priority > me->priority || under) want += w;
+    }
+    uint64_t res = atomic_load(&me->reserved), cached = atomic_load(&me->cached);
+    uint64_t used = res > cached ? res - cached : 0;
+    uint64_t over = used > me->guarantee ? used - me->guarantee : 0;
+    *cache = c;
+    *shrink = want < over ? want : over;
+    l->active = c || want;
+    return l->active;
+}
+
+void cuma_ledger_gave(cuma_ledger *l, uint64_t bytes, uint64_t calls) {
+    ledger_slot *me = my_slot(l);
+    if (bytes) atomic_fetch_add(&me->given, bytes);
+    if (calls) atomic_fetch_add(&me->calls, calls);
+}
+
+/* ---- reading -------------------------------------------------------------------------------- */
+
+static void entry_of(const ledger_slot *s, unsigned i, uint64_t now, cuma_ledger_entry *e) {
+    memset(e, 0, sizeof *e);
+    e->pid = s->pid;
+    e->priority = s->priority;
+    e->slot = i;
+    memcpy(e->process, s->process, sizeof e->process);
+    e->process[sizeof e->process - 1] = 0;
+    memcpy(e->device, s->device, sizeof e->device);
+    e->device[sizeof e->device - 1] = 0;
+    e->capacity = s->capacity;
+    e->guarantee = s->guarantee;
+    e->limit = atomic_load(&s->limit);
+    e->reserved = atomic_load(&s->reserved);
+    e->cached = atomic_load(&s->cached);
+    e->requested = atomic_load(&s->requested);
+    e->peak_reserved = atomic_load(&s->peak);
+    e->want = atomic_load(&s->want);
+    e->denials = atomic_load(&s->denials);
+    e->pressure_asks = atomic_load(&s->asks);
+    e->pressure_given = atomic_load(&s->given);
+    e->pressure_calls = atomic_load(&s->calls);
+    uint64_t p = atomic_load(&s->published_ns);
+    e->age_ns = now > p ? now - p : 0;
+}
+
+void cuma_ledger_self(cuma_ledger *l, cuma_ledger_entry *out) {
+    entry_of(my_slot(l), l->slot, mono_ns(), out);
+}
+
+const char *cuma_ledger_where(const cuma_ledger *l) {
+    return l->path;
+}
+
+cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_t max, size_t *n) {
+    cuma_clear_error();
+    if (!n || (max && !out))
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_snapshot: %s is NULL", n ? "out" : "n");
+    *n = 0;
+    ledger_shm *m;
+    char path[96];
+    cuma_status st = map_ledger(name, false, &m, path, sizeof path);
+    if (st) return st;
+    st = lock(m, path);
+    if (!st) {
+        reap(m);
+        uint64_t now = mono_ns();
+        for (unsigned i = 0; i < m->nslots; i++) {
+            const ledger_slot *s = &m->slot[i];
+            if (atomic_load(&s->state) != 1) continue;
+            if (*n < max) entry_of(s, i, now, &out[*n]);
+            (*n)++;
+        }
+        unlock(m);
+    }
+    munmap(m, LEDGER_BYTES);
+    return st;
+}
+
+cuma_status cuma_ledger_test_hold_lock(cuma_ledger *l) {
+    return lock(l->shm, l->path);
+}
+
+cuma_status cuma_ledger_validate(cuma_ledger *l, uint64_t held) {
+    ledger_shm *m = l->shm;
+    if (atomic_load(&m->magic) != LEDGER_MAGIC || check_header(m, l->path))
+        return cuma_fail(CUMA_ERR_CORRUPT, "ledger %s: header changed under the heap", l->path);
+    const ledger_slot *me = my_slot(l);
+    if (atomic_load(&me->state) != 1 || me->pid != (int32_t)getpid())
+        return cuma_fail(CUMA_ERR_CORRUPT,
+                         "ledger %s: slot %u is no longer this heap's (state %u, pid %d)", l->path,
+                         l->slot, (unsigned)atomic_load(&me->state), me->pid);
+    uint64_t r = atomic_load(&me->reserved);
+    if (r != held)
+        return cuma_fail(CUMA_ERR_CORRUPT,
+                         "ledger %s: slot %u says the heap holds %" PRIu64
+                         " bytes, the heap %" PRIu64,
+                         l->path, l->slot, r, held);
+    if (r > me->capacity)
+        return cuma_fail(CUMA_ERR_CORRUPT,
+                         "ledger %s: slot %u holds %" PRIu64 " bytes of a %" PRIu64 "-byte device",
+                         l->path, l->slot, r, me->capacity);
+    return CUMA_OK;
+}

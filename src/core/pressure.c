@@ -1,0 +1,155 @@
+/* The heap's side of the cross-process ledger (src/coord): joining it at creation, asking the
+ * other heaps for memory on the out-of-memory ladder, answering their requests from the release
+ * thread, and the pressure callbacks. */
+#include "coord/ledger_backend.h"
+#include "error.h"
+#include "heap.h"
+
+#include <stdio.h>
+#include <string.h>
+
+cuma_status cuma_heap_join_ledger(cuma_heap *h) {
+    const char *want = h->set.ledger;
+    bool explicit_ = strcmp(want, "auto") != 0;
+    if (!strcmp(want, "off")) return CUMA_OK;
+    /* auto: the CUDA devices, which processes really share; a simulated device is each
+     * process's own unless a ledger is named for a group of them. */
+    if (!explicit_ && !strcmp(cuma_backend_unwrap(h->be)->name, "sim")) return CUMA_OK;
+    /* A priority or guarantee only means something in the ledger: asking for one makes it
+     * required; otherwise a ledger that cannot be opened (no /dev/shm in a sandbox) leaves the
+     * heap on its own, with the reason in the stats. */
+    bool required = explicit_ || h->set.priority || h->set.guarantee;
+    if (h->set.guarantee > h->be->capacity)
+        return cuma_fail(CUMA_ERR_CONFIG, "guarantee: %llu bytes, more than the device's %llu",
+                         (unsigned long long)h->set.guarantee, (unsigned long long)h->be->capacity);
+    if (h->set.guarantee && h->set.limit != CUMA_UNLIMITED && h->set.guarantee > h->set.limit)
+        return cuma_fail(CUMA_ERR_CONFIG, "guarantee: %llu bytes, more than the limit of %llu",
+                         (unsigned long long)h->set.guarantee, (unsigned long long)h->set.limit);
+    cuma_ledger_join_info in = {
+        .name = explicit_ ? want : "on",
+        .device = h->be->device_id,
+        .capacity = h->be->capacity,
+        .guarantee = h->set.guarantee,
+        .limit = h->set.limit == CUMA_UNLIMITED ? 0 : h->set.limit,
+        .priority = h->set.priority,
+    };
+    cuma_ledger *l;
+    cuma_status st = cuma_ledger_join(&in, &l);
+    if (st) {
+        if (required) return st;
+        snprintf(h->ledger_error, sizeof h->ledger_error, "%s", cuma_last_error());
+        cuma_clear_error();
+        return CUMA_OK;
+    }
+    cuma_backend *wrapped;
+    st = cuma_backend_ledger(h->be, l, &wrapped);
+    if (st) {
+        cuma_ledger_leave(l);
+        return st;
+    }
+    h->be = wrapped;
+    h->ledger = l;
+    return CUMA_OK;
+}
+
+static uint64_t device_free(void *ctx) {
+    cuma_backend *be = ctx;
+    uint64_t fr = 0, total = 0;
+    if (be->ops->mem_info(be, &fr, &total)) return UINT64_MAX; /* unknown: the ledger decides */
+    return fr;
+}
+
+bool cuma_heap_ledger_reclaim(cuma_heap *h, uint64_t n) {
+    cuma_heap *p = h->primary;
+    if (!p->ledger || p->set.pressure_timeout_ms <= 0) return false;
+    uint64_t ps = h->vmm ? h->pages.page_size : h->be->page_size;
+    uint64_t need = (n + ps - 1) / ps * ps;
+    if (!h->vmm && need < h->set.segment_size) need = h->set.segment_size;
+    /* What the ledger cannot see (other programs on a real GPU) shows in the driver's figure;
+     * a simulated device's is the process's own and would mislead. */
+    bool real = strcmp(cuma_backend_unwrap(p->be)->name, "sim") != 0;
+    /* The attempt that failed left the pages it made idle in the cache: they count as held. */
+    cuma_heap_release_idle(h, 0);
+    pthread_mutex_unlock(&h->lock);
+    cuma_status st = cuma_ledger_reclaim(p->ledger, need, p->set.pressure_timeout_ms,
+                                         real ? device_free : NULL, p->be);
+    pthread_mutex_lock(&h->lock);
+    return st == CUMA_OK;
+}
+
+/* Every arena's idle memory back to the device (no lock held); the bytes that went. */
+static uint64_t give_cache(cuma_heap *p) {
+    uint64_t before = cuma_backend_ledger_held(p->be);
+    unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = p->arenas[i];
+        pthread_mutex_lock(&a->lock);
+        cuma_heap_release_idle(a, 0);
+        atomic_store_explicit(&a->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(a),
+                              memory_order_relaxed);
+        pthread_mutex_unlock(&a->lock);
+    }
+    uint64_t after = cuma_backend_ledger_held(p->be);
+    return before > after ? before - after : 0;
+}
+
+void cuma_heap_ledger_poll(cuma_heap *p) {
+    cuma_ledger *l = p->ledger;
+    int64_t cached = cuma_heap_total(p, CUMA_PUB_CACHED);
+    int64_t req = cuma_heap_total(p, CUMA_PUB_REQUESTED);
+    cuma_ledger_publish(l, cached > 0 ? (uint64_t)cached : 0, req > 0 ? (uint64_t)req : 0);
+    bool cache, fresh;
+    uint64_t shrink;
+    if (!cuma_ledger_asked(l, &cache, &shrink, &fresh)) return;
+    pthread_mutex_unlock(&p->lock);
+    uint64_t gave = cache ? give_cache(p) : 0, calls = 0;
+    if (shrink && fresh) {
+        pthread_mutex_lock(&p->oom_lock);
+        cuma_pressure_slot cbs[CUMA_MAX_OOM_CALLBACKS];
+        int n = p->npcb;
+        memcpy(cbs, p->pcb, sizeof cbs);
+        pthread_mutex_unlock(&p->oom_lock);
+        for (int i = 0; i < n; i++, calls++) cbs[i].fn(cbs[i].user, p, shrink);
+        /* What the callbacks freed may sit in thread caches and the page cache: it goes too. */
+        if (n) gave += give_cache(p);
+    }
+    cached = cuma_heap_total(p, CUMA_PUB_CACHED);
+    cuma_ledger_publish(l, cached > 0 ? (uint64_t)cached : 0,
+                        (uint64_t)cuma_heap_total(p, CUMA_PUB_REQUESTED));
+    cuma_ledger_gave(l, gave, calls);
+    pthread_mutex_lock(&p->lock);
+}
+
+cuma_status cuma_add_pressure_callback(cuma_heap *h, cuma_pressure_fn fn, void *user, int *id) {
+    if (!h || !fn)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_add_pressure_callback: %s is NULL",
+                         h ? "fn" : "heap");
+    pthread_mutex_lock(&h->oom_lock);
+    cuma_status st = CUMA_OK;
+    if (h->npcb == CUMA_MAX_OOM_CALLBACKS) {
+        st = cuma_fail(CUMA_ERR_INVALID, "cuma_add_pressure_callback: already %d callbacks",
+                       CUMA_MAX_OOM_CALLBACKS);
+    } else {
+        cuma_pressure_slot *s = &h->pcb[h->npcb++];
+        s->fn = fn, s->user = user, s->id = ++h->next_pcb_id;
+        if (id) *id = s->id;
+    }
+    pthread_mutex_unlock(&h->oom_lock);
+    return st;
+}
+
+cuma_status cuma_remove_pressure_callback(cuma_heap *h, int id) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_remove_pressure_callback: heap is NULL");
+    pthread_mutex_lock(&h->oom_lock);
+    bool found = false;
+    for (int i = 0; i < h->npcb && !found; i++) {
+        if (h->pcb[i].id != id) continue;
+        memmove(&h->pcb[i], &h->pcb[i + 1], (size_t)(h->npcb - i - 1) * sizeof h->pcb[0]);
+        h->npcb--;
+        found = true;
+    }
+    pthread_mutex_unlock(&h->oom_lock);
+    return found ? CUMA_OK
+                 : cuma_fail(CUMA_ERR_INVALID,
+                             "cuma_remove_pressure_callback: no callback with id %d", id);
+}

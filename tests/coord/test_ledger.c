@@ -1,0 +1,352 @@
+/* The cross-process ledger: admission between heaps of one device, pressure requests answered
+ * by giving the cache back and by pressure callbacks, priorities and guarantees, dead processes
+ * (their slots, a lock held at death), a victim that does not answer (timeout), a ledger that is
+ * not ours or not a ledger, and the snapshot the tools read. Heaps on the simulated device in a
+ * ledger named for this run, so that runs side by side do not meet. */
+#include "check.h"
+#include "coord/ledger.h"
+#include "core/heap.h"
+#include "cuma/ledger.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MB (1024ull * 1024ull)
+
+static char ledger_name[64];
+
+static void unlink_ledger(const char *name) {
+    char path[128];
+    CHECK_OK(cuma_ledger_path(name, path, sizeof path));
+    shm_unlink(path + strlen("/dev/shm"));
+}
+
+/* A sim heap of 64M pages of 2M in this run's ledger, with extra settings. */
+static cuma_heap *ledger_heap(const char *extra) {
+    char conf[512];
+    snprintf(conf, sizeof conf,
+             "backend:sim,capacity:64M,ledger:%s,release_delay_ms:100000,tcache:off,arenas:1%s%s",
+             ledger_name, *extra ? "," : "", extra);
+    return heap_make(conf);
+}
+
+static uint64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static size_t live(cuma_ledger_entry *e, size_t max) {
+    size_t n = 0;
+    CHECK_OK(cuma_ledger_snapshot(ledger_name, e, max, &n));
+    return n;
+}
+
+static const cuma_ledger_entry *find_pid(const cuma_ledger_entry *e, size_t n, int pid) {
+    for (size_t i = 0; i < n; i++)
+        if (e[i].pid == pid) return &e[i];
+    return NULL;
+}
+
+/* Two heaps of one process share the device through the ledger: one cannot take what the
+ * other holds in use; the other's idle cache is given back on request. */
+static void test_admission_and_cache(void) {
+    cuma_heap *a = ledger_heap(""), *b = ledger_heap("pressure_timeout_ms:3000");
+    void *pa, *pb;
+    CHECK_OK(cuma_alloc(a, 48 * MB, NULL, &pa));
+    /* 16M left and a holds the rest in use at the same priority: no point waiting. */
+    uint64_t t0 = now_ms();
+    CHECK_ST(cuma_alloc(b, 32 * MB, NULL, &pb), CUMA_ERR_OOM);
+    CHECK(now_ms() - t0 < 1000);
+    CHECK(strstr(cuma_last_error(), "out of memory"));
+    cuma_stats sb = heap_stats(b);
+    /* Pages made before the denial stay idle in its cache, where pressure can reach them. */
+    CHECK(sb.ledger_denials >= 1 && sb.reserved_bytes == sb.cached_bytes && sb.pressure_asks == 0);
+    CHECK_OK(cuma_alloc(b, 16 * MB, NULL, &pb)); /* what is left fits */
+    CHECK_OK(cuma_free(b, pb, NULL));
+    CHECK_OK(cuma_trim(b, 0));
+    /* a's 48M go idle (its cache keeps them); b asks, a's release thread gives them back. */
+    CHECK_OK(cuma_free(a, pa, NULL));
+    CHECK(heap_stats(a).cached_bytes == 48 * MB);
+    usleep(20000); /* a publishes what is idle */
+    CHECK_OK(cuma_alloc(b, 32 * MB, NULL, &pb));
+    cuma_stats sa = heap_stats(a);
+    sb = heap_stats(b);
+    CHECK(sb.pressure_asks == 1 && sb.reserved_bytes == 32 * MB);
+    CHECK(sa.pressure_given_bytes >= 16 * MB && sa.reserved_bytes <= 32 * MB);
+    CHECK(sa.pressure_callbacks == 0); /* idle memory only: nobody was asked to shrink */
+    cuma_ledger_entry e[8];
+    size_t n = live(e, 8);
+    CHECK(n == 2);
+    uint64_t sum = e[0].reserved + e[1].reserved;
+    CHECK(sum == sa.reserved_bytes + sb.reserved_bytes && sum <= 64 * MB);
+    CHECK(e[0].pid == getpid() && !strcmp(e[0].device, "sim") && e[0].capacity == 64 * MB);
+    CHECK_OK(cuma_validate(a));
+    CHECK_OK(cuma_validate(b));
+    CHECK_OK(cuma_free(b, pb, NULL));
+    cuma_heap_destroy(a);
+    cuma_heap_destroy(b);
+    CHECK(live(e, 8) == 0); /* slots go with their heaps */
+}
+
+typedef struct victim {
+    cuma_heap *h;
+    void *blocks[20];
+    int nblocks;
+    _Atomic int calls;
+    _Atomic uint64_t asked;
+} victim;
+
+/* The low-priority job halves its work: it frees blocks until it gave what was asked. */
+static void shrink_cb(void *user, cuma_heap *heap, uint64_t bytes) {
+    victim *v = user;
+    CHECK(heap == v->h);
+    atomic_fetch_add(&v->calls, 1);
+    atomic_store(&v->asked, bytes);
+    uint64_t freed = 0;
+    while (freed < bytes && v->nblocks > 0) {
+        CHECK_OK(cuma_free(heap, v->blocks[--v->nblocks], NULL));
+        freed += 4 * MB;
+    }
+}
+
+/* A heap of higher priority makes one of lower priority shrink to its guarantee (its pressure
+ * callback frees memory in use); the guarantee itself is never asked for. */
+static void test_priority_shrink(void) {
+    victim v = {0};
+    v.h = ledger_heap("priority:-1,guarantee:8M");
+    CHECK_OK(cuma_add_pressure_callback(v.h, shrink_cb, &v, NULL));
+    for (; v.nblocks < 10; v.nblocks++)
+        CHECK_OK(cuma_alloc(v.h, 4 * MB, NULL, &v.blocks[v.nblocks]));
+    cuma_heap *hi = ledger_heap("priority:5,pressure_timeout_ms:3000");
+    void *p;
+    CHECK_OK(cuma_alloc(hi, 40 * MB, NULL, &p)); /* 24M free + 16M of the victim's */
+    CHECK(atomic_load(&v.calls) == 1);
+    /* Asked for at most what it holds beyond its guarantee: 40M - 8M. */
+    CHECK(atomic_load(&v.asked) <= 32 * MB && atomic_load(&v.asked) >= 16 * MB);
+    cuma_stats sv = heap_stats(v.h), sh = heap_stats(hi);
+    CHECK(sv.pressure_callbacks == 1 && sv.reserved_bytes >= 8 * MB);
+    CHECK(sv.reserved_bytes + sh.reserved_bytes <= 64 * MB);
+    /* The victim cannot take it back while the other holds it... */
+    void *q;
+    CHECK_ST(cuma_alloc(v.h, 24 * MB, NULL, &q), CUMA_ERR_OOM);
+    /* ...and the high-priority heap cannot take the victim's guarantee. */
+    CHECK_OK(cuma_free(v.h, v.blocks[--v.nblocks], NULL));
+    while (v.nblocks > 0) CHECK_OK(cuma_free(v.h, v.blocks[--v.nblocks], NULL));
+    CHECK_OK(cuma_trim(v.h, 0));
+    CHECK(heap_stats(v.h).reserved_bytes == 0);
+    CHECK_ST(cuma_alloc(hi, 24 * MB - 1, NULL, &q), CUMA_ERR_OOM); /* 40 + 24 > 64 - 8 */
+    CHECK_OK(cuma_alloc(hi, 16 * MB, NULL, &q));
+    CHECK_OK(cuma_validate(v.h));
+    CHECK_OK(cuma_validate(hi));
+    CHECK_OK(cuma_free(hi, q, NULL));
+    CHECK_OK(cuma_free(hi, p, NULL));
+    cuma_heap_destroy(hi);
+    cuma_heap_destroy(v.h);
+}
+
+/* Guarantees add up to the device at most; a heap takes nothing of another's guarantee, and a
+ * heap under its guarantee gets memory back from a heap of higher priority. */
+static void test_guarantees(void) {
+    /* A heap of high priority holds 40M idle before g joins with a guarantee of 40M. */
+    cuma_heap *hi = ledger_heap("priority:100");
+    void *p[10], *q;
+    for (int i = 0; i < 10; i++) CHECK_OK(cuma_alloc(hi, 4 * MB, NULL, &p[i]));
+    for (int i = 0; i < 10; i++) CHECK_OK(cuma_free(hi, p[i], NULL));
+    cuma_heap *g = ledger_heap("guarantee:40M,pressure_timeout_ms:3000");
+    char conf[256];
+    snprintf(conf, sizeof conf, "backend:sim,capacity:64M,ledger:%s,guarantee:32M", ledger_name);
+    cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+    cuma_heap *x = NULL;
+    CHECK_ST(cuma_heap_create(&cfg, &x), CUMA_ERR_LIMIT); /* 40 + 32 > 64 */
+    CHECK(strstr(cuma_last_error(), "guarantee") && strstr(cuma_last_error(), ledger_name));
+    snprintf(conf, sizeof conf, "backend:sim,capacity:64M,ledger:%s,guarantee:1G", ledger_name);
+    CHECK_ST(cuma_heap_create(&cfg, &x), CUMA_ERR_CONFIG);
+    /* hi may not grow into g's unused guarantee (its own cache serves it, nothing more)... */
+    for (int i = 0; i < 10; i++) CHECK_OK(cuma_alloc(hi, 4 * MB, NULL, &p[i]));
+    CHECK_ST(cuma_alloc(hi, 4 * MB, NULL, &q), CUMA_ERR_OOM);
+    CHECK(heap_stats(hi).ledger_denials >= 1);
+    for (int i = 0; i < 10; i++) CHECK_OK(cuma_free(hi, p[i], NULL));
+    usleep(20000);
+    /* ...and g, under its guarantee, gets hi's idle cache although hi's priority is higher. */
+    CHECK_OK(cuma_alloc(g, 40 * MB, NULL, &q));
+    CHECK(heap_stats(g).reserved_bytes == 40 * MB && heap_stats(g).pressure_asks == 1);
+    CHECK(heap_stats(hi).reserved_bytes <= 24 * MB);
+    CHECK_OK(cuma_validate(g));
+    CHECK_OK(cuma_validate(hi));
+    CHECK_OK(cuma_free(g, q, NULL));
+    cuma_heap_destroy(hi);
+    cuma_heap_destroy(g);
+}
+
+/* A child process: a heap in the ledger holding `mb` in use (freed to the cache when `idle`),
+ * then it tells the parent and waits to be killed. */
+static pid_t child_holding(const char *extra, int mb, bool idle, bool die_holding_lock) {
+    int fds[2];
+    CHECK(pipe(fds) == 0);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        close(fds[0]);
+        cuma_heap *h = ledger_heap(extra);
+        void *p;
+        CHECK_OK(cuma_alloc(h, (size_t)mb * MB, NULL, &p));
+        if (idle) CHECK_OK(cuma_free(h, p, NULL));
+        if (die_holding_lock) CHECK_OK(cuma_ledger_test_hold_lock(h->ledger));
+        char c = 1;
+        CHECK(write(fds[1], &c, 1) == 1);
+        if (die_holding_lock) _exit(0);
+        for (;;) pause();
+    }
+    close(fds[1]);
+    char c;
+    CHECK(read(fds[0], &c, 1) == 1);
+    close(fds[0]);
+    return pid;
+}
+
+static void reap_child(pid_t pid) {
+    kill(pid, SIGKILL);
+    CHECK(waitpid(pid, NULL, 0) == pid);
+}
+
+/* Other processes: a victim of lower priority gives its cache back; one that is stopped does not
+ * answer and the request times out; a dead one's slot is reclaimed, also when it died holding
+ * the ledger's lock. */
+static void test_processes(void) {
+    cuma_ledger_entry e[8];
+    pid_t c = child_holding("priority:-5", 48, true, false);
+    size_t n = live(e, 8);
+    CHECK(n == 1 && e[0].pid == c && e[0].reserved == 48 * MB && e[0].priority == -5);
+    cuma_heap *h = ledger_heap("priority:5,pressure_timeout_ms:3000");
+    void *p;
+    usleep(20000);
+    CHECK_OK(cuma_alloc(h, 40 * MB, NULL, &p));
+    n = live(e, 8);
+    const cuma_ledger_entry *ce = find_pid(e, n, c);
+    CHECK(ce && ce->pressure_given >= 24 * MB && ce->reserved <= 24 * MB);
+    CHECK(heap_stats(h).pressure_asks == 1);
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_OK(cuma_trim(h, 0));
+    reap_child(c);
+
+    /* A victim that holds its cache and does not run: the request times out. */
+    c = child_holding("priority:-5", 48, true, false);
+    usleep(20000);
+    kill(c, SIGSTOP);
+    cuma_heap_destroy(h);
+    h = ledger_heap("priority:5,pressure_timeout_ms:200");
+    uint64_t t0 = now_ms();
+    CHECK_ST(cuma_alloc(h, 40 * MB, NULL, &p), CUMA_ERR_OOM);
+    uint64_t waited = now_ms() - t0;
+    fprintf(stderr, "stopped victim: the request gave up after %llu ms\n",
+            (unsigned long long)waited);
+    CHECK(waited >= 200 && waited < 3000);
+    CHECK(heap_stats(h).pressure_asks == 1);
+    n = live(e, 8);
+    CHECK((ce = find_pid(e, n, getpid())) && ce->want == 0); /* withdrawn */
+    kill(c, SIGCONT);
+    reap_child(c);
+    /* Dead: its 48M are the device's again at once. */
+    CHECK_OK(cuma_alloc(h, 40 * MB, NULL, &p));
+    CHECK(live(e, 8) == 1);
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_OK(cuma_trim(h, 0));
+
+    /* Killed holding the lock: the next locker goes on and frees its slot. */
+    c = child_holding("", 32, false, true);
+    CHECK(waitpid(c, NULL, 0) == c);
+    CHECK_OK(cuma_alloc(h, 48 * MB, NULL, &p));
+    n = live(e, 8);
+    CHECK(n == 1 && e[0].pid == getpid());
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, p, NULL));
+    cuma_heap_destroy(h);
+}
+
+/* Files at the ledger's name that are not a ledger of ours are refused with the path named. */
+static void test_bad_files(void) {
+    char name[80], path[128], conf[256];
+    snprintf(name, sizeof name, "%s-bad", ledger_name);
+    CHECK_OK(cuma_ledger_path(name, path, sizeof path));
+    const char *shm = path + strlen("/dev/shm");
+    snprintf(conf, sizeof conf, "backend:sim,capacity:64M,ledger:%s", name);
+    cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+    cuma_heap *x = NULL;
+    /* Readable by others. */
+    int fd = shm_open(shm, O_RDWR | O_CREAT | O_EXCL, 0600);
+    CHECK(fd >= 0);
+    CHECK(fchmod(fd, 0644) == 0);
+    CHECK_ST(cuma_heap_create(&cfg, &x), CUMA_ERR_IO);
+    CHECK(strstr(cuma_last_error(), "mode 0600") && strstr(cuma_last_error(), path));
+    CHECK(fchmod(fd, 0600) == 0);
+    /* Too small, then the right size with another layout's version. */
+    CHECK(ftruncate(fd, 16) == 0);
+    CHECK_ST(cuma_heap_create(&cfg, &x), CUMA_ERR_CORRUPT);
+    cuma_heap *good = ledger_heap("");
+    size_t size;
+    {
+        char gp[128];
+        struct stat sb;
+        CHECK_OK(cuma_ledger_path(ledger_name, gp, sizeof gp));
+        CHECK(stat(gp, &sb) == 0);
+        size = (size_t)sb.st_size;
+    }
+    cuma_heap_destroy(good);
+    CHECK(ftruncate(fd, (off_t)size) == 0);
+    uint64_t *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    CHECK(m != MAP_FAILED);
+    m[0] = 0x3152474c414d5543ull; /* the magic, then version 99 */
+    m[1] = 99;
+    CHECK_ST(cuma_heap_create(&cfg, &x), CUMA_ERR_CORRUPT);
+    CHECK(strstr(cuma_last_error(), "layout version 99"));
+    /* No magic at all (a creator that died before finishing): initialised again. */
+    memset(m, 0, size);
+    CHECK_OK(cuma_heap_create(&cfg, &x));
+    cuma_heap_destroy(x);
+    munmap(m, size);
+    close(fd);
+    shm_unlink(shm);
+    /* Names: a bad one is a config error; a ledger nobody made cannot be read. */
+    CHECK_ST(cuma_config_check("ledger:a/b"), CUMA_ERR_CONFIG);
+    CHECK_ST(cuma_config_check("priority:1001"), CUMA_ERR_CONFIG);
+    CHECK_OK(cuma_config_check("priority:-1000,guarantee:1G,ledger:off"));
+    size_t n;
+    CHECK_ST(cuma_ledger_snapshot("cuma-test-nobody-made-this", NULL, 0, &n), CUMA_ERR_IO);
+    CHECK(strstr(cuma_last_error(), "cuma-test-nobody-made-this"));
+}
+
+/* ledger:auto leaves a simulated heap out; a guarantee without a ledger is refused. */
+static void test_auto(void) {
+    cuma_heap *h = heap_make("backend:sim,capacity:64M");
+    char js[8192];
+    CHECK_OK(cuma_stats_json(h, js, sizeof js, NULL));
+    CHECK(strstr(js, "\"ledger\":null"));
+    cuma_heap_destroy(h);
+    h = ledger_heap("priority:3,guarantee:2M");
+    CHECK_OK(cuma_stats_json(h, js, sizeof js, NULL));
+    CHECK(strstr(js, "\"priority\":3,\"guarantee\":2097152"));
+    cuma_heap_destroy(h);
+}
+
+int main(void) {
+    snprintf(ledger_name, sizeof ledger_name, "test-%d", (int)getpid());
+    unlink_ledger(ledger_name);
+    test_auto();
+    test_admission_and_cache();
+    test_priority_shrink();
+    test_guarantees();
+    test_processes();
+    test_bad_files();
+    unlink_ledger(ledger_name);
+    printf("test_ledger: ok\n");
+    return 0;
+}
