@@ -6,6 +6,8 @@ else. PyTorch is optional and imported only by the helpers that need it.
 
 - :class:`Heap`: a heap of your own on any backend (``cuma.Heap("backend:sim,capacity:1G")``).
 - :func:`default_heap`, :func:`on_oom`: the process-wide heaps (the ones PyTorch uses).
+- :func:`on_pressure`, :func:`ledger`: jobs sharing a GPU (the cross-process ledger): a callback
+  for when a job of higher priority needs memory, and the live heaps of the ledger.
 - :mod:`cuma.torch`: ``enable()`` makes cuma PyTorch's CUDA allocator; ``memory_stats()``,
   ``memory_summary()``, ``empty_cache()``.
 - :class:`CudaMemoryAllocator`: raw device memory from the default heaps.
@@ -37,7 +39,10 @@ from .heap import (
     config_keys,
     config_table,
     default_heap,
+    ledger,
+    ledger_path,
     on_oom,
+    on_pressure,
     remove_oom,
     shutdown_default_heaps,
 )

@@ -30,6 +30,39 @@ _path = None
 # cuma_stream stream). ctypes takes the GIL when C calls it, from any thread.
 OOM_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
+# The pressure callback of cuma/ledger.h: void (*)(void *user, cuma_heap *heap, uint64_t bytes),
+# called from the heap's release thread.
+PRESSURE_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64)
+
+
+class LedgerEntry(ctypes.Structure):
+    """cuma_ledger_entry of cuma/ledger.h (same field order)."""
+
+    _fields_ = [
+        ("pid", ctypes.c_int),
+        ("priority", ctypes.c_int),
+        ("slot", ctypes.c_uint),
+        ("process", ctypes.c_char * 32),
+        ("device", ctypes.c_char * 64),
+    ] + [
+        (name, ctypes.c_uint64)
+        for name in (
+            "capacity",
+            "guarantee",
+            "limit",
+            "reserved",
+            "cached",
+            "requested",
+            "peak_reserved",
+            "want",
+            "denials",
+            "pressure_asks",
+            "pressure_given",
+            "pressure_calls",
+            "age_ns",
+        )
+    ]
+
 
 class Config(ctypes.Structure):
     """struct cuma_config."""
@@ -85,6 +118,10 @@ def _prototype(lib):
         "cuma_validate": (st, [vp]),
         "cuma_add_oom_callback": (st, [vp, OOM_CALLBACK, vp, c.POINTER(c.c_int)]),
         "cuma_remove_oom_callback": (st, [vp, c.c_int]),
+        "cuma_add_pressure_callback": (st, [vp, PRESSURE_CALLBACK, vp, c.POINTER(c.c_int)]),
+        "cuma_remove_pressure_callback": (st, [vp, c.c_int]),
+        "cuma_ledger_snapshot": (st, [c.c_char_p, c.POINTER(LedgerEntry), sz, c.POINTER(sz)]),
+        "cuma_ledger_path": (st, [c.c_char_p, c.c_char_p, sz]),
         "cuma_block_size": (st, [vp, vp, c.POINTER(sz)]),
         "cuma_sim_set_time": (st, [vp, c.c_uint64]),
         "cuma_sim_get_time": (st, [vp, c.POINTER(c.c_uint64)]),

@@ -347,6 +347,41 @@ class Heap:
             if entry is not None:
                 self._retired.append(entry)
 
+    # --- other processes (the cross-process ledger) ---
+
+    def on_pressure(self, callback):
+        """Registers ``callback(nbytes)`` to run when a heap of higher priority on the same
+        device (in the ledger: settings ``ledger``, ``priority``, ``guarantee``) needs
+        ``nbytes`` that this heap holds in use beyond its guarantee. It runs on the heap's
+        release thread, once per request: free what you can (drop caches, halve the batch at
+        the next step). Its idle cache has gone back already. An exception in it becomes a
+        RuntimeWarning. Returns an id for :meth:`remove_pressure`. At most 16 per heap."""
+        if not callable(callback):
+            raise TypeError("callback must be callable, not %s" % type(callback).__name__)
+        h = self._handle()
+
+        def trampoline(user, heap, nbytes):
+            try:
+                callback(int(nbytes))
+            except BaseException as e:  # never let an exception unwind through C
+                warnings.warn("cuma pressure callback %r raised %r" % (callback, e), RuntimeWarning)
+
+        fn = _lib.PRESSURE_CALLBACK(trampoline)
+        cb_id = ctypes.c_int()
+        with self._cb_lock:
+            _lib.check(_lib.lib().cuma_add_pressure_callback(h, fn, None, ctypes.byref(cb_id)))
+            self._callbacks[("pressure", cb_id.value)] = (fn, callback)
+        return cb_id.value
+
+    def remove_pressure(self, callback_id):
+        """Removes a callback registered by :meth:`on_pressure` (by the id it returned)."""
+        callback_id = _int_arg(callback_id, "callback_id", 0)
+        with self._cb_lock:
+            _lib.check(_lib.lib().cuma_remove_pressure_callback(self._handle(), callback_id))
+            entry = self._callbacks.pop(("pressure", callback_id), None)
+            if entry is not None:
+                self._retired.append(entry)  # the release thread may be inside it (remove_oom)
+
     # --- simulated device controls (backend:sim only; UnsupportedError elsewhere) ---
 
     def sim_set_time(self, ns):
@@ -409,6 +444,46 @@ def on_oom(callback, device=0):
     if isinstance(device, (list, tuple, range, set, frozenset)):
         return [default_heap(d).on_oom(callback) for d in device]
     return default_heap(device).on_oom(callback)
+
+
+def on_pressure(callback, device=0):
+    """Registers ``callback(nbytes)`` on the default heap of ``device``; see
+    :meth:`Heap.on_pressure`. Returns the callback id."""
+    return default_heap(device).on_pressure(callback)
+
+
+def ledger(name=None):
+    """The live heaps of the cross-process ledger (None: this user's; else the name the
+    ``ledger`` setting gives), as a list of dicts: pid, process, device, priority, guarantee,
+    limit, capacity, reserved, cached, requested, peak_reserved, want, denials, pressure_asks,
+    pressure_given, pressure_calls, age_ns, slot. Raises CumaIOError (naming the path) when no
+    heap has made that ledger."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError("name must be a str or None, not %s" % type(name).__name__)
+    lib = _lib.lib()
+    arg = name.encode() if name is not None else None
+    n = ctypes.c_size_t()
+    cap = 64
+    while True:
+        buf = (_lib.LedgerEntry * cap)()
+        _lib.check(lib.cuma_ledger_snapshot(arg, buf, cap, ctypes.byref(n)))
+        if n.value <= cap:
+            break
+        cap = n.value + 16  # more heaps joined meanwhile: read again with room
+    out = []
+    for e in buf[: n.value]:
+        d = {f: getattr(e, f) for f, _ in _lib.LedgerEntry._fields_}
+        d["process"] = e.process.decode(errors="replace")
+        d["device"] = e.device.decode(errors="replace")
+        out.append(d)
+    return out
+
+
+def ledger_path(name=None):
+    """Where the ledger lives in shared memory (/dev/shm/cuma-UID[-NAME])."""
+    buf = ctypes.create_string_buffer(256)
+    _lib.check(_lib.lib().cuma_ledger_path(name.encode() if name else None, buf, 256))
+    return buf.value.decode()
 
 
 def remove_oom(callback_id, device=0):

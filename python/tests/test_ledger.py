@@ -1,0 +1,86 @@
+"""Jobs sharing a device through the cross-process ledger, from Python: the pressure callback
+of a low-priority heap frees memory a high-priority heap needs; cuma.ledger() lists both; bad
+arguments raise. Simulated heaps in a ledger named for this test, removed afterwards."""
+
+import os
+import threading
+
+import pytest
+
+import cuma
+
+MB = 1 << 20
+
+
+@pytest.fixture
+def ledger_name():
+    name = "pytest-%d" % os.getpid()
+    yield name
+    try:
+        os.remove(cuma.ledger_path(name))
+    except FileNotFoundError:
+        pass
+
+
+def _heap(name, extra):
+    return cuma.Heap(
+        "backend:sim,capacity:64M,tcache:off,arenas:1,release_delay_ms:100000,ledger:%s,%s" % (name, extra),
+        use_env=False,
+    )
+
+
+def test_pressure_callback_frees_for_higher_priority(ledger_name):
+    low = _heap(ledger_name, "priority:-1,guarantee:8M")
+    blocks = [low.alloc(4 * MB) for _ in range(12)]  # 48M in use
+    asked = []
+    freed = threading.Event()
+
+    def shrink(nbytes):
+        asked.append(nbytes)
+        while blocks and nbytes > 0:
+            low.free(blocks.pop())
+            nbytes -= 4 * MB
+        freed.set()
+
+    cb = low.on_pressure(shrink)
+    high = _heap(ledger_name, "priority:10,pressure_timeout_ms:3000")
+    p = high.alloc(40 * MB)  # 16M free: 24M must come from the low-priority heap
+    assert freed.is_set() and len(asked) == 1
+    assert 24 * MB <= asked[0] <= 40 * MB  # its use beyond the guarantee, at most
+    s_low, s_high = low.stats(), high.stats()
+    assert s_low["pressure_callbacks"] == 1 and s_high["pressure_asks"] == 1
+    assert s_low["reserved_bytes"] + s_high["reserved_bytes"] <= 64 * MB
+    assert s_high["ledger"]["priority"] == 10
+    entries = {e["pid"]: e for e in cuma.ledger(ledger_name)}
+    assert list(entries) == [os.getpid()]  # both heaps are this process's
+    heaps = sorted(cuma.ledger(ledger_name), key=lambda e: e["priority"])
+    assert [e["priority"] for e in heaps] == [-1, 10]
+    assert heaps[0]["guarantee"] == 8 * MB and heaps[0]["device"] == "sim"
+    assert heaps[1]["reserved"] == s_high["reserved_bytes"]
+    assert heaps[0]["pressure_calls"] == 1
+    low.remove_pressure(cb)
+    with pytest.raises(cuma.InvalidArgumentError, match="no callback with id"):
+        low.remove_pressure(cb)
+    high.free(p)
+    low.validate()
+    high.validate()
+    for b in blocks:
+        low.free(b)
+    high.close()
+    low.close()
+    assert cuma.ledger(ledger_name) == []
+
+
+def test_ledger_errors(ledger_name):
+    with pytest.raises(cuma.CumaIOError, match="no heap has joined it"):
+        cuma.ledger("pytest-nobody-made-this-%d" % os.getpid())
+    with pytest.raises(cuma.ConfigError, match="ledger"):
+        cuma.Heap("backend:sim,ledger:a/b", use_env=False)
+    with pytest.raises(TypeError):
+        cuma.ledger(3)
+    with _heap(ledger_name, "") as h:
+        with pytest.raises(TypeError):
+            h.on_pressure(None)
+    with _heap(ledger_name, "guarantee:60M"):
+        with pytest.raises(cuma.LimitExceededError, match="guarantee"):
+            _heap(ledger_name, "guarantee:8M")
