@@ -315,6 +315,59 @@ out_fd:
     return st;
 }
 
+/* The process's mappings, one per ledger, shared by its heaps and snapshots: one mapping however
+ * many heaps, and every heap of the process sees the lock and the atomics at the same addresses
+ * (two mappings of one file would be two objects to a thread checker). A mapping goes when its
+ * last user does. Under maps_lock. */
+typedef struct mapping {
+    char path[96];
+    ledger_shm *shm;
+    unsigned refs;
+    struct mapping *next;
+} mapping;
+
+static pthread_mutex_t maps_lock = PTHREAD_MUTEX_INITIALIZER;
+static mapping *maps;
+
+static cuma_status acquire(const char *name, bool create, ledger_shm **out, char *path,
+                           size_t plen) {
+    cuma_status st = cuma_ledger_path(name, path, plen);
+    if (st) return st;
+    pthread_mutex_lock(&maps_lock);
+    mapping *m = maps;
+    while (m && strcmp(m->path, path)) m = m->next;
+    if (m) {
+        m->refs++;
+        *out = m->shm;
+    } else if (!(m = calloc(1, sizeof *m))) {
+        st = cuma_fail(CUMA_ERR_OOM, "no host memory for a ledger mapping");
+    } else if ((st = map_ledger(name, create, &m->shm, m->path, sizeof m->path))) {
+        free(m);
+    } else {
+        m->refs = 1;
+        m->next = maps;
+        maps = m;
+        *out = m->shm;
+    }
+    pthread_mutex_unlock(&maps_lock);
+    return st;
+}
+
+static void release_map(ledger_shm *shm) {
+    pthread_mutex_lock(&maps_lock);
+    for (mapping **pp = &maps; *pp; pp = &(*pp)->next) {
+        mapping *m = *pp;
+        if (m->shm != shm) continue;
+        if (!--m->refs) {
+            *pp = m->next;
+            munmap(m->shm, LEDGER_BYTES);
+            free(m);
+        }
+        break;
+    }
+    pthread_mutex_unlock(&maps_lock);
+}
+
 /* ---- admission --------------------------------------------------------------------------------
  */
 
@@ -412,7 +465,7 @@ cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out)
     *out = NULL;
     cuma_ledger *l = calloc(1, sizeof *l);
     if (!l) return cuma_fail(CUMA_ERR_OOM, "no host memory for a ledger handle");
-    cuma_status st = map_ledger(in->name, true, &l->shm, l->path, sizeof l->path);
+    cuma_status st = acquire(in->name, true, &l->shm, l->path, sizeof l->path);
     if (st) {
         free(l);
         return st;
@@ -463,7 +516,7 @@ cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out)
     *out = l;
     return CUMA_OK;
 fail:
-    munmap(l->shm, LEDGER_BYTES);
+    release_map(l->shm);
     free(l);
     return st;
 }
@@ -476,7 +529,7 @@ void cuma_ledger_leave(cuma_ledger *l) {
         clear_slot(me);
         unlock(l->shm);
     }
-    munmap(l->shm, LEDGER_BYTES);
+    release_map(l->shm);
     free(l);
 }
 
@@ -627,7 +680,7 @@ cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_
     *n = 0;
     ledger_shm *m;
     char path[96];
-    cuma_status st = map_ledger(name, false, &m, path, sizeof path);
+    cuma_status st = acquire(name, false, &m, path, sizeof path);
     if (st) return st;
     st = lock(m, path);
     if (!st) {
@@ -641,7 +694,7 @@ cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_
         }
         unlock(m);
     }
-    munmap(m, LEDGER_BYTES);
+    release_map(m);
     return st;
 }
 
