@@ -148,10 +148,9 @@ void *cuma_heap_release_thread(void *arg) {
     pthread_mutex_lock(&h->lock);
     while (!h->stopping) {
         uint64_t t = cuma_heap_now(h), due = next_age_due(h), wait_ns = 1000000000ull;
+        bool woken = false;
         if (h->tcaches && h->tc_age_ns != INT64_MAX) wait_ns = (uint64_t)h->tc_age_ns / 2 + 1;
         if (wait_ns > 1000000000ull) wait_ns = 1000000000ull;
-        /* Other processes' pressure requests are answered within a few ms. */
-        if (h->ledger && wait_ns > CUMA_LEDGER_POLL_NS) wait_ns = CUMA_LEDGER_POLL_NS;
         if (due != UINT64_MAX) {
             if (due <= t)
                 wait_ns = 0;
@@ -161,16 +160,21 @@ void *cuma_heap_release_thread(void *arg) {
         /* At least 1 ms: a due page whose fence is still pending stays due, and the thread must
          * not spin on the lock while the stream works. */
         if (wait_ns < 1000000) wait_ns = 1000000;
-        h->thread_wake_at = t + wait_ns;
+        /* Other processes' pressure requests are answered within a few ms; the release policy
+         * still runs when it is due (or the thread is woken), not at every look. */
+        uint64_t policy_at = t + wait_ns;
+        h->thread_wake_at = policy_at; /* a free whose page is due earlier wakes the thread */
+        if (h->ledger && wait_ns > CUMA_LEDGER_POLL_NS) wait_ns = CUMA_LEDGER_POLL_NS;
         {
             struct timespec ts;
             clock_gettime(CLOCK_MONOTONIC, &ts);
             uint64_t ns = (uint64_t)ts.tv_nsec + wait_ns + 100000; /* a little late, never early */
             ts.tv_sec += (time_t)(ns / 1000000000ull);
             ts.tv_nsec = (long)(ns % 1000000000ull);
-            pthread_cond_timedwait(&h->wake, &h->lock, &ts);
+            woken = pthread_cond_timedwait(&h->wake, &h->lock, &ts) == 0;
         }
-        if (!h->stopping) cuma_heap_release_policy(h, cuma_heap_now(h));
+        uint64_t now = cuma_heap_now(h);
+        if (!h->stopping && (woken || now >= policy_at)) cuma_heap_release_policy(h, now);
         if (!h->stopping && h->ledger) cuma_heap_ledger_poll(h);
     }
     pthread_mutex_unlock(&h->lock);

@@ -338,6 +338,31 @@ static void test_auto(void) {
     cuma_heap_destroy(h);
 }
 
+/* The release thread looks at the ledger every few ms but still gives idle memory back when it
+ * is due, not later: a page freed while the thread sleeps towards a later due time wakes it. */
+static void test_release_on_time(void) {
+    cuma_heap *h = ledger_heap("release_delay_ms:400,fragmentation_threshold:0");
+    void *p, *q;
+    CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &p));
+    CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &q));
+    CHECK_OK(cuma_free(h, p, NULL));
+    usleep(200000);
+    CHECK(heap_stats(h).cached_bytes == 8 * MB); /* not due yet */
+    CHECK_OK(cuma_free(h, q, NULL));
+    uint64_t t0 = now_ms();
+    while (heap_stats(h).cached_bytes && now_ms() - t0 < 3000) usleep(5000);
+    cuma_stats s = heap_stats(h);
+    CHECK(s.cached_bytes == 0 && s.reserved_bytes == 0);
+    /* The first page went at its due time (about 200 ms after q's free), q's 400 ms after. */
+    uint64_t took = now_ms() - t0;
+    fprintf(stderr, "idle memory in the ledger went back %llu ms after the last free\n",
+            (unsigned long long)took);
+    CHECK(took >= 300 && took < 1500);
+    cuma_ledger_entry e[4];
+    CHECK(live(e, 4) == 1 && e[0].reserved == 0 && e[0].cached == 0);
+    cuma_heap_destroy(h);
+}
+
 /* usage: test_ledger [inprocess]: `inprocess` leaves out the tests that fork while the process
  * has threads (ThreadSanitizer cannot follow a child that starts threads then). */
 int main(int argc, char **argv) {
@@ -345,6 +370,7 @@ int main(int argc, char **argv) {
     snprintf(ledger_name, sizeof ledger_name, "test-%d", (int)getpid());
     unlink_ledger(ledger_name);
     test_auto();
+    test_release_on_time();
     test_admission_and_cache();
     test_priority_shrink();
     test_guarantees();
