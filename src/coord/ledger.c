@@ -380,6 +380,12 @@ static uint64_t max64(uint64_t a, uint64_t b) {
     return a > b ? a : b;
 }
 
+/* Sums of other processes' figures saturate: a slot written by a broken process must make the
+ * device look full, never let a wrapped sum make it look empty. */
+static uint64_t add_sat(uint64_t a, uint64_t b) {
+    return a + b < a ? UINT64_MAX : a + b;
+}
+
 /* What the other heaps on me's device claim: what they hold or their guarantee, whichever is
  * more; and what heaps of higher priority wait for. */
 static void claims(const ledger_shm *m, const ledger_slot *me, uint64_t *held, uint64_t *higher) {
@@ -387,8 +393,8 @@ static void claims(const ledger_shm *m, const ledger_slot *me, uint64_t *held, u
     for (unsigned i = 0; i < m->nslots; i++) {
         const ledger_slot *o = &m->slot[i];
         if (!same_device(me, o)) continue;
-        *held += max64(atomic_load(&o->reserved), o->guarantee);
-        if (o->priority > me->priority) *higher += atomic_load(&o->want);
+        *held = add_sat(*held, max64(atomic_load(&o->reserved), o->guarantee));
+        if (o->priority > me->priority) *higher = add_sat(*higher, atomic_load(&o->want));
     }
 }
 
@@ -398,9 +404,9 @@ static void claims(const ledger_shm *m, const ledger_slot *me, uint64_t *held, u
 static bool fits(const ledger_shm *m, const ledger_slot *me, uint64_t bytes) {
     uint64_t held, higher;
     claims(m, me, &held, &higher);
-    uint64_t mine = atomic_load(&me->reserved) + bytes;
+    uint64_t mine = add_sat(atomic_load(&me->reserved), bytes);
     if (mine <= me->guarantee) higher = 0;
-    return held + mine + higher <= me->capacity && held + mine >= held;
+    return add_sat(add_sat(held, mine), higher) <= me->capacity;
 }
 
 static ledger_slot *my_slot(cuma_ledger *l) {
@@ -481,10 +487,10 @@ cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out)
         if (atomic_load(&o->state) != 1) {
             if (free_slot == m->nslots) free_slot = i;
         } else if (!strncmp(o->device, in->device, sizeof o->device)) {
-            guaranteed += o->guarantee;
+            guaranteed = add_sat(guaranteed, o->guarantee);
         }
     }
-    if (in->guarantee && guaranteed + in->guarantee > in->capacity) {
+    if (in->guarantee && add_sat(guaranteed, in->guarantee) > in->capacity) {
         unlock(m);
         st = cuma_fail(CUMA_ERR_LIMIT,
                        "guarantee: %" PRIu64 " bytes asked on device %s, but other heaps are "
@@ -541,20 +547,20 @@ void cuma_ledger_leave(cuma_ledger *l) {
 static uint64_t could_have(const ledger_shm *m, const ledger_slot *me, uint64_t bytes) {
     uint64_t held, higher, g = 0;
     claims(m, me, &held, &higher);
-    bool under = atomic_load(&me->reserved) + bytes <= me->guarantee;
+    bool under = add_sat(atomic_load(&me->reserved), bytes) <= me->guarantee;
     for (unsigned i = 0; i < m->nslots; i++) {
         const ledger_slot *o = &m->slot[i];
         if (!same_device(me, o)) continue;
         uint64_t res = atomic_load(&o->reserved), cached = atomic_load(&o->cached);
         if (cached > res) cached = res;
-        if (o->priority <= me->priority || under) g += cached;
+        if (o->priority <= me->priority || under) g = add_sat(g, cached);
         if (o->priority < me->priority || under) {
             uint64_t used = res - cached;
-            if (used > o->guarantee) g += used - o->guarantee;
+            if (used > o->guarantee) g = add_sat(g, used - o->guarantee);
         }
     }
-    uint64_t used = held + atomic_load(&me->reserved);
-    return g + (used < me->capacity ? me->capacity - used : 0);
+    uint64_t used = add_sat(held, atomic_load(&me->reserved));
+    return add_sat(g, used < me->capacity ? me->capacity - used : 0);
 }
 
 static void sleep_ms(int ms) {
@@ -619,9 +625,9 @@ bool cuma_ledger_asked(cuma_ledger *l, bool *cache, uint64_t *shrink, bool *fres
         uint64_t w = atomic_load(&o->want);
         if (!w) continue;
         /* A heap under its guarantee is owed the memory, whatever its priority. */
-        bool under = atomic_load(&o->reserved) + w <= o->guarantee;
+        bool under = add_sat(atomic_load(&o->reserved), w) <= o->guarantee;
         if (o->priority >= me->priority || under) c = true;
-        if (o->priority > me->priority || under) want += w;
+        if (o->priority > me->priority || under) want = add_sat(want, w);
     }
     uint64_t res = atomic_load(&me->reserved), cached = atomic_load(&me->cached);
     uint64_t used = res > cached ? res - cached : 0;
