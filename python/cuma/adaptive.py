@@ -221,8 +221,13 @@ class DynamicBatcher:
     something true (no function: always). Memory is released (``release()``, default
     :func:`release_memory`) before the retry.
 
-    Attributes: ``batch_size`` (current), ``num_ooms``, ``num_steps`` (clean). Not
-    thread-safe: one loop per batcher."""
+    A job that shares its GPU with jobs of higher priority gives memory back when asked:
+    ``cuma.on_pressure(lambda nbytes: batcher.yield_memory())`` halves the batch from the next
+    one on (see :meth:`yield_memory`).
+
+    Attributes: ``batch_size`` (current), ``num_ooms``, ``num_steps`` (clean),
+    ``num_yields`` (halvings asked for by other jobs). Not thread-safe, except
+    :meth:`yield_memory`: one loop per batcher."""
 
     def __init__(
         self,
@@ -255,6 +260,8 @@ class DynamicBatcher:
         self._last_state = None  # None: not judged yet; "clean"; "oom"
         self._clean_run = 0
         self._release_due = False
+        self._yield_due = False
+        self.num_yields = 0
 
     def __iter__(self):
         self._it = iter(self._source)
@@ -268,6 +275,14 @@ class DynamicBatcher:
             self.__iter__()
         if self._last is not None and self._last_state is None:
             self._mark_clean()  # the caller moved on without reporting an OOM
+        if self._yield_due:
+            # Asked by another job: the next batches are half as large (the grown-back size
+            # is earned again from here), and what the last one held goes back first.
+            self._yield_due = False
+            self.num_yields += 1
+            self.batch_size = max(self.min_batch, self.batch_size // 2)
+            self._clean_run = 0
+            self._release_due = True
         if self._release_due:
             self._release_due = False
             self.release()
@@ -288,6 +303,13 @@ class DynamicBatcher:
     def step(self):
         """A context manager for one training step on the batch just yielded (see above)."""
         return _Step(self)
+
+    def yield_memory(self):
+        """Asks the batcher to halve its batch size from the next batch on and to release the
+        cache then: what a pressure callback calls (``cuma.on_pressure``), from the allocator's
+        thread, while the loop runs. Safe from any thread; several calls before the next batch
+        halve once."""
+        self._yield_due = True
 
     def report_oom(self):
         """Tells the batcher that the batch just yielded ran out of memory: it is served

@@ -84,3 +84,61 @@ def test_ledger_errors(ledger_name):
     with _heap(ledger_name, "guarantee:60M"):
         with pytest.raises(cuma.LimitExceededError, match="guarantee"):
             _heap(ledger_name, "guarantee:8M")
+
+
+def test_dynamic_batcher_yields_to_a_higher_priority_job(ledger_name):
+    """A training loop in a low-priority heap halves its batch when a high-priority heap on the
+    same device needs memory; the memory its batches held goes back and the other job gets it."""
+    from cuma import adaptive
+
+    low = _heap(ledger_name, "priority:-1,release_delay_ms:100000")
+    released = []
+
+    def release():
+        low.trim(0)
+        released.append(1)
+
+    source = [list(range(8)) for _ in range(100)]  # batches of 8 samples
+    batcher = adaptive.DynamicBatcher(source, batch_size=8, grow_after=10**6, release=release)
+    asked = threading.Event()
+
+    def on_pressure(nbytes):
+        batcher.yield_memory()
+        asked.set()
+
+    low.on_pressure(on_pressure)
+    high = _heap(ledger_name, "priority:10,pressure_timeout_ms:3000")
+    sizes = []
+    p = None
+    it = iter(batcher)
+    for step in range(12):
+        piece = next(it)
+        sizes.append(len(piece))
+        # A step holds 4 MiB a sample while it runs (8 samples: 32M of the device's 64M).
+        blocks = [low.alloc(4 * MB) for _ in piece]
+        if step == 3:
+            # Meanwhile another job needs 40M: 32M are free; the low job's loop is asked.
+            done = threading.Event()
+            out = []
+
+            def grab():
+                out.append(high.alloc(40 * MB))
+                done.set()
+
+            t = threading.Thread(target=grab)
+            t.start()
+            # The step is still running when the request comes (else its memory would just be
+            # idle cache by then, given back without asking anyone to shrink).
+            assert asked.wait(5)
+        for b in blocks:
+            low.free(b)
+        if step == 3:
+            t.join(5)
+            p = out[0] if out else None
+    assert p is not None, "the high-priority job did not get its memory"
+    assert batcher.num_yields == 1 and released
+    assert sizes[:4] == [8, 8, 8, 8] and sizes[4:] == [4] * 8
+    assert high.stats()["pressure_asks"] == 1
+    high.free(p)
+    high.close()
+    low.close()
