@@ -19,6 +19,11 @@
 #   6. Bench     cuma-bench --only replay --no-peers on the host CPUs (1 and 2 threads; runs
 #                before step 5 so that it fits the budget): the 2-thread scaling a quiet
 #                many-core machine can show
+#   7. Ledger    scripts/gpu/ledger_pair.py --conf backend:vmm: two processes on device 0
+#                through the cross-process ledger; a low-priority one holds 60% of the device
+#                idle, a high-priority one takes 60% (must get it from the other's cache), then
+#                the same with the memory in use (freed by the holder's pressure callback);
+#                last, with what is left of the budget
 #
 # Every step runs, each under its own timeout and within one overall budget (--budget, 420 s);
 # a summary table of PASS/FAIL/SKIP ends the output. Exit status 1 if any step FAILed, else 0.
@@ -33,7 +38,7 @@
 # Environment: GPU_CHECK_BUDGET (seconds, as --budget), CUMA_GPU_DEBS (a folder of .deb files,
 # e.g. zlib1g-dev, unpacked into build-gpu/sysroot when apt cannot install them), NVCC.
 #
-# --only STEPS runs those steps alone (comma-separated: ctest, replays, churn, bench, torch; the
+# --only STEPS runs those steps alone (comma-separated: ctest, replays, churn, bench, torch, ledger; the
 # machine and build steps always run), e.g. `--only torch` to run the PyTorch comparison again
 # within the same device session.
 #
@@ -62,8 +67,8 @@ while [ $# -gt 0 ]; do
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu-check: --budget wants seconds, not '$BUDGET'" >&2; exit 2 ;; esac
 for s in ${ONLY//,/ }; do
-  case "$s" in ctest|replays|churn|bench|torch) ;;
-    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch)" >&2; exit 2 ;;
+  case "$s" in ctest|replays|churn|bench|torch|ledger) ;;
+    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, ledger)" >&2; exit 2 ;;
   esac
 done
 # wanted STEP: whether --only leaves the step in.
@@ -551,6 +556,25 @@ step_bench() {
   record "$name" PASS "cuma 2T/1T: ${sc:-?}"
 }
 
+# ---- 7. two processes through the ledger ---------------------------------------------------
+
+step_ledger() {
+  section "7. Ledger: two processes on device 0 (scripts/gpu/ledger_pair.py --conf backend:vmm)"
+  step_start
+  local name="ledger: two processes, one GPU"
+  if [ "$HAVE_GPU" != 1 ]; then record "$name" SKIP "no GPU: $NO_GPU_WHY" gpu; return; fi
+  if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build, which failed" gpu; return; fi
+  if ! t=$(tmo 90); then record "$name" SKIP "$NO_TIME" gpu; return; fi
+  local rc=0
+  run "$t" "$WORK/ledger.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
+    CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
+    python3 scripts/gpu/ledger_pair.py --conf backend:vmm || rc=$?
+  local res
+  res=$(grep 'LEDGER RESULT' "$WORK/ledger.log" | tail -1)
+  res=${res#LEDGER RESULT: }
+  if [ $rc -eq 0 ]; then record "$name" PASS "$res" gpu; else record "$name" FAIL "$(why_rc $rc "$t")${res:+: $res}" gpu; fi
+}
+
 # ---- summary --------------------------------------------------------------------------------
 
 summary() {
@@ -635,6 +659,7 @@ main() {
   wanted churn && step_churn
   wanted bench && step_bench
   wanted torch && step_torch
+  wanted ledger && step_ledger
   summary
 }
 

@@ -3,6 +3,8 @@ of a low-priority heap frees memory a high-priority heap needs; cuma.ledger() li
 arguments raise. Simulated heaps in a ledger named for this test, removed afterwards."""
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -142,3 +144,15 @@ def test_dynamic_batcher_yields_to_a_higher_priority_job(ledger_name):
     high.free(p)
     high.close()
     low.close()
+
+
+def test_ledger_pair_script_on_the_simulated_device():
+    """scripts/gpu/ledger_pair.py (the GPU check's two jobs on one device) on a simulated device
+    shared through a ledger: the taker gets the holder's idle cache without a pressure callback,
+    then memory in use that the holder's callback frees."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, os.path.join(root, "scripts", "gpu", "ledger_pair.py"),
+                        "--conf", "backend:sim,capacity:1G"], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "LEDGER RESULT: idle cache: taken in" in p.stdout and "in use: taken in" in p.stdout

@@ -102,7 +102,17 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
     uint64_t shrink;
     if (!cuma_ledger_asked(l, &cache, &shrink, &fresh)) return;
     pthread_mutex_unlock(&p->lock);
-    uint64_t gave = cache ? give_cache(p) : 0, calls = 0;
+    uint64_t gave = 0, calls = 0;
+    if (cache) {
+        /* Idle memory first, thread caches' pending frees included; then what is still in use
+         * beyond the guarantee is what the callbacks are asked for. */
+        gave = give_cache(p);
+        int64_t c = cuma_heap_total(p, CUMA_PUB_CACHED);
+        cuma_ledger_publish(l, c > 0 ? (uint64_t)c : 0,
+                            (uint64_t)cuma_heap_total(p, CUMA_PUB_REQUESTED));
+        bool again;
+        if (!cuma_ledger_asked(l, &cache, &shrink, &again)) shrink = 0;
+    }
     if (shrink && fresh) {
         pthread_mutex_lock(&p->oom_lock);
         cuma_pressure_slot cbs[CUMA_MAX_OOM_CALLBACKS];
