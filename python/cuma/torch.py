@@ -248,6 +248,11 @@ def memory_summary(device=0):
         ("Page maps / unmaps", "%s / %s" % (s.get("cuma.maps"), s.get("cuma.unmaps"))),
         ("Fragmentation (mapped not live)", "%.2f%%" % (100.0 * (s.get("cuma.fragmentation") or 0.0))),
     ]
+    if s.get("cuma.ledger"):  # sharing the GPU with other jobs: what passed between them
+        counts.append(("Ledger denials / asks of others", "%s / %s" % (
+            s.get("cuma.ledger_denials"), s.get("cuma.pressure_asks"))))
+        counts.append(("Given to others / callbacks", "%s / %s" % (
+            _fmt_bytes(s.get("cuma.pressure_given_bytes")), s.get("cuma.pressure_callbacks"))))
     width = 74
     line = "|" + "=" * (width - 2) + "|"
     lines = [

@@ -156,3 +156,13 @@ def test_ledger_pair_script_on_the_simulated_device():
                        stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "LEDGER RESULT: idle cache: taken in" in p.stdout and "in use: taken in" in p.stdout
+
+
+def test_default_heap_in_a_ledger_shows_in_torch_summary(ledger_name, monkeypatch):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M,ledger:%s,priority:7" % ledger_name)
+    s = cuma.torch.memory_stats()
+    assert s["cuma.ledger"]["priority"] == 7 and s["cuma.pressure_asks"] == 0
+    assert "Ledger denials / asks of others" in cuma.torch.memory_summary()
+    assert [e["priority"] for e in cuma.ledger(ledger_name)] == [7]
+    cuma.shutdown_default_heaps()
+    assert cuma.ledger(ledger_name) == []
