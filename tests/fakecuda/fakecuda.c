@@ -444,6 +444,17 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     return rc;
 }
 
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
+    FC_ENTER(DevicePrimaryCtxGetState);
+    if (!flags || !active) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    fc_lock();
+    *active = fc_dev[dev].ctx.refcount > 0;
+    fc_unlock();
+    *flags = 0;
+    return CUDA_SUCCESS;
+}
+
 CUresult cuCtxSetCurrent(CUcontext ctx) {
     FC_ENTER(CtxSetCurrent);
     if (!ctx) {
@@ -614,6 +625,7 @@ static const struct fc_proc g_procs[] = {
     P("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain, 7000),
     P2("cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease_v2, 11000, cuDevicePrimaryCtxRelease,
        7000),
+    P("cuDevicePrimaryCtxGetState", cuDevicePrimaryCtxGetState, 7000),
     P("cuCtxSetCurrent", cuCtxSetCurrent, 4000),
     P("cuCtxGetCurrent", cuCtxGetCurrent, 4000),
     P("cuCtxGetDevice", cuCtxGetDevice, 2000),
@@ -621,6 +633,9 @@ static const struct fc_proc g_procs[] = {
     P("cuMemGetInfo", cuMemGetInfo_v2, 3020),
     P("cuMemAlloc", cuMemAlloc_v2, 3020),
     P("cuMemFree", cuMemFree_v2, 3020),
+    P("cuMemAllocPitch", cuMemAllocPitch_v2, 3020),
+    P("cuMemAllocAsync", cuMemAllocAsync, 11020),
+    P("cuMemFreeAsync", cuMemFreeAsync, 11020),
     P("cuMemAllocManaged", cuMemAllocManaged, 6000),
     P("cuMemAddressReserve", cuMemAddressReserve, 10020),
     P("cuMemAddressFree", cuMemAddressFree, 10020),
@@ -634,6 +649,7 @@ static const struct fc_proc g_procs[] = {
     P2("cuStreamDestroy", cuStreamDestroy_v2, 4000, cuStreamDestroy, 2000),
     P("cuStreamSynchronize", cuStreamSynchronize, 2000),
     P("cuStreamQuery", cuStreamQuery, 2000),
+    P("cuStreamGetCtx", cuStreamGetCtx, 9020),
     P("cuStreamWaitEvent", cuStreamWaitEvent, 3020),
     P("cuEventCreate", cuEventCreate, 2000),
     P2("cuEventDestroy", cuEventDestroy_v2, 4000, cuEventDestroy, 2000),

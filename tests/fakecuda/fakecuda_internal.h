@@ -32,6 +32,7 @@
     X(DeviceCanAccessPeer)                                                                         \
     X(DevicePrimaryCtxRetain)                                                                      \
     X(DevicePrimaryCtxRelease)                                                                     \
+    X(DevicePrimaryCtxGetState)                                                                    \
     X(CtxSetCurrent)                                                                               \
     X(CtxGetCurrent)                                                                               \
     X(CtxGetDevice)                                                                                \
@@ -39,6 +40,9 @@
     X(MemGetInfo)                                                                                  \
     X(MemAlloc)                                                                                    \
     X(MemFree)                                                                                     \
+    X(MemAllocPitch)                                                                               \
+    X(MemAllocAsync)                                                                               \
+    X(MemFreeAsync)                                                                                \
     X(MemAllocManaged)                                                                             \
     X(MemAddressReserve)                                                                           \
     X(MemAddressFree)                                                                              \
@@ -52,6 +56,7 @@
     X(StreamDestroy)                                                                               \
     X(StreamSynchronize)                                                                           \
     X(StreamQuery)                                                                                 \
+    X(StreamGetCtx)                                                                                \
     X(StreamWaitEvent)                                                                             \
     X(EventCreate)                                                                                 \
     X(EventDestroy)                                                                                \
@@ -160,5 +165,9 @@ FC_HIDDEN int fc_mem_init_device(struct fc_device *d);
 
 /* fakecuda_stream.c: per-device setup at cuInit. */
 FC_HIDDEN void fc_stream_init_device(struct fc_device *d, int dev);
+
+/* fakecuda_stream.c: CUDA_SUCCESS when s names a live stream (or a pseudo stream of the
+ * current context), for the stream-ordered allocator in fakecuda_mem.c. Takes fc_mu. */
+FC_HIDDEN CUresult fc_stream_check(CUstream s);
 
 #endif /* CUMA_FAKECUDA_INTERNAL_H */

@@ -570,8 +570,14 @@ CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flag
     return block_alloc(dptr, bytesize, 1);
 }
 
+static CUresult free_block(CUdeviceptr dptr);
+
 CUresult cuMemFree_v2(CUdeviceptr dptr) {
     FC_ENTER(MemFree);
+    return free_block(dptr);
+}
+
+static CUresult free_block(CUdeviceptr dptr) {
     CUresult rc = CUDA_ERROR_INVALID_VALUE;
     fc_lock();
     size_t i = fc_vec_lower(&g_blocks, dptr);
@@ -592,6 +598,45 @@ CUresult cuMemFree_v2(CUdeviceptr dptr) {
     }
     fc_unlock();
     return rc;
+}
+
+/* Pitch as current GPUs give it: rows padded to 512 bytes. */
+CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                            unsigned int ElementSizeBytes) {
+    FC_ENTER(MemAllocPitch);
+    if (!dptr || !pPitch || WidthInBytes == 0 || Height == 0 ||
+        (ElementSizeBytes != 4 && ElementSizeBytes != 8 && ElementSizeBytes != 16))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (WidthInBytes > SIZE_MAX - 511) return CUDA_ERROR_OUT_OF_MEMORY;
+    size_t pitch = (WidthInBytes + 511) & ~(size_t)511;
+    if (Height > SIZE_MAX / pitch) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = block_alloc(dptr, pitch * Height, 0);
+    if (rc == CUDA_SUCCESS) *pPitch = pitch;
+    return rc;
+}
+
+/* The stream-ordered allocator, simplified: the memory is allocated and freed at once (the
+ * stream is checked), which is what a real driver does when the stream has no work pending. */
+
+CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+    FC_ENTER(MemAllocAsync);
+    CUresult rc = fc_stream_check(hStream);
+    return rc != CUDA_SUCCESS ? rc : block_alloc(dptr, bytesize, 0);
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
+    FC_ENTER(MemFreeAsync);
+    CUresult rc = fc_stream_check(hStream);
+    return rc != CUDA_SUCCESS ? rc : free_block(dptr);
+}
+
+FC_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+FC_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+    return cuMemAllocAsync(dptr, bytesize, hStream ? hStream : CU_STREAM_PER_THREAD);
+}
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
+    return cuMemFreeAsync(dptr, hStream ? hStream : CU_STREAM_PER_THREAD);
 }
 
 CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {

@@ -181,6 +181,25 @@ CUresult cuStreamQuery(CUstream hStream) {
     return rc;
 }
 
+CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
+    FC_ENTER(StreamGetCtx);
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    struct CUstream_st *st;
+    fc_lock();
+    CUresult rc = stream_resolve(hStream, &st);
+    if (rc == CUDA_SUCCESS) *pctx = &fc_dev[st->dev].ctx; /* every fake context is primary */
+    fc_unlock();
+    return rc;
+}
+
+CUresult fc_stream_check(CUstream s) {
+    struct CUstream_st *st;
+    fc_lock();
+    CUresult rc = stream_resolve(s, &st);
+    fc_unlock();
+    return rc;
+}
+
 CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags) {
     FC_ENTER(StreamWaitEvent);
     if (Flags & ~(unsigned)CU_EVENT_WAIT_EXTERNAL) return CUDA_ERROR_INVALID_VALUE;

@@ -1,0 +1,411 @@
+/* A CUDA program that knows nothing of cuma, run with and without libcuma_preload.so.
+ *
+ * It links only the fake driver (tests/fakecuda: its controls count driver calls and live
+ * objects) and makes the calls a CUDA program and the CUDA runtime make: the driver API
+ * directly, and the runtime's path (dlopen("libcuda.so.1"), dlsym(handle,
+ * "cuGetProcAddress_v2"), entry points fetched through it). The arguments say what to expect:
+ *
+ *   test_preload ROUTED SHIM [STDERR_TEXT]
+ *
+ * ROUTED 1: allocations come from cuma (CUMA_CONF=limit:256M): the driver's cuMemAlloc is
+ * never called for them, two small blocks share a page or segment, cuMemGetInfo and
+ * cuDeviceTotalMem say 256 MiB, a request beyond it fails with CUDA_ERROR_OUT_OF_MEMORY.
+ * ROUTED 0: the plain driver's answers (FAKECUDA_CAPACITY=1G). SHIM 1: the shim is loaded
+ * (LD_PRELOAD), which dlsym(RTLD_NEXT, ...) from the program must still see. STDERR_TEXT: what
+ * the shim must have written on stderr, once (a bad CUMA_CONF names its key).
+ */
+#include "fakecuda.h"
+
+#include <cuda.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+CUresult CUDAAPI cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+
+#define MB       (1024ull * 1024)
+#define LIMIT    (256 * MB)
+#define CAPACITY (1024 * MB) /* FAKECUDA_CAPACITY in CMakeLists.txt */
+
+/* stderr goes to a file while the checks run (the shim's messages are checked at the end);
+ * a failure puts it back and shows what was captured before its own message. */
+static FILE *captured;
+static int saved_stderr = -1;
+
+static void show_captured(void) {
+    if (saved_stderr < 0) return;
+    fflush(stderr);
+    dup2(saved_stderr, 2);
+    close(saved_stderr);
+    saved_stderr = -1;
+    char buf[8192];
+    rewind(captured);
+    size_t n = fread(buf, 1, sizeof buf - 1, captured);
+    buf[n] = 0;
+    fputs(buf, stderr);
+}
+
+#define FAIL(...)                                                                                  \
+    do {                                                                                           \
+        show_captured();                                                                           \
+        fprintf(stderr, __VA_ARGS__);                                                              \
+        abort();                                                                                   \
+    } while (0)
+
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) FAIL("%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);                 \
+    } while (0)
+
+#define CHECK_RES(expr, want)                                                                      \
+    do {                                                                                           \
+        CUresult r_ = (expr);                                                                      \
+        if (r_ != (want))                                                                          \
+            FAIL("%s:%d: %s returned %d, wanted %d (%s)\n", __FILE__, __LINE__, #expr, (int)r_,    \
+                 (int)(want), #want);                                                              \
+    } while (0)
+
+#define CHECK_CU(expr) CHECK_RES(expr, CUDA_SUCCESS)
+
+static bool routed, shim_loaded, vmm;
+static CUcontext primary;
+
+/* The file that defines the function at p, for "whose function is this?". */
+static const char *file_of(const void *p) {
+    Dl_info info;
+    return p && dladdr(p, &info) && info.dli_fname ? info.dli_fname : "?";
+}
+
+static const char *name_of(const void *p) {
+    Dl_info info;
+    return p && dladdr(p, &info) && info.dli_sname ? info.dli_sname : "?";
+}
+
+static bool is_shim(const void *p) {
+    return strstr(file_of(p), "libcuma_preload") != NULL;
+}
+
+/* Writes a pattern through the driver and reads it back: the memory is mapped and accessible. */
+static void touch(CUdeviceptr p, size_t n, unsigned char v) {
+    CHECK_CU(cuMemsetD8_v2(p, v, n));
+    unsigned char ends[2];
+    CHECK_CU(cuMemcpyDtoH_v2(&ends[0], p, 1));
+    CHECK_CU(cuMemcpyDtoH_v2(&ends[1], p + n - 1, 1));
+    CHECK(ends[0] == v && ends[1] == v);
+}
+
+/* Two small blocks: cuma places them side by side in one page or segment; the driver gives
+ * each an allocation of its own, a granularity (2 MiB) apart. */
+static void check_small_blocks_share(void) {
+    long allocs = fakecuda_live("allocs");
+    CUdeviceptr a, b;
+    CHECK_CU(cuMemAlloc_v2(&a, 4096));
+    CHECK_CU(cuMemAlloc_v2(&b, 4096));
+    uint64_t dist = a > b ? a - b : b - a;
+    CHECK(routed ? dist < 2 * MB : dist >= 2 * MB);
+    /* vmm: no driver allocation at all; segments: at most the one they share. */
+    long added = fakecuda_live("allocs") - allocs;
+    CHECK(routed ? (vmm ? added == 0 : added <= 1) : added == 2);
+    touch(a, 4096, 0x11);
+    touch(b, 4096, 0x22);
+    CHECK_CU(cuMemFree_v2(a));
+    CHECK_CU(cuMemFree_v2(b));
+}
+
+static void check_alloc_free(void) {
+    fakecuda_reset_counters();
+    CUdeviceptr p;
+    CHECK_CU(cuMemAlloc_v2(&p, 3 * MB + 100));
+    touch(p, 3 * MB + 100, 0x5a);
+    /* The driver's cuMemAlloc served it, or cuma's pages (vmm) / its segments (no VMM). */
+    if (!routed) CHECK(fakecuda_calls("cuMemAlloc") == 1 && fakecuda_calls("cuMemCreate") == 0);
+    /* vmm: the pages under it are mapped (maybe earlier, idle and reused in place). */
+    if (routed && vmm)
+        CHECK(fakecuda_calls("cuMemAlloc") == 0 && fakecuda_live("allocs") == 0 &&
+              fakecuda_live("mappings") > 0);
+    CHECK_CU(cuMemFree_v2(p));
+    check_small_blocks_share();
+
+    /* Bad input gets the driver's answer, or cuma's, never a crash. */
+    CHECK_RES(cuMemAlloc_v2(NULL, 16), CUDA_ERROR_INVALID_VALUE);
+    CHECK_RES(cuMemAlloc_v2(&p, 0), CUDA_ERROR_INVALID_VALUE);
+    CHECK_RES(cuMemFree_v2(0), CUDA_ERROR_INVALID_VALUE);
+    CHECK_CU(cuMemAlloc_v2(&p, 1 * MB));
+    CHECK_RES(cuMemFree_v2(p + 256), CUDA_ERROR_INVALID_VALUE); /* inside a block */
+    CHECK_CU(cuMemFree_v2(p));
+    CHECK_RES(cuMemFree_v2(p), CUDA_ERROR_INVALID_VALUE); /* double free */
+    CHECK_CU(cuMemAlloc_v2(&p, 1 * MB));                  /* still works */
+    touch(p, MB, 0x33);
+    CHECK_CU(cuMemFree_v2(p));
+}
+
+/* Segment mode's danger: a block of over 10 MiB gets a segment of its own and starts where
+ * the segment does, so a double free of it handed to the driver would free the segment that
+ * cuma keeps cached and hands out again. The shim must refuse it, and the next block placed
+ * there must be usable. */
+static void check_double_free_keeps_memory(void) {
+    CUdeviceptr a, b;
+    CHECK_CU(cuMemAlloc_v2(&a, 12 * MB));
+    CHECK_CU(cuMemFree_v2(a));
+    long allocs = fakecuda_live("allocs");
+    CHECK_RES(cuMemFree_v2(a), CUDA_ERROR_INVALID_VALUE);
+    CHECK(fakecuda_live("allocs") == allocs);
+    CHECK_CU(cuMemAlloc_v2(&b, 12 * MB));
+    touch(b, 12 * MB, 0x44);
+    CHECK_CU(cuMemFree_v2(b));
+}
+
+static void check_limit(void) {
+    size_t fr = 0, tot = 0;
+    CHECK_CU(cuMemGetInfo_v2(&fr, &tot));
+    CHECK(tot == (routed ? LIMIT : CAPACITY));
+    CHECK(fr <= tot);
+    /* Nothing live. Idle pages count as free; blocks this thread's cache still holds (at most
+     * tcache_bytes, 32 MiB) and, in segment mode, segments whose free blocks are not merged
+     * yet do not. */
+    if (routed && tot - fr > 32 * MB) FAIL("nothing live, yet free %zu of %zu\n", fr, tot);
+    size_t dev_total = 0;
+    CHECK_CU(cuDeviceTotalMem_v2(&dev_total, 0));
+    CHECK(dev_total == (routed ? LIMIT : CAPACITY));
+    CHECK_RES(cuMemGetInfo_v2(NULL, &tot), CUDA_ERROR_INVALID_VALUE);
+
+    CUdeviceptr big, more;
+    CHECK_RES(cuMemAlloc_v2(&big, 300 * MB), routed ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS);
+    if (!routed) CHECK_CU(cuMemFree_v2(big));
+    CHECK_CU(cuMemAlloc_v2(&big, 200 * MB));
+    touch(big, 200 * MB, 0x66);
+    CHECK_CU(cuMemGetInfo_v2(&fr, &tot));
+    CHECK(fr + 200 * MB <= tot);
+    CHECK_RES(cuMemAlloc_v2(&more, 100 * MB), routed ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS);
+    if (!routed) CHECK_CU(cuMemFree_v2(more));
+    CHECK_CU(cuMemFree_v2(big));
+    CHECK_CU(cuMemAlloc_v2(&more, 100 * MB)); /* the freed memory serves it */
+    CHECK_CU(cuMemFree_v2(more));
+    /* Frees wait in the thread's cache or free batch until its next allocator call or, at the
+     * latest, until they are tcache_age_ms (50 ms) old, when the release thread takes them. */
+    for (int i = 0; i < 300; i++) {
+        CHECK_CU(cuMemGetInfo_v2(&fr, &tot));
+        if (!routed || fr == tot) break;
+        usleep(10 * 1000);
+    }
+    if (routed && fr != tot) FAIL("all freed 3 s ago, yet free %zu of %zu\n", fr, tot);
+}
+
+static void check_async_and_pitch(void) {
+    fakecuda_reset_counters();
+    CUstream s;
+    CHECK_CU(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CUdeviceptr p, q;
+    CHECK_CU(cuMemAllocAsync(&p, 2 * MB, s));
+    CHECK_CU(cuMemAllocAsync(&q, 5000, NULL));
+    touch(p, 2 * MB, 0x77);
+    touch(q, 5000, 0x78);
+    CHECK(fakecuda_calls("cuMemAllocAsync") == (routed ? 0u : 2u));
+    CHECK_CU(cuMemFreeAsync(p, s));
+    CHECK_CU(cuMemFreeAsync(q, NULL));
+    CHECK_RES(cuMemFreeAsync(p, s), CUDA_ERROR_INVALID_VALUE);
+    CHECK(fakecuda_calls("cuMemFreeAsync") == (routed ? 0u : 3u));
+    CHECK_RES(cuMemAllocAsync(&p, 0, s), CUDA_ERROR_INVALID_VALUE);
+    CHECK_CU(cuStreamSynchronize(s));
+    CHECK_CU(cuStreamDestroy_v2(s));
+
+    size_t pitch = 0;
+    CHECK_CU(cuMemAllocPitch_v2(&p, &pitch, 1000, 10, 4));
+    CHECK(pitch == 1024 && p % 512 == 0);
+    touch(p, pitch * 10, 0x79);
+    CHECK(fakecuda_calls("cuMemAllocPitch") == (routed ? 0u : 1u));
+    CHECK_CU(cuMemFree_v2(p));
+    CHECK_RES(cuMemAllocPitch_v2(&p, &pitch, 1000, 10, 3), CUDA_ERROR_INVALID_VALUE);
+}
+
+/* Memory the shim never handed out (here managed memory, as cudaMallocManaged gives) is freed
+ * by the driver through the shim's cuMemFree. */
+static void check_foreign_free(void) {
+    CUdeviceptr m;
+    long before = fakecuda_live("managed");
+    CHECK_CU(cuMemAllocManaged(&m, MB, CU_MEM_ATTACH_GLOBAL));
+    CHECK(fakecuda_live("managed") == before + 1);
+    CHECK_CU(cuMemFree_v2(m));
+    CHECK(fakecuda_live("managed") == before);
+}
+
+typedef CUresult (*gpa_fn)(const char *, void **, int, cuuint64_t,
+                           CUdriverProcAddressQueryResult *);
+typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
+typedef CUresult (*free_fn)(CUdeviceptr);
+typedef CUresult (*info_fn)(size_t *, size_t *);
+typedef CUresult (*async_fn)(CUdeviceptr *, size_t, CUstream);
+
+/* The CUDA runtime's way in: every entry point through cuGetProcAddress from the handle. */
+static void check_runtime_path(void) {
+    const char *lib = getenv("CUMA_CUDA_LIBRARY");
+    void *h = dlopen(lib && *lib ? lib : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    CHECK(h);
+    void *sym = dlsym(h, "cuGetProcAddress_v2");
+    CHECK(sym);
+    CHECK(is_shim(sym) == routed);
+    gpa_fn gpa;
+    memcpy(&gpa, &sym, sizeof sym);
+
+    CUdriverProcAddressQueryResult st;
+    void *fn = NULL;
+    CHECK_CU(gpa("cuGetProcAddress", &fn, 13000, 0, &st));
+    CHECK(fn && st == CU_GET_PROC_ADDRESS_SUCCESS && is_shim(fn) == routed);
+    CHECK_CU(gpa("cuMemAlloc", &fn, 13000, 0, &st));
+    CHECK(fn && is_shim(fn) == routed);
+    if (routed) CHECK(!strcmp(name_of(fn), "cuMemAlloc_v2"));
+    alloc_fn alloc;
+    memcpy(&alloc, &fn, sizeof fn);
+    CHECK_CU(gpa("cuMemFree", &fn, 13000, 0, &st));
+    CHECK(fn && is_shim(fn) == routed);
+    free_fn release;
+    memcpy(&release, &fn, sizeof fn);
+    CHECK_CU(gpa("cuMemGetInfo", &fn, 12000, 0, &st));
+    CHECK(fn && is_shim(fn) == routed);
+    info_fn info;
+    memcpy(&info, &fn, sizeof fn);
+    CHECK_CU(
+        gpa("cuMemAllocAsync", &fn, 13000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, &st));
+    CHECK(fn && is_shim(fn) == routed);
+    if (routed) CHECK(!strcmp(name_of(fn), "cuMemAllocAsync_ptsz"));
+    async_fn alloc_async;
+    memcpy(&alloc_async, &fn, sizeof fn);
+    /* A version older than the _v2 ABI gets no function here (the fake has no 32-bit one),
+     * and the shim does not offer its own for it. */
+    fn = NULL;
+    CHECK_CU(gpa("cuMemAlloc", &fn, 3000, 0, &st));
+    CHECK(!fn && st == CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT);
+    /* Entry points the shim does not replace stay the driver's. */
+    CHECK_CU(gpa("cuMemsetD8", &fn, 13000, 0, &st));
+    CHECK(fn && !is_shim(fn));
+    CHECK(!is_shim(dlsym(h, "cuMemcpyHtoD_v2")));
+    CHECK(is_shim(dlsym(h, "cuMemAlloc_v2")) == routed);
+
+    fakecuda_reset_counters();
+    CUdeviceptr p, q;
+    CHECK_CU(alloc(&p, 6 * MB));
+    CHECK_CU(alloc_async(&q, 64 * 1024, NULL));
+    touch(p, 6 * MB, 0x01);
+    touch(q, 64 * 1024, 0x02);
+    if (!routed) CHECK(fakecuda_calls("cuMemAlloc") == 1);
+    if (routed && vmm) CHECK(fakecuda_calls("cuMemAlloc") == 0);
+    size_t fr, tot;
+    CHECK_CU(info(&fr, &tot));
+    CHECK(tot == (routed ? LIMIT : CAPACITY) && fr + 6 * MB <= tot);
+    CHECK_CU(release(p));
+    CHECK_CU(release(q));
+    CHECK_RES(release(p), CUDA_ERROR_INVALID_VALUE);
+    dlclose(h);
+
+    /* RTLD_NEXT from the program finds the next definition after the program: the shim's when
+     * it is preloaded, whether it routes or not (its dlsym must not answer as itself). */
+    sym = dlsym(RTLD_NEXT, "cuMemAlloc_v2");
+    CHECK(sym && is_shim(sym) == shim_loaded);
+}
+
+#define THREADS 4
+#define ROUNDS  2000
+
+static void *thread_main(void *arg) {
+    unsigned id = (unsigned)(uintptr_t)arg;
+    unsigned long long x = 0x9E3779B97F4A7C15ull * (id + 1);
+    CHECK_CU(cuCtxSetCurrent(primary));
+    CUdeviceptr live[8] = {0};
+    size_t sizes[8] = {0};
+    for (int i = 0; i < ROUNDS; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        int k = (int)(x % 8);
+        if (live[k]) {
+            unsigned char c = 0;
+            CHECK_CU(cuMemcpyDtoH_v2(&c, live[k] + sizes[k] - 1, 1));
+            CHECK(c == (unsigned char)(id + 1));
+            CHECK_CU(cuMemFree_v2(live[k]));
+            live[k] = 0;
+        } else {
+            sizes[k] = 1 + (size_t)(x >> 20) % (256 * 1024);
+            CHECK_CU(cuMemAlloc_v2(&live[k], sizes[k]));
+            CHECK_CU(cuMemsetD8_v2(live[k], (unsigned char)(id + 1), sizes[k]));
+        }
+    }
+    for (int k = 0; k < 8; k++)
+        if (live[k]) CHECK_CU(cuMemFree_v2(live[k]));
+    return NULL;
+}
+
+/* Several threads, each with the primary context current, allocate and free at once. */
+static void check_threads(void) {
+    pthread_t t[THREADS];
+    for (unsigned i = 0; i < THREADS; i++)
+        CHECK(pthread_create(&t[i], NULL, thread_main, (void *)(uintptr_t)i) == 0);
+    for (unsigned i = 0; i < THREADS; i++) CHECK(pthread_join(t[i], NULL) == 0);
+}
+
+static void capture_stderr(void) {
+    captured = tmpfile();
+    CHECK(captured);
+    fflush(stderr);
+    saved_stderr = dup(2);
+    CHECK(saved_stderr >= 0 && dup2(fileno(captured), 2) == 2);
+}
+
+/* The shim's messages: `want` once, or none at all. */
+static void check_stderr(const char *want) {
+    fflush(stderr);
+    char buf[8192];
+    rewind(captured);
+    size_t n = fread(buf, 1, sizeof buf - 1, captured);
+    buf[n] = 0;
+    show_captured(); /* into the test log */
+    if (!want) {
+        CHECK(strstr(buf, "cuma preload:") == NULL);
+        return;
+    }
+    const char *hit = strstr(buf, want);
+    CHECK(hit != NULL);
+    CHECK(strstr(hit + 1, want) == NULL); /* reported once */
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3) {
+        fprintf(stderr, "usage: %s ROUTED SHIM [STDERR_TEXT]\n", argv[0]);
+        return 2;
+    }
+    routed = atoi(argv[1]) != 0;
+    shim_loaded = atoi(argv[2]) != 0;
+    const char *want = argc > 3 ? argv[3] : NULL;
+    const char *novmm = getenv("FAKECUDA_NO_VMM");
+    vmm = !(novmm && *novmm == '1');
+    capture_stderr();
+
+    CHECK_CU(cuInit(0));
+    CUdevice dev;
+    CHECK_CU(cuDeviceGet(&dev, 0));
+    /* Before anything allocated: the limit comes from CUMA_CONF, and no context is made. */
+    size_t total = 0;
+    CHECK_CU(cuDeviceTotalMem_v2(&total, dev));
+    CHECK(total == (routed ? LIMIT : CAPACITY));
+    CHECK(fakecuda_calls("cuDevicePrimaryCtxRetain") == 0);
+    CHECK_CU(cuDevicePrimaryCtxRetain(&primary, dev));
+    CHECK_CU(cuCtxSetCurrent(primary));
+    /* The first call that needs the heap makes it; with nothing allocated, all is free. */
+    size_t fr = 0;
+    CHECK_CU(cuMemGetInfo_v2(&fr, &total));
+    CHECK(total == (routed ? LIMIT : CAPACITY));
+    if (routed && fr != total) FAIL("a new heap: free %zu of %zu\n", fr, total);
+
+    check_threads();
+    check_alloc_free();
+    check_double_free_keeps_memory();
+    check_limit();
+    check_async_and_pitch();
+    check_foreign_free();
+    check_runtime_path();
+    check_stderr(want);
+    printf("test_preload: routed=%d shim=%d vmm=%d: all checks passed\n", routed, shim_loaded, vmm);
+    return 0;
+}
