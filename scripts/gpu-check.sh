@@ -19,7 +19,11 @@
 #   6. Bench     cuma-bench --only replay --no-peers on the host CPUs (1 and 2 threads; runs
 #                before step 5 so that it fits the budget): the 2-thread scaling a quiet
 #                many-core machine can show
-#   7. Ledger    scripts/gpu/ledger_pair.py --conf backend:vmm: two processes on device 0
+#   7. Preload   scripts/gpu/preload_check.cu (the plain CUDA runtime, built with churn.cu) under
+#                LD_PRELOAD=libcuma_preload.so with CUMA_CONF=limit:8G: cudaMemGetInfo says 8G,
+#                cudaMalloc is refused beyond it, kernels write and verify cudaMalloc,
+#                cudaMallocAsync and cudaMallocPitch memory
+#   8. Ledger    scripts/gpu/ledger_pair.py --conf backend:vmm: two processes on device 0
 #                through the cross-process ledger; a low-priority one holds 60% of the device
 #                idle, a high-priority one takes 60% (must get it from the other's cache), then
 #                the same with the memory in use (freed by the holder's pressure callback);
@@ -38,7 +42,8 @@
 # Environment: GPU_CHECK_BUDGET (seconds, as --budget), CUMA_GPU_DEBS (a folder of .deb files,
 # e.g. zlib1g-dev, unpacked into build-gpu/sysroot when apt cannot install them), NVCC.
 #
-# --only STEPS runs those steps alone (comma-separated: ctest, replays, churn, bench, torch, ledger; the
+# --only STEPS runs those steps alone (comma-separated: ctest, replays, churn, bench, torch, ledger,
+# preload; the
 # machine and build steps always run), e.g. `--only torch` to run the PyTorch comparison again
 # within the same device session.
 #
@@ -67,8 +72,8 @@ while [ $# -gt 0 ]; do
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu-check: --budget wants seconds, not '$BUDGET'" >&2; exit 2 ;; esac
 for s in ${ONLY//,/ }; do
-  case "$s" in ctest|replays|churn|bench|torch|ledger) ;;
-    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, ledger)" >&2; exit 2 ;;
+  case "$s" in ctest|replays|churn|bench|torch|ledger|preload) ;;
+    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, ledger, preload)" >&2; exit 2 ;;
   esac
 done
 # wanted STEP: whether --only leaves the step in.
@@ -271,6 +276,7 @@ step_build() {
 # ---- 4a. churn.cu, built in the background while the tests run ------------------------------
 
 CHURN=$BUILD/gpu/churn
+PRELOAD_CHECK=$BUILD/gpu/preload_check
 CHURN_PID=""
 
 # shellcheck disable=SC2317  # run through `declare -f`, which shellcheck cannot follow
@@ -301,6 +307,10 @@ build_churn() { # runs in the background; all output into churn-build.log
     # -arch=native that finds no GPU only warns and builds for a default architecture.
     if [ "$rc" -eq 0 ] && ! grep -q 'Cannot find valid GPU' <<<"$out"; then
       echo "built with $arch"
+      # The LD_PRELOAD step's program: the plain CUDA runtime, nothing of cuma linked in.
+      echo "\$ $NVCC -O2 -std=c++17 $arch scripts/gpu/preload_check.cu -o $PRELOAD_CHECK"
+      "$NVCC" -O2 -std=c++17 "$arch" -Xcompiler -Wall,-Wextra scripts/gpu/preload_check.cu \
+        -o "$PRELOAD_CHECK" || echo "preload_check.cu: nvcc failed"
       return 0
     fi
     echo "nvcc with $arch: $([ "$rc" -eq 0 ] && echo "found no GPU to build for" || echo "failed (exit $rc)")"
@@ -311,11 +321,11 @@ build_churn() { # runs in the background; all output into churn-build.log
 
 start_churn_build() {
   CHURN_PID=""
-  rm -f "$CHURN"
+  rm -f "$CHURN" "$PRELOAD_CHECK"
   [ "$BUILD_OK" = 1 ] && [ -n "${NVCC:-}" ] || return
   local t
   t=$(tmo 180) || return
-  export NVCC HAVE_GPU ZLIB_LIB BUILD CHURN
+  export NVCC HAVE_GPU ZLIB_LIB BUILD CHURN PRELOAD_CHECK
   timeout -k 5 "$t" bash -c "$(declare -f build_churn); build_churn" >"$WORK/churn-build.log" 2>&1 &
   CHURN_PID=$!
 }
@@ -556,10 +566,33 @@ step_bench() {
   record "$name" PASS "cuma 2T/1T: ${sc:-?}"
 }
 
-# ---- 7. two processes through the ledger ---------------------------------------------------
+# ---- 7. any CUDA program under LD_PRELOAD -------------------------------------------------
+
+step_preload() {
+  section "7. LD_PRELOAD: a plain CUDA runtime program under libcuma_preload.so (scripts/gpu/preload_check.cu)"
+  step_start
+  local name="preload: cudaMalloc under the shim"
+  if [ "$HAVE_GPU" != 1 ]; then record "$name" SKIP "no GPU: $NO_GPU_WHY" gpu; return; fi
+  # Built in the background with churn.cu (step 4a waited for it unless --only left it out).
+  [ -n "$CHURN_PID" ] && { wait "$CHURN_PID" 2>/dev/null; cat "$WORK/churn-build.log" >>"$WORK/preload.log"; }
+  if [ ! -x "$PRELOAD_CHECK" ]; then record "$name" SKIP "preload_check.cu did not build (churn.log)" gpu; return; fi
+  if [ ! -f "$BUILD/lib/libcuma_preload.so" ]; then record "$name" FAIL "no $BUILD/lib/libcuma_preload.so"; return; fi
+  if ! t=$(tmo 60); then record "$name" SKIP "$NO_TIME" gpu; return; fi
+  local rc=0 res
+  echo "-- without the shim (the driver's figures)"
+  run "$((t / 2))" "$WORK/preload.log" env -u CUMA_CONF -u LD_PRELOAD "$PRELOAD_CHECK" || true
+  echo "-- under the shim with CUMA_CONF=limit:8G"
+  run "$((t / 2))" "$WORK/preload.log" env CUMA_CONF=limit:8G LD_PRELOAD="$PWD/$BUILD/lib/libcuma_preload.so" \
+    "$PRELOAD_CHECK" 8589934592 || rc=$?
+  res=$(grep 'PRELOAD RESULT' "$WORK/preload.log" | tail -1)
+  res=${res#PRELOAD RESULT: }
+  if [ $rc -eq 0 ]; then record "$name" PASS "$res" gpu; else record "$name" FAIL "$(why_rc $rc "$t")${res:+: $res}" gpu; fi
+}
+
+# ---- 8. two processes through the ledger ---------------------------------------------------
 
 step_ledger() {
-  section "7. Ledger: two processes on device 0 (scripts/gpu/ledger_pair.py --conf backend:vmm)"
+  section "8. Ledger: two processes on device 0 (scripts/gpu/ledger_pair.py --conf backend:vmm)"
   step_start
   local name="ledger: two processes, one GPU"
   if [ "$HAVE_GPU" != 1 ]; then record "$name" SKIP "no GPU: $NO_GPU_WHY" gpu; return; fi
@@ -652,13 +685,14 @@ main() {
   [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && echo "(the working tree has uncommitted changes)"
   step_machine
   step_build
-  wanted churn && start_churn_build
+  { wanted churn || wanted preload; } && start_churn_build
   wanted ctest && step_ctest
   wanted replays && step_replays
   wanted churn && step_churn_build
   wanted churn && step_churn
   wanted bench && step_bench
   wanted torch && step_torch
+  wanted preload && step_preload
   wanted ledger && step_ledger
   summary
 }
