@@ -20,6 +20,7 @@
 #include <inttypes.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,6 +75,9 @@ typedef struct ledger_shm {
 } ledger_shm;
 
 #define LEDGER_BYTES (sizeof(ledger_shm) + LEDGER_SLOTS * sizeof(ledger_slot))
+_Static_assert(offsetof(ledger_slot, state) == 0 && offsetof(ledger_slot, pid) == 4 &&
+                   offsetof(ledger_slot, start) == 8,
+               "cuma_ledger_test_layout promises the state, the pid, then the start time");
 
 /* A heap's handle: its mapping and slot. seen_seq and active belong to the thread that polls
  * cuma_ledger_asked (the heap's release thread); the rest is constant. */
@@ -149,6 +153,8 @@ static uint64_t proc_start(int pid) {
 }
 
 static bool alive(const ledger_slot *s) {
+    /* kill(0 or -n, 0) asks about process groups, which always answer: such a pid is no heap's. */
+    if (s->pid <= 0) return false;
     if (kill(s->pid, 0) && errno == ESRCH) return false;
     uint64_t st = proc_start(s->pid);
     return !st || !s->start || st == s->start; /* unreadable: trust kill */
@@ -702,6 +708,12 @@ cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_
     }
     release_map(m);
     return st;
+}
+
+void cuma_ledger_test_layout(size_t *header, size_t *slot, size_t *device) {
+    *header = sizeof(ledger_shm);
+    *slot = sizeof(ledger_slot);
+    *device = offsetof(ledger_slot, device);
 }
 
 cuma_status cuma_ledger_test_hold_lock(cuma_ledger *l) {

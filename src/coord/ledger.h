@@ -61,6 +61,10 @@ void cuma_ledger_self(cuma_ledger *l, cuma_ledger_entry *out);
 /* The ledger's path. */
 const char *cuma_ledger_where(const cuma_ledger *l);
 
+/* Tests: where the slots lie in the file (a slot starts with its 4-byte state, 1 = live, its
+ * 4-byte pid and its 8-byte start time: field 22 of /proc/PID/stat) and where in a slot its
+ * device's name is (64 bytes). */
+void cuma_ledger_test_layout(size_t *header, size_t *slot, size_t *device);
 /* Tests: takes the ledger's lock and never gives it back (a process that dies holding it). */
 cuma_status cuma_ledger_test_hold_lock(cuma_ledger *l);
 
