@@ -23,6 +23,40 @@
     "                 traces to GPU scale)\n"                                                      \
     "  --json         one JSON object per trace and line instead of the table\n"
 
+#define CUMA_PS_USAGE                                                                              \
+    "usage: cuma ps [--ledger NAME] [--json]\n"                                                    \
+    "  The live heaps of a ledger (every cuma heap on a CUDA device, and simulated heaps given\n"  \
+    "  ledger:NAME), grouped by device with the device's totals. Sizes in MiB/GiB; exact bytes\n"  \
+    "  with --json. Exit status 1 when the ledger does not exist (no heap has run as this\n"       \
+    "  user).\n"                                                                                   \
+    "  --ledger NAME  the ledger of the setting ledger:NAME (default: the user's ledger)\n"        \
+    "  --json         one JSON object: the ledger's path, its devices and their heaps\n"
+
+#define CUMA_TOP_USAGE                                                                             \
+    "usage: cuma top [--ledger NAME] [-d SECONDS] [-n ITERATIONS]\n"                               \
+    "  cuma ps refreshed, with each heap's change since the last refresh: reserved bytes,\n"       \
+    "  bytes given back on others' requests per second, ledger denials per second. Sorted by\n"    \
+    "  device, then reserved bytes. The screen is cleared only when stdout is a terminal.\n"       \
+    "  Ctrl-C ends it.\n"                                                                          \
+    "  --ledger NAME  as for cuma ps\n"                                                            \
+    "  -d SECONDS     the refresh interval (default 1; fractions allowed)\n"                       \
+    "  -n ITERATIONS  stop after this many refreshes (default: until interrupted)\n"
+
+#define CUMA_EXPORTER_DEFAULT_PORT 9840
+
+#define CUMA_EXPORTER_USAGE                                                                        \
+    "usage: cuma exporter [--ledger NAME] [--port PORT] [--bind ADDR] [--once]\n"                  \
+    "  Prometheus metrics of the ledger's heaps and devices (text format 0.0.4) over HTTP:\n"      \
+    "  GET /metrics; every other path is 404. It keeps serving while the ledger cannot be read\n"  \
+    "  (cuma_ledger_up 0), e.g. before the first heap has made it.\n"                              \
+    "  --ledger NAME  as for cuma ps\n"                                                            \
+    "  --port PORT    TCP port (default 9840; 0: any free port, printed on stderr)\n"              \
+    "  --bind ADDR    numeric IPv4 or IPv6 address to listen on (default 127.0.0.1)\n"             \
+    "  --once         print the metrics to stdout and exit (node-exporter's textfile collector)\n"
+
 int cuma_cmd_replay(int argc, char **argv);
+int cuma_cmd_ps(int argc, char **argv);
+int cuma_cmd_top(int argc, char **argv);
+int cuma_cmd_exporter(int argc, char **argv);
 
 #endif

@@ -1,5 +1,5 @@
-/* main of the `cuma` command: a table of subcommands, so adding one (stats, top, exporter)
- * is one function and one row. */
+/* main of the `cuma` command: a table of subcommands, so adding one (stats, ...) is one
+ * function and one row. */
 #include "cli.h"
 
 #include "cuma/cuma.h"
@@ -26,10 +26,14 @@ static int cmd_help(int argc, char **argv);
     "  --check STR   validate a settings string; on a bad key or value print the error and\n"      \
     "                exit with status 2\n"
 
-/* Rows for `stats`, `top` and `exporter` go here when they land. */
 static const subcommand commands[] = {
     {"replay", cuma_cmd_replay, "replay RMM traces on the simulated device and measure them",
      CUMA_REPLAY_USAGE},
+    {"ps", cuma_cmd_ps, "list the live heaps of the ledger, by device", CUMA_PS_USAGE},
+    {"top", cuma_cmd_top, "the heaps of the ledger, refreshed, with their rates of change",
+     CUMA_TOP_USAGE},
+    {"exporter", cuma_cmd_exporter, "serve the ledger as Prometheus metrics (or print them once)",
+     CUMA_EXPORTER_USAGE},
     {"config", cmd_config, "list the configuration keys, or check a settings string", CONFIG_USAGE},
     {"version", cmd_version, "print the version", "usage: cuma version\n"},
     {"help", cmd_help, "print this overview, or the usage of one subcommand",

@@ -1,0 +1,691 @@
+#!/usr/bin/python3
+"""Checks `cuma ps`, `cuma top` and `cuma exporter` against heaps with known figures.
+
+usage: check_tools.py --cuma BIN --fixture BIN
+
+ledger_fixture (tests/tools/ledger_fixture.c) makes heaps in a ledger named for this run: two
+simulated heaps (process 1) and two slots on a made-up device with every pressure figure set by
+hand (process 2, one of them named 'fx"q\\z' to exercise escaping). Each prints what it made;
+every figure the tools show must equal it. Then the HTTP server is probed (404, 405, garbage,
+an oversized request, silent clients), top is checked across a change of the figures, and the
+ledger is checked empty once the fixtures are gone (the second one's slots as a killed process
+leaves them). A missing ledger must give exit status 1 and its path (ps, top) or
+cuma_ledger_up 0 (exporter). Standard library only. The shared-memory files are removed at the
+end.
+"""
+import argparse
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+MB = 1024 * 1024
+RAW_DEVICE = "GPU-cuma-fixture-0001"
+failures = []
+
+
+def check(cond, what, detail=""):
+    print("%-4s %s%s" % ("ok" if cond else "FAIL", what, "" if cond else ": " + str(detail)))
+    if not cond:
+        failures.append(what)
+    return cond
+
+
+def env():
+    e = dict(os.environ)
+    e.pop("CUMA_CONF", None)  # the user's settings must not change the test
+    return e
+
+
+def run(args, timeout=60):
+    p = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       universal_newlines=True, env=env(), timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def shm_path(name):
+    return "/dev/shm/cuma-%d-%s" % (os.geteuid(), name)
+
+
+# ---- the fixtures ---------------------------------------------------------------------------
+
+class Lines:
+    """Lines from a pipe with a timeout. Reads the descriptor itself: a buffered file object
+    may hold lines that select() cannot see."""
+
+    def __init__(self, f):
+        self.fd, self.buf = f.fileno(), b""
+
+    def line(self, timeout):
+        """The next line (text), or None at EOF or after timeout seconds."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            r, _, _ = select.select([self.fd], [], [], max(deadline - time.monotonic(), 0))
+            if not r:
+                return None
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode("utf-8") + "\n"
+
+
+def start_fixture(binary, name, mode):
+    p = subprocess.Popen([binary, name, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         env=env())
+    p.lines = Lines(p.stdout)
+    heaps = []
+    while True:
+        line = p.lines.line(30)
+        if line is None:
+            p.kill()
+            raise SystemExit("FAIL ledger_fixture %s %s: no 'ready' (exit %s)" %
+                             (name, mode, p.poll()))
+        if line.strip() == "ready":
+            return p, heaps
+        heaps.append(json.loads(line))
+
+
+def stop_fixture(p):
+    p.stdin.close()
+    try:
+        return p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        return None
+
+
+# ---- what the fixtures made -----------------------------------------------------------------
+
+def expected_by_hand(pid_sim, pid_raw):
+    """The figures ledger_fixture.c sets, written out independently of what it prints."""
+    a = dict(pid=pid_sim, device="sim", process="ledger_fixture", priority=2, guarantee=8 * MB,
+             limit=48 * MB, reserved=12 * MB, cached=4 * MB, requested=8 * MB,
+             peak_reserved=12 * MB, want=0, pressure_asks=0, pressure_given=0, pressure_calls=0,
+             denials=0)
+    b = dict(pid=pid_sim, device="sim", process="ledger_fixture", priority=-1, guarantee=24 * MB,
+             limit=64 * MB, reserved=20 * MB, cached=0, requested=20 * MB,
+             peak_reserved=20 * MB, want=0, pressure_asks=0, pressure_given=0, pressure_calls=0,
+             denials=0)
+    x = dict(pid=pid_raw, device=RAW_DEVICE, process='fx"q\\z', priority=0, guarantee=16 * MB,
+             limit=60 * MB, reserved=40 * MB, cached=8 * MB, requested=30 * MB,
+             peak_reserved=40 * MB, want=0, denials=1, pressure_asks=0, pressure_given=6 * MB,
+             pressure_calls=2)
+    y = dict(pid=pid_raw, device=RAW_DEVICE, process="raw_y", priority=1, guarantee=0, limit=0,
+             reserved=16 * MB, cached=0, requested=16 * MB, peak_reserved=16 * MB,
+             want=12 * MB, denials=0, pressure_asks=1, pressure_given=0, pressure_calls=0)
+    return [a, b, x, y]
+
+
+FIELDS = ["pid", "process", "priority", "guarantee", "limit", "reserved", "cached", "requested",
+          "peak_reserved", "want", "denials", "pressure_asks", "pressure_given", "pressure_calls"]
+
+
+def key(h):
+    return (h["pid"], h["device"], h["priority"])
+
+
+def device_totals(heaps):
+    out = {}
+    for h in heaps:
+        d = out.setdefault(h["device"], dict(capacity=64 * MB, reserved=0, cached=0,
+                                             guaranteed=0, claimed=0, heaps=0))
+        d["reserved"] += h["reserved"]
+        d["cached"] += min(h["cached"], h["reserved"])
+        d["guaranteed"] += h["guarantee"]
+        d["claimed"] += max(h["reserved"], h["guarantee"])
+        d["heaps"] += 1
+    for d in out.values():
+        d["free"] = max(d["capacity"] - d["claimed"], 0)
+    return out
+
+
+def check_made(made, by_hand):
+    """The fixtures' own reports agree with the figures written out by hand."""
+    mk = {key(h): h for h in made}
+    for h in by_hand:
+        m = mk.get(key(h))
+        if not check(m is not None, "fixture made heap %s" % (key(h),), sorted(mk)):
+            continue
+        bad = {f: (m.get(f), v) for f, v in h.items() if m.get(f) != v}
+        check(not bad, "fixture heap %s has the intended figures" % (key(h),), bad)
+
+
+# ---- ps -------------------------------------------------------------------------------------
+
+def check_ps_json(cuma, name, made):
+    rc, out, err = run([cuma, "ps", "--ledger", name, "--json"])
+    if not check(rc == 0, "ps --json exits 0", (rc, err)):
+        return
+    try:
+        doc = json.loads(out)
+    except ValueError as e:
+        check(False, "ps --json is JSON", e)
+        return
+    check(doc.get("ledger") == shm_path(name), "ps --json names the ledger", doc.get("ledger"))
+    check(doc.get("heaps") == len(made), "ps --json counts %d heaps" % len(made), doc.get("heaps"))
+    devices = doc.get("devices", [])
+    names = [d["device"] for d in devices]
+    want_totals = device_totals(made)
+    check(names == sorted(want_totals), "ps --json devices in order", names)
+    mk = {key(h): h for h in made}
+    seen = 0
+    for d in devices:
+        t = want_totals.get(d["device"], {})
+        for f in ("capacity", "reserved", "cached", "guaranteed", "free"):
+            check(d.get(f) == t.get(f), "ps --json device %s %s" % (d["device"], f),
+                  (d.get(f), t.get(f)))
+        res = [h["reserved"] for h in d["heaps"]]
+        check(res == sorted(res, reverse=True), "ps --json %s heaps by reserved" % d["device"], res)
+        for h in d["heaps"]:
+            h = dict(h, device=d["device"])
+            m = mk.get(key(h))
+            if not check(m is not None, "ps --json heap %s is one the fixtures made" % (key(h),)):
+                continue
+            seen += 1
+            bad = {f: (h.get(f), m[f]) for f in FIELDS if h.get(f) != m[f]}
+            check(not bad, "ps --json heap %s: every figure as made" % (key(h),), bad)
+            check(h.get("in_use") == m["reserved"] - m["cached"],
+                  "ps --json heap %s in_use" % (key(h),), h.get("in_use"))
+    check(seen == len(made), "ps --json shows all %d heaps" % len(made), seen)
+
+
+SIZE = r"(\d+ B|\d+\.\d+ [KMGTPE]iB|-)"
+
+
+def mib(x):
+    return "0 B" if x == 0 else "%.1f MiB" % (x / MB)
+
+
+def check_ps_table(cuma, name, made):
+    rc, out, err = run([cuma, "ps", "--ledger", name])
+    if not check(rc == 0, "ps exits 0", (rc, err)):
+        return
+    check(out.startswith("ledger %s: %d heaps on 2 devices\n" % (shm_path(name), len(made))),
+          "ps names the ledger, heaps and devices", out[:120])
+    for dev, t in device_totals(made).items():
+        line = ("device %s: capacity %s, reserved %s, cached %s, guaranteed %s, free %s "
+                "(%d heaps)" % (dev, mib(t["capacity"]), mib(t["reserved"]), mib(t["cached"]),
+                                mib(t["guaranteed"]), mib(t["free"]), t["heaps"]))
+        check(line in out, "ps device line for %s" % dev, line)
+    row = re.compile(r"^\s*(\d+) (\S+)\s+(-?\d+)" + (r"\s+" + SIZE) * 9 + r"\s+(\d+)$")
+    rows = {}
+    for line in out.splitlines():
+        m = row.match(line)
+        if m:
+            g = m.groups()
+            rows[(int(g[0]), int(g[2]), g[1])] = g
+    check(len(rows) == len(made), "ps shows a row per heap", out)
+    for h in made:
+        g = rows.get((h["pid"], h["priority"], h["process"]))
+        if not check(g is not None, "ps row for %s" % (key(h),), out):
+            continue
+        want = [mib(h["guarantee"]), mib(h["limit"]) if h["limit"] else "-", mib(h["reserved"]),
+                mib(h["cached"]), mib(h["reserved"] - h["cached"]), mib(h["requested"]),
+                mib(h["peak_reserved"]), mib(h["want"]) if h["want"] else "-",
+                mib(h["pressure_given"]), str(h["denials"])]
+        check(list(g[3:]) == want, "ps row for %s: sizes" % (key(h),), (g[3:], want))
+
+
+# ---- exporter: the text format --------------------------------------------------------------
+
+NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*$")
+SAMPLE_RE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)( -?\d+)?$")
+
+
+def parse_labels(s):
+    """{a="x",b="y\\"z"} -> dict; raises ValueError on anything the format does not allow."""
+    labels, i = {}, 1
+    while s[i] != "}":
+        m = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*").match(s, i)
+        if not m or s[m.end():m.end() + 2] != '="':
+            raise ValueError("bad label at %d in %r" % (i, s))
+        lname, i, val = m.group(0), m.end() + 2, []
+        while s[i] != '"':
+            if s[i] == "\\":
+                esc = {"\\": "\\", '"': '"', "n": "\n"}.get(s[i + 1])
+                if esc is None:
+                    raise ValueError("bad escape in %r" % s)
+                val.append(esc)
+                i += 2
+            else:
+                if s[i] == "\n":
+                    raise ValueError("raw newline")
+                val.append(s[i])
+                i += 1
+        if lname in labels:
+            raise ValueError("label %s twice" % lname)
+        labels[lname] = "".join(val)
+        i += 1
+        if s[i] == ",":
+            i += 1
+    if i != len(s) - 1:
+        raise ValueError("text after the labels in %r" % s)
+    return labels
+
+
+def parse_exposition(text, what):
+    """Checks the text format 0.0.4's rules; returns {(name, frozenset(labels)): value}."""
+    samples, types, helps, done, current = {}, {}, set(), set(), None
+    problems = []
+    if not text.endswith("\n"):
+        problems.append("no final line feed")
+    for n, line in enumerate(text.split("\n")[:-1], 1):
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            if len(parts) < 4 or parts[1] not in ("HELP", "TYPE") or not NAME_RE.match(parts[2]):
+                problems.append("line %d: a comment that is not HELP/TYPE: %r" % (n, line))
+                continue
+            fam = parts[2]
+            if parts[1] == "TYPE":
+                if fam in types or fam in done:
+                    problems.append("line %d: TYPE of %s again or after its samples" % (n, fam))
+                if parts[3] not in ("counter", "gauge", "histogram", "summary", "untyped"):
+                    problems.append("line %d: bad type %r" % (n, parts[3]))
+                types[fam] = parts[3]
+                if parts[3] == "counter" and not fam.endswith("_total"):
+                    problems.append("line %d: counter %s does not end in _total" % (n, fam))
+            else:
+                if fam in helps:
+                    problems.append("line %d: HELP of %s twice" % (n, fam))
+                helps.add(fam)
+            continue
+        m = SAMPLE_RE.match(line)
+        if not m:
+            problems.append("line %d: not a sample: %r" % (n, line))
+            continue
+        fam, labels, value = m.group(1), m.group(2), m.group(3)
+        try:
+            lab = parse_labels(labels) if labels else {}
+            v = float(value)
+        except (ValueError, IndexError) as e:
+            problems.append("line %d: %s" % (n, e))
+            continue
+        if fam != current:
+            if fam in done:
+                problems.append("line %d: samples of %s are not together" % (n, fam))
+            if current:
+                done.add(current)
+            current = fam
+        if fam not in types:
+            problems.append("line %d: %s has no TYPE" % (n, fam))
+        k = (fam, frozenset(lab.items()))
+        if k in samples:
+            problems.append("line %d: series %s twice" % (n, k))
+        samples[k] = v
+    check(not problems, "%s: valid text format 0.0.4" % what, problems[:5])
+    return samples
+
+
+HEAP_METRICS = {
+    "cuma_reserved_bytes": "reserved", "cuma_cached_bytes": "cached",
+    "cuma_requested_bytes": "requested", "cuma_guarantee_bytes": "guarantee",
+    "cuma_limit_bytes": "limit", "cuma_peak_reserved_bytes": "peak_reserved",
+    "cuma_pressure_want_bytes": "want", "cuma_ledger_denials_total": "denials",
+    "cuma_pressure_asks_total": "pressure_asks",
+    "cuma_pressure_given_bytes_total": "pressure_given",
+    "cuma_pressure_callbacks_total": "pressure_calls",
+}
+DEVICE_METRICS = {
+    "cuma_device_capacity_bytes": "capacity", "cuma_device_reserved_bytes": "reserved",
+    "cuma_device_cached_bytes": "cached", "cuma_device_guaranteed_bytes": "guaranteed",
+    "cuma_device_free_bytes": "free", "cuma_device_heaps": "heaps",
+}
+
+
+def check_metrics(text, made, what, errors=0):
+    samples = parse_exposition(text, what)
+    get = {}
+    for (fam, lab), v in samples.items():
+        get.setdefault(fam, []).append((dict(lab), v))
+    check(get.get("cuma_ledger_up") == [({}, 1.0)], "%s: cuma_ledger_up 1" % what,
+          get.get("cuma_ledger_up"))
+    check(get.get("cuma_exporter_scrape_errors_total") == [({}, float(errors))],
+          "%s: cuma_exporter_scrape_errors_total %d" % (what, errors),
+          get.get("cuma_exporter_scrape_errors_total"))
+    for fam, field in sorted(HEAP_METRICS.items()):
+        got = {}
+        for lab, v in get.get(fam, []):
+            if set(lab) != {"device", "pid", "process", "priority", "slot"}:
+                check(False, "%s: %s labels" % (what, fam), lab)
+            got[(int(lab["pid"]), lab["device"], int(lab["priority"]), lab["process"])] = v
+        want = {(h["pid"], h["device"], h["priority"], h["process"]): float(h[field])
+                for h in made}
+        check(got == want, "%s: %s of every heap" % (what, fam), (got, want))
+    totals = device_totals(made)
+    for fam, field in sorted(DEVICE_METRICS.items()):
+        got = {lab.get("device"): v for lab, v in get.get(fam, [])}
+        want = {d: float(t[field]) for d, t in totals.items()}
+        check(got == want, "%s: %s" % (what, fam), (got, want))
+    ages = [v for _, v in get.get("cuma_heap_publish_age_seconds", [])]
+    check(len(ages) == len(made) and all(0 <= a < 600 for a in ages),
+          "%s: cuma_heap_publish_age_seconds" % what, ages)
+
+
+# ---- exporter: HTTP -------------------------------------------------------------------------
+
+def http(port, request, timeout=10.0):
+    """Sends raw bytes, returns (status, headers, body) or (None, error)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        s.sendall(request)
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except OSError as e:
+        return None, str(e), b""
+    finally:
+        s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    m = re.match(r"HTTP/1\.[01] (\d{3}) ", lines[0] + " ")
+    if not m:
+        return None, "no status line in %r" % data[:200], b""
+    headers = {}
+    for l in lines[1:]:
+        k, _, v = l.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return int(m.group(1)), headers, body
+
+
+def start_exporter(cuma, name):
+    p = subprocess.Popen([cuma, "exporter", "--ledger", name, "--port", "0"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env())
+    line = Lines(p.stderr).line(10) or ""
+    m = re.search(r"serving http://127\.0\.0\.1:(\d+)/metrics", line)
+    if not m:
+        p.kill()
+        raise SystemExit("FAIL exporter did not say where it listens: %r" % line)
+    return p, int(m.group(1))
+
+
+def stop_exporter(p, what):
+    p.send_signal(signal.SIGTERM)
+    try:
+        rc = p.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        rc = p.wait()
+    check(rc == 0, "%s: exits 0 on SIGTERM" % what, rc)
+
+
+def scrape(port, what):
+    t0 = time.monotonic()
+    st, headers, body = http(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    took = time.monotonic() - t0
+    check(st == 200, "%s: GET /metrics is 200" % what, (st, headers))
+    if st == 200:
+        check(headers.get("content-type") == "text/plain; version=0.0.4; charset=utf-8",
+              "%s: content type of the text format 0.0.4" % what, headers.get("content-type"))
+        check(int(headers.get("content-length", -1)) == len(body),
+              "%s: Content-Length" % what, (headers.get("content-length"), len(body)))
+    return body.decode("utf-8"), took
+
+
+def check_http(cuma, name, made):
+    p, port = start_exporter(cuma, name)
+    # Clients that never finish asking, open while the others are served.
+    silent = socket.create_connection(("127.0.0.1", port))
+    t_silent = time.monotonic()
+    partial = socket.create_connection(("127.0.0.1", port))
+    partial.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+    time.sleep(0.2)
+    text, took = scrape(port, "http")
+    check(took < 2.0, "http: a scrape is not held up by silent clients (%.3f s)" % took, took)
+    check_metrics(text, made, "http")
+    # Every scrape reads the ledger afresh: a second one says the same.
+    text, _ = scrape(port, "http, again")
+    check_metrics(text, made, "http, again")
+
+    st, headers, body = http(port, b"HEAD /metrics HTTP/1.0\r\n\r\n")
+    check(st == 200 and body == b"" and int(headers.get("content-length", 0)) > 1000,
+          "http: HEAD /metrics: headers, no body", (st, headers, body[:80]))
+    for path in (b"/other", b"/", b"/metricsx", b"/metrics/extra"):
+        st, _, _ = http(port, b"GET " + path + b" HTTP/1.1\r\n\r\n")
+        check(st == 404, "http: GET %s is 404" % path.decode(), st)
+    st, headers, _ = http(port, b"GET /metrics?x=1 HTTP/1.1\r\n\r\n")
+    check(st == 200, "http: a query string is ignored", st)
+    st, headers, _ = http(port, b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+    check(st == 405 and headers.get("allow") == "GET, HEAD", "http: POST is 405 with Allow",
+          (st, headers))
+    for garbage in (b"\x00\xff\xfe garbage\r\n\r\n", b"NOT A REQUEST\r\n\r\n",
+                    b"GET /metrics\r\n\r\n", b"GET  /metrics HTTP/1.1\r\n\r\n",
+                    b"GET /metrics HTTP/2.0 x\r\n\r\n", b"\r\n\r\n"):
+        st, _, _ = http(port, garbage)
+        check(st == 400, "http: garbage %r is 400" % garbage[:24], st)
+    # 100 KB that never end a line: refused (431) or cut off, never served or crashed on.
+    st, err, _ = http(port, b"GET /" + b"A" * 100000)
+    check(st in (431, None), "http: an oversized request is refused", (st, err))
+    # Hang-ups: before asking, and right after asking without reading the answer (the server
+    # writes to a closed socket: SIGPIPE must not kill it).
+    for i in range(20):
+        s = socket.create_connection(("127.0.0.1", port))
+        if i % 2:
+            s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        s.close()
+    text, took = scrape(port, "http, after the bad clients")
+    check(p.poll() is None, "http: the exporter still runs", p.poll())
+    # The silent clients are dropped after the server's timeout (10 s), not kept forever.
+    for s, what in ((silent, "silent"), (partial, "partial")):
+        s.settimeout(20)
+        try:
+            data = s.recv(4096)
+        except OSError as e:
+            data = str(e)
+        waited = time.monotonic() - t_silent
+        check(data in (b"",) or isinstance(data, str) and "reset" in data.lower(),
+              "http: the %s client is closed on without an answer" % what, data)
+        check(8 <= waited <= 16, "http: the %s client is dropped after about 10 s (%.1f s)"
+              % (what, waited), waited)
+        s.close()
+    stop_exporter(p, "http")
+
+
+def check_exporter_waits(cuma, fixture, name):
+    """Started before any heap made the ledger: serves cuma_ledger_up 0, counts the failed
+    scrapes, and shows the heaps once a fixture made it."""
+    p, port = start_exporter(cuma, name)
+    for i in (1, 2):
+        text, _ = scrape(port, "no ledger yet, scrape %d" % i)
+        s = parse_exposition(text, "no ledger yet, scrape %d" % i)
+        check(s.get(("cuma_ledger_up", frozenset())) == 0.0
+              and s.get(("cuma_exporter_scrape_errors_total", frozenset())) == float(i),
+              "no ledger yet, scrape %d: cuma_ledger_up 0, %d error(s)" % (i, i), s)
+    f, made = start_fixture(fixture, name, "raw")
+    text, _ = scrape(port, "ledger made")
+    check_metrics(text, made, "ledger made", errors=2)
+    stop_fixture(f)
+    stop_exporter(p, "no ledger yet")
+
+
+# ---- top ------------------------------------------------------------------------------------
+
+def top_rows(frame):
+    row = re.compile(r"^\s*(\d+) (\S+)\s+(-?\d+)" + (r"\s+" + SIZE) * 3 +
+                     r"\s+([-+](?:\d+ B|\d+\.\d+ [KMGTPE]iB)|0|-)" + (r"\s+" + SIZE) * 5 +
+                     r"\s+(\S+ B/s|\S+ [KMGTPE]iB/s|-)\s+(\d+\.\d|-)$")
+    rows = []
+    for line in frame.splitlines():
+        m = row.match(line)
+        if m:
+            rows.append(m.groups())
+    return rows
+
+
+def check_top(cuma, name, made, raw):
+    rc, out, err = run([cuma, "top", "--ledger", name, "-n", "2", "-d", "0.1"])
+    check(rc == 0, "top -n 2 -d 0.1 exits 0", (rc, err))
+    check("\033[" not in out, "top: no ANSI codes when stdout is not a terminal", repr(out[:80]))
+    frames = out.split("cuma top - ")[1:]
+    check(len(frames) == 2 and "refresh 2 of 2" in frames[1], "top: two frames", out[:300])
+    for i, f in enumerate(frames):
+        rows = top_rows(f)
+        check(len(rows) == len(made), "top frame %d: a row per heap" % (i + 1), f)
+        # Sorted by device, then reserved bytes (larger first).
+        order = [(r[1], r[2]) for r in rows]
+        want = [(h["process"], str(h["priority"])) for h in
+                sorted(made, key=lambda h: (h["device"], -h["reserved"]))]
+        check(order == want, "top frame %d: by device, then reserved" % (i + 1), (order, want))
+        if i == 0:
+            check(all(r[6] == "-" and r[12] == "-" and r[13] == "-" for r in rows),
+                  "top frame 1: no rates yet", rows)
+        else:
+            check(all(r[6] == "0" and r[12] == "0 B/s" and r[13] == "0.0" for r in rows),
+                  "top frame 2: nothing changed", rows)
+
+    # Across a change: X gives 4M in one callback, is refused once, gives 2M to the device.
+    p = subprocess.Popen([cuma, "top", "--ledger", name, "-n", "2", "-d", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env())
+    lines, first = Lines(p.stdout), []
+    while True:  # up to X's row in the first frame
+        line = lines.line(10)
+        if line is None:
+            break
+        first.append(line)
+        if "fx" in line:
+            break
+    raw.stdin.write(b"step\n")
+    raw.stdin.flush()
+    check(raw.lines.line(10) == "stepped\n", "fixture stepped")
+    out, err = p.communicate(timeout=30)
+    check(p.returncode == 0, "top -n 2 -d 1 exits 0", (p.returncode, err))
+    out = "".join(first) + (lines.buf + out).decode("utf-8")
+    frames = out.split("cuma top - ")[1:]
+    rows = top_rows(frames[-1]) if len(frames) == 2 else []
+    x = [r for r in rows if r[1] == 'fx"q\\z']
+    if check(len(x) == 1, "top: X in the second frame", frames):
+        r = x[0]
+        check(r[5] == "38.0 MiB" and r[6] == "-2.0 MiB", "top: X's reserved and delta", r)
+        m = re.match(r"(\d+\.\d) MiB/s", r[12])
+        rate = float(m.group(1)) if m else -1
+        # 4 MiB in the refresh interval (1 s, a little more on a busy machine).
+        check(2.5 <= rate <= 4.0, "top: X's given/s (%s)" % r[12], r)
+        check(0.6 <= float(r[13]) <= 1.0, "top: X's denials/s (%s)" % r[13], r)
+    # Ctrl-C in the middle of a long interval ends it at once, with status 0.
+    p = subprocess.Popen([cuma, "top", "--ledger", name, "-d", "30"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env())
+    lines = Lines(p.stdout)
+    while (lines.line(10) or "\n").strip() != "" and p.poll() is None:
+        pass  # the first frame ends with an empty line
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    try:
+        rc = p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        rc = p.wait()
+    check(rc == 0 and time.monotonic() - t0 < 2, "top: Ctrl-C ends it at once with status 0",
+          (rc, time.monotonic() - t0))
+    x = [h for h in made if h["process"] == 'fx"q\\z'][0]
+    x.update(reserved=38 * MB, pressure_given=10 * MB, pressure_calls=3, denials=2)
+
+
+# ---- a missing ledger and bad options -------------------------------------------------------
+
+def check_missing(cuma, name):
+    path = shm_path(name)
+    for args in (["ps"], ["ps", "--json"]):
+        rc, out, err = run([cuma] + args + ["--ledger", name])
+        check(rc == 1 and path in err and "no cuma heap has run as this user" in err
+              and out == "", "missing ledger: cuma %s exits 1 with the path" % " ".join(args),
+              (rc, out, err))
+    rc, out, err = run([cuma, "top", "--ledger", name, "-n", "2", "-d", "0.05"])
+    check(rc == 1 and out.count(path) == 2, "missing ledger: top shows why and exits 1",
+          (rc, out, err))
+    rc, out, err = run([cuma, "exporter", "--ledger", name, "--once"])
+    s = parse_exposition(out, "missing ledger: exporter --once")
+    check(rc == 0 and s.get(("cuma_ledger_up", frozenset())) == 0.0
+          and s.get(("cuma_exporter_scrape_errors_total", frozenset())) == 1.0
+          and path in err, "missing ledger: exporter --once prints cuma_ledger_up 0",
+          (rc, out, err))
+    # The user's own ledger: whether it exists depends on the machine; either answer is clear.
+    rc, out, err = run([cuma, "ps"])
+    mine = "/dev/shm/cuma-%d" % os.geteuid()
+    check((rc == 0 and out.startswith("ledger %s:" % mine)) or (rc == 1 and mine in err),
+          "cuma ps reads the user's ledger", (rc, out[:200], err))
+
+
+def check_options(cuma):
+    for args in (["ps", "--ledger", "a/b"], ["ps", "--frob"], ["ps", "--ledger"],
+                 ["top", "-d", "0"], ["top", "-d", "x"], ["top", "-n", "0"],
+                 ["top", "--json"], ["exporter", "--port", "70000"],
+                 ["exporter", "--port", "-1"], ["exporter", "--bind", "not-an-address"],
+                 ["exporter", "--ledger", "a b", "--once"]):
+        rc, out, err = run([cuma] + args, timeout=10)
+        check(rc == 2 and "usage: cuma %s" % args[0] in err,
+              "bad options: cuma %s exits 2 with usage" % " ".join(args), (rc, err))
+    for sub in ("ps", "top", "exporter"):
+        rc, out, _ = run([cuma, "help", sub])
+        check(rc == 0 and out.startswith("usage: cuma %s" % sub), "cuma help %s" % sub, out)
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cuma", required=True)
+    ap.add_argument("--fixture", required=True)
+    a = ap.parse_args()
+    name = "tools-test-%d" % os.getpid()
+    late, missing = name + "-late", name + "-missing"
+    names = (name, late, missing)
+    for n in names:
+        if os.path.exists(shm_path(n)):
+            os.remove(shm_path(n))
+    fixtures = []
+    try:
+        check_options(a.cuma)
+        check_missing(a.cuma, missing)
+        sim, made_sim = start_fixture(a.fixture, name, "sim")
+        fixtures.append(sim)
+        raw, made_raw = start_fixture(a.fixture, name, "raw")
+        fixtures.append(raw)
+        made = made_sim + made_raw
+        check_made(made, expected_by_hand(sim.pid, raw.pid))
+        check_ps_json(a.cuma, name, made)
+        check_ps_table(a.cuma, name, made)
+        rc, out, err = run([a.cuma, "exporter", "--ledger", name, "--once"])
+        check(rc == 0, "exporter --once exits 0", (rc, err))
+        check_metrics(out, made, "exporter --once")
+        check_http(a.cuma, name, made)
+        check_top(a.cuma, name, made, raw)
+        check_ps_json(a.cuma, name, made)  # the stepped figures, exact
+        # Gone: the sim heaps leave the ledger, the raw slots are reaped (their process died).
+        check(stop_fixture(sim) == 0, "sim fixture exits 0")
+        check(stop_fixture(raw) == 0, "raw fixture exits 0")
+        fixtures = []
+        rc, out, err = run([a.cuma, "ps", "--ledger", name, "--json"])
+        doc = json.loads(out) if rc == 0 else {}
+        check(doc.get("heaps") == 0 and doc.get("devices") == [],
+              "ps --json: no heaps once the fixtures are gone", (rc, out, err))
+        rc, out, err = run([a.cuma, "ps", "--ledger", name])
+        check(rc == 0 and "no live heaps" in out, "ps: no live heaps", (rc, out, err))
+        check_exporter_waits(a.cuma, a.fixture, late)
+    finally:
+        for f in fixtures:
+            f.kill()
+            f.wait()
+        for n in names:
+            if os.path.exists(shm_path(n)):
+                os.remove(shm_path(n))
+    check(not any(os.path.exists(shm_path(n)) for n in names), "shared-memory files removed")
+    if failures:
+        print("\n%d check(s) failed: %s" % (len(failures), ", ".join(failures)))
+        return 1
+    print("\nall checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+/* One read of a ledger for the operator's views (ps, top, exporter) and their shared helpers. */
+#include "ledger_view.h"
+
+#include "cli.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* A first guess at the number of live heaps; the ledger says how many there were and the read
+ * is repeated with room for them (heaps come and go between two reads). */
+#define FIRST_GUESS 64
+
+static int by_device_then_reserved(const void *pa, const void *pb) {
+    const cuma_ledger_entry *a = pa, *b = pb;
+    int c = strcmp(a->device, b->device);
+    if (c) return c;
+    if (a->reserved != b->reserved) return a->reserved > b->reserved ? -1 : 1;
+    if (a->pid != b->pid) return a->pid < b->pid ? -1 : 1;
+    return a->slot < b->slot ? -1 : a->slot > b->slot;
+}
+
+static uint64_t max64(uint64_t a, uint64_t b) {
+    return a > b ? a : b;
+}
+
+/* Groups the sorted heaps by device and sums them. Free memory is counted as admission counts
+ * it (src/coord/ledger.c): each heap claims what it holds or its guarantee, whichever is more. */
+static int group(ledger_view *v) {
+    v->devices = calloc(v->nheaps ? v->nheaps : 1, sizeof *v->devices);
+    if (!v->devices) return -1;
+    for (size_t i = 0; i < v->nheaps; i++) {
+        const cuma_ledger_entry *e = &v->heaps[i];
+        view_device *d = v->ndevices ? &v->devices[v->ndevices - 1] : NULL;
+        if (!d || strcmp(d->device, e->device)) {
+            d = &v->devices[v->ndevices++];
+            d->device = e->device;
+            d->first = i;
+        }
+        d->count++;
+        d->capacity = max64(d->capacity, e->capacity);
+        d->reserved += e->reserved;
+        d->cached += e->cached < e->reserved ? e->cached : e->reserved;
+        d->guaranteed += e->guarantee;
+    }
+    for (size_t k = 0; k < v->ndevices; k++) {
+        view_device *d = &v->devices[k];
+        uint64_t claimed = 0;
+        for (size_t i = d->first; i < d->first + d->count; i++)
+            claimed += max64(v->heaps[i].reserved, v->heaps[i].guarantee);
+        d->free = claimed < d->capacity ? d->capacity - claimed : 0;
+    }
+    return 0;
+}
+
+int view_read(ledger_view *v, const char *name) {
+    memset(v, 0, sizeof *v);
+    if (cuma_ledger_path(name, v->path, sizeof v->path) != CUMA_OK) {
+        snprintf(v->error, sizeof v->error, "%s", cuma_last_error());
+        return -2;
+    }
+    size_t max = FIRST_GUESS, n = 0;
+    for (;;) {
+        cuma_ledger_entry *e = realloc(v->heaps, max * sizeof *e);
+        if (!e) {
+            snprintf(v->error, sizeof v->error, "out of memory for %zu ledger entries", max);
+            return -1;
+        }
+        v->heaps = e;
+        if (cuma_ledger_snapshot(name, v->heaps, max, &n) != CUMA_OK) {
+            struct stat sb;
+            v->missing = stat(v->path, &sb) != 0 && errno == ENOENT;
+            if (v->missing)
+                snprintf(v->error, sizeof v->error,
+                         "no ledger at %s: no cuma heap has run as this user (uid %u)%s", v->path,
+                         (unsigned)geteuid(), name && strcmp(name, "on") ? " in this ledger" : "");
+            else
+                snprintf(v->error, sizeof v->error, "%s", cuma_last_error());
+            return -1;
+        }
+        if (n <= max) break;
+        max = n + FIRST_GUESS;
+    }
+    v->nheaps = n;
+    qsort(v->heaps, n, sizeof *v->heaps, by_device_then_reserved);
+    if (group(v)) {
+        snprintf(v->error, sizeof v->error, "out of memory");
+        return -1;
+    }
+    return 0;
+}
+
+void view_free(ledger_view *v) {
+    free(v->heaps);
+    free(v->devices);
+    v->heaps = NULL;
+    v->devices = NULL;
+    v->nheaps = v->ndevices = 0;
+}
+
+uint64_t view_in_use(const cuma_ledger_entry *e) {
+    return e->reserved > e->cached ? e->reserved - e->cached : 0;
+}
+
+const char *view_size(uint64_t bytes, char *buf, size_t len) {
+    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+    if (bytes < 1024) {
+        snprintf(buf, len, "%" PRIu64 " B", bytes);
+        return buf;
+    }
+    double x = (double)bytes / 1024.0;
+    unsigned u = 0;
+    while (x >= 1024.0 && u + 1 < sizeof units / sizeof units[0]) x /= 1024.0, u++;
+    /* Two decimals from GiB on: a tenth of a GiB is 100 MiB, too coarse for a GPU. */
+    snprintf(buf, len, u >= 2 ? "%.2f %s" : "%.1f %s", x, units[u]);
+    return buf;
+}
+
+const char *view_delta(int64_t bytes, char *buf, size_t len) {
+    if (!bytes) {
+        snprintf(buf, len, "0");
+        return buf;
+    }
+    char tmp[32];
+    uint64_t mag = bytes < 0 ? (uint64_t)0 - (uint64_t)bytes : (uint64_t)bytes;
+    snprintf(buf, len, "%c%s", bytes < 0 ? '-' : '+', view_size(mag, tmp, sizeof tmp));
+    return buf;
+}
+
+/* Length of the valid UTF-8 sequence at s (1 to 4), or 0 when s does not start one. Overlong
+ * forms, surrogates and code points above U+10FFFF are invalid. */
+static size_t utf8_len(const unsigned char *s) {
+    unsigned c = s[0];
+    if (c < 0x80) return 1;
+    size_t n;
+    unsigned cp;
+    if (c >= 0xc2 && c <= 0xdf)
+        n = 2, cp = c & 0x1f;
+    else if (c >= 0xe0 && c <= 0xef)
+        n = 3, cp = c & 0x0f;
+    else if (c >= 0xf0 && c <= 0xf4)
+        n = 4, cp = c & 0x07;
+    else
+        return 0;
+    for (size_t i = 1; i < n; i++) {
+        if ((s[i] & 0xc0) != 0x80) return 0;
+        cp = cp << 6 | (s[i] & 0x3f);
+    }
+    if ((n == 3 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) ||
+        (n == 4 && (cp < 0x10000 || cp > 0x10ffff)))
+        return 0;
+    return n;
+}
+
+void view_clean(const char *in, char *out, size_t len) {
+    const unsigned char *s = (const unsigned char *)in;
+    size_t o = 0;
+    while (*s && o + 1 < len) {
+        size_t n = utf8_len(s);
+        if (n == 1 && (*s < 0x20 || *s == 0x7f)) n = 0;
+        if (!n || o + n >= len) {
+            out[o++] = '?';
+            s += n ? n : 1;
+            continue;
+        }
+        memcpy(out + o, s, n);
+        o += n;
+        s += n;
+    }
+    out[o] = 0;
+}
+
+void view_json_string(FILE *f, const char *s) {
+    char clean[256];
+    view_clean(s, clean, sizeof clean);
+    fputc('"', f);
+    for (const char *p = clean; *p; p++) {
+        if (*p == '"' || *p == '\\') fputc('\\', f);
+        fputc(*p, f);
+    }
+    fputc('"', f);
+}
+
+const char *view_option(int argc, char **argv, int *i, const char *name, int *missing) {
+    size_t n = strlen(name);
+    if (strncmp(argv[*i], name, n)) return NULL;
+    if (argv[*i][n] == '=' && name[1] == '-') return argv[*i] + n + 1;
+    if (argv[*i][n] != 0) return NULL;
+    if (*i + 1 >= argc) {
+        *missing = 1;
+        return NULL;
+    }
+    return argv[++*i];
+}
+
+int view_usage_error(const char *cmd, const char *usage, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "cuma %s: ", cmd);
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n%s", usage);
+    va_end(ap);
+    return CUMA_EXIT_USAGE;
+}

@@ -1,0 +1,63 @@
+/* What `cuma ps`, `cuma top` and `cuma exporter` share: one read of a ledger, its heaps sorted
+ * by device then reserved bytes and summed per device, and the formatting helpers their outputs
+ * need (sizes, names made printable, JSON strings, options). */
+#ifndef CUMA_TOOLS_LEDGER_VIEW_H
+#define CUMA_TOOLS_LEDGER_VIEW_H
+
+#include "cuma/ledger.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+/* The heaps heaps[first .. first + count) of one device, and their sums. */
+typedef struct view_device {
+    const char *device; /* the first heap's device string */
+    size_t first, count;
+    uint64_t capacity;   /* the largest any heap reports (they agree unless the ledger is odd) */
+    uint64_t reserved;   /* held by all heaps */
+    uint64_t cached;     /* idle in their caches */
+    uint64_t guaranteed; /* sum of guarantees */
+    uint64_t free;       /* capacity minus what heaps hold or are guaranteed, as admission counts */
+} view_device;
+
+typedef struct ledger_view {
+    char path[128]; /* the ledger's file, for messages */
+    cuma_ledger_entry *heaps;
+    size_t nheaps;
+    view_device *devices;
+    size_t ndevices;
+    int missing;     /* the read failed because the file does not exist */
+    char error[512]; /* why the read failed */
+} ledger_view;
+
+/* Reads ledger `name` (NULL: the user's default). 0, or -1 with v->error (and v->missing when
+ * no heap has created the ledger); v is valid for view_free either way. -2 when the name is not
+ * a valid ledger name (a usage error; v->error says why). */
+int view_read(ledger_view *v, const char *name);
+void view_free(ledger_view *v);
+
+/* reserved - cached, never below zero (cached is published later than reserved changes). */
+uint64_t view_in_use(const cuma_ledger_entry *e);
+
+/* "512 B", "12.0 MiB", "1.50 GiB": binary units, 3 significant digits or so. */
+const char *view_size(uint64_t bytes, char *buf, size_t len);
+/* A signed change of a size: "+4.0 MiB", "-512 B", "0". */
+const char *view_delta(int64_t bytes, char *buf, size_t len);
+
+/* `in` with invalid UTF-8 bytes and control characters replaced by '?' (process names are
+ * whatever a program set with prctl; outputs must stay one line and valid UTF-8). */
+void view_clean(const char *in, char *out, size_t len);
+
+/* `s` as a JSON string literal (quoted, escaped). */
+void view_json_string(FILE *f, const char *s);
+
+/* The value of option `name` at argv[*i], as "NAME VALUE" or "NAME=VALUE" (long options); NULL
+ * when argv[*i] is another option. Sets *missing when the value is absent. */
+const char *view_option(int argc, char **argv, int *i, const char *name, int *missing);
+
+/* Prints "cuma CMD: " and the message, then `usage`, to stderr; returns CUMA_EXIT_USAGE. */
+int view_usage_error(const char *cmd, const char *usage, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#endif

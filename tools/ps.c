@@ -1,0 +1,307 @@
+/* `cuma ps` and `cuma top`: the heaps of a ledger as a table, once or refreshed.
+ *
+ * Both read the ledger through cuma_ledger_snapshot (which also frees dead processes' slots),
+ * so they show what admission sees: a heap's reserved bytes are what the ledger admitted, its
+ * cached and requested bytes what its release thread last published (every few ms). */
+#include "cli.h"
+#include "ledger_view.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/select.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SZ 10 /* width of a size column: "1023.9 MiB" */
+
+/* ---- the table ------------------------------------------------------------------------------ */
+
+/* A heap of the previous refresh that is the same heap: a slot is reused by later heaps, so the
+ * pid and device must match too. */
+static const cuma_ledger_entry *previous(const ledger_view *prev, const cuma_ledger_entry *e) {
+    if (!prev) return NULL;
+    for (size_t i = 0; i < prev->nheaps; i++) {
+        const cuma_ledger_entry *p = &prev->heaps[i];
+        if (p->slot == e->slot && p->pid == e->pid && !strcmp(p->device, e->device)) return p;
+    }
+    return NULL;
+}
+
+static void print_device(const view_device *d) {
+    char dev[128], cap[32], res[32], cached[32], guar[32], fr[32];
+    view_clean(d->device, dev, sizeof dev);
+    printf("device %s: capacity %s, reserved %s, cached %s, guaranteed %s, free %s (%zu heap%s)\n",
+           dev, view_size(d->capacity, cap, sizeof cap), view_size(d->reserved, res, sizeof res),
+           view_size(d->cached, cached, sizeof cached), view_size(d->guaranteed, guar, sizeof guar),
+           view_size(d->free, fr, sizeof fr), d->count, d->count == 1 ? "" : "s");
+}
+
+static void print_header(int rates) {
+    printf("%7s %-15s %5s %*s %*s %*s ", "PID", "PROCESS", "PRIO", SZ, "GUARANTEE", SZ, "LIMIT", SZ,
+           "RESERVED");
+    if (rates) printf("%*s ", SZ + 1, "DELTA");
+    printf("%*s %*s %*s %*s %*s ", SZ, "CACHED", SZ, "IN USE", SZ, "REQUESTED", SZ, "PEAK", SZ,
+           "WANT");
+    if (rates)
+        printf("%*s %9s\n", SZ + 2, "GIVEN/s", "DENIALS/s");
+    else
+        printf("%*s %8s\n", SZ, "GIVEN", "DENIALS");
+}
+
+/* One heap's row. With rates (top), `p` is the same heap at the previous refresh, `dt` seconds
+ * ago, or NULL when it is new: its rates show as "-". */
+static void print_heap(const cuma_ledger_entry *e, int rates, const cuma_ledger_entry *p,
+                       double dt) {
+    char name[64], g[32], l[32], r[32], c[32], u[32], q[32], pk[32], w[32];
+    view_clean(e->process, name, sizeof name);
+    printf("%7d %-15s %5d %*s %*s %*s ", e->pid, name, e->priority, SZ,
+           view_size(e->guarantee, g, sizeof g), SZ,
+           e->limit ? view_size(e->limit, l, sizeof l) : "-", SZ,
+           view_size(e->reserved, r, sizeof r));
+    if (rates) {
+        char d[32];
+        printf("%*s ", SZ + 1,
+               p ? view_delta((int64_t)(e->reserved - p->reserved), d, sizeof d) : "-");
+    }
+    printf("%*s %*s %*s %*s %*s ", SZ, view_size(e->cached, c, sizeof c), SZ,
+           view_size(view_in_use(e), u, sizeof u), SZ, view_size(e->requested, q, sizeof q), SZ,
+           view_size(e->peak_reserved, pk, sizeof pk), SZ,
+           e->want ? view_size(e->want, w, sizeof w) : "-");
+    if (!rates) {
+        char gv[32];
+        printf("%*s %8" PRIu64 "\n", SZ, view_size(e->pressure_given, gv, sizeof gv), e->denials);
+    } else if (!p || dt <= 0) {
+        printf("%*s %9s\n", SZ + 2, "-", "-");
+    } else {
+        /* Counters only grow while the slot is the same heap's; should one go back (a ledger
+         * bug), the rate shows 0 rather than a wrapped figure. */
+        uint64_t dg =
+            e->pressure_given > p->pressure_given ? e->pressure_given - p->pressure_given : 0;
+        uint64_t dd = e->denials > p->denials ? e->denials - p->denials : 0;
+        double given = (double)dg / dt, denials = (double)dd / dt;
+        char gv[32], rate[40];
+        snprintf(rate, sizeof rate, "%s/s", view_size((uint64_t)llround(given), gv, sizeof gv));
+        printf("%*s %9.1f\n", SZ + 2, rate, denials);
+    }
+}
+
+static void print_table(const ledger_view *v, int rates, const ledger_view *prev, double dt) {
+    if (!v->nheaps) {
+        printf("ledger %s: no live heaps\n", v->path);
+        return;
+    }
+    printf("ledger %s: %zu heap%s on %zu device%s\n", v->path, v->nheaps, v->nheaps == 1 ? "" : "s",
+           v->ndevices, v->ndevices == 1 ? "" : "s");
+    for (size_t k = 0; k < v->ndevices; k++) {
+        const view_device *d = &v->devices[k];
+        printf("\n");
+        print_device(d);
+        print_header(rates);
+        for (size_t i = d->first; i < d->first + d->count; i++)
+            print_heap(&v->heaps[i], rates, previous(prev, &v->heaps[i]), dt);
+    }
+}
+
+/* ---- JSON ----------------------------------------------------------------------------------- */
+
+static void print_json_heap(const cuma_ledger_entry *e) {
+    printf("{\"pid\":%d,\"process\":", e->pid);
+    view_json_string(stdout, e->process);
+    printf(",\"slot\":%u,\"priority\":%d,\"guarantee\":%" PRIu64 ",\"limit\":%" PRIu64
+           ",\"reserved\":%" PRIu64 ",\"cached\":%" PRIu64 ",\"in_use\":%" PRIu64
+           ",\"requested\":%" PRIu64 ",\"peak_reserved\":%" PRIu64 ",\"want\":%" PRIu64
+           ",\"pressure_given\":%" PRIu64 ",\"pressure_asks\":%" PRIu64
+           ",\"pressure_calls\":%" PRIu64 ",\"denials\":%" PRIu64 ",\"age_ns\":%" PRIu64 "}",
+           e->slot, e->priority, e->guarantee, e->limit, e->reserved, e->cached, view_in_use(e),
+           e->requested, e->peak_reserved, e->want, e->pressure_given, e->pressure_asks,
+           e->pressure_calls, e->denials, e->age_ns);
+}
+
+static void print_json(const ledger_view *v) {
+    printf("{\"ledger\":");
+    view_json_string(stdout, v->path);
+    printf(",\"uid\":%u,\"heaps\":%zu,\"devices\":[", (unsigned)geteuid(), v->nheaps);
+    for (size_t k = 0; k < v->ndevices; k++) {
+        const view_device *d = &v->devices[k];
+        printf("%s{\"device\":", k ? "," : "");
+        view_json_string(stdout, d->device);
+        printf(",\"capacity\":%" PRIu64 ",\"reserved\":%" PRIu64 ",\"cached\":%" PRIu64
+               ",\"guaranteed\":%" PRIu64 ",\"free\":%" PRIu64 ",\"heaps\":[",
+               d->capacity, d->reserved, d->cached, d->guaranteed, d->free);
+        for (size_t i = d->first; i < d->first + d->count; i++) {
+            if (i > d->first) putchar(',');
+            print_json_heap(&v->heaps[i]);
+        }
+        printf("]}");
+    }
+    printf("]}\n");
+}
+
+/* ---- options -------------------------------------------------------------------------------- */
+
+typedef struct options {
+    const char *ledger;
+    int json;        /* ps */
+    double delay;    /* top: seconds between refreshes */
+    long long iters; /* top: 0 = until interrupted */
+} options;
+
+static int is_help(const char *a) {
+    return !strcmp(a, "-h") || !strcmp(a, "--help");
+}
+
+static int parse(int argc, char **argv, int top, options *o) {
+    const char *cmd = top ? "top" : "ps", *usage = top ? CUMA_TOP_USAGE : CUMA_PS_USAGE;
+    *o = (options){.delay = 1.0};
+    for (int i = 1; i < argc; i++) {
+        const char *v;
+        int missing = 0;
+        char *end;
+        if ((v = view_option(argc, argv, &i, "--ledger", &missing)) != NULL) {
+            o->ledger = v;
+        } else if (!top && !strcmp(argv[i], "--json")) {
+            o->json = 1;
+        } else if (top && (v = view_option(argc, argv, &i, "-d", &missing)) != NULL) {
+            errno = 0;
+            o->delay = strtod(v, &end);
+            /* A day at most: beyond that it is a typo, and nanosleep's seconds stay small. */
+            if (errno || end == v || *end || !isfinite(o->delay) || o->delay <= 0 ||
+                o->delay > 86400)
+                return view_usage_error(cmd, usage, "-d wants seconds > 0, not '%s'", v);
+        } else if (top && (v = view_option(argc, argv, &i, "-n", &missing)) != NULL) {
+            errno = 0;
+            o->iters = strtoll(v, &end, 10);
+            if (errno || end == v || *end || o->iters <= 0)
+                return view_usage_error(cmd, usage, "-n wants a positive integer, not '%s'", v);
+        } else if (missing) {
+            return view_usage_error(cmd, usage, "%s needs a value", argv[i]);
+        } else {
+            return view_usage_error(cmd, usage, "unknown argument '%s'", argv[i]);
+        }
+    }
+    return CUMA_EXIT_OK;
+}
+
+static int wants_help(int argc, char **argv, const char *usage) {
+    for (int i = 1; i < argc; i++)
+        if (is_help(argv[i])) {
+            fputs(usage, stdout);
+            return 1;
+        }
+    return 0;
+}
+
+/* ---- ps ------------------------------------------------------------------------------------- */
+
+int cuma_cmd_ps(int argc, char **argv) {
+    if (wants_help(argc, argv, CUMA_PS_USAGE)) return CUMA_EXIT_OK;
+    options o;
+    int rc = parse(argc, argv, 0, &o);
+    if (rc) return rc;
+    ledger_view v;
+    int r = view_read(&v, o.ledger);
+    if (r == -2) {
+        rc = view_usage_error("ps", CUMA_PS_USAGE, "%s", v.error);
+    } else if (r) {
+        fprintf(stderr, "cuma ps: %s\n", v.error);
+        rc = CUMA_EXIT_FAIL;
+    } else if (o.json) {
+        print_json(&v);
+    } else {
+        print_table(&v, 0, NULL, 0);
+    }
+    view_free(&v);
+    if (!rc && (fflush(stdout) || ferror(stdout))) rc = CUMA_EXIT_FAIL;
+    return rc;
+}
+
+/* ---- top ------------------------------------------------------------------------------------ */
+
+static volatile sig_atomic_t stop;
+
+static void on_signal(int sig) {
+    (void)sig;
+    stop = 1;
+}
+
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Sleeps `s` seconds or until SIGINT/SIGTERM. They are blocked except inside pselect, so one
+ * that comes just before the sleep still cuts it short (a long -d would otherwise ignore it). */
+static void pause_for(double s, const sigset_t *wait_mask) {
+    struct timespec ts = {(time_t)s, (long)((s - floor(s)) * 1e9)};
+    if (!stop) pselect(0, NULL, NULL, NULL, &ts, wait_mask);
+}
+
+int cuma_cmd_top(int argc, char **argv) {
+    if (wants_help(argc, argv, CUMA_TOP_USAGE)) return CUMA_EXIT_OK;
+    options o;
+    int rc = parse(argc, argv, 1, &o);
+    if (rc) return rc;
+    /* Ctrl-C (or SIGTERM) sets `stop`, delivered only inside the sleep: top ends at once. */
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigset_t stop_sigs, wait_mask;
+    sigemptyset(&stop_sigs);
+    sigaddset(&stop_sigs, SIGINT);
+    sigaddset(&stop_sigs, SIGTERM);
+    sigprocmask(SIG_BLOCK, &stop_sigs, &wait_mask);
+    sigdelset(&wait_mask, SIGINT);
+    sigdelset(&wait_mask, SIGTERM);
+    int tty = isatty(STDOUT_FILENO);
+    ledger_view prev = {0}, cur;
+    int have_prev = 0, ever_read = 0;
+    double t_prev = 0;
+    for (long long it = 0; !stop && (!o.iters || it < o.iters); it++) {
+        if (it) pause_for(o.delay, &wait_mask);
+        if (stop) break;
+        int r = view_read(&cur, o.ledger);
+        double t = mono_s();
+        if (r == -2) {
+            view_free(&cur);
+            view_free(&prev);
+            return view_usage_error("top", CUMA_TOP_USAGE, "%s", cur.error);
+        }
+        /* Home and erase: the frame replaces the last one, as top and watch do. */
+        if (tty) fputs("\033[H\033[2J", stdout);
+        time_t now = time(NULL);
+        char clock[16];
+        strftime(clock, sizeof clock, "%H:%M:%S", localtime(&now));
+        printf("cuma top - %s, every %gs", clock, o.delay);
+        if (o.iters) printf(", refresh %lld of %lld", it + 1, o.iters);
+        printf("\n");
+        if (r) {
+            /* A live view waits for the ledger to appear instead of giving up. */
+            printf("%s\n", cur.error);
+            view_free(&cur);
+        } else {
+            ever_read = 1;
+            print_table(&cur, 1, have_prev ? &prev : NULL, t - t_prev);
+            view_free(&prev);
+            prev = cur;
+            have_prev = 1;
+            t_prev = t;
+        }
+        if (!tty) printf("\n");
+        if (fflush(stdout) || ferror(stdout)) {
+            rc = CUMA_EXIT_FAIL;
+            break;
+        }
+    }
+    view_free(&prev);
+    if (!rc && !ever_read) {
+        fprintf(stderr, "cuma top: the ledger could not be read at any refresh\n");
+        rc = CUMA_EXIT_FAIL;
+    }
+    return rc;
+}
