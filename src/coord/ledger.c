@@ -56,7 +56,8 @@ typedef struct ledger_slot {
     _Atomic uint64_t want; /* written under the lock, with seq bumped */
     _Atomic uint64_t denials, asks, given, calls;
     _Atomic uint64_t published_ns; /* CLOCK_MONOTONIC of the owner's last publish */
-    uint64_t spare[8];
+    uint64_t pidns; /* the PID namespace its pid means something in (inode), 0 if unknown */
+    uint64_t spare[7];
 } ledger_slot;
 
 /* The shared file. The header is written once, under flock, before magic is set (release);
@@ -130,9 +131,9 @@ cuma_status cuma_ledger_path(const char *name, char *buf, size_t len) {
 
 /* ---- processes ------------------------------------------------------------------------------ */
 
-/* Field 22 of /proc/PID/stat (after the parenthesised name, which may hold spaces); 0 when it
- * cannot be read. */
-static uint64_t proc_start(int pid) {
+/* Field 22 of /proc/PID/stat (after the parenthesised name, which may hold spaces), and field 3
+ * (the state letter) into *state where not NULL; 0 when it cannot be read. */
+static uint64_t proc_start(int pid, char *state) {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -145,6 +146,7 @@ static uint64_t proc_start(int pid) {
     if (!p) return 0;
     /* p + 2 is field 3 (state); the start time is field 22: 19 fields further. */
     p += 2;
+    if (state) *state = *p;
     for (int f = 3; f < 22 && p; f++) {
         p = strchr(p, ' ');
         if (p) p++;
@@ -152,11 +154,32 @@ static uint64_t proc_start(int pid) {
     return p ? strtoull(p, NULL, 10) : 0;
 }
 
+/* The PID namespace of this process (the inode of /proc/self/ns/pid), 0 if unknown: pids in
+ * the ledger mean something only in the namespace of the process that wrote them. */
+static uint64_t my_pidns(void) {
+    static _Atomic uint64_t ns = UINT64_MAX;
+    uint64_t v = atomic_load_explicit(&ns, memory_order_relaxed);
+    if (v == UINT64_MAX) {
+        struct stat sb;
+        v = stat("/proc/self/ns/pid", &sb) ? 0 : (uint64_t)sb.st_ino;
+        atomic_store_explicit(&ns, v, memory_order_relaxed);
+    }
+    return v;
+}
+
 static bool alive(const ledger_slot *s) {
+    /* Another PID namespace's pid cannot be judged from here: such a slot is left to the
+     * processes of its own namespace (a reader in a container would otherwise erase the host's
+     * live jobs). */
+    uint64_t ns = my_pidns();
+    if (s->pidns && ns && s->pidns != ns) return true;
     /* kill(0 or -n, 0) asks about process groups, which always answer: such a pid is no heap's. */
     if (s->pid <= 0) return false;
     if (kill(s->pid, 0) && errno == ESRCH) return false;
-    uint64_t st = proc_start(s->pid);
+    char state = 0;
+    uint64_t st = proc_start(s->pid, &state);
+    /* A zombie (killed, not yet waited for by its parent) holds no memory any more. */
+    if (state == 'Z' || state == 'X') return false;
     return !st || !s->start || st == s->start; /* unreadable: trust kill */
 }
 
@@ -164,6 +187,7 @@ static void clear_slot(ledger_slot *s) {
     atomic_store_explicit(&s->state, 0, memory_order_release);
     s->pid = 0;
     s->start = 0;
+    s->pidns = 0;
     s->priority = 0;
     memset(s->process, 0, sizeof s->process);
     memset(s->device, 0, sizeof s->device);
@@ -513,7 +537,8 @@ cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out)
     ledger_slot *s = &m->slot[free_slot];
     clear_slot(s);
     s->pid = (int32_t)getpid();
-    s->start = proc_start(s->pid);
+    s->start = proc_start(s->pid, NULL);
+    s->pidns = my_pidns();
     s->priority = in->priority;
     read_comm(s->process, sizeof s->process);
     snprintf(s->device, sizeof s->device, "%s", in->device);
@@ -710,10 +735,11 @@ cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_
     return st;
 }
 
-void cuma_ledger_test_layout(size_t *header, size_t *slot, size_t *device) {
+void cuma_ledger_test_layout(size_t *header, size_t *slot, size_t *device, size_t *pidns) {
     *header = sizeof(ledger_shm);
     *slot = sizeof(ledger_slot);
     *device = offsetof(ledger_slot, device);
+    *pidns = offsetof(ledger_slot, pidns);
 }
 
 cuma_status cuma_ledger_test_hold_lock(cuma_ledger *l) {

@@ -63,8 +63,8 @@ const char *cuma_ledger_where(const cuma_ledger *l);
 
 /* Tests: where the slots lie in the file (a slot starts with its 4-byte state, 1 = live, its
  * 4-byte pid and its 8-byte start time: field 22 of /proc/PID/stat) and where in a slot its
- * device's name is (64 bytes). */
-void cuma_ledger_test_layout(size_t *header, size_t *slot, size_t *device);
+ * device's name (64 bytes) and its PID namespace (8 bytes, 0 = unknown) are. */
+void cuma_ledger_test_layout(size_t *header, size_t *slot, size_t *device, size_t *pidns);
 /* Tests: takes the ledger's lock and never gives it back (a process that dies holding it). */
 cuma_status cuma_ledger_test_hold_lock(cuma_ledger *l);
 

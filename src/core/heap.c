@@ -175,6 +175,9 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
                            cuma_stream stream, cuma_block **out, uint64_t *managed_addr) {
     if (!is_oom(st)) return st;
     cuma_heap *p = h->primary;
+    /* A growth refused part-way (a limit, a full device, the ledger) held its pages for a
+     * moment: the peak says so, before the cache release below gives them back. */
+    raise_peak(&p->peak_res, cuma_heap_reserved_all(h));
     h->c.retries++;
     h->c.trims++;
     cuma_heap_release_idle(h, 0);

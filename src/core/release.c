@@ -28,6 +28,10 @@ void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_
     } else {
         cuma_segs_release(&h->segs, t, delay_ns, max_cached_bytes, age_keep_bytes, wait);
     }
+    /* Every release (trim, OOM ladder, limit) publishes what is left idle: max_cached and the
+     * cross-process ledger read it. */
+    atomic_store_explicit(&h->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(h),
+                          memory_order_relaxed);
 }
 
 /* fragmentation_threshold: idle memory past its delay stays while it is at most this share of
