@@ -32,10 +32,11 @@ typedef struct cuma_ledger_entry {
     uint64_t guarantee;
     uint64_t limit;
     uint64_t reserved; /* held from the device (what the ledger admitted) */
-    uint64_t cached;   /* of which idle (as of the heap's last release-policy run) */
+    uint64_t cached;   /* of which idle (published every few ms and after each release) */
     uint64_t requested;
     uint64_t peak_reserved;
-    uint64_t want;           /* bytes it waits for now (a pressure request), 0 if none */
+    uint64_t want;           /* bytes it waits for now (a pressure request), 0 if none or
+                                expired (its requester gone or stopped past its timeout) */
     uint64_t denials;        /* growths the ledger refused */
     uint64_t pressure_asks;  /* pressure requests it posted */
     uint64_t pressure_given; /* bytes it gave back on others' requests */
@@ -43,7 +44,7 @@ typedef struct cuma_ledger_entry {
     uint64_t age_ns;         /* since its figures were last published */
 } cuma_ledger_entry;
 
-/* The live heaps of a ledger (name NULL or "on": the user's default ledger; else the name the
+/* The live heaps of a ledger (name NULL, "on" or "auto": the user's ledger; else the name the
  * `ledger` setting gives). Dead processes' slots are reclaimed first. At most `max` entries go
  * to out (may be NULL when max is 0); *n gets the number of live heaps. CUMA_ERR_IO when the
  * ledger does not exist (no heap has used it) or cannot be read, with the path in the
@@ -59,7 +60,11 @@ cuma_status cuma_ledger_path(const char *name, char *buf, size_t len);
  * cuma_free on this heap, from any thread), halve its batch, or ignore it. */
 typedef void (*cuma_pressure_fn)(void *user, cuma_heap *heap, uint64_t bytes);
 
-/* Registers a pressure callback; *id (may be NULL) gets a handle for removal. At most 16. */
+/* Registers a pressure callback; *id (may be NULL) gets a handle for removal. At most 16.
+ * A heap with pressure callbacks tells the ledger so: only such heaps' memory in use counts as
+ * memory a requester may wait for. A callback being removed may still run once after the removal
+ * returned (the list is copied before the calls): keep what it uses alive until the heap is
+ * destroyed. */
 cuma_status cuma_add_pressure_callback(cuma_heap *heap, cuma_pressure_fn fn, void *user, int *id);
 cuma_status cuma_remove_pressure_callback(cuma_heap *heap, int id);
 

@@ -46,7 +46,7 @@ typedef struct ledger_slot {
     int32_t pid;
     uint64_t start; /* the process's start time (clock ticks since boot), for pid reuse */
     int32_t priority;
-    uint32_t pad;
+    _Atomic uint32_t answers; /* owner, at each publish: CUMA_LEDGER_ANSWERS_* */
     char process[32];
     char device[64];
     uint64_t capacity, guarantee;
@@ -54,10 +54,13 @@ typedef struct ledger_slot {
     _Atomic uint64_t reserved, peak;
     _Atomic uint64_t cached, requested;
     _Atomic uint64_t want; /* written under the lock, with seq bumped */
+    /* CLOCK_MONOTONIC after which want no longer counts: a requester killed or stopped while it
+     * waits (so that it never withdraws) holds nobody back for longer than its timeout. */
+    _Atomic uint64_t want_until;
     _Atomic uint64_t denials, asks, given, calls;
     _Atomic uint64_t published_ns; /* CLOCK_MONOTONIC of the owner's last publish */
     uint64_t pidns; /* the PID namespace its pid means something in (inode), 0 if unknown */
-    uint64_t spare[7];
+    uint64_t spare[6];
 } ledger_slot;
 
 /* The shared file. The header is written once, under flock, before magic is set (release);
@@ -85,10 +88,17 @@ _Static_assert(offsetof(ledger_slot, state) == 0 && offsetof(ledger_slot, pid) =
 struct cuma_ledger {
     ledger_shm *shm;
     unsigned slot;
+    pid_t owner; /* the process that joined: a child made by fork has no slot of its own */
     uint64_t seen_seq;
     bool active;
     char path[96];
 };
+
+/* Whether the calling process is the one that joined (a heap inherited through fork is not: its
+ * slot is its parent's, which the child must neither change nor free). */
+static bool owned(const cuma_ledger *l) {
+    return getpid() == l->owner;
+}
 
 static uint64_t mono_ns(void) {
     struct timespec ts;
@@ -108,7 +118,7 @@ static bool valid_name(const char *n) {
 
 /* shm_open's name: /cuma-UID for the user's ledger, /cuma-UID-NAME for a named one. */
 static cuma_status shm_name(const char *name, char *buf, size_t len) {
-    if (!name || !*name || !strcmp(name, "on")) {
+    if (!name || !*name || !strcmp(name, "on") || !strcmp(name, "auto")) {
         snprintf(buf, len, "/cuma-%u", (unsigned)geteuid());
         return CUMA_OK;
     }
@@ -198,6 +208,8 @@ static void clear_slot(ledger_slot *s) {
     atomic_store(&s->cached, 0);
     atomic_store(&s->requested, 0);
     atomic_store(&s->want, 0);
+    atomic_store(&s->want_until, 0);
+    atomic_store(&s->answers, 0);
     atomic_store(&s->denials, 0);
     atomic_store(&s->asks, 0);
     atomic_store(&s->given, 0);
@@ -268,7 +280,7 @@ static cuma_status check_header(const ledger_shm *m, const char *path) {
 
 /* Maps the ledger, creating and initialising it where `create`. */
 static cuma_status map_ledger(const char *name, bool create, ledger_shm **out, char *path,
-                              size_t plen) {
+                              size_t plen, uint64_t *ino) {
     char n[72]; /* "/cuma-UID-" and a name of 48 at most */
     cuma_status st = shm_name(name, n, sizeof n);
     if (st) return st;
@@ -334,10 +346,12 @@ static cuma_status map_ledger(const char *name, bool create, ledger_shm **out, c
                          "ledger %s has %lld bytes, this cuma's "
                          "layout has %zu: another build?",
                          path, (long long)sb.st_size, (size_t)LEDGER_BYTES);
-    if (st)
+    if (st) {
         munmap(p, (size_t)sb.st_size);
-    else
+    } else {
         *out = m;
+        *ino = (uint64_t)sb.st_ino;
+    }
 out_unlock:
     flock(fd, LOCK_UN);
 out_fd:
@@ -352,9 +366,22 @@ out_fd:
 typedef struct mapping {
     char path[96];
     ledger_shm *shm;
+    uint64_t ino; /* the file it maps: a ledger removed and made again is another file */
     unsigned refs;
     struct mapping *next;
 } mapping;
+
+/* The inode the ledger's name leads to now (0 when none). */
+static uint64_t current_ino(const char *name) {
+    char n[72];
+    if (shm_name(name, n, sizeof n)) return 0;
+    int fd = shm_open(n, O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    struct stat sb;
+    uint64_t ino = fstat(fd, &sb) ? 0 : (uint64_t)sb.st_ino;
+    close(fd);
+    return ino;
+}
 
 static pthread_mutex_t maps_lock = PTHREAD_MUTEX_INITIALIZER;
 static mapping *maps;
@@ -364,14 +391,18 @@ static cuma_status acquire(const char *name, bool create, ledger_shm **out, char
     cuma_status st = cuma_ledger_path(name, path, plen);
     if (st) return st;
     pthread_mutex_lock(&maps_lock);
+    /* A mapping of a file that was removed (by hand, or by logind's RemoveIPC at logout) would
+     * keep this process's new heaps in a ledger nobody else sees: only the file the name leads
+     * to now will do. */
+    uint64_t ino = current_ino(name);
     mapping *m = maps;
-    while (m && strcmp(m->path, path)) m = m->next;
+    while (m && (strcmp(m->path, path) || m->ino != ino)) m = m->next;
     if (m) {
         m->refs++;
         *out = m->shm;
     } else if (!(m = calloc(1, sizeof *m))) {
         st = cuma_fail(CUMA_ERR_OOM, "no host memory for a ledger mapping");
-    } else if ((st = map_ledger(name, create, &m->shm, m->path, sizeof m->path))) {
+    } else if ((st = map_ledger(name, create, &m->shm, m->path, sizeof m->path, &m->ino))) {
         free(m);
     } else {
         m->refs = 1;
@@ -416,15 +447,22 @@ static uint64_t add_sat(uint64_t a, uint64_t b) {
     return a + b < a ? UINT64_MAX : a + b;
 }
 
+/* What a slot waits for now: nothing once its request expired. */
+static uint64_t want_of(const ledger_slot *o, uint64_t now) {
+    uint64_t w = atomic_load(&o->want);
+    return w && now < atomic_load(&o->want_until) ? w : 0;
+}
+
 /* What the other heaps on me's device claim: what they hold or their guarantee, whichever is
  * more; and what heaps of higher priority wait for. */
 static void claims(const ledger_shm *m, const ledger_slot *me, uint64_t *held, uint64_t *higher) {
     *held = *higher = 0;
+    uint64_t now = mono_ns();
     for (unsigned i = 0; i < m->nslots; i++) {
         const ledger_slot *o = &m->slot[i];
         if (!same_device(me, o)) continue;
         *held = add_sat(*held, max64(atomic_load(&o->reserved), o->guarantee));
-        if (o->priority > me->priority) *higher = add_sat(*higher, atomic_load(&o->want));
+        if (o->priority > me->priority) *higher = add_sat(*higher, want_of(o, now));
     }
 }
 
@@ -445,6 +483,12 @@ static ledger_slot *my_slot(cuma_ledger *l) {
 
 cuma_status cuma_ledger_admit(cuma_ledger *l, uint64_t bytes) {
     ledger_slot *me = my_slot(l);
+    if (!owned(l))
+        return cuma_fail(
+            CUMA_ERR_UNSUPPORTED,
+            "ledger %s: this heap came through fork from process %d, whose slot it is; "
+            "a child process makes heaps of its own",
+            l->path, (int)l->owner);
     cuma_status st = lock(l->shm, l->path);
     if (st) return st;
     bool ok = fits(l->shm, me, bytes);
@@ -468,6 +512,7 @@ cuma_status cuma_ledger_admit(cuma_ledger *l, uint64_t bytes) {
 }
 
 void cuma_ledger_unadmit(cuma_ledger *l, uint64_t bytes) {
+    if (!owned(l)) return;
     ledger_slot *me = my_slot(l);
     uint64_t r = atomic_load(&me->reserved);
     /* Only ever what was admitted; never below zero, whatever a caller does. */
@@ -476,11 +521,13 @@ void cuma_ledger_unadmit(cuma_ledger *l, uint64_t bytes) {
 }
 
 void cuma_ledger_set_limit(cuma_ledger *l, uint64_t limit) {
-    atomic_store(&my_slot(l)->limit, limit);
+    if (owned(l)) atomic_store(&my_slot(l)->limit, limit);
 }
 
-void cuma_ledger_publish(cuma_ledger *l, uint64_t cached, uint64_t requested) {
+void cuma_ledger_publish(cuma_ledger *l, uint64_t cached, uint64_t requested, unsigned answers) {
+    if (!owned(l)) return;
     ledger_slot *me = my_slot(l);
+    atomic_store_explicit(&me->answers, answers, memory_order_relaxed);
     atomic_store_explicit(&me->cached, cached, memory_order_relaxed);
     atomic_store_explicit(&me->requested, requested, memory_order_relaxed);
     atomic_store_explicit(&me->published_ns, mono_ns(), memory_order_relaxed);
@@ -548,6 +595,7 @@ cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out)
     atomic_store(&s->published_ns, mono_ns());
     atomic_store_explicit(&s->state, 1, memory_order_release);
     l->slot = free_slot;
+    l->owner = getpid();
     l->seen_seq = atomic_load(&m->seq);
     unlock(m);
     *out = l;
@@ -560,7 +608,7 @@ fail:
 
 void cuma_ledger_leave(cuma_ledger *l) {
     if (!l) return;
-    if (!lock(l->shm, l->path)) {
+    if (owned(l) && !lock(l->shm, l->path)) {
         ledger_slot *me = my_slot(l);
         if (atomic_load(&me->want)) atomic_fetch_add(&l->shm->seq, 1);
         clear_slot(me);
@@ -582,10 +630,12 @@ static uint64_t could_have(const ledger_shm *m, const ledger_slot *me, uint64_t 
     for (unsigned i = 0; i < m->nslots; i++) {
         const ledger_slot *o = &m->slot[i];
         if (!same_device(me, o)) continue;
+        unsigned answers = atomic_load(&o->answers);
+        if (!(answers & CUMA_LEDGER_ANSWERS_CACHE)) continue; /* nobody there to answer */
         uint64_t res = atomic_load(&o->reserved), cached = atomic_load(&o->cached);
         if (cached > res) cached = res;
         if (o->priority <= me->priority || under) g = add_sat(g, cached);
-        if (o->priority < me->priority || under) {
+        if ((o->priority < me->priority || under) && (answers & CUMA_LEDGER_ANSWERS_SHRINK)) {
             uint64_t used = res - cached;
             if (used > o->guarantee) g = add_sat(g, used - o->guarantee);
         }
@@ -604,6 +654,8 @@ cuma_status cuma_ledger_reclaim(cuma_ledger *l, uint64_t bytes, int64_t timeout_
                                 uint64_t (*device_free)(void *), void *ctx) {
     ledger_shm *m = l->shm;
     ledger_slot *me = my_slot(l);
+    if (!owned(l))
+        return cuma_fail(CUMA_ERR_OOM, "ledger %s: a heap inherited through fork", l->path);
     cuma_status st = lock(m, l->path);
     if (st) return st;
     reap(m);
@@ -615,11 +667,13 @@ cuma_status cuma_ledger_reclaim(cuma_ledger *l, uint64_t bytes, int64_t timeout_
                          " bytes at most, %" PRIu64 " needed",
                          me->device, l->path, could, bytes);
     }
+    uint64_t deadline = mono_ns() + (uint64_t)timeout_ms * 1000000ull;
+    /* The request outlives the wait a little (the last recheck), not more. */
+    atomic_store(&me->want_until, deadline + 50000000ull);
     atomic_store(&me->want, bytes);
     atomic_fetch_add(&me->asks, 1);
     atomic_fetch_add(&m->seq, 1);
     unlock(m);
-    uint64_t deadline = mono_ns() + (uint64_t)timeout_ms * 1000000ull;
     bool ok = false;
     for (;;) {
         sleep_ms(1);
@@ -643,17 +697,18 @@ cuma_status cuma_ledger_reclaim(cuma_ledger *l, uint64_t bytes, int64_t timeout_
 
 bool cuma_ledger_asked(cuma_ledger *l, bool *cache, uint64_t *shrink, bool *fresh) {
     ledger_shm *m = l->shm;
+    if (!owned(l)) return false;
     uint64_t seq = atomic_load_explicit(&m->seq, memory_order_acquire);
     if (seq == l->seen_seq && !l->active) return false;
     *fresh = seq != l->seen_seq;
     l->seen_seq = seq;
     const ledger_slot *me = my_slot(l);
     bool c = false;
-    uint64_t want = 0;
+    uint64_t want = 0, now = mono_ns();
     for (unsigned i = 0; i < m->nslots; i++) {
         const ledger_slot *o = &m->slot[i];
         if (!same_device(me, o)) continue;
-        uint64_t w = atomic_load(&o->want);
+        uint64_t w = want_of(o, now);
         if (!w) continue;
         /* A heap under its guarantee is owed the memory, whatever its priority. */
         bool under = add_sat(atomic_load(&o->reserved), w) <= o->guarantee;
@@ -670,6 +725,7 @@ bool cuma_ledger_asked(cuma_ledger *l, bool *cache, uint64_t *shrink, bool *fres
 }
 
 void cuma_ledger_gave(cuma_ledger *l, uint64_t bytes, uint64_t calls) {
+    if (!owned(l)) return;
     ledger_slot *me = my_slot(l);
     if (bytes) atomic_fetch_add(&me->given, bytes);
     if (calls) atomic_fetch_add(&me->calls, calls);
@@ -693,7 +749,7 @@ static void entry_of(const ledger_slot *s, unsigned i, uint64_t now, cuma_ledger
     e->cached = atomic_load(&s->cached);
     e->requested = atomic_load(&s->requested);
     e->peak_reserved = atomic_load(&s->peak);
-    e->want = atomic_load(&s->want);
+    e->want = want_of(s, now);
     e->denials = atomic_load(&s->denials);
     e->pressure_asks = atomic_load(&s->asks);
     e->pressure_given = atomic_load(&s->given);

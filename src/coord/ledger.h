@@ -36,8 +36,15 @@ cuma_status cuma_ledger_admit(cuma_ledger *l, uint64_t bytes);
 /* The heap gave `bytes` back to the device (at most what it was admitted). */
 void cuma_ledger_unadmit(cuma_ledger *l, uint64_t bytes);
 void cuma_ledger_set_limit(cuma_ledger *l, uint64_t limit);
-/* Publishes the heap's idle and requested bytes (its release thread, every few ms). */
-void cuma_ledger_publish(cuma_ledger *l, uint64_t cached, uint64_t requested);
+/* What a heap can answer a pressure request with: a release thread that gives its idle cache
+ * back, pressure callbacks that free memory in use. A requester counts on nothing else (memory
+ * nobody will give is not worth waiting for). */
+#define CUMA_LEDGER_ANSWERS_CACHE  1u
+#define CUMA_LEDGER_ANSWERS_SHRINK 2u
+
+/* Publishes the heap's idle and requested bytes and what it answers with (CUMA_LEDGER_ANSWERS_*)
+ * (its release thread, every few ms). A heap that never publishes is counted on for nothing. */
+void cuma_ledger_publish(cuma_ledger *l, uint64_t cached, uint64_t requested, unsigned answers);
 
 /* The requester's side: posts a pressure request for `bytes` and waits (at most timeout_ms)
  * until they fit, the others having given back what they could. `device_free` (may be NULL)

@@ -132,7 +132,8 @@ static const key_desc keys[] = {
      "device add up to its size at most"},
     {"pressure_timeout_ms", K_MS, F(pressure_timeout_ms), "1000", NULL,
      "how long an allocation that does not fit waits for other heaps in the ledger to give "
-     "memory back before the OOM callbacks; 0 = do not ask them"},
+     "memory back before the OOM callbacks; 0 = do not ask them (never is refused: a request "
+     "no heap answers would wait forever)"},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])
@@ -376,6 +377,10 @@ cuma_status cuma_settings_validate(const cuma_settings *s) {
                          (unsigned long long)s->limit);
     if (!s->growth && !s->preallocate)
         return cuma_fail(CUMA_ERR_CONFIG, "growth:off needs preallocate:SIZE");
+    if (s->pressure_timeout_ms < 0)
+        return cuma_fail(CUMA_ERR_CONFIG,
+                         "pressure_timeout_ms: never would wait forever for memory nobody gives; "
+                         "give milliseconds (0 = do not ask)");
     if (s->arenas < 1 || s->arenas > CUMA_MAX_ARENAS)
         return cuma_fail(CUMA_ERR_CONFIG, "arenas %d is not between 1 and %d", s->arenas,
                          CUMA_MAX_ARENAS);

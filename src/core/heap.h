@@ -232,6 +232,9 @@ bool cuma_heap_ledger_reclaim(cuma_heap *h, uint64_t n);
 /* Release thread of the first arena (its lock held, dropped meanwhile): publishes the heap's
  * figures and answers the others' requests. */
 void cuma_heap_ledger_poll(cuma_heap *p);
+/* The heap's figures into its slot, and what it answers with (first arena; any lock or none but
+ * oom_lock). */
+void cuma_heap_ledger_publish(cuma_heap *p);
 
 /* Locked helpers shared by heap.c and heap_api.c. */
 void cuma_heap_refresh_limit(cuma_heap *h);

@@ -212,6 +212,8 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         cuma_map_destroy(&h->managed);
         goto fail_be;
     }
+    /* From now on its release thread answers the others: they may count on its cache. */
+    if (h->ledger && h->thread_running) cuma_heap_ledger_publish(h);
     *out = h;
     return CUMA_OK;
 fail_be:

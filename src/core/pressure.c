@@ -19,6 +19,12 @@ cuma_status cuma_heap_join_ledger(cuma_heap *h) {
      * required; otherwise a ledger that cannot be opened (no /dev/shm in a sandbox) leaves the
      * heap on its own, with the reason in the stats. */
     bool required = explicit_ || h->set.priority || h->set.guarantee;
+    if (!explicit_ && (h->set.priority || h->set.guarantee) &&
+        !strcmp(cuma_backend_unwrap(h->be)->name, "sim"))
+        return cuma_fail(CUMA_ERR_CONFIG,
+                         "%s needs a ledger, and a simulated device is in none unless one is "
+                         "named: add ledger:NAME",
+                         h->set.priority ? "priority" : "guarantee");
     if (h->set.guarantee > h->be->capacity)
         return cuma_fail(CUMA_ERR_CONFIG, "guarantee: %llu bytes, more than the device's %llu",
                          (unsigned long long)h->set.guarantee, (unsigned long long)h->be->capacity);
@@ -93,11 +99,23 @@ static uint64_t give_cache(cuma_heap *p) {
     return before > after ? before - after : 0;
 }
 
-void cuma_heap_ledger_poll(cuma_heap *p) {
-    cuma_ledger *l = p->ledger;
+void cuma_heap_ledger_publish(cuma_heap *p) {
+    pthread_mutex_lock(&p->oom_lock);
+    unsigned answers = CUMA_LEDGER_ANSWERS_CACHE | (p->npcb ? CUMA_LEDGER_ANSWERS_SHRINK : 0);
+    pthread_mutex_unlock(&p->oom_lock);
     int64_t cached = cuma_heap_total(p, CUMA_PUB_CACHED);
     int64_t req = cuma_heap_total(p, CUMA_PUB_REQUESTED);
-    cuma_ledger_publish(l, cached > 0 ? (uint64_t)cached : 0, req > 0 ? (uint64_t)req : 0);
+    cuma_ledger_publish(p->ledger, cached > 0 ? (uint64_t)cached : 0, req > 0 ? (uint64_t)req : 0,
+                        answers);
+}
+
+void cuma_heap_ledger_poll(cuma_heap *p) {
+    cuma_ledger *l = p->ledger;
+    /* The first arena's idle bytes as of now (its lock is held): frees since its last release
+     * policy run count, so that requesters see what they may ask for. */
+    atomic_store_explicit(&p->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(p),
+                          memory_order_relaxed);
+    cuma_heap_ledger_publish(p);
     bool cache, fresh;
     uint64_t shrink;
     if (!cuma_ledger_asked(l, &cache, &shrink, &fresh)) return;
@@ -105,13 +123,13 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
     uint64_t gave = 0, calls = 0;
     if (cache) {
         /* Idle memory first, thread caches' pending frees included; then what is still in use
-         * beyond the guarantee is what the callbacks are asked for. */
+         * beyond the guarantee is what the callbacks are asked for (a request that came
+         * meanwhile is as new as the first). */
         gave = give_cache(p);
-        int64_t c = cuma_heap_total(p, CUMA_PUB_CACHED);
-        cuma_ledger_publish(l, c > 0 ? (uint64_t)c : 0,
-                            (uint64_t)cuma_heap_total(p, CUMA_PUB_REQUESTED));
-        bool again;
+        cuma_heap_ledger_publish(p);
+        bool again = false;
         if (!cuma_ledger_asked(l, &cache, &shrink, &again)) shrink = 0;
+        fresh |= again;
     }
     if (shrink && fresh) {
         pthread_mutex_lock(&p->oom_lock);
@@ -123,9 +141,7 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
         /* What the callbacks freed may sit in thread caches and the page cache: it goes too. */
         if (n) gave += give_cache(p);
     }
-    cached = cuma_heap_total(p, CUMA_PUB_CACHED);
-    cuma_ledger_publish(l, cached > 0 ? (uint64_t)cached : 0,
-                        (uint64_t)cuma_heap_total(p, CUMA_PUB_REQUESTED));
+    cuma_heap_ledger_publish(p);
     cuma_ledger_gave(l, gave, calls);
     pthread_mutex_lock(&p->lock);
 }
@@ -145,6 +161,7 @@ cuma_status cuma_add_pressure_callback(cuma_heap *h, cuma_pressure_fn fn, void *
         if (id) *id = s->id;
     }
     pthread_mutex_unlock(&h->oom_lock);
+    if (!st && h->ledger && h->thread_running) cuma_heap_ledger_publish(h); /* it can shrink now */
     return st;
 }
 
@@ -159,6 +176,7 @@ cuma_status cuma_remove_pressure_callback(cuma_heap *h, int id) {
         found = true;
     }
     pthread_mutex_unlock(&h->oom_lock);
+    if (found && h->ledger && h->thread_running) cuma_heap_ledger_publish(h);
     return found ? CUMA_OK
                  : cuma_fail(CUMA_ERR_INVALID,
                              "cuma_remove_pressure_callback: no callback with id %d", id);

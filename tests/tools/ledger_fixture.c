@@ -174,8 +174,8 @@ static int run_raw(void) {
     CHECK_OK(cuma_ledger_admit(y, 16 * MB));
     /* 40 + 30 + 16 > 64: denied and counted. */
     CHECK_ST(cuma_ledger_admit(x, 30 * MB), CUMA_ERR_OOM);
-    cuma_ledger_publish(x, 8 * MB, 30 * MB);
-    cuma_ledger_publish(y, 0, 16 * MB);
+    cuma_ledger_publish(x, 8 * MB, 30 * MB, CUMA_LEDGER_ANSWERS_CACHE | CUMA_LEDGER_ANSWERS_SHRINK);
+    cuma_ledger_publish(y, 0, 16 * MB, CUMA_LEDGER_ANSWERS_CACHE);
     cuma_ledger_gave(x, 6 * MB, 2);
     /* Y (priority 1) may ask: X's cache (8M) and its use beyond its guarantee (16M) could go,
      * and 8M are free; 12M do not fit now, so the request stays. */
