@@ -199,13 +199,6 @@ typedef struct conn {
     size_t out_len, out_off;
 } conn;
 
-static volatile sig_atomic_t stop;
-
-static void on_signal(int sig) {
-    (void)sig;
-    stop = 1;
-}
-
 static uint64_t now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -361,7 +354,7 @@ static int listen_on(const char *addr, const char *port) {
 }
 
 /* Serves until SIGINT or SIGTERM. They are blocked except inside ppoll, so one that comes
- * between the check of `stop` and the wait still ends the wait (with plain poll it could come
+ * between the check of view_stop and the wait still ends the wait (with plain poll it could come
  * just before, and an idle server would wait forever). */
 static int serve(int lfd, const char *ledger, const sigset_t *wait_mask) {
     conn *conns = calloc(MAX_CONNS, sizeof *conns);
@@ -374,7 +367,7 @@ static int serve(int lfd, const char *ledger, const sigset_t *wait_mask) {
     int slot_of[MAX_CONNS + 1];
     uint64_t errors = 0;
     int was_up = -1, rc = CUMA_EXIT_OK;
-    while (!stop) {
+    while (!view_stop) {
         uint64_t now = now_ms(), next = UINT64_MAX;
         int n = 0, open = 0;
         for (int i = 0; i < MAX_CONNS; i++) {
@@ -488,17 +481,8 @@ int cuma_cmd_exporter(int argc, char **argv) {
     snprintf(defport, sizeof defport, "%d", CUMA_EXPORTER_DEFAULT_PORT);
     /* A client that hangs up mid-answer must cost a connection, not the process. */
     signal(SIGPIPE, SIG_IGN);
-    struct sigaction sa = {.sa_handler = on_signal};
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    sigset_t stop_sigs, wait_mask;
-    sigemptyset(&stop_sigs);
-    sigaddset(&stop_sigs, SIGINT);
-    sigaddset(&stop_sigs, SIGTERM);
-    sigprocmask(SIG_BLOCK, &stop_sigs, &wait_mask);
-    sigdelset(&wait_mask, SIGINT);
-    sigdelset(&wait_mask, SIGTERM);
+    sigset_t wait_mask;
+    view_catch_stop(&wait_mask);
     int lfd = listen_on(bind_addr, port ? port : defport);
     if (lfd == -2) return view_usage_error("exporter", CUMA_EXPORTER_USAGE, "bad --bind address");
     if (lfd < 0) return CUMA_EXIT_FAIL;

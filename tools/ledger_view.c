@@ -4,6 +4,7 @@
 #include "cli.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -205,4 +206,25 @@ int view_usage_error(const char *cmd, const char *usage, const char *fmt, ...) {
     fprintf(stderr, "\n%s", usage);
     va_end(ap);
     return CUMA_EXIT_USAGE;
+}
+
+volatile sig_atomic_t view_stop;
+
+static void on_stop(int sig) {
+    (void)sig;
+    view_stop = 1;
+}
+
+void view_catch_stop(sigset_t *wait_mask) {
+    struct sigaction sa = {.sa_handler = on_stop};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigset_t stop_sigs;
+    sigemptyset(&stop_sigs);
+    sigaddset(&stop_sigs, SIGINT);
+    sigaddset(&stop_sigs, SIGTERM);
+    sigprocmask(SIG_BLOCK, &stop_sigs, wait_mask);
+    sigdelset(wait_mask, SIGINT);
+    sigdelset(wait_mask, SIGTERM);
 }

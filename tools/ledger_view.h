@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <signal.h>
 #include <stdio.h>
 
 /* The heaps heaps[first .. first + count) of one device, and their sums. */
@@ -55,6 +56,14 @@ void view_json_string(FILE *f, const char *s);
 /* The value of option `name` at argv[*i], as "NAME VALUE" or "NAME=VALUE" (long options); NULL
  * when argv[*i] is another option. Sets *missing when the value is absent. */
 const char *view_option(int argc, char **argv, int *i, const char *name, int *missing);
+
+/* Set by SIGINT or SIGTERM once view_catch_stop ran. */
+extern volatile sig_atomic_t view_stop;
+
+/* Catches SIGINT and SIGTERM (they set view_stop) and blocks them, so that they are delivered
+ * only inside a wait that takes *wait_mask (pselect, ppoll): one that comes between a check of
+ * view_stop and the wait still ends the wait, and a long sleep does not ignore it. */
+void view_catch_stop(sigset_t *wait_mask);
 
 /* Prints "cuma CMD: " and the message, then `usage`, to stderr; returns CUMA_EXIT_USAGE. */
 int view_usage_error(const char *cmd, const char *usage, const char *fmt, ...)

@@ -221,13 +221,6 @@ int cuma_cmd_ps(int argc, char **argv) {
 
 /* ---- top ------------------------------------------------------------------------------------ */
 
-static volatile sig_atomic_t stop;
-
-static void on_signal(int sig) {
-    (void)sig;
-    stop = 1;
-}
-
 static double mono_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -238,7 +231,7 @@ static double mono_s(void) {
  * that comes just before the sleep still cuts it short (a long -d would otherwise ignore it). */
 static void pause_for(double s, const sigset_t *wait_mask) {
     struct timespec ts = {(time_t)s, (long)((s - floor(s)) * 1e9)};
-    if (!stop) pselect(0, NULL, NULL, NULL, &ts, wait_mask);
+    if (!view_stop) pselect(0, NULL, NULL, NULL, &ts, wait_mask);
 }
 
 int cuma_cmd_top(int argc, char **argv) {
@@ -246,25 +239,16 @@ int cuma_cmd_top(int argc, char **argv) {
     options o;
     int rc = parse(argc, argv, 1, &o);
     if (rc) return rc;
-    /* Ctrl-C (or SIGTERM) sets `stop`, delivered only inside the sleep: top ends at once. */
-    struct sigaction sa = {.sa_handler = on_signal};
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    sigset_t stop_sigs, wait_mask;
-    sigemptyset(&stop_sigs);
-    sigaddset(&stop_sigs, SIGINT);
-    sigaddset(&stop_sigs, SIGTERM);
-    sigprocmask(SIG_BLOCK, &stop_sigs, &wait_mask);
-    sigdelset(&wait_mask, SIGINT);
-    sigdelset(&wait_mask, SIGTERM);
+    /* Ctrl-C (or SIGTERM) sets view_stop, delivered only inside the sleep: top ends at once. */
+    sigset_t wait_mask;
+    view_catch_stop(&wait_mask);
     int tty = isatty(STDOUT_FILENO);
     ledger_view prev = {0}, cur;
     int have_prev = 0, ever_read = 0;
     double t_prev = 0;
-    for (long long it = 0; !stop && (!o.iters || it < o.iters); it++) {
+    for (long long it = 0; !view_stop && (!o.iters || it < o.iters); it++) {
         if (it) pause_for(o.delay, &wait_mask);
-        if (stop) break;
+        if (view_stop) break;
         int r = view_read(&cur, o.ledger);
         double t = mono_s();
         if (r == -2) {

@@ -262,11 +262,13 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
     case K_BOOL:
         ok = parse_bool(v, (bool *)field);
         break;
-    case K_INT: {
+    case K_INT:
+    case K_PRIO: {
+        long lo = d->kind == K_PRIO ? -1000 : 0, hi = d->kind == K_PRIO ? 1000 : 1023;
         char *end;
         errno = 0;
         long x = strtol(v, &end, 10);
-        ok = end != v && !*end && !errno && x >= 0 && x < 1024;
+        ok = end != v && !*end && !errno && x >= lo && x <= hi;
         if (ok) *(int *)field = (int)x;
         break;
     }
@@ -274,14 +276,6 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
         size_t n = strspn(v, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.");
         ok = n && n == strlen(v) && n <= 48;
         if (ok) snprintf(field, sizeof s->ledger, "%s", v);
-        break;
-    }
-    case K_PRIO: {
-        char *end;
-        errno = 0;
-        long x = strtol(v, &end, 10);
-        ok = end != v && !*end && !errno && x >= -1000 && x <= 1000;
-        if (ok) *(int *)field = (int)x;
         break;
     }
     case K_PATH:

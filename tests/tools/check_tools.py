@@ -409,13 +409,18 @@ def start_exporter(cuma, name):
     return p, int(m.group(1))
 
 
-def stop_exporter(p, what):
-    p.send_signal(signal.SIGTERM)
+def signal_and_wait(p, sig, timeout):
+    """Sends sig and waits for the exit status (killed after timeout seconds: then not 0)."""
+    p.send_signal(sig)
     try:
-        rc = p.wait(timeout=5)
+        return p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         p.kill()
-        rc = p.wait()
+        return p.wait()
+
+
+def stop_exporter(p, what):
+    rc = signal_and_wait(p, signal.SIGTERM, 5)
     check(rc == 0, "%s: exits 0 on SIGTERM" % what, rc)
 
 
@@ -579,12 +584,7 @@ def check_top(cuma, name, made, raw):
     while (lines.line(10) or "\n").strip() != "" and p.poll() is None:
         pass  # the first frame ends with an empty line
     t0 = time.monotonic()
-    p.send_signal(signal.SIGINT)
-    try:
-        rc = p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        rc = p.wait()
+    rc = signal_and_wait(p, signal.SIGINT, 10)
     check(rc == 0 and time.monotonic() - t0 < 2, "top: Ctrl-C ends it at once with status 0",
           (rc, time.monotonic() - t0))
     x = [h for h in made if h["process"] == 'fx"q\\z'][0]
