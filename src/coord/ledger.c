@@ -230,8 +230,15 @@ static unsigned reap(ledger_shm *m) {
     return n;
 }
 
+/* How long a lock is waited for. It is held for microseconds; a holder stopped (Ctrl-Z, a
+ * debugger) would otherwise stall every heap of the user while they hold their arena locks. */
+#define LEDGER_LOCK_WAIT_S 2
+
 static cuma_status lock(ledger_shm *m, const char *path) {
-    int r = pthread_mutex_lock(&m->lock);
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += LEDGER_LOCK_WAIT_S;
+    int r = pthread_mutex_clocklock(&m->lock, CLOCK_MONOTONIC, &until);
     if (r == EOWNERDEAD) {
         /* Its holder died: every change under the lock is a single store, so the ledger is
          * whole; the dead process's slot goes. */
@@ -239,6 +246,11 @@ static cuma_status lock(ledger_shm *m, const char *path) {
         reap(m);
         r = 0;
     }
+    if (r == ETIMEDOUT)
+        return cuma_fail(CUMA_ERR_BACKEND,
+                         "ledger %s: its lock has been held for over %d s (a process stopped while "
+                         "holding it?)",
+                         path, LEDGER_LOCK_WAIT_S);
     if (r) return cuma_fail(CUMA_ERR_BACKEND, "ledger %s: its lock failed (%s)", path, strerror(r));
     return CUMA_OK;
 }

@@ -220,9 +220,12 @@ static void test_guarantees(void) {
     cuma_heap_destroy(g);
 }
 
+enum { LOCK_NONE, LOCK_DIE, LOCK_STOP };
+
 /* A child process: a heap in the ledger holding `mb` in use (freed to the cache when `idle`),
- * then it tells the parent and waits to be killed. */
-static pid_t child_holding(const char *extra, int mb, bool idle, bool die_holding_lock) {
+ * then it tells the parent and waits to be killed; or takes the ledger's lock and dies, or
+ * stops, holding it. */
+static pid_t child_holding(const char *extra, int mb, bool idle, int lock_mode) {
     int fds[2];
     CHECK(pipe(fds) == 0);
     pid_t pid = fork();
@@ -233,10 +236,11 @@ static pid_t child_holding(const char *extra, int mb, bool idle, bool die_holdin
         void *p;
         CHECK_OK(cuma_alloc(h, (size_t)mb * MB, NULL, &p));
         if (idle) CHECK_OK(cuma_free(h, p, NULL));
-        if (die_holding_lock) CHECK_OK(cuma_ledger_test_hold_lock(h->ledger));
+        if (lock_mode != LOCK_NONE) CHECK_OK(cuma_ledger_test_hold_lock(h->ledger));
         char c = 1;
         CHECK(write(fds[1], &c, 1) == 1);
-        if (die_holding_lock) _exit(0);
+        if (lock_mode == LOCK_DIE) _exit(0);
+        if (lock_mode == LOCK_STOP) raise(SIGSTOP);
         for (;;) pause();
     }
     close(fds[1]);
@@ -266,7 +270,7 @@ static void reap_child(pid_t pid) {
  * the ledger's lock. */
 static void test_processes(void) {
     cuma_ledger_entry e[8];
-    pid_t c = child_holding("priority:-5", 48, true, false);
+    pid_t c = child_holding("priority:-5", 48, true, LOCK_NONE);
     size_t n = live(e, 8);
     CHECK(n == 1 && e[0].pid == c && e[0].reserved == 48 * MB && e[0].priority == -5);
     cuma_heap *h = ledger_heap("priority:5,pressure_timeout_ms:3000");
@@ -288,7 +292,7 @@ static void test_processes(void) {
     CHECK(waitpid(c, NULL, 0) == c);
 
     /* A victim that holds its cache and does not run: the request times out. */
-    c = child_holding("priority:-5", 48, true, false);
+    c = child_holding("priority:-5", 48, true, LOCK_NONE);
     wait_cached(c, -1, 48 * MB);
     kill(c, SIGSTOP);
     int wst;
@@ -313,8 +317,21 @@ static void test_processes(void) {
     CHECK_OK(cuma_trim(h, 0));
 
     /* Killed holding the lock: the next locker goes on and frees its slot. */
-    c = child_holding("", 32, false, true);
+    c = child_holding("", 32, false, LOCK_DIE);
     CHECK(waitpid(c, NULL, 0) == c);
+    CHECK_OK(cuma_alloc(h, 48 * MB, NULL, &p));
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_OK(cuma_trim(h, 0));
+
+    /* Stopped holding the lock: the others give up after a bounded wait, with a message that
+     * says why, instead of hanging (with their arena locks held); once it is gone, all is well. */
+    c = child_holding("", 8, false, LOCK_STOP);
+    CHECK(waitpid(c, &wst, WUNTRACED) == c && WIFSTOPPED(wst));
+    uint64_t t1 = now_ms();
+    CHECK_ST(cuma_alloc(h, 48 * MB, NULL, &p), CUMA_ERR_BACKEND);
+    CHECK(strstr(cuma_last_error(), "lock has been held"));
+    CHECK(now_ms() - t1 >= 1900 && now_ms() - t1 < 10000);
+    reap_child(c);
     CHECK_OK(cuma_alloc(h, 48 * MB, NULL, &p));
     n = live(e, 8);
     CHECK(n == 1 && e[0].pid == getpid());
