@@ -180,6 +180,10 @@ typedef struct cuma_stats {
     uint64_t pressure_asks;        /* requests for other heaps' memory this heap posted */
     uint64_t pressure_given_bytes; /* bytes it gave back on other heaps' requests */
     uint64_t pressure_callbacks;   /* pressure callbacks it ran */
+    /* Device memory the ledger would still let the heap take now: the device less what the
+     * other heaps hold or are guaranteed (and, above this heap's guarantee, what heaps of higher
+     * priority wait for) and less what it holds. UINT64_MAX when it is in no ledger. */
+    uint64_t ledger_room_bytes;
 } cuma_stats;
 
 cuma_status cuma_get_stats(cuma_heap *heap, cuma_stats *out);

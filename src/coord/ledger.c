@@ -235,10 +235,23 @@ static unsigned reap(ledger_shm *m) {
 #define LEDGER_LOCK_WAIT_S 2
 
 static cuma_status lock(ledger_shm *m, const char *path) {
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_sec += LEDGER_LOCK_WAIT_S;
-    int r = pthread_mutex_clocklock(&m->lock, CLOCK_MONOTONIC, &until);
+    /* trylock, then short sleeps: the lock is held for microseconds and rarely contended, and
+     * unlike timedlock, trylock's EOWNERDEAD is understood by thread checkers too (after a
+     * timedlock that returned it, they saw the unlock as one of a free mutex). */
+    int r = pthread_mutex_trylock(&m->lock);
+    if (r == EBUSY) {
+        uint64_t give_up = mono_ns() + LEDGER_LOCK_WAIT_S * 1000000000ull;
+        long nap = 20000;
+        while ((r = pthread_mutex_trylock(&m->lock)) == EBUSY) {
+            if (mono_ns() >= give_up) {
+                r = ETIMEDOUT;
+                break;
+            }
+            struct timespec ts = {0, nap};
+            nanosleep(&ts, NULL);
+            if (nap < 1000000) nap *= 2;
+        }
+    }
     if (r == EOWNERDEAD) {
         /* Its holder died: every change under the lock is a single store, so the ledger is
          * whole; the dead process's slot goes. */
@@ -491,6 +504,28 @@ static bool fits(const ledger_shm *m, const ledger_slot *me, uint64_t bytes) {
 
 static ledger_slot *my_slot(cuma_ledger *l) {
     return &l->shm->slot[l->slot];
+}
+
+uint64_t cuma_ledger_room(cuma_ledger *l) {
+    ledger_slot *me = my_slot(l);
+    if (!owned(l) || lock(l->shm, l->path)) {
+        cuma_clear_error();
+        return 0;
+    }
+    uint64_t held, higher;
+    claims(l->shm, me, &held, &higher);
+    uint64_t mine = atomic_load(&me->reserved), cap = me->capacity;
+    unlock(l->shm);
+    /* fits(): above the guarantee, what heaps of higher priority wait for is left to them; up to
+     * it, only what the others hold counts. */
+    uint64_t used = add_sat(held, mine), room = 0;
+    if (add_sat(used, higher) < cap) room = cap - add_sat(used, higher);
+    if (mine < me->guarantee && used < cap) {
+        uint64_t up_to_g = me->guarantee - mine, free_now = cap - used;
+        uint64_t r2 = up_to_g < free_now ? up_to_g : free_now;
+        if (r2 > room) room = r2;
+    }
+    return room;
 }
 
 cuma_status cuma_ledger_admit(cuma_ledger *l, uint64_t bytes) {

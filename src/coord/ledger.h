@@ -33,6 +33,8 @@ void cuma_ledger_leave(cuma_ledger *l);
  * do not fit next to what the others hold and the guarantees they have not used (and, above the
  * heap's guarantee, next to what heaps of higher priority wait for). */
 cuma_status cuma_ledger_admit(cuma_ledger *l, uint64_t bytes);
+/* How many more bytes the ledger would admit for the heap now (0 if it cannot tell). */
+uint64_t cuma_ledger_room(cuma_ledger *l);
 /* The heap gave `bytes` back to the device (at most what it was admitted). */
 void cuma_ledger_unadmit(cuma_ledger *l, uint64_t bytes);
 void cuma_ledger_set_limit(cuma_ledger *l, uint64_t limit);

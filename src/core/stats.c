@@ -76,6 +76,7 @@ cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
     if (!h || !out)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_get_stats: %s is NULL", h ? "out" : "heap");
     snapshot(h, out);
+    out->ledger_room_bytes = h->ledger ? cuma_ledger_room(h->ledger) : UINT64_MAX;
     if (h->ledger) {
         cuma_ledger_entry e;
         cuma_ledger_self(h->ledger, &e);
@@ -154,6 +155,7 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(pressure_asks);
     U(pressure_given_bytes);
     U(pressure_callbacks);
+    if (h->ledger) U(ledger_room_bytes);
 #undef U
     if (h->ledger) {
         cuma_ledger_entry e;

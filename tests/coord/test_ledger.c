@@ -95,6 +95,7 @@ static void test_admission_and_cache(void) {
     cuma_heap *a = ledger_heap(""), *b = ledger_heap("pressure_timeout_ms:3000");
     void *pa, *pb;
     CHECK_OK(cuma_alloc(a, 48 * MB, NULL, &pa));
+    CHECK(heap_stats(b).ledger_room_bytes == 16 * MB && heap_stats(a).ledger_room_bytes == 16 * MB);
     /* 16M left and a holds the rest in use at the same priority: no point waiting. */
     uint64_t t0 = now_ms();
     CHECK_ST(cuma_alloc(b, 32 * MB, NULL, &pb), CUMA_ERR_OOM);
@@ -203,6 +204,9 @@ static void test_guarantees(void) {
     CHECK(strstr(cuma_last_error(), "guarantee") && strstr(cuma_last_error(), ledger_name));
     snprintf(conf, sizeof conf, "backend:sim,capacity:64M,ledger:%s,guarantee:1G", ledger_name);
     CHECK_ST(cuma_heap_create(&cfg, &x), CUMA_ERR_CONFIG);
+    /* What the ledger would still admit: nothing for hi (g's guarantee is the rest), and for g
+     * what is free now (hi's cache comes on request). */
+    CHECK(heap_stats(hi).ledger_room_bytes == 0 && heap_stats(g).ledger_room_bytes == 24 * MB);
     /* hi may not grow into g's unused guarantee (its own cache serves it, nothing more)... */
     for (int i = 0; i < 10; i++) CHECK_OK(cuma_alloc(hi, 4 * MB, NULL, &p[i]));
     CHECK_ST(cuma_alloc(hi, 4 * MB, NULL, &q), CUMA_ERR_OOM);
@@ -488,7 +492,7 @@ static void test_auto(void) {
     cuma_heap *h = heap_make("backend:sim,capacity:64M");
     char js[8192];
     CHECK_OK(cuma_stats_json(h, js, sizeof js, NULL));
-    CHECK(strstr(js, "\"ledger\":null"));
+    CHECK(strstr(js, "\"ledger\":null") && heap_stats(h).ledger_room_bytes == UINT64_MAX);
     cuma_heap_destroy(h);
     h = ledger_heap("priority:3,guarantee:2M");
     CHECK_OK(cuma_stats_json(h, js, sizeof js, NULL));

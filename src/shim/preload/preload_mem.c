@@ -416,6 +416,12 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t *free, size_t *total
         uint64_t can_get = s.device_free_bytes + (s.reserved_bytes - in_use);
         if (can_get < f) f = can_get;
     }
+    /* Other jobs' unused guarantees, and memory jobs of higher priority wait for, are not the
+     * driver's business but are not this program's to take either. */
+    if (s.ledger_room_bytes != UINT64_MAX) {
+        uint64_t can_get = s.ledger_room_bytes + (s.reserved_bytes - in_use);
+        if (can_get < f) f = can_get;
+    }
     *free = (size_t)f;
     *total = (size_t)s.limit_bytes;
     return CUDA_SUCCESS;
