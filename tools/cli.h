@@ -13,7 +13,8 @@
 
 /* Kept here so `cuma help replay` and replay's own error path print the same text. */
 #define CUMA_REPLAY_USAGE                                                                          \
-    "usage: cuma replay [--conf STR] [--scale K] [--policy NAME] [--json] TRACE...\n"              \
+    "usage: cuma replay [--conf STR] [--scale K] [--policy NAME] [--json] [--timeline DIR]\n"      \
+    "                   TRACE...\n"                                                                \
     "  Replays RMM CSV event logs (plain or .gz) on the simulated device, twice per trace:\n"      \
     "  once driving the heap's clock with the trace's timestamps to measure memory, once\n"        \
     "  without stats calls to time the alloc/free path.\n"                                         \
@@ -21,7 +22,23 @@
     "  --policy NAME  shorthand for --conf policy:NAME\n"                                          \
     "  --scale K      multiply every size by the positive integer K (16 brings the bundled\n"      \
     "                 traces to GPU scale)\n"                                                      \
-    "  --json         one JSON object per trace and line instead of the table\n"
+    "  --json         one JSON object per trace and line instead of the table\n"                   \
+    "  --timeline DIR also write DIR/NAME.timeline.csv per trace (NAME: the file name without\n"   \
+    "                 .gz/.csv): requested, reserved, cached and mapped bytes over trace time,\n"  \
+    "                 at most 3840 rows with every slice's peaks (docs/PLOTS.md); cuma plot\n"     \
+    "                 draws them\n"
+
+#define CUMA_PLOT_USAGE                                                                            \
+    "usage: cuma plot [-o OUT.svg] [--title T] [--compare NAME=TIMELINE.csv]... TIMELINE.csv...\n" \
+    "  One SVG figure (no scripts, no external files) with a panel per timeline of cuma replay\n"  \
+    "  --timeline: requested bytes (filled), reserved (line), cached (dashed) over trace time;\n"  \
+    "  the panel's title gives peak reserved / peak requested and the time-averaged ratio,\n"      \
+    "  both computed from the timeline.\n"                                                         \
+    "  -o OUT.svg     write there (default: stdout)\n"                                             \
+    "  --title T      the figure's title\n"                                                        \
+    "  --compare NAME=TIMELINE.csv\n"                                                              \
+    "                 overlay that timeline's reserved bytes, labelled NAME, on the panel\n"       \
+    "                 of the same file name (in another folder); repeatable\n"
 
 #define CUMA_PS_USAGE                                                                              \
     "usage: cuma ps [--ledger NAME] [--json]\n"                                                    \
@@ -55,6 +72,7 @@
     "  --once         print the metrics to stdout and exit (node-exporter's textfile collector)\n"
 
 int cuma_cmd_replay(int argc, char **argv);
+int cuma_cmd_plot(int argc, char **argv);
 int cuma_cmd_ps(int argc, char **argv);
 int cuma_cmd_top(int argc, char **argv);
 int cuma_cmd_exporter(int argc, char **argv);

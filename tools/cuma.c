@@ -29,6 +29,7 @@ static int cmd_help(int argc, char **argv);
 static const subcommand commands[] = {
     {"replay", cuma_cmd_replay, "replay RMM traces on the simulated device and measure them",
      CUMA_REPLAY_USAGE},
+    {"plot", cuma_cmd_plot, "draw replay timelines as an SVG figure", CUMA_PLOT_USAGE},
     {"ps", cuma_cmd_ps, "list the live heaps of the ledger, by device", CUMA_PS_USAGE},
     {"top", cuma_cmd_top, "the heaps of the ledger, refreshed, with their rates of change",
      CUMA_TOP_USAGE},

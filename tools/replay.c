@@ -6,20 +6,25 @@
  *     peaks, the time integrals of reserved and requested bytes, and the driver-call counts;
  *  2. timing: the same alloc/free calls with nothing else in the loop but a clock update every
  *     1024 events, timed as a whole, for ns per operation.
- * The trace is parsed before either pass, so parsing is never timed.
+ * The trace is parsed before either pass, so parsing is never timed. With --timeline DIR, pass 1
+ * also hands every state it reads to a timeline writer (timeline.c), which keeps a few per
+ * slice of time; pass 2 is untouched by it.
  */
 #include "cli.h"
+#include "timeline.h"
 
 #include "cuma/cuma.h"
 #include "cuma/sim.h"
 #include "trace/trace.h"
 
+#include <errno.h>
 #include <limits.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 /* The replay owns the clock and the backend; the user's settings come after and win. */
@@ -31,6 +36,7 @@ typedef struct options {
     char *user_conf; /* --conf and --policy pieces, comma-joined in command-line order */
     uint64_t scale;
     int json;
+    const char *timeline_dir; /* --timeline: where the .timeline.csv files go (NULL: none) */
 } options;
 
 /* What one trace's replay measured. Integrals are in byte-microseconds. */
@@ -165,7 +171,10 @@ static int heap_error(const char *path, size_t i, const char *what) {
 
 /* ---- pass 1: measure --------------------------------------------------------------------- */
 
-static int measure(const cuma_trace *t, const char *conf, uint64_t scale, void **ptrs, result *r) {
+/* tl (NULL: no --timeline) gets every state the stats are read in, with the replay's own
+ * requested bytes, the figure the ratios are made of. */
+static int measure(const cuma_trace *t, const char *conf, uint64_t scale, void **ptrs, result *r,
+                   tl_writer *tl) {
     cuma_heap *h;
     int rc = make_heap(conf, t->path, &h);
     if (rc != CUMA_EXIT_OK) return rc;
@@ -196,6 +205,7 @@ static int measure(const cuma_trace *t, const char *conf, uint64_t scale, void *
                 break;
             }
             reserved = s.reserved_bytes;
+            if (tl) tl_add(tl, now_us, requested, reserved, s.cached_bytes, s.mapped_bytes);
             uint64_t again;
             if (cuma_next_release(h, &again) == CUMA_OK && again <= next_ns) {
                 if (!r->lag_ms) {
@@ -248,6 +258,7 @@ static int measure(const cuma_trace *t, const char *conf, uint64_t scale, void *
             break;
         }
         reserved = s.reserved_bytes;
+        if (tl) tl_add(tl, now_us, requested, reserved, s.cached_bytes, s.mapped_bytes);
         if (requested > r->peak_requested) r->peak_requested = requested;
         if (reserved > r->peak_reserved) r->peak_reserved = reserved;
     }
@@ -400,6 +411,29 @@ static void print_row(const result *r, int *header_done) {
 
 /* ---- driver ------------------------------------------------------------------------------ */
 
+/* The timeline's slices span the times pass 1 sets on the clock: from the first event to the
+ * latest time of any (threads interleave, so the last line is not always the latest). */
+static int open_timeline(tl_writer *tl, const char *dir, const cuma_trace *t) {
+    uint64_t t0 = t->n ? t->ev[0].time_us : 0, end = t0;
+    for (size_t i = 0; i < t->n; i++)
+        if (t->ev[i].time_us > end) end = t->ev[i].time_us;
+    return tl_open(tl, dir, t->path, t0, end - t0) ? CUMA_EXIT_USAGE : CUMA_EXIT_OK;
+}
+
+/* DIR exists as a directory afterwards (made if missing, one level), or a message says why. */
+static int timeline_dir_ok(const char *dir) {
+    struct stat st;
+    if (stat(dir, &st) && mkdir(dir, 0777) && errno != EEXIST) {
+        fprintf(stderr, "cuma replay: --timeline: cannot make %s: %s\n", dir, strerror(errno));
+        return 0;
+    }
+    if (stat(dir, &st) || !S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "cuma replay: --timeline: %s is not a directory\n", dir);
+        return 0;
+    }
+    return 1;
+}
+
 static int replay_one(const char *path, const char *conf, const options *o, int *header_done) {
     cuma_trace t;
     if (cuma_trace_load(path, &t) != CUMA_OK) {
@@ -414,7 +448,11 @@ static int replay_one(const char *path, const char *conf, const options *o, int 
         return CUMA_EXIT_FAIL;
     }
     result r = {.path = path, .events = t.n};
-    int rc = measure(&t, conf, o->scale, ptrs, &r);
+    tl_writer tl = {0};
+    int rc = o->timeline_dir ? open_timeline(&tl, o->timeline_dir, &t) : CUMA_EXIT_OK;
+    if (rc == CUMA_EXIT_OK) rc = measure(&t, conf, o->scale, ptrs, &r, tl.f ? &tl : NULL);
+    /* A pass 1 that stopped early leaves no file: it would pass for a whole timeline. */
+    if (tl.f && tl_close(&tl, r.measured) && rc == CUMA_EXIT_OK) rc = CUMA_EXIT_FAIL;
     if (rc == CUMA_EXIT_OK) rc = time_ops(&t, conf, o->scale, ptrs, &r);
     /* After a failed heap check the figures are still printed (without a timing): they help
      * to find what went wrong. */
@@ -490,6 +528,9 @@ static int parse_args(int argc, char **argv, options *o, char **traces, int *ntr
             if (append_conf(&o->user_conf, v)) rc = CUMA_EXIT_FAIL;
         } else if ((v = option_value(argc, argv, &i, "--policy", &missing)) != NULL) {
             rc = add_policy(o, v);
+        } else if ((v = option_value(argc, argv, &i, "--timeline", &missing)) != NULL) {
+            if (!*v) rc = usage_error("--timeline wants a directory");
+            o->timeline_dir = v;
         } else if ((v = option_value(argc, argv, &i, "--scale", &missing)) != NULL) {
             if (parse_scale(v, &o->scale))
                 rc = usage_error("--scale wants a positive integer, not '%s'", v);
@@ -524,6 +565,8 @@ int cuma_cmd_replay(int argc, char **argv) {
         fprintf(stderr, "cuma replay: bad --conf: %s\n", cuma_last_error());
         rc = CUMA_EXIT_USAGE;
     }
+    if (rc == CUMA_EXIT_OK && o.timeline_dir && !timeline_dir_ok(o.timeline_dir))
+        rc = CUMA_EXIT_USAGE;
     /* Every trace is replayed even after a bad one: the others' figures still count. */
     int header_done = 0, worst = CUMA_EXIT_OK;
     for (int i = 0; rc == CUMA_EXIT_OK && i < ntraces; i++) {
