@@ -11,6 +11,15 @@
 #define CUMA_EXIT_FAIL  1
 #define CUMA_EXIT_USAGE 2
 
+/* Shared by the subcommands (cli.c). The value of option `name` at argv[*i], as "NAME VALUE"
+ * or, for long options, "NAME=VALUE"; NULL when argv[*i] is another option. Sets *missing when
+ * the value is absent. */
+const char *cli_option(int argc, char **argv, int *i, const char *name, int *missing);
+
+/* Prints "cuma CMD: " and the message, then `usage`, to stderr; returns CUMA_EXIT_USAGE. */
+int cli_usage_error(const char *cmd, const char *usage, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
 /* Kept here so `cuma help replay` and replay's own error path print the same text. */
 #define CUMA_REPLAY_USAGE                                                                          \
     "usage: cuma replay [--conf STR] [--scale K] [--policy NAME] [--json] [--timeline DIR]\n"      \

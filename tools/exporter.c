@@ -442,30 +442,30 @@ int cuma_cmd_exporter(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *v;
         int missing = 0;
-        if ((v = view_option(argc, argv, &i, "--ledger", &missing)) != NULL) {
+        if ((v = cli_option(argc, argv, &i, "--ledger", &missing)) != NULL) {
             ledger = v;
-        } else if ((v = view_option(argc, argv, &i, "--port", &missing)) != NULL) {
+        } else if ((v = cli_option(argc, argv, &i, "--port", &missing)) != NULL) {
             char *end;
             errno = 0;
             long p = strtol(v, &end, 10);
             if (errno || end == v || *end || *v < '0' || *v > '9' || p < 0 || p > 65535)
-                return view_usage_error("exporter", CUMA_EXPORTER_USAGE,
-                                        "--port wants 0 to 65535, not '%s'", v);
+                return cli_usage_error("exporter", CUMA_EXPORTER_USAGE,
+                                       "--port wants 0 to 65535, not '%s'", v);
             port = v;
-        } else if ((v = view_option(argc, argv, &i, "--bind", &missing)) != NULL) {
+        } else if ((v = cli_option(argc, argv, &i, "--bind", &missing)) != NULL) {
             bind_addr = v;
         } else if (!strcmp(argv[i], "--once")) {
             once = 1;
         } else if (missing) {
-            return view_usage_error("exporter", CUMA_EXPORTER_USAGE, "%s needs a value", argv[i]);
+            return cli_usage_error("exporter", CUMA_EXPORTER_USAGE, "%s needs a value", argv[i]);
         } else {
-            return view_usage_error("exporter", CUMA_EXPORTER_USAGE, "unknown argument '%s'",
-                                    argv[i]);
+            return cli_usage_error("exporter", CUMA_EXPORTER_USAGE, "unknown argument '%s'",
+                                   argv[i]);
         }
     }
     char path[128];
     if (cuma_ledger_path(ledger, path, sizeof path) != CUMA_OK)
-        return view_usage_error("exporter", CUMA_EXPORTER_USAGE, "%s", cuma_last_error());
+        return cli_usage_error("exporter", CUMA_EXPORTER_USAGE, "%s", cuma_last_error());
     if (once) {
         sbuf b = {0};
         uint64_t errors = 0;
@@ -484,7 +484,7 @@ int cuma_cmd_exporter(int argc, char **argv) {
     sigset_t wait_mask;
     view_catch_stop(&wait_mask);
     int lfd = listen_on(bind_addr, port ? port : defport);
-    if (lfd == -2) return view_usage_error("exporter", CUMA_EXPORTER_USAGE, "bad --bind address");
+    if (lfd == -2) return cli_usage_error("exporter", CUMA_EXPORTER_USAGE, "bad --bind address");
     if (lfd < 0) return CUMA_EXIT_FAIL;
     fprintf(stderr, "cuma exporter: ledger %s\n", path);
     int rc = serve(lfd, ledger, &wait_mask);

@@ -186,28 +186,6 @@ void view_json_string(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-const char *view_option(int argc, char **argv, int *i, const char *name, int *missing) {
-    size_t n = strlen(name);
-    if (strncmp(argv[*i], name, n)) return NULL;
-    if (argv[*i][n] == '=' && name[1] == '-') return argv[*i] + n + 1;
-    if (argv[*i][n] != 0) return NULL;
-    if (*i + 1 >= argc) {
-        *missing = 1;
-        return NULL;
-    }
-    return argv[++*i];
-}
-
-int view_usage_error(const char *cmd, const char *usage, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "cuma %s: ", cmd);
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n%s", usage);
-    va_end(ap);
-    return CUMA_EXIT_USAGE;
-}
-
 volatile sig_atomic_t view_stop;
 
 static void on_stop(int sig) {

@@ -53,10 +53,6 @@ void view_clean(const char *in, char *out, size_t len);
 /* `s` as a JSON string literal (quoted, escaped). */
 void view_json_string(FILE *f, const char *s);
 
-/* The value of option `name` at argv[*i], as "NAME VALUE" or "NAME=VALUE" (long options); NULL
- * when argv[*i] is another option. Sets *missing when the value is absent. */
-const char *view_option(int argc, char **argv, int *i, const char *name, int *missing);
-
 /* Set by SIGINT or SIGTERM once view_catch_stop ran. */
 extern volatile sig_atomic_t view_stop;
 
@@ -64,9 +60,5 @@ extern volatile sig_atomic_t view_stop;
  * only inside a wait that takes *wait_mask (pselect, ppoll): one that comes between a check of
  * view_stop and the wait still ends the wait, and a long sleep does not ignore it. */
 void view_catch_stop(sigset_t *wait_mask);
-
-/* Prints "cuma CMD: " and the message, then `usage`, to stderr; returns CUMA_EXIT_USAGE. */
-int view_usage_error(const char *cmd, const char *usage, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
 
 #endif

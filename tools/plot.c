@@ -414,31 +414,6 @@ static void draw_figure(FILE *f, const plot_args *a, const tl_series *panels) {
 
 /* ---- the command ----------------------------------------------------------------------------- */
 
-static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int usage_error(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "cuma plot: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n%s", CUMA_PLOT_USAGE);
-    va_end(ap);
-    return CUMA_EXIT_USAGE;
-}
-
-/* The value of option `name` at argv[*i], as "NAME VALUE" or "NAME=VALUE"; NULL when argv[*i]
- * is another option. Sets *missing when the value is absent. */
-static const char *option_value(int argc, char **argv, int *i, const char *name, int *missing) {
-    size_t n = strlen(name);
-    if (strncmp(argv[*i], name, n)) return NULL;
-    if (argv[*i][n] == '=') return argv[*i] + n + 1;
-    if (argv[*i][n] != 0) return NULL;
-    if (*i + 1 >= argc) {
-        *missing = 1;
-        return NULL;
-    }
-    return argv[++*i];
-}
-
 static int parse_args(int argc, char **argv, plot_args *a, char **cmp_files) {
     int only_files = 0;
     for (int i = 1; i < argc; i++) {
@@ -448,28 +423,29 @@ static int parse_args(int argc, char **argv, plot_args *a, char **cmp_files) {
             a->files[a->nfiles++] = arg;
         } else if (!strcmp(arg, "--")) {
             only_files = 1;
-        } else if ((v = option_value(argc, argv, &i, "-o", &missing)) != NULL ||
-                   (v = option_value(argc, argv, &i, "--output", &missing)) != NULL) {
-            if (!*v) return usage_error("-o wants a file name");
+        } else if ((v = cli_option(argc, argv, &i, "-o", &missing)) != NULL ||
+                   (v = cli_option(argc, argv, &i, "--output", &missing)) != NULL) {
+            if (!*v) return cli_usage_error("plot", CUMA_PLOT_USAGE, "-o wants a file name");
             a->out = v;
-        } else if ((v = option_value(argc, argv, &i, "--title", &missing)) != NULL) {
+        } else if ((v = cli_option(argc, argv, &i, "--title", &missing)) != NULL) {
             a->title = v;
-        } else if ((v = option_value(argc, argv, &i, "--compare", &missing)) != NULL) {
+        } else if ((v = cli_option(argc, argv, &i, "--compare", &missing)) != NULL) {
             const char *eq = strchr(v, '=');
             if (!eq || eq == v || !eq[1])
-                return usage_error("--compare wants NAME=TIMELINE.csv, not '%s'", v);
+                return cli_usage_error("plot", CUMA_PLOT_USAGE,
+                                       "--compare wants NAME=TIMELINE.csv, not '%s'", v);
             /* NAME ends at the '=': cut it there in a copy, argv stays as it was. */
             char *name = strndup(v, (size_t)(eq - v));
-            if (!name) return usage_error("out of memory");
+            if (!name) return cli_usage_error("plot", CUMA_PLOT_USAGE, "out of memory");
             a->cmp[a->ncmp].name = name;
             cmp_files[a->ncmp++] = (char *)(eq + 1);
         } else if (missing) {
-            return usage_error("%s needs a value", arg);
+            return cli_usage_error("plot", CUMA_PLOT_USAGE, "%s needs a value", arg);
         } else {
-            return usage_error("unknown option '%s'", arg);
+            return cli_usage_error("plot", CUMA_PLOT_USAGE, "unknown option '%s'", arg);
         }
     }
-    if (!a->nfiles) return usage_error("no timeline given");
+    if (!a->nfiles) return cli_usage_error("plot", CUMA_PLOT_USAGE, "no timeline given");
     return CUMA_EXIT_OK;
 }
 
@@ -526,8 +502,9 @@ int cuma_cmd_plot(int argc, char **argv) {
     a.cmp = calloc((size_t)argc, sizeof *a.cmp);
     char **cmp_files = calloc((size_t)argc, sizeof *cmp_files);
     tl_series *panels = calloc((size_t)argc, sizeof *panels);
-    int rc = a.files && a.cmp && cmp_files && panels ? parse_args(argc, argv, &a, cmp_files)
-                                                     : usage_error("out of memory");
+    int rc = a.files && a.cmp && cmp_files && panels
+                 ? parse_args(argc, argv, &a, cmp_files)
+                 : cli_usage_error("plot", CUMA_PLOT_USAGE, "out of memory");
     if (rc == CUMA_EXIT_OK) rc = read_all(&a, cmp_files, panels);
     if (rc == CUMA_EXIT_OK) rc = write_figure(&a, panels);
     for (int i = 0; panels && i < a.nfiles; i++) tl_series_free(&panels[i]);

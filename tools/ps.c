@@ -161,26 +161,26 @@ static int parse(int argc, char **argv, int top, options *o) {
         const char *v;
         int missing = 0;
         char *end;
-        if ((v = view_option(argc, argv, &i, "--ledger", &missing)) != NULL) {
+        if ((v = cli_option(argc, argv, &i, "--ledger", &missing)) != NULL) {
             o->ledger = v;
         } else if (!top && !strcmp(argv[i], "--json")) {
             o->json = 1;
-        } else if (top && (v = view_option(argc, argv, &i, "-d", &missing)) != NULL) {
+        } else if (top && (v = cli_option(argc, argv, &i, "-d", &missing)) != NULL) {
             errno = 0;
             o->delay = strtod(v, &end);
             /* A day at most: beyond that it is a typo, and nanosleep's seconds stay small. */
             if (errno || end == v || *end || !isfinite(o->delay) || o->delay <= 0 ||
                 o->delay > 86400)
-                return view_usage_error(cmd, usage, "-d wants seconds > 0, not '%s'", v);
-        } else if (top && (v = view_option(argc, argv, &i, "-n", &missing)) != NULL) {
+                return cli_usage_error(cmd, usage, "-d wants seconds > 0, not '%s'", v);
+        } else if (top && (v = cli_option(argc, argv, &i, "-n", &missing)) != NULL) {
             errno = 0;
             o->iters = strtoll(v, &end, 10);
             if (errno || end == v || *end || o->iters <= 0)
-                return view_usage_error(cmd, usage, "-n wants a positive integer, not '%s'", v);
+                return cli_usage_error(cmd, usage, "-n wants a positive integer, not '%s'", v);
         } else if (missing) {
-            return view_usage_error(cmd, usage, "%s needs a value", argv[i]);
+            return cli_usage_error(cmd, usage, "%s needs a value", argv[i]);
         } else {
-            return view_usage_error(cmd, usage, "unknown argument '%s'", argv[i]);
+            return cli_usage_error(cmd, usage, "unknown argument '%s'", argv[i]);
         }
     }
     return CUMA_EXIT_OK;
@@ -205,7 +205,7 @@ int cuma_cmd_ps(int argc, char **argv) {
     ledger_view v;
     int r = view_read(&v, o.ledger);
     if (r == -2) {
-        rc = view_usage_error("ps", CUMA_PS_USAGE, "%s", v.error);
+        rc = cli_usage_error("ps", CUMA_PS_USAGE, "%s", v.error);
     } else if (r) {
         fprintf(stderr, "cuma ps: %s\n", v.error);
         rc = CUMA_EXIT_FAIL;
@@ -254,7 +254,7 @@ int cuma_cmd_top(int argc, char **argv) {
         if (r == -2) {
             view_free(&cur);
             view_free(&prev);
-            return view_usage_error("top", CUMA_TOP_USAGE, "%s", cur.error);
+            return cli_usage_error("top", CUMA_TOP_USAGE, "%s", cur.error);
         }
         /* Home and erase: the frame replaces the last one, as top and watch do. */
         if (tty) fputs("\033[H\033[2J", stdout);

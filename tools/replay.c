@@ -468,36 +468,11 @@ static int replay_one(const char *path, const char *conf, const options *o, int 
     return rc;
 }
 
-static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int usage_error(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "cuma replay: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n%s", CUMA_REPLAY_USAGE);
-    va_end(ap);
-    return CUMA_EXIT_USAGE;
-}
-
-/* The value of option `name` at argv[*i], as "--name VALUE" or "--name=VALUE"; NULL when
- * argv[*i] is another option. Sets *missing when the value is absent. */
-static const char *option_value(int argc, char **argv, int *i, const char *name, int *missing) {
-    size_t n = strlen(name);
-    if (strncmp(argv[*i], name, n)) return NULL;
-    if (argv[*i][n] == '=') return argv[*i] + n + 1;
-    if (argv[*i][n] != 0) return NULL;
-    if (*i + 1 >= argc) {
-        *missing = 1;
-        return NULL;
-    }
-    return argv[++*i];
-}
-
 /* --policy NAME is --conf policy:NAME; the core checks the name with the rest. */
 static int add_policy(options *o, const char *name) {
     char piece[64];
     if (!*name || strchr(name, ',') || strlen(name) > 40)
-        return usage_error("bad policy name '%s'", name);
+        return cli_usage_error("replay", CUMA_REPLAY_USAGE, "bad policy name '%s'", name);
     snprintf(piece, sizeof piece, "policy:%s", name);
     return append_conf(&o->user_conf, piece) ? CUMA_EXIT_FAIL : CUMA_EXIT_OK;
 }
@@ -524,24 +499,26 @@ static int parse_args(int argc, char **argv, options *o, char **traces, int *ntr
             only_traces = 1;
         } else if (!strcmp(a, "--json")) {
             o->json = 1;
-        } else if ((v = option_value(argc, argv, &i, "--conf", &missing)) != NULL) {
+        } else if ((v = cli_option(argc, argv, &i, "--conf", &missing)) != NULL) {
             if (append_conf(&o->user_conf, v)) rc = CUMA_EXIT_FAIL;
-        } else if ((v = option_value(argc, argv, &i, "--policy", &missing)) != NULL) {
+        } else if ((v = cli_option(argc, argv, &i, "--policy", &missing)) != NULL) {
             rc = add_policy(o, v);
-        } else if ((v = option_value(argc, argv, &i, "--timeline", &missing)) != NULL) {
-            if (!*v) rc = usage_error("--timeline wants a directory");
+        } else if ((v = cli_option(argc, argv, &i, "--timeline", &missing)) != NULL) {
+            if (!*v)
+                rc = cli_usage_error("replay", CUMA_REPLAY_USAGE, "--timeline wants a directory");
             o->timeline_dir = v;
-        } else if ((v = option_value(argc, argv, &i, "--scale", &missing)) != NULL) {
+        } else if ((v = cli_option(argc, argv, &i, "--scale", &missing)) != NULL) {
             if (parse_scale(v, &o->scale))
-                rc = usage_error("--scale wants a positive integer, not '%s'", v);
+                rc = cli_usage_error("replay", CUMA_REPLAY_USAGE,
+                                     "--scale wants a positive integer, not '%s'", v);
         } else if (missing) {
-            rc = usage_error("%s needs a value", a);
+            rc = cli_usage_error("replay", CUMA_REPLAY_USAGE, "%s needs a value", a);
         } else {
-            rc = usage_error("unknown option '%s'", a);
+            rc = cli_usage_error("replay", CUMA_REPLAY_USAGE, "unknown option '%s'", a);
         }
         if (rc != CUMA_EXIT_OK) return rc;
     }
-    if (*ntraces == 0) return usage_error("no trace given");
+    if (*ntraces == 0) return cli_usage_error("replay", CUMA_REPLAY_USAGE, "no trace given");
     return CUMA_EXIT_OK;
 }
 
