@@ -27,6 +27,14 @@
 static const int prio[NPROC] = {-2, 0, 0, 5, 1};
 static const uint64_t guarantee[NPROC] = {16 * MB, 0, 0, 0, 0};
 static char ledger_name[64];
+static char ledger_shm[128]; /* its shm_open name: a failed check removes it (abort handler) */
+static pid_t main_pid;
+
+static void on_abort(int sig) {
+    if (getpid() == main_pid) shm_unlink(ledger_shm);
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
 
 /* What a child reports through shared memory. */
 typedef struct report {
@@ -119,6 +127,13 @@ int main(int argc, char **argv) {
     int ops = argc > 1 ? atoi(argv[1]) : 4000;
     uint64_t seed = test_seed();
     snprintf(ledger_name, sizeof ledger_name, "stress-%d", (int)getpid());
+    main_pid = getpid();
+    {
+        char path[128];
+        CHECK_OK(cuma_ledger_path(ledger_name, path, sizeof path));
+        snprintf(ledger_shm, sizeof ledger_shm, "%s", path + strlen("/dev/shm"));
+    }
+    signal(SIGABRT, on_abort);
     report *reps = mmap(NULL, sizeof(report) * NPROC, PROT_READ | PROT_WRITE,
                         MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     CHECK(reps != MAP_FAILED);
