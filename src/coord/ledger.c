@@ -1,4 +1,5 @@
-/* The cross-process ledger: a file in POSIX shared memory, one per user, with a slot per heap.
+/* The cross-process ledger: a file in POSIX shared memory, one per user, with a slot per heap
+ * (its file and layout: ledger_file.c, ledger_shm.h); what heaps do in it.
  *
  * Why it is built this way (lessons from HAMi-core's shared region):
  * - Initialisation is serialised by flock on the file, which the kernel drops when a process
@@ -12,76 +13,19 @@
  * - Opening is a handful of system calls; nothing scans /proc beyond the ledger's own slots.
  */
 #include "ledger.h"
+#include "ledger_shm.h"
 
 #include "core/error.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
-#include <pthread.h>
 #include <signal.h>
-#include <stddef.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/file.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
-
-#define LEDGER_MAGIC   0x3152474c414d5543ull /* "CUMALGR1" */
-#define LEDGER_VERSION 1u
-#define LEDGER_SLOTS   256u
-
-/* One heap. state, pid, start, priority, process, device, capacity and guarantee are written
- * under the ledger lock while the slot is taken (state last, release) and constant until it is
- * freed. reserved grows under the lock (admission reads every slot's under it) and shrinks
- * without it (a heap gives back only what it was given, so it cannot wrap). The rest is the
- * owner's, written without the lock, read by anyone. Invariant: state is 0 (free, all zero)
- * or 1 (live); a live slot's reserved <= capacity. */
-typedef struct ledger_slot {
-    _Atomic uint32_t state;
-    int32_t pid;
-    uint64_t start; /* the process's start time (clock ticks since boot), for pid reuse */
-    int32_t priority;
-    _Atomic uint32_t answers; /* owner, at each publish: CUMA_LEDGER_ANSWERS_* */
-    char process[32];
-    char device[64];
-    uint64_t capacity, guarantee;
-    _Atomic uint64_t limit;
-    _Atomic uint64_t reserved, peak;
-    _Atomic uint64_t cached, requested;
-    _Atomic uint64_t want; /* written under the lock, with seq bumped */
-    /* CLOCK_MONOTONIC after which want no longer counts: a requester killed or stopped while it
-     * waits (so that it never withdraws) holds nobody back for longer than its timeout. */
-    _Atomic uint64_t want_until;
-    _Atomic uint64_t denials, asks, given, calls;
-    _Atomic uint64_t published_ns; /* CLOCK_MONOTONIC of the owner's last publish */
-    uint64_t pidns; /* the PID namespace its pid means something in (inode), 0 if unknown */
-    uint64_t spare[6];
-} ledger_slot;
-
-/* The shared file. The header is written once, under flock, before magic is set (release);
- * version, slot count and sizes say which layout it has, so that another build of cuma refuses
- * a ledger it would misread. `seq` changes (under the lock) whenever a pressure request is posted
- * or withdrawn: answering heaps poll it. */
-typedef struct ledger_shm {
-    _Atomic uint64_t magic;
-    uint32_t version, nslots;
-    uint32_t slot_size, mutex_size;
-    uint64_t size;
-    pthread_mutex_t lock;
-    _Atomic uint64_t seq;
-    uint64_t spare[16];
-    ledger_slot slot[];
-} ledger_shm;
-
-#define LEDGER_BYTES (sizeof(ledger_shm) + LEDGER_SLOTS * sizeof(ledger_slot))
-_Static_assert(offsetof(ledger_slot, state) == 0 && offsetof(ledger_slot, pid) == 4 &&
-                   offsetof(ledger_slot, start) == 8,
-               "cuma_ledger_test_layout promises the state, the pid, then the start time");
 
 /* A heap's handle: its mapping and slot. seen_seq and active belong to the thread that polls
  * cuma_ledger_asked (the heap's release thread); the rest is constant. */
@@ -98,45 +42,6 @@ struct cuma_ledger {
  * slot is its parent's, which the child must neither change nor free). */
 static bool owned(const cuma_ledger *l) {
     return getpid() == l->owner;
-}
-
-static uint64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static bool valid_name(const char *n) {
-    size_t len = strlen(n);
-    if (!len || len > 48) return false;
-    for (const char *p = n; *p; p++)
-        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
-              *p == '_' || *p == '-' || *p == '.'))
-            return false;
-    return true;
-}
-
-/* shm_open's name: /cuma-UID for the user's ledger, /cuma-UID-NAME for a named one. */
-static cuma_status shm_name(const char *name, char *buf, size_t len) {
-    if (!name || !*name || !strcmp(name, "on") || !strcmp(name, "auto")) {
-        snprintf(buf, len, "/cuma-%u", (unsigned)geteuid());
-        return CUMA_OK;
-    }
-    if (!valid_name(name))
-        return cuma_fail(CUMA_ERR_CONFIG,
-                         "ledger: bad name '%s': 1 to 48 letters, digits, '_', '-' or '.'", name);
-    snprintf(buf, len, "/cuma-%u-%s", (unsigned)geteuid(), name);
-    return CUMA_OK;
-}
-
-cuma_status cuma_ledger_path(const char *name, char *buf, size_t len) {
-    char n[72]; /* "/cuma-UID-" and a name of 48 at most */
-    if (!buf || !len) return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_path: no buffer");
-    cuma_status st = shm_name(name, n, sizeof n);
-    if (st) return st;
-    if ((size_t)snprintf(buf, len, "/dev/shm%s", n) >= len)
-        return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_path: buffer of %zu bytes too small", len);
-    return CUMA_OK;
 }
 
 /* ---- processes ------------------------------------------------------------------------------ */
@@ -240,10 +145,10 @@ static cuma_status lock(ledger_shm *m, const char *path) {
      * timedlock that returned it, they saw the unlock as one of a free mutex). */
     int r = pthread_mutex_trylock(&m->lock);
     if (r == EBUSY) {
-        uint64_t give_up = mono_ns() + LEDGER_LOCK_WAIT_S * 1000000000ull;
+        uint64_t give_up = cuma_ledger_now_ns() + LEDGER_LOCK_WAIT_S * 1000000000ull;
         long nap = 20000;
         while ((r = pthread_mutex_trylock(&m->lock)) == EBUSY) {
-            if (mono_ns() >= give_up) {
+            if (cuma_ledger_now_ns() >= give_up) {
                 r = ETIMEDOUT;
                 break;
             }
@@ -270,188 +175,6 @@ static cuma_status lock(ledger_shm *m, const char *path) {
 
 static void unlock(ledger_shm *m) {
     pthread_mutex_unlock(&m->lock);
-}
-
-/* ---- the file ------------------------------------------------------------------------------- */
-
-static void init_header(ledger_shm *m) {
-    memset(m, 0, LEDGER_BYTES);
-    m->version = LEDGER_VERSION;
-    m->nslots = LEDGER_SLOTS;
-    m->slot_size = (uint32_t)sizeof(ledger_slot);
-    m->mutex_size = (uint32_t)sizeof(pthread_mutex_t);
-    m->size = LEDGER_BYTES;
-    pthread_mutexattr_t a;
-    pthread_mutexattr_init(&a);
-    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    pthread_mutex_init(&m->lock, &a);
-    pthread_mutexattr_destroy(&a);
-    atomic_store_explicit(&m->magic, LEDGER_MAGIC, memory_order_release);
-}
-
-static cuma_status check_header(const ledger_shm *m, const char *path) {
-    if (m->version != LEDGER_VERSION || m->nslots != LEDGER_SLOTS ||
-        m->slot_size != sizeof(ledger_slot) || m->mutex_size != sizeof(pthread_mutex_t) ||
-        m->size != LEDGER_BYTES)
-        return cuma_fail(CUMA_ERR_CORRUPT,
-                         "ledger %s has layout version %u (%u slots of %u bytes), this cuma uses "
-                         "version %u (%u of %zu): another cuma build shares it; give this one "
-                         "another ledger (ledger:NAME) or ledger:off",
-                         path, m->version, m->nslots, m->slot_size, LEDGER_VERSION, LEDGER_SLOTS,
-                         sizeof(ledger_slot));
-    return CUMA_OK;
-}
-
-/* Maps the ledger, creating and initialising it where `create`. */
-static cuma_status map_ledger(const char *name, bool create, ledger_shm **out, char *path,
-                              size_t plen, uint64_t *ino) {
-    char n[72]; /* "/cuma-UID-" and a name of 48 at most */
-    cuma_status st = shm_name(name, n, sizeof n);
-    if (st) return st;
-    snprintf(path, plen, "/dev/shm%s", n);
-    int fd = shm_open(n, O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0), 0600);
-    if (fd < 0)
-        return cuma_fail(CUMA_ERR_IO, "ledger %s: %s", path,
-                         errno == ENOENT ? "no such ledger (no heap has joined it)"
-                                         : strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb)) {
-        st = cuma_fail(CUMA_ERR_IO, "ledger %s: fstat: %s", path, strerror(errno));
-        goto out_fd;
-    }
-    /* The ledger steers other processes' memory: only the user's own, private one will do. */
-    if (sb.st_uid != geteuid() || (sb.st_mode & 077)) {
-        st = cuma_fail(CUMA_ERR_IO,
-                       "ledger %s belongs to uid %u with mode %03o: it must be this user's (%u) "
-                       "with mode 0600",
-                       path, (unsigned)sb.st_uid, (unsigned)(sb.st_mode & 0777),
-                       (unsigned)geteuid());
-        goto out_fd;
-    }
-    if (flock(fd, LOCK_EX)) {
-        st = cuma_fail(CUMA_ERR_IO, "ledger %s: flock: %s", path, strerror(errno));
-        goto out_fd;
-    }
-    if (fstat(fd, &sb) == 0 && sb.st_size == 0) {
-        if (!create) {
-            st = cuma_fail(CUMA_ERR_IO, "ledger %s is empty (no heap has joined it)", path);
-            goto out_unlock;
-        }
-        if (ftruncate(fd, (off_t)LEDGER_BYTES)) {
-            st = cuma_fail(CUMA_ERR_IO, "ledger %s: ftruncate: %s", path, strerror(errno));
-            goto out_unlock;
-        }
-        sb.st_size = (off_t)LEDGER_BYTES;
-    }
-    if ((uint64_t)sb.st_size < sizeof(ledger_shm)) {
-        st = cuma_fail(CUMA_ERR_CORRUPT, "ledger %s has %lld bytes, too few for a header", path,
-                       (long long)sb.st_size);
-        goto out_unlock;
-    }
-    void *p = mmap(NULL, (size_t)sb.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-        st = cuma_fail(CUMA_ERR_IO, "ledger %s: mmap: %s", path, strerror(errno));
-        goto out_unlock;
-    }
-    ledger_shm *m = p;
-    /* No magic under flock: its creator died before finishing (or it was just made). */
-    if (atomic_load_explicit(&m->magic, memory_order_acquire) != LEDGER_MAGIC) {
-        if ((uint64_t)sb.st_size == LEDGER_BYTES && create) {
-            init_header(m);
-        } else {
-            st = cuma_fail(CUMA_ERR_CORRUPT, "ledger %s is not a cuma ledger (no magic)", path);
-            munmap(p, (size_t)sb.st_size);
-            goto out_unlock;
-        }
-    }
-    st = (uint64_t)sb.st_size == LEDGER_BYTES
-             ? check_header(m, path)
-             : cuma_fail(CUMA_ERR_CORRUPT,
-                         "ledger %s has %lld bytes, this cuma's "
-                         "layout has %zu: another build?",
-                         path, (long long)sb.st_size, (size_t)LEDGER_BYTES);
-    if (st) {
-        munmap(p, (size_t)sb.st_size);
-    } else {
-        *out = m;
-        *ino = (uint64_t)sb.st_ino;
-    }
-out_unlock:
-    flock(fd, LOCK_UN);
-out_fd:
-    close(fd);
-    return st;
-}
-
-/* The process's mappings, one per ledger, shared by its heaps and snapshots: one mapping however
- * many heaps, and every heap of the process sees the lock and the atomics at the same addresses
- * (two mappings of one file would be two objects to a thread checker). A mapping goes when its
- * last user does. Under maps_lock. */
-typedef struct mapping {
-    char path[96];
-    ledger_shm *shm;
-    uint64_t ino; /* the file it maps: a ledger removed and made again is another file */
-    unsigned refs;
-    struct mapping *next;
-} mapping;
-
-/* The inode the ledger's name leads to now (0 when none). */
-static uint64_t current_ino(const char *name) {
-    char n[72];
-    if (shm_name(name, n, sizeof n)) return 0;
-    int fd = shm_open(n, O_RDONLY | O_CLOEXEC, 0);
-    if (fd < 0) return 0;
-    struct stat sb;
-    uint64_t ino = fstat(fd, &sb) ? 0 : (uint64_t)sb.st_ino;
-    close(fd);
-    return ino;
-}
-
-static pthread_mutex_t maps_lock = PTHREAD_MUTEX_INITIALIZER;
-static mapping *maps;
-
-static cuma_status acquire(const char *name, bool create, ledger_shm **out, char *path,
-                           size_t plen) {
-    cuma_status st = cuma_ledger_path(name, path, plen);
-    if (st) return st;
-    pthread_mutex_lock(&maps_lock);
-    /* A mapping of a file that was removed (by hand, or by logind's RemoveIPC at logout) would
-     * keep this process's new heaps in a ledger nobody else sees: only the file the name leads
-     * to now will do. */
-    uint64_t ino = current_ino(name);
-    mapping *m = maps;
-    while (m && (strcmp(m->path, path) || m->ino != ino)) m = m->next;
-    if (m) {
-        m->refs++;
-        *out = m->shm;
-    } else if (!(m = calloc(1, sizeof *m))) {
-        st = cuma_fail(CUMA_ERR_OOM, "no host memory for a ledger mapping");
-    } else if ((st = map_ledger(name, create, &m->shm, m->path, sizeof m->path, &m->ino))) {
-        free(m);
-    } else {
-        m->refs = 1;
-        m->next = maps;
-        maps = m;
-        *out = m->shm;
-    }
-    pthread_mutex_unlock(&maps_lock);
-    return st;
-}
-
-static void release_map(ledger_shm *shm) {
-    pthread_mutex_lock(&maps_lock);
-    for (mapping **pp = &maps; *pp; pp = &(*pp)->next) {
-        mapping *m = *pp;
-        if (m->shm != shm) continue;
-        if (!--m->refs) {
-            *pp = m->next;
-            munmap(m->shm, LEDGER_BYTES);
-            free(m);
-        }
-        break;
-    }
-    pthread_mutex_unlock(&maps_lock);
 }
 
 /* ---- admission --------------------------------------------------------------------------------
@@ -482,7 +205,7 @@ static uint64_t want_of(const ledger_slot *o, uint64_t now) {
  * more; and what heaps of higher priority wait for. */
 static void claims(const ledger_shm *m, const ledger_slot *me, uint64_t *held, uint64_t *higher) {
     *held = *higher = 0;
-    uint64_t now = mono_ns();
+    uint64_t now = cuma_ledger_now_ns();
     for (unsigned i = 0; i < m->nslots; i++) {
         const ledger_slot *o = &m->slot[i];
         if (!same_device(me, o)) continue;
@@ -577,7 +300,7 @@ void cuma_ledger_publish(cuma_ledger *l, uint64_t cached, uint64_t requested, un
     atomic_store_explicit(&me->answers, answers, memory_order_relaxed);
     atomic_store_explicit(&me->cached, cached, memory_order_relaxed);
     atomic_store_explicit(&me->requested, requested, memory_order_relaxed);
-    atomic_store_explicit(&me->published_ns, mono_ns(), memory_order_relaxed);
+    atomic_store_explicit(&me->published_ns, cuma_ledger_now_ns(), memory_order_relaxed);
 }
 
 /* ---- joining -------------------------------------------------------------------------------- */
@@ -595,7 +318,7 @@ cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out)
     *out = NULL;
     cuma_ledger *l = calloc(1, sizeof *l);
     if (!l) return cuma_fail(CUMA_ERR_OOM, "no host memory for a ledger handle");
-    cuma_status st = acquire(in->name, true, &l->shm, l->path, sizeof l->path);
+    cuma_status st = cuma_ledger_acquire(in->name, true, &l->shm, l->path, sizeof l->path);
     if (st) {
         free(l);
         return st;
@@ -639,7 +362,7 @@ cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out)
     s->capacity = in->capacity;
     s->guarantee = in->guarantee;
     atomic_store(&s->limit, in->limit);
-    atomic_store(&s->published_ns, mono_ns());
+    atomic_store(&s->published_ns, cuma_ledger_now_ns());
     atomic_store_explicit(&s->state, 1, memory_order_release);
     l->slot = free_slot;
     l->owner = getpid();
@@ -648,7 +371,7 @@ cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out)
     *out = l;
     return CUMA_OK;
 fail:
-    release_map(l->shm);
+    cuma_ledger_release_map(l->shm);
     free(l);
     return st;
 }
@@ -661,7 +384,7 @@ void cuma_ledger_leave(cuma_ledger *l) {
         clear_slot(me);
         unlock(l->shm);
     }
-    release_map(l->shm);
+    cuma_ledger_release_map(l->shm);
     free(l);
 }
 
@@ -714,7 +437,7 @@ cuma_status cuma_ledger_reclaim(cuma_ledger *l, uint64_t bytes, int64_t timeout_
                          " bytes at most, %" PRIu64 " needed",
                          me->device, l->path, could, bytes);
     }
-    uint64_t deadline = mono_ns() + (uint64_t)timeout_ms * 1000000ull;
+    uint64_t deadline = cuma_ledger_now_ns() + (uint64_t)timeout_ms * 1000000ull;
     /* The request outlives the wait a little (the last recheck), not more. */
     atomic_store(&me->want_until, deadline + 50000000ull);
     atomic_store(&me->want, bytes);
@@ -728,7 +451,7 @@ cuma_status cuma_ledger_reclaim(cuma_ledger *l, uint64_t bytes, int64_t timeout_
         ok = fits(m, me, bytes);
         unlock(m);
         if (ok && device_free) ok = device_free(ctx) >= bytes;
-        if (ok || mono_ns() >= deadline) break;
+        if (ok || cuma_ledger_now_ns() >= deadline) break;
     }
     if (!lock(m, l->path)) {
         atomic_store(&me->want, 0);
@@ -751,7 +474,7 @@ bool cuma_ledger_asked(cuma_ledger *l, bool *cache, uint64_t *shrink, bool *fres
     l->seen_seq = seq;
     const ledger_slot *me = my_slot(l);
     bool c = false;
-    uint64_t want = 0, now = mono_ns();
+    uint64_t want = 0, now = cuma_ledger_now_ns();
     for (unsigned i = 0; i < m->nslots; i++) {
         const ledger_slot *o = &m->slot[i];
         if (!same_device(me, o)) continue;
@@ -806,7 +529,7 @@ static void entry_of(const ledger_slot *s, unsigned i, uint64_t now, cuma_ledger
 }
 
 void cuma_ledger_self(cuma_ledger *l, cuma_ledger_entry *out) {
-    entry_of(my_slot(l), l->slot, mono_ns(), out);
+    entry_of(my_slot(l), l->slot, cuma_ledger_now_ns(), out);
 }
 
 const char *cuma_ledger_where(const cuma_ledger *l) {
@@ -820,12 +543,12 @@ cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_
     *n = 0;
     ledger_shm *m;
     char path[96];
-    cuma_status st = acquire(name, false, &m, path, sizeof path);
+    cuma_status st = cuma_ledger_acquire(name, false, &m, path, sizeof path);
     if (st) return st;
     st = lock(m, path);
     if (!st) {
         reap(m);
-        uint64_t now = mono_ns();
+        uint64_t now = cuma_ledger_now_ns();
         for (unsigned i = 0; i < m->nslots; i++) {
             const ledger_slot *s = &m->slot[i];
             if (atomic_load(&s->state) != 1) continue;
@@ -834,7 +557,7 @@ cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_
         }
         unlock(m);
     }
-    release_map(m);
+    cuma_ledger_release_map(m);
     return st;
 }
 
@@ -851,7 +574,7 @@ cuma_status cuma_ledger_test_hold_lock(cuma_ledger *l) {
 
 cuma_status cuma_ledger_validate(cuma_ledger *l, uint64_t held) {
     ledger_shm *m = l->shm;
-    if (atomic_load(&m->magic) != LEDGER_MAGIC || check_header(m, l->path))
+    if (atomic_load(&m->magic) != LEDGER_MAGIC || cuma_ledger_check_header(m, l->path))
         return cuma_fail(CUMA_ERR_CORRUPT, "ledger %s: header changed under the heap", l->path);
     const ledger_slot *me = my_slot(l);
     if (atomic_load(&me->state) != 1 || me->pid != (int32_t)getpid())

@@ -1,0 +1,231 @@
+/* The ledger's file: its name in shared memory, creating it under flock, checking that it is
+ * ours and of this layout, and the process's one mapping of it. */
+#include "ledger_shm.h"
+
+#include "core/error.h"
+#include "cuma/ledger.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static bool valid_name(const char *n) {
+    size_t len = strlen(n);
+    if (!len || len > 48) return false;
+    for (const char *p = n; *p; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+              *p == '_' || *p == '-' || *p == '.'))
+            return false;
+    return true;
+}
+
+/* shm_open's name: /cuma-UID for the user's ledger, /cuma-UID-NAME for a named one. */
+static cuma_status shm_name(const char *name, char *buf, size_t len) {
+    if (!name || !*name || !strcmp(name, "on") || !strcmp(name, "auto")) {
+        snprintf(buf, len, "/cuma-%u", (unsigned)geteuid());
+        return CUMA_OK;
+    }
+    if (!valid_name(name))
+        return cuma_fail(CUMA_ERR_CONFIG,
+                         "ledger: bad name '%s': 1 to 48 letters, digits, '_', '-' or '.'", name);
+    snprintf(buf, len, "/cuma-%u-%s", (unsigned)geteuid(), name);
+    return CUMA_OK;
+}
+
+cuma_status cuma_ledger_path(const char *name, char *buf, size_t len) {
+    char n[72]; /* "/cuma-UID-" and a name of 48 at most */
+    if (!buf || !len) return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_path: no buffer");
+    cuma_status st = shm_name(name, n, sizeof n);
+    if (st) return st;
+    if ((size_t)snprintf(buf, len, "/dev/shm%s", n) >= len)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_path: buffer of %zu bytes too small", len);
+    return CUMA_OK;
+}
+
+/* ---- the file ------------------------------------------------------------------------------- */
+
+static void init_header(ledger_shm *m) {
+    memset(m, 0, LEDGER_BYTES);
+    m->version = LEDGER_VERSION;
+    m->nslots = LEDGER_SLOTS;
+    m->slot_size = (uint32_t)sizeof(ledger_slot);
+    m->mutex_size = (uint32_t)sizeof(pthread_mutex_t);
+    m->size = LEDGER_BYTES;
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(&m->lock, &a);
+    pthread_mutexattr_destroy(&a);
+    atomic_store_explicit(&m->magic, LEDGER_MAGIC, memory_order_release);
+}
+
+cuma_status cuma_ledger_check_header(const ledger_shm *m, const char *path) {
+    if (m->version != LEDGER_VERSION || m->nslots != LEDGER_SLOTS ||
+        m->slot_size != sizeof(ledger_slot) || m->mutex_size != sizeof(pthread_mutex_t) ||
+        m->size != LEDGER_BYTES)
+        return cuma_fail(CUMA_ERR_CORRUPT,
+                         "ledger %s has layout version %u (%u slots of %u bytes), this cuma uses "
+                         "version %u (%u of %zu): another cuma build shares it; give this one "
+                         "another ledger (ledger:NAME) or ledger:off",
+                         path, m->version, m->nslots, m->slot_size, LEDGER_VERSION, LEDGER_SLOTS,
+                         sizeof(ledger_slot));
+    return CUMA_OK;
+}
+
+/* Maps the ledger, creating and initialising it where `create`. */
+static cuma_status map_ledger(const char *name, bool create, ledger_shm **out, char *path,
+                              size_t plen, uint64_t *ino) {
+    char n[72]; /* "/cuma-UID-" and a name of 48 at most */
+    cuma_status st = shm_name(name, n, sizeof n);
+    if (st) return st;
+    snprintf(path, plen, "/dev/shm%s", n);
+    int fd = shm_open(n, O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0), 0600);
+    if (fd < 0)
+        return cuma_fail(CUMA_ERR_IO, "ledger %s: %s", path,
+                         errno == ENOENT ? "no such ledger (no heap has joined it)"
+                                         : strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb)) {
+        st = cuma_fail(CUMA_ERR_IO, "ledger %s: fstat: %s", path, strerror(errno));
+        goto out_fd;
+    }
+    /* The ledger steers other processes' memory: only the user's own, private one will do. */
+    if (sb.st_uid != geteuid() || (sb.st_mode & 077)) {
+        st = cuma_fail(CUMA_ERR_IO,
+                       "ledger %s belongs to uid %u with mode %03o: it must be this user's (%u) "
+                       "with mode 0600",
+                       path, (unsigned)sb.st_uid, (unsigned)(sb.st_mode & 0777),
+                       (unsigned)geteuid());
+        goto out_fd;
+    }
+    if (flock(fd, LOCK_EX)) {
+        st = cuma_fail(CUMA_ERR_IO, "ledger %s: flock: %s", path, strerror(errno));
+        goto out_fd;
+    }
+    if (fstat(fd, &sb) == 0 && sb.st_size == 0) {
+        if (!create) {
+            st = cuma_fail(CUMA_ERR_IO, "ledger %s is empty (no heap has joined it)", path);
+            goto out_unlock;
+        }
+        if (ftruncate(fd, (off_t)LEDGER_BYTES)) {
+            st = cuma_fail(CUMA_ERR_IO, "ledger %s: ftruncate: %s", path, strerror(errno));
+            goto out_unlock;
+        }
+        sb.st_size = (off_t)LEDGER_BYTES;
+    }
+    if ((uint64_t)sb.st_size < sizeof(ledger_shm)) {
+        st = cuma_fail(CUMA_ERR_CORRUPT, "ledger %s has %lld bytes, too few for a header", path,
+                       (long long)sb.st_size);
+        goto out_unlock;
+    }
+    void *p = mmap(NULL, (size_t)sb.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        st = cuma_fail(CUMA_ERR_IO, "ledger %s: mmap: %s", path, strerror(errno));
+        goto out_unlock;
+    }
+    ledger_shm *m = p;
+    /* No magic under flock: its creator died before finishing (or it was just made). */
+    if (atomic_load_explicit(&m->magic, memory_order_acquire) != LEDGER_MAGIC) {
+        if ((uint64_t)sb.st_size == LEDGER_BYTES && create) {
+            init_header(m);
+        } else {
+            st = cuma_fail(CUMA_ERR_CORRUPT, "ledger %s is not a cuma ledger (no magic)", path);
+            munmap(p, (size_t)sb.st_size);
+            goto out_unlock;
+        }
+    }
+    st = (uint64_t)sb.st_size == LEDGER_BYTES
+             ? cuma_ledger_check_header(m, path)
+             : cuma_fail(CUMA_ERR_CORRUPT,
+                         "ledger %s has %lld bytes, this cuma's "
+                         "layout has %zu: another build?",
+                         path, (long long)sb.st_size, (size_t)LEDGER_BYTES);
+    if (st) {
+        munmap(p, (size_t)sb.st_size);
+    } else {
+        *out = m;
+        *ino = (uint64_t)sb.st_ino;
+    }
+out_unlock:
+    flock(fd, LOCK_UN);
+out_fd:
+    close(fd);
+    return st;
+}
+
+/* The process's mappings, one per ledger, shared by its heaps and snapshots: one mapping however
+ * many heaps, and every heap of the process sees the lock and the atomics at the same addresses
+ * (two mappings of one file would be two objects to a thread checker). A mapping goes when its
+ * last user does. Under maps_lock. */
+typedef struct mapping {
+    char path[96];
+    ledger_shm *shm;
+    uint64_t ino; /* the file it maps: a ledger removed and made again is another file */
+    unsigned refs;
+    struct mapping *next;
+} mapping;
+
+/* The inode the ledger's name leads to now (0 when none). */
+static uint64_t current_ino(const char *name) {
+    char n[72];
+    if (shm_name(name, n, sizeof n)) return 0;
+    int fd = shm_open(n, O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    struct stat sb;
+    uint64_t ino = fstat(fd, &sb) ? 0 : (uint64_t)sb.st_ino;
+    close(fd);
+    return ino;
+}
+
+static pthread_mutex_t maps_lock = PTHREAD_MUTEX_INITIALIZER;
+static mapping *maps;
+
+cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_shm **out, char *path,
+                                size_t plen) {
+    cuma_status st = cuma_ledger_path(name, path, plen);
+    if (st) return st;
+    pthread_mutex_lock(&maps_lock);
+    /* A mapping of a file that was removed (by hand, or by logind's RemoveIPC at logout) would
+     * keep this process's new heaps in a ledger nobody else sees: only the file the name leads
+     * to now will do. */
+    uint64_t ino = current_ino(name);
+    mapping *m = maps;
+    while (m && (strcmp(m->path, path) || m->ino != ino)) m = m->next;
+    if (m) {
+        m->refs++;
+        *out = m->shm;
+    } else if (!(m = calloc(1, sizeof *m))) {
+        st = cuma_fail(CUMA_ERR_OOM, "no host memory for a ledger mapping");
+    } else if ((st = map_ledger(name, create, &m->shm, m->path, sizeof m->path, &m->ino))) {
+        free(m);
+    } else {
+        m->refs = 1;
+        m->next = maps;
+        maps = m;
+        *out = m->shm;
+    }
+    pthread_mutex_unlock(&maps_lock);
+    return st;
+}
+
+void cuma_ledger_release_map(ledger_shm *shm) {
+    pthread_mutex_lock(&maps_lock);
+    for (mapping **pp = &maps; *pp; pp = &(*pp)->next) {
+        mapping *m = *pp;
+        if (m->shm != shm) continue;
+        if (!--m->refs) {
+            *pp = m->next;
+            munmap(m->shm, LEDGER_BYTES);
+            free(m);
+        }
+        break;
+    }
+    pthread_mutex_unlock(&maps_lock);
+}
