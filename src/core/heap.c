@@ -195,9 +195,9 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
         if (!is_oom(st)) return st;
     }
     pthread_mutex_lock(&p->oom_lock);
-    cuma_oom_slot cbs[CUMA_MAX_OOM_CALLBACKS];
-    int ncb = atomic_load(&p->in_oom) ? 0 : p->noom;
-    memcpy(cbs, p->oom, sizeof cbs);
+    cuma_cb_slot cbs[CUMA_MAX_OOM_CALLBACKS];
+    int ncb = atomic_load(&p->in_oom) ? 0 : p->oom.n;
+    memcpy(cbs, p->oom.s, sizeof cbs);
     pthread_mutex_unlock(&p->oom_lock);
     if (ncb) {
         h->c.ooms++;
@@ -205,7 +205,7 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
             atomic_fetch_add(&p->in_oom, 1);
             h->c.oom_calls++;
             pthread_mutex_unlock(&h->lock);
-            int r = cbs[i].fn(cbs[i].user, p, size, stream);
+            int r = ((cuma_oom_fn)cbs[i].fn)(cbs[i].user, p, size, stream);
             pthread_mutex_lock(&h->lock);
             atomic_fetch_sub(&p->in_oom, 1);
             if (r != CUMA_OOM_RETRY) continue;

@@ -23,17 +23,24 @@
 /* The figures an arena publishes (cuma_heap.pub). */
 enum { CUMA_PUB_REQUESTED, CUMA_PUB_ALLOCATED, CUMA_PUB_CACHED, CUMA_PUB_N };
 
-typedef struct cuma_oom_slot {
-    cuma_oom_fn fn;
+/* A list of callbacks of one type (OOM, pressure), under the first arena's oom_lock. `fn` is
+ * stored as a generic function pointer and cast back to the list's type before it is called.
+ * Invariant: 0 <= n <= CUMA_MAX_OOM_CALLBACKS; ids are distinct and below next_id. */
+typedef void (*cuma_any_fn)(void);
+typedef struct cuma_cb_slot {
+    cuma_any_fn fn;
     void *user;
     int id;
-} cuma_oom_slot;
+} cuma_cb_slot;
+typedef struct cuma_cb_list {
+    cuma_cb_slot s[CUMA_MAX_OOM_CALLBACKS];
+    int n, next_id;
+} cuma_cb_list;
 
-typedef struct cuma_pressure_slot {
-    cuma_pressure_fn fn;
-    void *user;
-    int id;
-} cuma_pressure_slot;
+/* Adds or removes a callback of heap h's list l (`who` names the public call in messages). */
+cuma_status cuma_cb_add(cuma_heap *h, cuma_cb_list *l, cuma_any_fn fn, void *user, int *id,
+                        const char *who);
+cuma_status cuma_cb_remove(cuma_heap *h, cuma_cb_list *l, int id, const char *who);
 
 /* Counters kept under the heap lock; cuma_get_stats copies them out. */
 typedef struct cuma_counters {
@@ -90,10 +97,7 @@ struct cuma_heap {
     cuma_counters c; /* this arena's; the peaks and managed counts live in the first's */
     /* First arena only, under oom_lock (a leaf lock): the callbacks, OOM and pressure. */
     pthread_mutex_t oom_lock;
-    cuma_oom_slot oom[CUMA_MAX_OOM_CALLBACKS];
-    int noom, next_oom_id;
-    cuma_pressure_slot pcb[CUMA_MAX_OOM_CALLBACKS];
-    int npcb, next_pcb_id;
+    cuma_cb_list oom, pressure;
     /* First arena only: the heap's slot in the cross-process ledger (owned by the backend
      * wrapper that admits its memory), or NULL; constant. ledger_error: why a ledger the heap
      * was not told to use could not be joined (stats), "" otherwise; constant. */

@@ -45,38 +45,42 @@ cuma_status cuma_set_memory_fraction(cuma_heap *h, double fraction) {
     return cuma_set_limit(h, (uint64_t)(fraction * (double)h->be->capacity));
 }
 
-cuma_status cuma_add_oom_callback(cuma_heap *h, cuma_oom_fn fn, void *user, int *id) {
-    if (!h || !fn)
-        return cuma_fail(CUMA_ERR_INVALID, "cuma_add_oom_callback: %s is NULL", h ? "fn" : "heap");
+cuma_status cuma_cb_add(cuma_heap *h, cuma_cb_list *l, cuma_any_fn fn, void *user, int *id,
+                        const char *who) {
+    if (!h || !fn) return cuma_fail(CUMA_ERR_INVALID, "%s: %s is NULL", who, h ? "fn" : "heap");
     pthread_mutex_lock(&h->oom_lock);
-    cuma_status st = CUMA_OK;
-    if (h->noom == CUMA_MAX_OOM_CALLBACKS) {
-        st = cuma_fail(CUMA_ERR_INVALID, "cuma_add_oom_callback: already %d callbacks",
-                       CUMA_MAX_OOM_CALLBACKS);
-    } else {
-        cuma_oom_slot *s = &h->oom[h->noom++];
-        s->fn = fn, s->user = user, s->id = ++h->next_oom_id;
+    bool full = l->n == CUMA_MAX_OOM_CALLBACKS;
+    if (!full) {
+        cuma_cb_slot *s = &l->s[l->n++];
+        s->fn = fn, s->user = user, s->id = ++l->next_id;
         if (id) *id = s->id;
     }
     pthread_mutex_unlock(&h->oom_lock);
-    return st;
+    if (full)
+        return cuma_fail(CUMA_ERR_INVALID, "%s: already %d callbacks", who, CUMA_MAX_OOM_CALLBACKS);
+    return CUMA_OK;
+}
+
+cuma_status cuma_cb_remove(cuma_heap *h, cuma_cb_list *l, int id, const char *who) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "%s: heap is NULL", who);
+    pthread_mutex_lock(&h->oom_lock);
+    bool found = false;
+    for (int i = 0; i < l->n && !found; i++) {
+        if (l->s[i].id != id) continue;
+        for (int j = i + 1; j < l->n; j++) l->s[j - 1] = l->s[j];
+        l->n--;
+        found = true;
+    }
+    pthread_mutex_unlock(&h->oom_lock);
+    return found ? CUMA_OK : cuma_fail(CUMA_ERR_INVALID, "%s: no callback with id %d", who, id);
+}
+
+cuma_status cuma_add_oom_callback(cuma_heap *h, cuma_oom_fn fn, void *user, int *id) {
+    return cuma_cb_add(h, h ? &h->oom : NULL, (cuma_any_fn)fn, user, id, "cuma_add_oom_callback");
 }
 
 cuma_status cuma_remove_oom_callback(cuma_heap *h, int id) {
-    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_remove_oom_callback: heap is NULL");
-    pthread_mutex_lock(&h->oom_lock);
-    cuma_status st =
-        cuma_fail(CUMA_ERR_INVALID, "cuma_remove_oom_callback: no callback with id %d", id);
-    for (int i = 0; i < h->noom; i++) {
-        if (h->oom[i].id != id) continue;
-        for (int j = i + 1; j < h->noom; j++) h->oom[j - 1] = h->oom[j];
-        h->noom--;
-        st = CUMA_OK;
-        cuma_clear_error();
-        break;
-    }
-    pthread_mutex_unlock(&h->oom_lock);
-    return st;
+    return cuma_cb_remove(h, h ? &h->oom : NULL, id, "cuma_remove_oom_callback");
 }
 
 cuma_status cuma_block_size(cuma_heap *heap, const void *ptr, size_t *size) {

@@ -101,7 +101,7 @@ static uint64_t give_cache(cuma_heap *p) {
 
 void cuma_heap_ledger_publish(cuma_heap *p) {
     pthread_mutex_lock(&p->oom_lock);
-    unsigned answers = CUMA_LEDGER_ANSWERS_CACHE | (p->npcb ? CUMA_LEDGER_ANSWERS_SHRINK : 0);
+    unsigned answers = CUMA_LEDGER_ANSWERS_CACHE | (p->pressure.n ? CUMA_LEDGER_ANSWERS_SHRINK : 0);
     pthread_mutex_unlock(&p->oom_lock);
     int64_t cached = cuma_heap_total(p, CUMA_PUB_CACHED);
     int64_t req = cuma_heap_total(p, CUMA_PUB_REQUESTED);
@@ -133,11 +133,11 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
     }
     if (shrink && fresh) {
         pthread_mutex_lock(&p->oom_lock);
-        cuma_pressure_slot cbs[CUMA_MAX_OOM_CALLBACKS];
-        int n = p->npcb;
-        memcpy(cbs, p->pcb, sizeof cbs);
+        cuma_cb_slot cbs[CUMA_MAX_OOM_CALLBACKS];
+        int n = p->pressure.n;
+        memcpy(cbs, p->pressure.s, sizeof cbs);
         pthread_mutex_unlock(&p->oom_lock);
-        for (int i = 0; i < n; i++, calls++) cbs[i].fn(cbs[i].user, p, shrink);
+        for (int i = 0; i < n; i++, calls++) ((cuma_pressure_fn)cbs[i].fn)(cbs[i].user, p, shrink);
         /* What the callbacks freed may sit in thread caches and the page cache: it goes too. */
         if (n) gave += give_cache(p);
     }
@@ -147,37 +147,15 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
 }
 
 cuma_status cuma_add_pressure_callback(cuma_heap *h, cuma_pressure_fn fn, void *user, int *id) {
-    if (!h || !fn)
-        return cuma_fail(CUMA_ERR_INVALID, "cuma_add_pressure_callback: %s is NULL",
-                         h ? "fn" : "heap");
-    pthread_mutex_lock(&h->oom_lock);
-    cuma_status st = CUMA_OK;
-    if (h->npcb == CUMA_MAX_OOM_CALLBACKS) {
-        st = cuma_fail(CUMA_ERR_INVALID, "cuma_add_pressure_callback: already %d callbacks",
-                       CUMA_MAX_OOM_CALLBACKS);
-    } else {
-        cuma_pressure_slot *s = &h->pcb[h->npcb++];
-        s->fn = fn, s->user = user, s->id = ++h->next_pcb_id;
-        if (id) *id = s->id;
-    }
-    pthread_mutex_unlock(&h->oom_lock);
+    cuma_status st = cuma_cb_add(h, h ? &h->pressure : NULL, (cuma_any_fn)fn, user, id,
+                                 "cuma_add_pressure_callback");
     if (!st && h->ledger && h->thread_running) cuma_heap_ledger_publish(h); /* it can shrink now */
     return st;
 }
 
 cuma_status cuma_remove_pressure_callback(cuma_heap *h, int id) {
-    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_remove_pressure_callback: heap is NULL");
-    pthread_mutex_lock(&h->oom_lock);
-    bool found = false;
-    for (int i = 0; i < h->npcb && !found; i++) {
-        if (h->pcb[i].id != id) continue;
-        memmove(&h->pcb[i], &h->pcb[i + 1], (size_t)(h->npcb - i - 1) * sizeof h->pcb[0]);
-        h->npcb--;
-        found = true;
-    }
-    pthread_mutex_unlock(&h->oom_lock);
-    if (found && h->ledger && h->thread_running) cuma_heap_ledger_publish(h);
-    return found ? CUMA_OK
-                 : cuma_fail(CUMA_ERR_INVALID,
-                             "cuma_remove_pressure_callback: no callback with id %d", id);
+    cuma_status st =
+        cuma_cb_remove(h, h ? &h->pressure : NULL, id, "cuma_remove_pressure_callback");
+    if (!st && h->ledger && h->thread_running) cuma_heap_ledger_publish(h);
+    return st;
 }
