@@ -3,7 +3,7 @@
 #include "core/error.h"
 
 #include <dlfcn.h>
-#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,76 +19,26 @@ CUMA_CUDA_FUNCTIONS(CUMA_CUDA_CHECK_TYPE)
 #undef CUMA_CUDA_CHECK_TYPE
 #endif
 
-/* Written once by load_once (under pthread_once), read-only afterwards. */
-static pthread_once_t load_flag = PTHREAD_ONCE_INIT;
-static cuma_cuda_api api;
-static cuma_status load_status;
-static char load_error[400];
-static char load_path[256];
+/* One attempt to load the driver. Published once (compare-and-swap), read-only afterwards. No
+ * lock of cuma's is held while dlopen runs: glibc holds its loader lock while a library's
+ * constructors run, and a constructor that allocates through cuma (LD_PRELOAD) would wait for
+ * our lock while our dlopen waited for the loader's. Threads that race each load, one wins. */
+typedef struct loaded {
+    cuma_cuda_api api;
+    cuma_status status;
+    int have_error_names; /* api.GetErrorName/String resolved */
+    void *lib;            /* the handle, kept while the status is CUMA_OK */
+    char error[400];
+    char path[256];
+} loaded;
 
-/* Whether api.GetErrorName/String may be called: only once they resolved, which happens before
- * the status is published, so readers after pthread_once see a consistent value. */
-static int have_error_names;
+static _Atomic(loaded *) published;
 
-static void load_once(void) {
-    /* secure_getenv: a set-user-ID program must not load a library named by its caller. */
-    const char *path = secure_getenv("CUMA_CUDA_LIBRARY");
-    if (!path || !*path) path = "libcuda.so.1";
-    snprintf(load_path, sizeof load_path, "%s", path);
-    api.path = load_path;
-    load_status = CUMA_ERR_NO_DEVICE;
-    void *lib = dlopen(load_path, RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-        const char *why = dlerror();
-        snprintf(load_error, sizeof load_error, "CUDA driver: dlopen(\"%s\") failed: %s", load_path,
-                 why ? why : "unknown error");
-        return;
-    }
-#define CUMA_CUDA_RESOLVE(field, sym, params)                                                      \
-    {                                                                                              \
-        void *p_ = dlsym(lib, #sym);                                                               \
-        if (!p_) {                                                                                 \
-            snprintf(load_error, sizeof load_error,                                                \
-                     "CUDA driver %s has no symbol %s (driver too old?)", load_path, #sym);        \
-            goto fail;                                                                             \
-        }                                                                                          \
-        /* POSIX guarantees that a dlsym result converts to a function pointer. */                 \
-        memcpy(&api.field, &p_, sizeof p_);                                                        \
-    }
-    CUMA_CUDA_FUNCTIONS(CUMA_CUDA_RESOLVE)
-#undef CUMA_CUDA_RESOLVE
-    have_error_names = 1;
-    CUresult r = api.Init(0);
-    if (r != CUDA_SUCCESS) {
-        char text[200];
-        snprintf(load_error, sizeof load_error, "CUDA driver %s: cuInit(0) failed: %s", load_path,
-                 cuma_cuda_result_text(r, text, sizeof text));
-        goto fail;
-    }
-    load_status = CUMA_OK;
-    return;
-fail:
-    /* Nothing of the library is used after this: closing it gives its memory back. */
-    have_error_names = 0;
-    memset(&api, 0, sizeof api);
-    api.path = load_path;
-    dlclose(lib);
-}
-
-cuma_status cuma_cuda_load(const cuma_cuda_api **out) {
-    *out = NULL;
-    if (pthread_once(&load_flag, load_once) != 0)
-        return cuma_fail(CUMA_ERR_NO_DEVICE, "CUDA driver: pthread_once failed");
-    if (load_status != CUMA_OK) return cuma_fail(load_status, "%s", load_error);
-    *out = &api;
-    return CUMA_OK;
-}
-
-const char *cuma_cuda_result_text(CUresult r, char *buf, size_t len) {
+static const char *result_text(const loaded *L, CUresult r, char *buf, size_t len) {
     const char *name = NULL, *text = NULL;
-    if (have_error_names) {
-        if (api.GetErrorName(r, &name) != CUDA_SUCCESS) name = NULL;
-        if (api.GetErrorString(r, &text) != CUDA_SUCCESS) text = NULL;
+    if (L && L->have_error_names) {
+        if (L->api.GetErrorName(r, &name) != CUDA_SUCCESS) name = NULL;
+        if (L->api.GetErrorString(r, &text) != CUDA_SUCCESS) text = NULL;
     }
     if (name && text)
         snprintf(buf, len, "%s (%s)", name, text);
@@ -97,6 +47,78 @@ const char *cuma_cuda_result_text(CUresult r, char *buf, size_t len) {
     else
         snprintf(buf, len, "CUresult %d", (int)r);
     return buf;
+}
+
+static void load(loaded *L) {
+    /* secure_getenv: a set-user-ID program must not load a library named by its caller. */
+    const char *path = secure_getenv("CUMA_CUDA_LIBRARY");
+    if (!path || !*path) path = "libcuda.so.1";
+    snprintf(L->path, sizeof L->path, "%s", path);
+    L->api.path = L->path;
+    L->status = CUMA_ERR_NO_DEVICE;
+    void *lib = dlopen(L->path, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        const char *why = dlerror();
+        snprintf(L->error, sizeof L->error, "CUDA driver: dlopen(\"%s\") failed: %s", L->path,
+                 why ? why : "unknown error");
+        return;
+    }
+#define CUMA_CUDA_RESOLVE(field, sym, params)                                                      \
+    {                                                                                              \
+        void *p_ = dlsym(lib, #sym);                                                               \
+        if (!p_) {                                                                                 \
+            snprintf(L->error, sizeof L->error,                                                    \
+                     "CUDA driver %s has no symbol %s (driver too old?)", L->path, #sym);          \
+            goto fail;                                                                             \
+        }                                                                                          \
+        /* POSIX guarantees that a dlsym result converts to a function pointer. */                 \
+        memcpy(&L->api.field, &p_, sizeof p_);                                                     \
+    }
+    CUMA_CUDA_FUNCTIONS(CUMA_CUDA_RESOLVE)
+#undef CUMA_CUDA_RESOLVE
+    L->have_error_names = 1;
+    CUresult r = L->api.Init(0);
+    if (r != CUDA_SUCCESS) {
+        char text[200];
+        snprintf(L->error, sizeof L->error, "CUDA driver %s: cuInit(0) failed: %s", L->path,
+                 result_text(L, r, text, sizeof text));
+        goto fail;
+    }
+    L->status = CUMA_OK;
+    L->lib = lib;
+    return;
+fail:
+    /* Nothing of the library is used after this: closing it gives its memory back. */
+    L->have_error_names = 0;
+    memset(&L->api, 0, sizeof L->api);
+    L->api.path = L->path;
+    dlclose(lib);
+}
+
+cuma_status cuma_cuda_load(const cuma_cuda_api **out) {
+    *out = NULL;
+    loaded *L = atomic_load_explicit(&published, memory_order_acquire);
+    if (!L) {
+        loaded *mine = calloc(1, sizeof *mine);
+        if (!mine) return cuma_fail(CUMA_ERR_OOM, "CUDA driver: no host memory for its table");
+        load(mine);
+        loaded *expect = NULL;
+        if (atomic_compare_exchange_strong_explicit(&published, &expect, mine, memory_order_acq_rel,
+                                                    memory_order_acquire)) {
+            L = mine;
+        } else { /* another thread published first: its table is the one */
+            if (mine->lib) dlclose(mine->lib);
+            free(mine);
+            L = expect;
+        }
+    }
+    if (L->status != CUMA_OK) return cuma_fail(L->status, "%s", L->error);
+    *out = &L->api;
+    return CUMA_OK;
+}
+
+const char *cuma_cuda_result_text(CUresult r, char *buf, size_t len) {
+    return result_text(atomic_load_explicit(&published, memory_order_acquire), r, buf, len);
 }
 
 cuma_status cuma_cuda_check(CUresult r, const char *what) {

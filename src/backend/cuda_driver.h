@@ -74,7 +74,8 @@ typedef struct cuma_cuda_api {
     const char *path; /* the file that was opened */
 } cuma_cuda_api;
 
-/* Loads and initialises the driver on first use (pthread_once); later calls return the same
+/* Loads and initialises the driver on first use (no lock held across dlopen: threads that race
+ * each load, the first to finish is published); later calls return the same
  * answer. CUMA_OK and *out set, or CUMA_ERR_NO_DEVICE with cuma_last_error() naming the library
  * path and the reason (dlerror(), the missing symbol, or cuInit's CUresult name). */
 cuma_status cuma_cuda_load(const cuma_cuda_api **out);

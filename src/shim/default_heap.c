@@ -14,6 +14,9 @@
 
 #include "core/error.h"
 #include "core/heap.h"
+#ifdef CUMA_HAVE_CUDA
+#include "backend/cuda_driver.h"
+#endif
 
 #include <ctype.h>
 #include <pthread.h>
@@ -109,6 +112,20 @@ cuma_status cuma_default_heap(int device, cuma_heap **out) {
         *out = h;
         return CUMA_OK;
     }
+#ifdef CUMA_HAVE_CUDA
+    /* The driver is opened before create_lock is taken, never under it: dlopen waits for glibc's
+     * loader lock, whose holder may be running a library constructor that allocates through cuma
+     * (LD_PRELOAD) and waits for create_lock. Loading takes no lock of cuma's; a failure is the
+     * heap creation's to report. */
+    {
+        cuma_settings set;
+        bool sim = cuma_settings_from_config(&set, NULL) == CUMA_OK && set.backend_named &&
+                   !strcmp(set.backend, "sim");
+        const cuma_cuda_api *api;
+        if (!sim && cuma_cuda_load(&api)) cuma_clear_error();
+        cuma_clear_error();
+    }
+#endif
     pthread_mutex_lock(&create_lock);
     cuma_status st = CUMA_OK;
     h = atomic_load_explicit(&heaps[device], memory_order_relaxed); /* another thread won */

@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 CUresult CUDAAPI cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+CUresult CUDAAPI cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
 
 #define MB       (1024ull * 1024)
 #define LIMIT    (256 * MB)
@@ -242,6 +243,24 @@ typedef CUresult (*info_fn)(size_t *, size_t *);
 typedef CUresult (*async_fn)(CUdeviceptr *, size_t, CUstream);
 
 /* The CUDA runtime's way in: every entry point through cuGetProcAddress from the handle. */
+/* Every thread's per-thread default stream is one handle: a free on it waits for the freeing
+ * thread's stream before cuma may hand the block to another thread's, and once per-thread
+ * streams were used, cuMemFree waits for the context (as cudaFree does). Plain: no waits. */
+static void check_per_thread_streams(void) {
+    fakecuda_reset_counters();
+    CUdeviceptr p, q;
+    CHECK_CU(cuMemAllocAsync_ptsz(&p, 1 * MB, NULL));
+    CHECK_CU(cuMemAllocAsync(&q, 1 * MB, CU_STREAM_PER_THREAD));
+    touch(p, 1 * MB, 0x5a);
+    CHECK(fakecuda_calls("cuStreamSynchronize") == 0);
+    CHECK_CU(cuMemFreeAsync_ptsz(p, NULL));
+    CHECK(fakecuda_calls("cuStreamSynchronize") == (routed ? 1u : 0u));
+    CHECK(fakecuda_calls("cuCtxSynchronize") == 0);
+    CHECK_CU(cuMemFree_v2(q));
+    CHECK(fakecuda_calls("cuCtxSynchronize") == (routed ? 1u : 0u));
+    CHECK_RES(cuMemFreeAsync_ptsz(p, NULL), CUDA_ERROR_INVALID_VALUE); /* a second free */
+}
+
 static void check_runtime_path(void) {
     const char *lib = getenv("CUMA_CUDA_LIBRARY");
     void *h = dlopen(lib && *lib ? lib : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -404,6 +423,7 @@ int main(int argc, char **argv) {
     check_limit();
     check_async_and_pitch();
     check_foreign_free();
+    check_per_thread_streams();
     check_runtime_path();
     check_stderr(want);
     printf("test_preload: routed=%d shim=%d vmm=%d: all checks passed\n", routed, shim_loaded, vmm);

@@ -43,6 +43,8 @@ typedef CUresult(CUDAAPI *cuma_preload_gpa1_fn)(const char *, void **, int, cuui
     X(GetProcAddressV2, cuGetProcAddress_v2,                                                       \
       (const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *))                  \
     X(CtxGetCurrent, cuCtxGetCurrent, (CUcontext *))                                               \
+    X(CtxSynchronize, cuCtxSynchronize, (void))                                                    \
+    X(StreamSynchronize, cuStreamSynchronize, (CUstream))                                          \
     X(CtxGetDevice, cuCtxGetDevice, (CUdevice *))                                                  \
     X(StreamGetCtx, cuStreamGetCtx, (CUstream, CUcontext *))                                       \
     X(DevicePrimaryCtxGetState, cuDevicePrimaryCtxGetState, (CUdevice, unsigned int *, int *))     \

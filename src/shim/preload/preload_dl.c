@@ -87,13 +87,18 @@ NO_SANITIZE static inline dlsym_fn real_dlsym(void) {
 
 /* ---- the real driver ----------------------------------------------------------------------- */
 
-static cuma_preload_driver drv; /* written by load_driver under drv_once, constant afterwards */
-static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
-/* Set while this thread opens the driver: the driver's constructors may call dlsym, which must
- * not wait for the pthread_once this thread is running. */
+/* The driver's table, published once (compare-and-swap) and constant afterwards. No lock is
+ * held while dlopen runs: glibc holds its loader lock while a library's constructors run, and a
+ * constructor that calls the driver would wait for our lock while our dlopen waited for the
+ * loader's (a deadlock; a pthread_once here had one). Threads that race each open the driver;
+ * the first to finish is published, the others close their handle. */
+static _Atomic(cuma_preload_driver *) drv_pub;
+/* What a call gets while its own thread opens the driver (the driver's constructors may call
+ * dlsym): no functions yet. */
+static const cuma_preload_driver drv_none;
 static _Thread_local bool drv_loading;
 
-static void load_driver(void) {
+static void load_driver(cuma_preload_driver *drv) {
     drv_loading = true;
     /* secure_getenv, as cuma's backend: a set-user-ID program must not load a library named by
      * its caller. The same rule makes the shim and the backend open the same file. */
@@ -105,20 +110,32 @@ static void load_driver(void) {
 #define CUMA_PRELOAD_RESOLVE(field, sym, params)                                                   \
     {                                                                                              \
         void *p_ = look(h, #sym);                                                                  \
-        memcpy(&drv.field, &p_, sizeof p_);                                                        \
+        memcpy(&drv->field, &p_, sizeof p_);                                                       \
     }
         CUMA_PRELOAD_REAL(CUMA_PRELOAD_RESOLVE)
 #undef CUMA_PRELOAD_RESOLVE
         void *p = look(h, "cuGetProcAddress");
-        memcpy(&drv.GetProcAddressV1, &p, sizeof p);
-        drv.handle = h;
+        memcpy(&drv->GetProcAddressV1, &p, sizeof p);
+        drv->handle = h;
     }
     drv_loading = false;
 }
 
 const cuma_preload_driver *cuma_preload_driver_get(void) {
-    if (!drv_loading) pthread_once(&drv_once, load_driver);
-    return &drv;
+    cuma_preload_driver *d = atomic_load_explicit(&drv_pub, memory_order_acquire);
+    if (d) return d;
+    if (drv_loading) return &drv_none;
+    cuma_preload_driver *mine = calloc(1, sizeof *mine);
+    if (!mine)
+        return &drv_none; /* everything answers CUDA_ERROR_NOT_FOUND; the next call retries */
+    load_driver(mine);
+    cuma_preload_driver *expect = NULL;
+    if (atomic_compare_exchange_strong_explicit(&drv_pub, &expect, mine, memory_order_acq_rel,
+                                                memory_order_acquire))
+        return mine;
+    if (mine->handle) dlclose(mine->handle);
+    free(mine);
+    return expect;
 }
 
 /* ---- device memory cuma's backend took from the driver -------------------------------------- */
@@ -311,6 +328,13 @@ static void substitute(const char *symbol, void **pfn, int version, cuuint64_t f
     if (!symbol || !pfn || !*pfn || !cuma_preload_routing()) return;
     bool ptsz = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
     const export_entry *pick = NULL;
+    /* Only an answer that is one of the driver functions the shim wraps is replaced: a newer
+     * ABI of the same name (a future _v3 at a newer version) is not the shim's to serve. */
+    const cuma_preload_driver *d = cuma_preload_driver_get();
+    bool known = false;
+    for (size_t i = 0; i < sizeof exports / sizeof exports[0] && !known; i++)
+        known = !strcmp(exports[i].base, symbol) && *pfn == real_of(d, &exports[i]);
+    if (!known) return;
     for (size_t i = 0; i < sizeof exports / sizeof exports[0]; i++) {
         const export_entry *e = &exports[i];
         if (strcmp(e->base, symbol) != 0) continue;
@@ -390,7 +414,11 @@ __attribute__((noinline)) static void *lookup_cu(void *handle, const char *name,
  * tests/shim checks that dlsym(RTLD_NEXT, ...) from the program still finds the shim's. */
 NO_SANITIZE CUMA_PRELOAD_EXPORT void *dlsym(void *restrict handle, const char *restrict name) {
     dlsym_fn real = real_dlsym();
-    if (handle != RTLD_NEXT && name[0] == 'c' && name[1] == 'u' && name[2] >= 'A' && name[2] <= 'Z')
+    /* RTLD_DEFAULT searches the caller's scope, which a lookup made from here would replace by
+     * the shim's (a library loaded RTLD_LOCAL then finds no driver); the shim's exported entry
+     * points come first in every default-scope lookup anyway. */
+    if (handle != RTLD_NEXT && handle != RTLD_DEFAULT && name[0] == 'c' && name[1] == 'u' &&
+        name[2] >= 'A' && name[2] <= 'Z')
         return lookup_cu(handle, name, __builtin_return_address(0));
     return real(handle, name);
 }
