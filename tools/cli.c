@@ -17,6 +17,19 @@ const char *cli_option(int argc, char **argv, int *i, const char *name, int *mis
     return argv[++*i];
 }
 
+int cli_is_help(const char *a) {
+    return !strcmp(a, "-h") || !strcmp(a, "--help");
+}
+
+int cli_wants_help(int argc, char **argv, const char *usage) {
+    for (int i = 1; i < argc && strcmp(argv[i], "--"); i++)
+        if (cli_is_help(argv[i])) {
+            fputs(usage, stdout);
+            return 1;
+        }
+    return 0;
+}
+
 int cli_usage_error(const char *cmd, const char *usage, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);

@@ -16,6 +16,12 @@
  * the value is absent. */
 const char *cli_option(int argc, char **argv, int *i, const char *name, int *missing);
 
+/* Whether a is -h or --help. */
+int cli_is_help(const char *a);
+
+/* Whether an argument before "--" asks for help; if so `usage` went to stdout. */
+int cli_wants_help(int argc, char **argv, const char *usage);
+
 /* Prints "cuma CMD: " and the message, then `usage`, to stderr; returns CUMA_EXIT_USAGE. */
 int cli_usage_error(const char *cmd, const char *usage, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -59,10 +59,6 @@ static void usage(FILE *f) {
                "the keys).\n");
 }
 
-static int is_help(const char *a) {
-    return !strcmp(a, "-h") || !strcmp(a, "--help");
-}
-
 static int cmd_help(int argc, char **argv) {
     if (argc < 2) {
         usage(stdout);
@@ -110,7 +106,7 @@ static int print_config_table(void) {
 
 static int cmd_config(int argc, char **argv) {
     if (argc == 1) return print_config_table();
-    if (argc == 2 && is_help(argv[1])) {
+    if (argc == 2 && cli_is_help(argv[1])) {
         fputs(CONFIG_USAGE, stdout);
         return CUMA_EXIT_OK;
     }
@@ -138,7 +134,7 @@ int main(int argc, char **argv) {
         return CUMA_EXIT_USAGE;
     }
     const char *name = argv[1];
-    if (is_help(name))
+    if (cli_is_help(name))
         name = "help";
     else if (!strcmp(name, "--version"))
         name = "version";
@@ -149,6 +145,6 @@ int main(int argc, char **argv) {
         return CUMA_EXIT_USAGE;
     }
     /* `cuma --help` is `cuma help`: it reaches cmd_help with no further argument. */
-    if (c->run == cmd_help && is_help(argv[1])) return cmd_help(1, argv + 1);
+    if (c->run == cmd_help && cli_is_help(argv[1])) return cmd_help(1, argv + 1);
     return c->run(argc - 1, argv + 1);
 }

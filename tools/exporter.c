@@ -433,12 +433,7 @@ static int serve(int lfd, const char *ledger, const sigset_t *wait_mask) {
 int cuma_cmd_exporter(int argc, char **argv) {
     const char *ledger = NULL, *bind_addr = "127.0.0.1", *port = NULL;
     int once = 0;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            fputs(CUMA_EXPORTER_USAGE, stdout);
-            return CUMA_EXIT_OK;
-        }
-    }
+    if (cli_wants_help(argc, argv, CUMA_EXPORTER_USAGE)) return CUMA_EXIT_OK;
     for (int i = 1; i < argc; i++) {
         const char *v;
         int missing = 0;

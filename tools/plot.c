@@ -491,12 +491,7 @@ static int write_figure(const plot_args *a, const tl_series *panels) {
 }
 
 int cuma_cmd_plot(int argc, char **argv) {
-    for (int i = 1; i < argc && strcmp(argv[i], "--"); i++) {
-        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            fputs(CUMA_PLOT_USAGE, stdout);
-            return CUMA_EXIT_OK;
-        }
-    }
+    if (cli_wants_help(argc, argv, CUMA_PLOT_USAGE)) return CUMA_EXIT_OK;
     plot_args a = {.title = "cuma replay: requested and reserved memory over trace time"};
     a.files = calloc((size_t)argc, sizeof *a.files);
     a.cmp = calloc((size_t)argc, sizeof *a.cmp);

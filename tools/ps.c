@@ -150,10 +150,6 @@ typedef struct options {
     long long iters; /* top: 0 = until interrupted */
 } options;
 
-static int is_help(const char *a) {
-    return !strcmp(a, "-h") || !strcmp(a, "--help");
-}
-
 static int parse(int argc, char **argv, int top, options *o) {
     const char *cmd = top ? "top" : "ps", *usage = top ? CUMA_TOP_USAGE : CUMA_PS_USAGE;
     *o = (options){.delay = 1.0};
@@ -186,19 +182,10 @@ static int parse(int argc, char **argv, int top, options *o) {
     return CUMA_EXIT_OK;
 }
 
-static int wants_help(int argc, char **argv, const char *usage) {
-    for (int i = 1; i < argc; i++)
-        if (is_help(argv[i])) {
-            fputs(usage, stdout);
-            return 1;
-        }
-    return 0;
-}
-
 /* ---- ps ------------------------------------------------------------------------------------- */
 
 int cuma_cmd_ps(int argc, char **argv) {
-    if (wants_help(argc, argv, CUMA_PS_USAGE)) return CUMA_EXIT_OK;
+    if (cli_wants_help(argc, argv, CUMA_PS_USAGE)) return CUMA_EXIT_OK;
     options o;
     int rc = parse(argc, argv, 0, &o);
     if (rc) return rc;
@@ -235,7 +222,7 @@ static void pause_for(double s, const sigset_t *wait_mask) {
 }
 
 int cuma_cmd_top(int argc, char **argv) {
-    if (wants_help(argc, argv, CUMA_TOP_USAGE)) return CUMA_EXIT_OK;
+    if (cli_wants_help(argc, argv, CUMA_TOP_USAGE)) return CUMA_EXIT_OK;
     options o;
     int rc = parse(argc, argv, 1, &o);
     if (rc) return rc;

@@ -523,12 +523,7 @@ static int parse_args(int argc, char **argv, options *o, char **traces, int *ntr
 }
 
 int cuma_cmd_replay(int argc, char **argv) {
-    for (int i = 1; i < argc && strcmp(argv[i], "--"); i++) {
-        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            fputs(CUMA_REPLAY_USAGE, stdout);
-            return CUMA_EXIT_OK;
-        }
-    }
+    if (cli_wants_help(argc, argv, CUMA_REPLAY_USAGE)) return CUMA_EXIT_OK;
     options o = {.scale = 1};
     int ntraces = 0;
     char **traces = malloc((size_t)argc * sizeof *traces), *conf = NULL;
