@@ -224,6 +224,9 @@ void cuma_heap_coalesce(cuma_heap *h, bool wait);
  * and merges whose fences complete (waiting where the device can), the cache. cuma_trim and
  * the out-of-memory ladder. */
 void cuma_heap_release_idle(cuma_heap *h, uint64_t keep_bytes);
+/* The same for every arena of heap h in turn, one lock at a time (no lock held on entry): the
+ * first keeps keep_bytes, the others nothing. count_trim: a trim in the stats (cuma_trim). */
+void cuma_heap_release_all(cuma_heap *h, uint64_t keep_bytes, bool count_trim);
 /* The release thread's body (release.c); started by cuma_heap_build. */
 void *cuma_heap_release_thread(void *arg);
 

@@ -83,18 +83,11 @@ bool cuma_heap_ledger_reclaim(cuma_heap *h, uint64_t n) {
     return st == CUMA_OK;
 }
 
-/* Every arena's idle memory back to the device (no lock held); the bytes that went. */
+/* Every arena's idle memory back to the device (no lock held; each release publishes what is
+ * left idle); the bytes that went. */
 static uint64_t give_cache(cuma_heap *p) {
     uint64_t before = cuma_backend_ledger_held(p->be);
-    unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
-    for (unsigned i = 0; i < n; i++) {
-        cuma_heap *a = p->arenas[i];
-        pthread_mutex_lock(&a->lock);
-        cuma_heap_release_idle(a, 0);
-        atomic_store_explicit(&a->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(a),
-                              memory_order_relaxed);
-        pthread_mutex_unlock(&a->lock);
-    }
+    cuma_heap_release_all(p, 0, false);
     uint64_t after = cuma_backend_ledger_held(p->be);
     return before > after ? before - after : 0;
 }

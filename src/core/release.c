@@ -92,17 +92,21 @@ void cuma_heap_release_idle(cuma_heap *h, uint64_t keep_bytes) {
     cuma_heap_release(h, cuma_heap_now(h), -1, keep_bytes, 0, true);
 }
 
-cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
-    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_trim: heap is NULL");
+void cuma_heap_release_all(cuma_heap *h, uint64_t keep_bytes, bool count_trim) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *a = h->arenas[i];
         pthread_mutex_lock(&a->lock);
-        if (!i) a->c.trims++;
+        if (!i && count_trim) a->c.trims++;
         /* keep_bytes is the heap's: the first arena keeps them, the others keep nothing. */
         cuma_heap_release_idle(a, i ? 0 : keep_bytes);
         pthread_mutex_unlock(&a->lock);
     }
+}
+
+cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_trim: heap is NULL");
+    cuma_heap_release_all(h, keep_bytes, true);
     return CUMA_OK;
 }
 
