@@ -214,15 +214,25 @@ static void claims(const ledger_shm *m, const ledger_slot *me, uint64_t *held, u
     }
 }
 
-/* Whether me may hold `bytes` more (lock held). Up to its guarantee a heap competes only with
+/* How many bytes more me may hold (lock held). Up to its guarantee a heap competes only with
  * what the others hold; above it, also with what heaps of higher priority wait for, so that a
  * heap asked to give memory back does not take it again at once. */
-static bool fits(const ledger_shm *m, const ledger_slot *me, uint64_t bytes) {
+static uint64_t room_of(const ledger_shm *m, const ledger_slot *me) {
     uint64_t held, higher;
     claims(m, me, &held, &higher);
-    uint64_t mine = add_sat(atomic_load(&me->reserved), bytes);
-    if (mine <= me->guarantee) higher = 0;
-    return add_sat(add_sat(held, mine), higher) <= me->capacity;
+    uint64_t mine = atomic_load(&me->reserved), cap = me->capacity;
+    uint64_t used = add_sat(held, mine), room = 0;
+    if (add_sat(used, higher) < cap) room = cap - add_sat(used, higher);
+    if (mine < me->guarantee && used < cap) {
+        uint64_t up_to_g = me->guarantee - mine, free_now = cap - used;
+        uint64_t r2 = up_to_g < free_now ? up_to_g : free_now;
+        if (r2 > room) room = r2;
+    }
+    return room;
+}
+
+static bool fits(const ledger_shm *m, const ledger_slot *me, uint64_t bytes) {
+    return bytes <= room_of(m, me);
 }
 
 static ledger_slot *my_slot(cuma_ledger *l) {
@@ -235,19 +245,8 @@ uint64_t cuma_ledger_room(cuma_ledger *l) {
         cuma_clear_error();
         return 0;
     }
-    uint64_t held, higher;
-    claims(l->shm, me, &held, &higher);
-    uint64_t mine = atomic_load(&me->reserved), cap = me->capacity;
+    uint64_t room = room_of(l->shm, me);
     unlock(l->shm);
-    /* fits(): above the guarantee, what heaps of higher priority wait for is left to them; up to
-     * it, only what the others hold counts. */
-    uint64_t used = add_sat(held, mine), room = 0;
-    if (add_sat(used, higher) < cap) room = cap - add_sat(used, higher);
-    if (mine < me->guarantee && used < cap) {
-        uint64_t up_to_g = me->guarantee - mine, free_now = cap - used;
-        uint64_t r2 = up_to_g < free_now ? up_to_g : free_now;
-        if (r2 > room) room = r2;
-    }
     return room;
 }
 
