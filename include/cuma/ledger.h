@@ -42,6 +42,24 @@ typedef struct cuma_ledger_entry {
     uint64_t pressure_given; /* bytes it gave back on others' requests */
     uint64_t pressure_calls; /* pressure callbacks it ran */
     uint64_t age_ns;         /* since its figures were last published */
+    /* The heap's allocator figures (the fields of its cuma_stats of the same meaning), published
+     * by its release thread every 100 ms: what `cuma stats`, `cuma top` and `cuma exporter` show
+     * of a process from outside. stats_age_ns says how old they are; UINT64_MAX while the heap
+     * has published none (a heap without a release thread never does). */
+    char backend[16]; /* "vmm", "segment", "managed" or "sim" */
+    uint64_t page_size;
+    uint64_t allocated;      /* live allocations after rounding */
+    uint64_t peak_requested; /* since creation or cuma_reset_peaks */
+    uint64_t mapped;         /* pages under at least one live byte */
+    uint64_t managed;        /* live allocations served from managed memory */
+    uint64_t active_allocs;
+    uint64_t num_allocs, num_frees, failed_allocs, alloc_retries, ooms, oom_callbacks;
+    uint64_t managed_fallbacks;
+    uint64_t page_creates, page_releases, maps, unmaps, trims;
+    uint64_t page_call_ns;
+    uint64_t arenas;
+    double fragmentation; /* share of mapped bytes not under live allocations */
+    uint64_t stats_age_ns;
 } cuma_ledger_entry;
 
 /* The live heaps of a ledger (name NULL, "on" or "auto": the user's ledger; else the name the

@@ -61,7 +61,31 @@ class LedgerEntry(ctypes.Structure):
             "pressure_calls",
             "age_ns",
         )
-    ]
+    ] + [("backend", ctypes.c_char * 16)] + [
+        (name, ctypes.c_uint64)
+        for name in (
+            "page_size",
+            "allocated",
+            "peak_requested",
+            "mapped",
+            "managed",
+            "active_allocs",
+            "num_allocs",
+            "num_frees",
+            "failed_allocs",
+            "alloc_retries",
+            "ooms",
+            "oom_callbacks",
+            "managed_fallbacks",
+            "page_creates",
+            "page_releases",
+            "maps",
+            "unmaps",
+            "trims",
+            "page_call_ns",
+            "arenas",
+        )
+    ] + [("fragmentation", ctypes.c_double), ("stats_age_ns", ctypes.c_uint64)]
 
 
 class Config(ctypes.Structure):

@@ -456,8 +456,12 @@ def ledger(name=None):
     """The live heaps of the cross-process ledger (None: this user's; else the name the
     ``ledger`` setting gives), as a list of dicts: pid, process, device, priority, guarantee,
     limit, capacity, reserved, cached, requested, peak_reserved, want, denials, pressure_asks,
-    pressure_given, pressure_calls, age_ns, slot. Raises CumaIOError (naming the path) when no
-    heap has made that ledger."""
+    pressure_given, pressure_calls, age_ns, slot, and the allocator figures each heap's release
+    thread publishes every 100 ms (backend, page_size, allocated, peak_requested, mapped,
+    managed, active_allocs, num_allocs, num_frees, failed_allocs, alloc_retries, ooms,
+    oom_callbacks, managed_fallbacks, page_creates, page_releases, maps, unmaps, trims,
+    page_call_ns, arenas, fragmentation; stats_age_ns says how old they are, None before the
+    first). Raises CumaIOError (naming the path) when no heap has made that ledger."""
     if name is not None and not isinstance(name, str):
         raise TypeError("name must be a str or None, not %s" % type(name).__name__)
     lib = _lib.lib()
@@ -475,6 +479,9 @@ def ledger(name=None):
         d = {f: getattr(e, f) for f, _ in _lib.LedgerEntry._fields_}
         d["process"] = e.process.decode(errors="replace")
         d["device"] = e.device.decode(errors="replace")
+        d["backend"] = e.backend.decode(errors="replace")
+        if d["stats_age_ns"] == 2**64 - 1:
+            d["stats_age_ns"] = None
         out.append(d)
     return out
 

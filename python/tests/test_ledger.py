@@ -166,3 +166,64 @@ def test_default_heap_in_a_ledger_shows_in_torch_summary(ledger_name, monkeypatc
     assert [e["priority"] for e in cuma.ledger(ledger_name)] == [7]
     cuma.shutdown_default_heaps()
     assert cuma.ledger(ledger_name) == []
+
+
+def test_ledger_shows_the_heaps_allocator_figures(ledger_name):
+    """What `cuma stats` reads from outside: the figures the release thread publishes equal the
+    heap's own stats once the program stops changing them (a field out of place in the ctypes
+    mirror, or one published from the wrong counter, shows as a mismatch)."""
+    import time
+
+    with _heap(ledger_name, "page_size:1M") as h:
+        first = cuma.ledger(ledger_name)[0]
+        assert first["backend"] == "sim"
+        blocks = [h.alloc((i + 1) * 300 * 1024) for i in range(9)]
+        for b in blocks[::2]:
+            h.free(b)
+        h.trim()
+        with pytest.raises(cuma.OutOfMemoryError):
+            h.alloc(200 * MB)  # past the 64M device: failed at once, no OOM callbacks
+        h.on_oom(lambda size, stream: False)
+        h.on_oom(lambda size, stream: False)
+        with pytest.raises(cuma.OutOfMemoryError):
+            h.alloc(63 * MB)  # fits the device, not next to the 6M in use: both callbacks run
+        s = h.stats()
+        deadline = time.monotonic() + 5
+        while True:
+            e = cuma.ledger(ledger_name)[0]
+            if e["num_allocs"] == s["num_allocs"] and e["failed_allocs"] == s["failed_allocs"]:
+                break
+            assert time.monotonic() < deadline, "figures not published within 5 s: %r" % e
+            time.sleep(0.02)
+        assert e["stats_age_ns"] is not None and e["stats_age_ns"] < 5 * 10**9
+        pairs = {
+            "page_size": "page_size",
+            "allocated": "allocated_bytes",
+            "peak_requested": "peak_requested_bytes",
+            "mapped": "mapped_bytes",
+            "managed": "managed_bytes",
+            "active_allocs": "active_allocs",
+            "num_allocs": "num_allocs",
+            "num_frees": "num_frees",
+            "failed_allocs": "failed_allocs",
+            "alloc_retries": "num_alloc_retries",
+            "ooms": "num_ooms",
+            "oom_callbacks": "oom_callbacks",
+            "managed_fallbacks": "managed_fallbacks",
+            "page_creates": "page_creates",
+            "page_releases": "page_releases",
+            "maps": "maps",
+            "unmaps": "unmaps",
+            "trims": "trims",
+            "arenas": "arenas",
+        }
+        got = {k: e[k] for k in pairs}
+        want = {k: s[v] for k, v in pairs.items()}
+        assert got == want
+        assert e["num_allocs"] == 9 and e["num_frees"] == 5 and e["active_allocs"] == 4
+        assert e["failed_allocs"] == 2 and e["ooms"] == 1 and e["oom_callbacks"] == 2
+        assert e["trims"] >= 1
+        assert e["page_size"] == MB and e["page_creates"] > 0
+        assert e["fragmentation"] == pytest.approx(s["fragmentation"], abs=1e-6)
+        for b in blocks[1::2]:
+            h.free(b)

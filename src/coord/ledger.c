@@ -106,6 +106,7 @@ static void clear_slot(ledger_slot *s) {
     s->priority = 0;
     memset(s->process, 0, sizeof s->process);
     memset(s->device, 0, sizeof s->device);
+    memset(s->backend, 0, sizeof s->backend);
     s->capacity = s->guarantee = 0;
     atomic_store(&s->limit, 0);
     atomic_store(&s->reserved, 0);
@@ -120,6 +121,8 @@ static void clear_slot(ledger_slot *s) {
     atomic_store(&s->given, 0);
     atomic_store(&s->calls, 0);
     atomic_store(&s->published_ns, 0);
+    for (unsigned i = 0; i < LEDGER_ST_N; i++) atomic_store(&s->stat[i], 0);
+    atomic_store(&s->stats_ns, 0);
 }
 
 /* Frees the slots of dead processes (lock held). A dead requester's want goes with its slot. */
@@ -302,6 +305,38 @@ void cuma_ledger_publish(cuma_ledger *l, uint64_t cached, uint64_t requested, un
     atomic_store_explicit(&me->published_ns, cuma_ledger_now_ns(), memory_order_relaxed);
 }
 
+void cuma_ledger_publish_stats(cuma_ledger *l, const cuma_stats *s) {
+    if (!owned(l)) return;
+    ledger_slot *me = my_slot(l);
+    double frag = s->fragmentation < 0 ? 0 : s->fragmentation > 1 ? 1 : s->fragmentation;
+    const uint64_t v[LEDGER_ST_N] = {
+        [LEDGER_ST_PAGE_SIZE] = s->page_size,
+        [LEDGER_ST_ALLOCATED] = s->allocated_bytes,
+        [LEDGER_ST_PEAK_REQUESTED] = s->peak_requested_bytes,
+        [LEDGER_ST_MAPPED] = s->mapped_bytes,
+        [LEDGER_ST_MANAGED] = s->managed_bytes,
+        [LEDGER_ST_ACTIVE] = s->active_allocs,
+        [LEDGER_ST_ALLOCS] = s->num_allocs,
+        [LEDGER_ST_FREES] = s->num_frees,
+        [LEDGER_ST_FAILED] = s->failed_allocs,
+        [LEDGER_ST_RETRIES] = s->num_alloc_retries,
+        [LEDGER_ST_OOMS] = s->num_ooms,
+        [LEDGER_ST_OOM_CALLS] = s->oom_callbacks,
+        [LEDGER_ST_MANAGED_FALLBACKS] = s->managed_fallbacks,
+        [LEDGER_ST_CREATES] = s->page_creates,
+        [LEDGER_ST_RELEASES] = s->page_releases,
+        [LEDGER_ST_MAPS] = s->maps,
+        [LEDGER_ST_UNMAPS] = s->unmaps,
+        [LEDGER_ST_TRIMS] = s->trims,
+        [LEDGER_ST_CALL_NS] = s->page_call_ns,
+        [LEDGER_ST_ARENAS] = s->arenas,
+        [LEDGER_ST_FRAG_PPM] = (uint64_t)(frag * 1e6 + 0.5),
+    };
+    for (unsigned i = 0; i < LEDGER_ST_N; i++)
+        atomic_store_explicit(&me->stat[i], v[i], memory_order_relaxed);
+    atomic_store_explicit(&me->stats_ns, cuma_ledger_now_ns(), memory_order_release);
+}
+
 /* ---- joining -------------------------------------------------------------------------------- */
 
 static void read_comm(char *buf, size_t len) {
@@ -358,6 +393,7 @@ cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out)
     s->priority = in->priority;
     read_comm(s->process, sizeof s->process);
     snprintf(s->device, sizeof s->device, "%s", in->device);
+    snprintf(s->backend, sizeof s->backend, "%s", in->backend ? in->backend : "");
     s->capacity = in->capacity;
     s->guarantee = in->guarantee;
     atomic_store(&s->limit, in->limit);
@@ -525,6 +561,36 @@ static void entry_of(const ledger_slot *s, unsigned i, uint64_t now, cuma_ledger
     e->pressure_calls = atomic_load(&s->calls);
     uint64_t p = atomic_load(&s->published_ns);
     e->age_ns = now > p ? now - p : 0;
+    memcpy(e->backend, s->backend, sizeof e->backend);
+    e->backend[sizeof e->backend - 1] = 0;
+    uint64_t at = atomic_load_explicit(&s->stats_ns, memory_order_acquire);
+    e->stats_age_ns = !at ? UINT64_MAX : now > at ? now - at : 0;
+    uint64_t v[LEDGER_ST_N];
+    for (unsigned i = 0; i < LEDGER_ST_N; i++)
+        v[i] = atomic_load_explicit(&s->stat[i], memory_order_relaxed);
+    e->page_size = v[LEDGER_ST_PAGE_SIZE];
+    e->allocated = v[LEDGER_ST_ALLOCATED];
+    e->peak_requested = v[LEDGER_ST_PEAK_REQUESTED];
+    e->mapped = v[LEDGER_ST_MAPPED];
+    e->managed = v[LEDGER_ST_MANAGED];
+    e->active_allocs = v[LEDGER_ST_ACTIVE];
+    e->num_allocs = v[LEDGER_ST_ALLOCS];
+    e->num_frees = v[LEDGER_ST_FREES];
+    e->failed_allocs = v[LEDGER_ST_FAILED];
+    e->alloc_retries = v[LEDGER_ST_RETRIES];
+    e->ooms = v[LEDGER_ST_OOMS];
+    e->oom_callbacks = v[LEDGER_ST_OOM_CALLS];
+    e->managed_fallbacks = v[LEDGER_ST_MANAGED_FALLBACKS];
+    e->page_creates = v[LEDGER_ST_CREATES];
+    e->page_releases = v[LEDGER_ST_RELEASES];
+    e->maps = v[LEDGER_ST_MAPS];
+    e->unmaps = v[LEDGER_ST_UNMAPS];
+    e->trims = v[LEDGER_ST_TRIMS];
+    e->page_call_ns = v[LEDGER_ST_CALL_NS];
+    e->arenas = v[LEDGER_ST_ARENAS];
+    /* A scribbled slot must not print a share above one. */
+    uint64_t ppm = v[LEDGER_ST_FRAG_PPM];
+    e->fragmentation = ppm > 1000000 ? 1.0 : (double)ppm / 1e6;
 }
 
 void cuma_ledger_self(cuma_ledger *l, cuma_ledger_entry *out) {

@@ -13,9 +13,10 @@ typedef struct cuma_ledger cuma_ledger;
 
 /* What a heap brings to the ledger when it joins. */
 typedef struct cuma_ledger_join_info {
-    const char *name;   /* the `ledger` setting: "on" (the user's default) or a name */
-    const char *device; /* the device's UUID */
-    uint64_t capacity;  /* the device's memory */
+    const char *name;    /* the `ledger` setting: "on" (the user's default) or a name */
+    const char *device;  /* the device's UUID */
+    const char *backend; /* its backend's name, for the tools (at most 15 bytes are kept) */
+    uint64_t capacity;   /* the device's memory */
     uint64_t guarantee;
     uint64_t limit;
     int priority;
@@ -47,6 +48,10 @@ void cuma_ledger_set_limit(cuma_ledger *l, uint64_t limit);
 /* Publishes the heap's idle and requested bytes and what it answers with (CUMA_LEDGER_ANSWERS_*)
  * (its release thread, every few ms). A heap that never publishes is counted on for nothing. */
 void cuma_ledger_publish(cuma_ledger *l, uint64_t cached, uint64_t requested, unsigned answers);
+
+/* Publishes the heap's allocator figures (its release thread, every CUMA_LEDGER_STATS_NS). */
+#define CUMA_LEDGER_STATS_NS 100000000ull
+void cuma_ledger_publish_stats(cuma_ledger *l, const cuma_stats *s);
 
 /* The requester's side: posts a pressure request for `bytes` and waits (at most timeout_ms)
  * until they fit, the others having given back what they could. `device_free` (may be NULL)

@@ -13,12 +13,39 @@
 #include <time.h>
 
 #define LEDGER_MAGIC   0x3152474c414d5543ull /* "CUMALGR1" */
-#define LEDGER_VERSION 1u
+#define LEDGER_VERSION 2u
 #define LEDGER_SLOTS   256u
 
-/* One heap. state, pid, start, priority, process, device, capacity and guarantee are written
- * under the ledger lock while the slot is taken (state last, release) and constant until it is
- * freed. reserved grows under the lock (admission reads every slot's under it) and shrinks
+/* The allocator figures of a slot's stat[] (cuma_ledger_entry's of the same names); fragmentation
+ * in parts per million. */
+enum {
+    LEDGER_ST_PAGE_SIZE,
+    LEDGER_ST_ALLOCATED,
+    LEDGER_ST_PEAK_REQUESTED,
+    LEDGER_ST_MAPPED,
+    LEDGER_ST_MANAGED,
+    LEDGER_ST_ACTIVE,
+    LEDGER_ST_ALLOCS,
+    LEDGER_ST_FREES,
+    LEDGER_ST_FAILED,
+    LEDGER_ST_RETRIES,
+    LEDGER_ST_OOMS,
+    LEDGER_ST_OOM_CALLS,
+    LEDGER_ST_MANAGED_FALLBACKS,
+    LEDGER_ST_CREATES,
+    LEDGER_ST_RELEASES,
+    LEDGER_ST_MAPS,
+    LEDGER_ST_UNMAPS,
+    LEDGER_ST_TRIMS,
+    LEDGER_ST_CALL_NS,
+    LEDGER_ST_ARENAS,
+    LEDGER_ST_FRAG_PPM,
+    LEDGER_ST_N
+};
+
+/* One heap. state, pid, start, priority, process, device, backend, capacity and guarantee are
+ * written under the ledger lock while the slot is taken (state last, release) and constant until it
+ * is freed. reserved grows under the lock (admission reads every slot's under it) and shrinks
  * without it (a heap gives back only what it was given, so it cannot wrap). The rest is the
  * owner's, written without the lock, read by anyone. Invariant: state is 0 (free, all zero)
  * or 1 (live); a live slot's reserved <= capacity. */
@@ -30,6 +57,7 @@ typedef struct ledger_slot {
     _Atomic uint32_t answers; /* owner, at each publish: CUMA_LEDGER_ANSWERS_* */
     char process[32];
     char device[64];
+    char backend[16];
     uint64_t capacity, guarantee;
     _Atomic uint64_t limit;
     _Atomic uint64_t reserved, peak;
@@ -41,6 +69,11 @@ typedef struct ledger_slot {
     _Atomic uint64_t denials, asks, given, calls;
     _Atomic uint64_t published_ns; /* CLOCK_MONOTONIC of the owner's last publish */
     uint64_t pidns; /* the PID namespace its pid means something in (inode), 0 if unknown */
+    /* The owner's allocator figures (LEDGER_ST_*), each published alone: a reader may see some
+     * of one publication and some of the previous (counters only grow, so a rate is never
+     * negative for long). stats_ns: CLOCK_MONOTONIC of the last publication, 0 = none. */
+    _Atomic uint64_t stat[LEDGER_ST_N];
+    _Atomic uint64_t stats_ns;
     uint64_t spare[6];
 } ledger_slot;
 

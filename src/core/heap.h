@@ -103,6 +103,7 @@ struct cuma_heap {
      * was not told to use could not be joined (stats), "" otherwise; constant. */
     struct cuma_ledger *ledger;
     char ledger_error[160];
+    uint64_t stats_due; /* first arena's release thread only: next publication of its figures */
     _Atomic int in_oom; /* first arena: a callback is running: no recursion into callbacks */
     /* First arena only, under managed_lock (a leaf lock): managed fallbacks (the map above,
      * c.managed, c.managed_fallbacks and the frees of managed memory). */
@@ -242,6 +243,10 @@ void cuma_heap_ledger_poll(cuma_heap *p);
 /* The heap's figures into its slot, and what it answers with (first arena; any lock or none but
  * oom_lock). */
 void cuma_heap_ledger_publish(cuma_heap *p);
+
+/* The whole heap's figures (stats.c): every arena's in turn, one lock at a time (none held on
+ * entry); without the ledger's and the driver's (cuma_get_stats adds those). */
+void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s);
 
 /* Locked helpers shared by heap.c and heap_api.c. */
 void cuma_heap_refresh_limit(cuma_heap *h);

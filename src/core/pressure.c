@@ -34,6 +34,7 @@ cuma_status cuma_heap_join_ledger(cuma_heap *h) {
     cuma_ledger_join_info in = {
         .name = explicit_ ? want : "on",
         .device = h->be->device_id,
+        .backend = cuma_backend_unwrap(h->be)->name,
         .capacity = h->be->capacity,
         .guarantee = h->set.guarantee,
         .limit = h->set.limit == CUMA_UNLIMITED ? 0 : h->set.limit,
@@ -102,8 +103,24 @@ void cuma_heap_ledger_publish(cuma_heap *p) {
                         answers);
 }
 
+/* The allocator figures for `cuma stats` and the other tools (no lock held: the snapshot takes
+ * each arena's in turn). */
+static void publish_stats(cuma_heap *p) {
+    cuma_stats s;
+    cuma_heap_snapshot(p, &s);
+    cuma_ledger_publish_stats(p->ledger, &s);
+}
+
 void cuma_heap_ledger_poll(cuma_heap *p) {
     cuma_ledger *l = p->ledger;
+    /* The release thread runs on a real clock only (never sim_clock:manual). */
+    uint64_t now = cuma_heap_now(p);
+    if (now >= p->stats_due) {
+        p->stats_due = now + CUMA_LEDGER_STATS_NS;
+        pthread_mutex_unlock(&p->lock);
+        publish_stats(p);
+        pthread_mutex_lock(&p->lock);
+    }
     /* The first arena's idle bytes as of now (its lock is held): frees since its last release
      * policy run count, so that requesters see what they may ask for. */
     atomic_store_explicit(&p->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(p),

@@ -45,7 +45,7 @@ static void add_arena(cuma_heap *a, cuma_stats *s) {
 
 /* The whole heap: every arena in turn (one lock at a time), then what the first arena keeps
  * for all of them. */
-static void snapshot(cuma_heap *h, cuma_stats *s) {
+void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s) {
     memset(s, 0, sizeof *s);
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
@@ -75,7 +75,7 @@ static void snapshot(cuma_heap *h, cuma_stats *s) {
 cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
     if (!h || !out)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_get_stats: %s is NULL", h ? "out" : "heap");
-    snapshot(h, out);
+    cuma_heap_snapshot(h, out);
     out->ledger_room_bytes = h->ledger ? cuma_ledger_room(h->ledger) : UINT64_MAX;
     if (h->ledger) {
         cuma_ledger_entry e;
@@ -95,7 +95,7 @@ cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
 cuma_status cuma_reset_peaks(cuma_heap *h) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_reset_peaks: heap is NULL");
     cuma_stats s;
-    snapshot(h, &s);
+    cuma_heap_snapshot(h, &s);
     atomic_store(&h->peak_req, s.requested_bytes);
     atomic_store(&h->peak_alloc, s.allocated_bytes);
     atomic_store(&h->peak_res, s.reserved_bytes);
