@@ -8,6 +8,12 @@
  * time, concurrently, except cuma_heap_destroy, which must not race with any other call on the
  * same heap. Functions without a heap are thread-safe.
  *
+ * fork(): a child process gets every heap in a consistent state, whatever the parent's other
+ * threads were doing (the locks are held across the fork), without their release threads: its
+ * heaps give idle memory back from their own calls, and cuma_heap_destroy works. A heap on a
+ * simulated device is fully usable in the child; CUDA memory is not (the driver does not support
+ * a forked child), and a heap in the ledger grows only in the process whose slot it has.
+ *
  * Errors: every call returns a cuma_status; on failure cuma_last_error() returns a message
  * for the calling thread that names what was wrong (the key, the value, the pointer).
  */

@@ -75,6 +75,11 @@ void cuma_ledger_self(cuma_ledger *l, cuma_ledger_entry *out);
 /* The ledger's path. */
 const char *cuma_ledger_where(const cuma_ledger *l);
 
+/* Around fork (src/core/fork.c): the list of the process's ledger mappings is held across it, so
+ * that the child does not inherit it half-changed or locked by a thread it does not have. */
+void cuma_ledger_prefork(void);
+void cuma_ledger_postfork(void);
+
 /* Tests: where the slots lie in the file (a slot starts with its 4-byte state, 1 = live, its
  * 4-byte pid and its 8-byte start time: field 22 of /proc/PID/stat) and where in a slot its
  * device's name (64 bytes) and its PID namespace (8 bytes, 0 = unknown) are. */

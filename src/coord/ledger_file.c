@@ -187,6 +187,14 @@ static uint64_t current_ino(const char *name) {
 static pthread_mutex_t maps_lock = PTHREAD_MUTEX_INITIALIZER;
 static mapping *maps;
 
+void cuma_ledger_prefork(void) {
+    pthread_mutex_lock(&maps_lock);
+}
+
+void cuma_ledger_postfork(void) {
+    pthread_mutex_unlock(&maps_lock);
+}
+
 cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_shm **out, char *path,
                                 size_t plen) {
     cuma_status st = cuma_ledger_path(name, path, plen);

@@ -137,6 +137,9 @@ struct cuma_heap {
     pthread_cond_t wake;
     bool thread_running, stopping;
     uint64_t thread_wake_at; /* when the release thread plans to wake (heap clock) */
+    /* First arena only, under fork.c's fork_lock: the list of live heaps whose locks a fork
+     * takes. */
+    struct cuma_heap *fork_next, *fork_prev;
 };
 
 /* One published figure (CUMA_PUB_*) summed over the arenas of heap p, lock-free: requested and
@@ -243,6 +246,11 @@ void cuma_heap_ledger_poll(cuma_heap *p);
 /* The heap's figures into its slot, and what it answers with (first arena; any lock or none but
  * oom_lock). */
 void cuma_heap_ledger_publish(cuma_heap *p);
+
+/* fork.c: a created heap joins the list whose locks are held across fork(); a heap being
+ * destroyed leaves it first (no lock held). */
+void cuma_fork_track(cuma_heap *h);
+void cuma_fork_untrack(cuma_heap *h);
 
 /* The whole heap's figures (stats.c): every arena's in turn, one lock at a time (none held on
  * entry); without the ledger's and the driver's (cuma_get_stats adds those). */

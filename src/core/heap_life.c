@@ -214,6 +214,7 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     }
     /* From now on its release thread answers the others: they may count on its cache. */
     if (h->ledger && h->thread_running) cuma_heap_ledger_publish(h);
+    cuma_fork_track(h);
     *out = h;
     return CUMA_OK;
 fail_be:
@@ -232,6 +233,7 @@ static bool free_managed(void *ctx, uint64_t key, void *val) {
 
 void cuma_heap_destroy(cuma_heap *h) {
     if (!h) return;
+    cuma_fork_untrack(h);
     /* Every release thread first: each reads all arenas' figures (max_cached is the heap's),
      * so none may run while an arena is freed. */
     for (unsigned i = atomic_load(&h->narenas); i-- > 0;) stop_thread(h->arenas[i]);

@@ -54,6 +54,14 @@ void cuma_tcache_unregister_heap(cuma_heap *h) {
     pthread_mutex_unlock(&registry_lock);
 }
 
+void cuma_tcache_prefork(void) {
+    pthread_mutex_lock(&registry_lock);
+}
+
+void cuma_tcache_postfork(void) {
+    pthread_mutex_unlock(&registry_lock);
+}
+
 static void flush_one(cuma_heap *h, cuma_tcache *tc, uint64_t older_than,
                       void (*give)(cuma_heap *, cuma_block *));
 

@@ -142,6 +142,9 @@ void cuma_tcache_destroy_all(struct cuma_heap *h);
 /* Heap registry, so that a thread's exit can tell whether a heap it cached still lives. */
 uint64_t cuma_tcache_register_heap(struct cuma_heap *h);
 void cuma_tcache_unregister_heap(struct cuma_heap *h);
+/* fork.c: the registry's lock is held across a fork (taken before, released after in both). */
+void cuma_tcache_prefork(void);
+void cuma_tcache_postfork(void);
 
 /* A cache leaves its heap (its thread ended; heap lock held): its counters join the heap's. */
 void cuma_tcache_sums_retire(struct cuma_heap *h, cuma_tcache *tc);

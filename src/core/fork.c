@@ -1,0 +1,107 @@
+/* Heaps across fork(): the child gets a copy of every heap, but only the thread that forked.
+ *
+ * A lock another thread held at the fork would stay held in the child forever, and its release
+ * thread's condition variable would keep a waiter that no longer exists (glibc's
+ * pthread_cond_destroy then waits for it: the child hung in cuma_heap_destroy). So, as host
+ * allocators do, the fork is bracketed: before it, the forking thread takes every lock of every
+ * live heap in the one order the rest of cuma takes them in, so that no heap is caught in the
+ * middle of a change; after it, the parent and the child release them, and the child also
+ * forgets the release threads it does not have (its heaps give idle memory back from their
+ * allocation and free calls only) and starts their condition variables afresh.
+ *
+ * Lock order (the same everywhere): fork_lock, each heap's arena_lock, the thread caches'
+ * registry lock, each heap's arena locks in arena order, its oom_lock and managed_lock, its
+ * shared backend's lock, then the ledger's mapping list. Nothing here runs with a heap lock
+ * held; heap creation and destruction take fork_lock alone.
+ *
+ * What a child may do with an inherited heap depends on the device: a simulated heap works as
+ * it did; CUDA memory is not usable in a forked child at all (the CUDA driver says so), and a
+ * child must not free the parent's device memory through an inherited heap. */
+#include "coord/ledger.h"
+#include "heap.h"
+#include "tcache.h"
+
+#include <pthread.h>
+
+/* Under fork_lock: the live heaps (first arenas), linked through fork_next / fork_prev. */
+static pthread_mutex_t fork_lock = PTHREAD_MUTEX_INITIALIZER;
+static cuma_heap *live_heaps;
+static pthread_once_t hooks_once = PTHREAD_ONCE_INIT;
+
+static unsigned arenas_of(cuma_heap *h) {
+    return atomic_load_explicit(&h->narenas, memory_order_acquire);
+}
+
+static void prepare(void) {
+    pthread_mutex_lock(&fork_lock);
+    for (cuma_heap *h = live_heaps; h; h = h->fork_next) pthread_mutex_lock(&h->arena_lock);
+    cuma_tcache_prefork();
+    for (cuma_heap *h = live_heaps; h; h = h->fork_next) {
+        /* arena_lock is held: no arena is being added, narenas is final. */
+        for (unsigned i = 0, n = arenas_of(h); i < n; i++) pthread_mutex_lock(&h->arenas[i]->lock);
+        pthread_mutex_lock(&h->oom_lock);
+        pthread_mutex_lock(&h->managed_lock);
+        cuma_backend_lock(h->be);
+    }
+    cuma_ledger_prefork();
+}
+
+/* Releases what prepare took, in reverse. In the child, also forgets the release threads. */
+static void release(bool child) {
+    cuma_ledger_postfork();
+    for (cuma_heap *h = live_heaps; h; h = h->fork_next) {
+        cuma_backend_unlock(h->be);
+        pthread_mutex_unlock(&h->managed_lock);
+        pthread_mutex_unlock(&h->oom_lock);
+        for (unsigned i = arenas_of(h); i-- > 0;) {
+            cuma_heap *a = h->arenas[i];
+            if (child && a->thread_running) {
+                /* Its thread did not come along: nothing to stop or join at destroy, and the
+                 * condition variable must not wait for the waiter it had in the parent. */
+                a->thread_running = false;
+                pthread_condattr_t ca;
+                pthread_condattr_init(&ca);
+                pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+                pthread_cond_init(&a->wake, &ca);
+                pthread_condattr_destroy(&ca);
+            }
+            pthread_mutex_unlock(&a->lock);
+        }
+    }
+    cuma_tcache_postfork();
+    for (cuma_heap *h = live_heaps; h; h = h->fork_next) pthread_mutex_unlock(&h->arena_lock);
+    pthread_mutex_unlock(&fork_lock);
+}
+
+static void parent(void) {
+    release(false);
+}
+
+static void child(void) {
+    release(true);
+}
+
+static void install_hooks(void) {
+    pthread_atfork(prepare, parent, child);
+}
+
+void cuma_fork_track(cuma_heap *h) {
+    pthread_once(&hooks_once, install_hooks);
+    pthread_mutex_lock(&fork_lock);
+    h->fork_prev = NULL;
+    h->fork_next = live_heaps;
+    if (live_heaps) live_heaps->fork_prev = h;
+    live_heaps = h;
+    pthread_mutex_unlock(&fork_lock);
+}
+
+void cuma_fork_untrack(cuma_heap *h) {
+    pthread_mutex_lock(&fork_lock);
+    if (h->fork_prev)
+        h->fork_prev->fork_next = h->fork_next;
+    else if (live_heaps == h)
+        live_heaps = h->fork_next;
+    if (h->fork_next) h->fork_next->fork_prev = h->fork_prev;
+    h->fork_next = h->fork_prev = NULL;
+    pthread_mutex_unlock(&fork_lock);
+}
