@@ -179,7 +179,9 @@ typedef struct cuma_stats {
     uint64_t events_recorded; /* stream events recorded to fence reuse */
     uint64_t event_queries;   /* times the device was asked whether such an event is done */
     uint64_t trims;           /* cuma_trim calls and OOM cache releases */
-    double fragmentation;     /* share of mapped bytes not under live allocations */
+    /* Idle bytes given back because the device's free memory was under free_watermark. */
+    uint64_t watermark_released_bytes;
+    double fragmentation; /* share of mapped bytes not under live allocations */
     uint64_t arenas; /* arenas the heap has made (1 until threads kept colliding: `arenas` key) */
     /* The cross-process ledger (cuma/ledger.h); zero when the heap is in none. */
     uint64_t ledger_denials;       /* growths the ledger refused (others held the memory) */

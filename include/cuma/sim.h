@@ -36,6 +36,12 @@ cuma_status cuma_sim_hold_stream(cuma_heap *heap, cuma_stream stream);
 /* Releases a held stream: everything recorded on it so far completes. */
 cuma_status cuma_sim_release_stream(cuma_heap *heap, cuma_stream stream);
 
+/* Another program on the simulated device holds `bytes` of it from now on (rounded up to pages;
+ * replaces the amount set before, 0 gives it all back): the device's free memory and what the
+ * heap can create shrink by them, as when another process allocates on a shared GPU.
+ * CUMA_ERR_OOM when they do not fit next to what the heap holds. */
+cuma_status cuma_sim_take_memory(cuma_heap *heap, uint64_t bytes);
+
 #ifdef __cplusplus
 }
 #endif

@@ -94,6 +94,9 @@ void cuma_backend_unlock(cuma_backend *be);
 /* Sim controls behind include/cuma/sim.h; CUMA_ERR_UNSUPPORTED if be is not a sim. */
 cuma_status cuma_simbe_hold(cuma_backend *be, cuma_stream stream, bool hold);
 /* The clock sim_lag_ms counts on: a heap's manual clock (read atomically from any thread). */
+/* Another program holds `bytes` of the simulated device (rounded up to pages; replaces what it
+ * held): the device's free memory and what the heap can take shrink by them. */
+cuma_status cuma_simbe_take(cuma_backend *be, uint64_t bytes);
 cuma_status cuma_simbe_set_clock(cuma_backend *be, const _Atomic uint64_t *clock);
 
 /* CUDA backends (src/backend/cuda_*.c); CUMA_ERR_NO_DEVICE when not built or no driver. */

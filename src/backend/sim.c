@@ -31,15 +31,16 @@ typedef struct sim_event {
     bool held;         /* the stream was held at record time */
 } sim_event;
 
-/* Invariants: used_pages <= npages; a page index is either on free_pages or handed out;
- * events on the free list are not referenced by the core. Guarded by the heap lock (or the
- * arenas' shared-backend mutex), except used_pages: atomic, because mem_info reads it from any
- * thread. */
+/* Invariants: used_pages + foreign_pages <= npages; a page index is either on free_pages or
+ * handed out; events on the free list are not referenced by the core. Guarded by the heap lock
+ * (or the arenas' shared-backend mutex), except used_pages and foreign_pages: atomic, because
+ * mem_info reads them from any thread. */
 typedef struct sim {
     cuma_backend be;
     bool backing;
     uint64_t npages, next_fresh;
     _Atomic uint64_t used_pages;
+    _Atomic uint64_t foreign_pages; /* held by "another program" (cuma_sim_take_memory) */
     uint64_t *free_pages;
     uint64_t nfree;
     int fd;
@@ -105,7 +106,7 @@ static void spend(const sim *s, uint64_t pages) {
 static cuma_status sim_page_create(cuma_backend *be, uint64_t *handle) {
     sim *s = (sim *)be;
     spend(s, 1);
-    if (s->used_pages == s->npages)
+    if (s->used_pages + s->foreign_pages >= s->npages)
         return cuma_fail(CUMA_ERR_OOM, "sim: device full (%llu pages of %llu bytes)",
                          (unsigned long long)s->npages, (unsigned long long)be->page_size);
     s->used_pages++;
@@ -159,7 +160,7 @@ static cuma_status sim_unmap(cuma_backend *be, uint64_t addr, uint32_t n) {
 static cuma_status sim_seg_alloc(cuma_backend *be, uint64_t size, uint64_t *addr) {
     sim *s = (sim *)be;
     uint64_t pages = (size + be->page_size - 1) / be->page_size;
-    if (s->used_pages + pages > s->npages)
+    if (s->used_pages + s->foreign_pages + pages > s->npages)
         return cuma_fail(CUMA_ERR_OOM, "sim: device full: a %llu-byte segment does not fit",
                          (unsigned long long)size);
     if (s->backing) {
@@ -202,7 +203,8 @@ static void sim_managed_free(cuma_backend *be, uint64_t addr, uint64_t size) {
 static cuma_status sim_mem_info(cuma_backend *be, uint64_t *fr, uint64_t *total) {
     sim *s = (sim *)be;
     *total = be->capacity;
-    *fr = (s->npages - s->used_pages) * be->page_size;
+    uint64_t held = s->used_pages + s->foreign_pages;
+    *fr = held < s->npages ? (s->npages - held) * be->page_size : 0;
     return CUMA_OK;
 }
 
@@ -359,6 +361,23 @@ cuma_status cuma_simbe_hold(cuma_backend *be, cuma_stream stream, bool hold) {
     if (si < 0) return cuma_fail(CUMA_ERR_OOM, "sim: no host memory for a stream");
     if (!hold && s->streams[si].held) s->streams[si].releases++;
     s->streams[si].held = hold;
+    return CUMA_OK;
+}
+
+cuma_status cuma_simbe_take(cuma_backend *be, uint64_t bytes) {
+    sim *s = as_sim(be);
+    if (!s)
+        return cuma_fail(CUMA_ERR_UNSUPPORTED,
+                         "cuma_sim_take_memory: the heap is on backend %s, not sim", be->name);
+    uint64_t pages = (bytes + be->page_size - 1) / be->page_size;
+    if (pages + s->used_pages > s->npages)
+        return cuma_fail(CUMA_ERR_OOM,
+                         "cuma_sim_take_memory: %llu bytes do not fit next to the heap's %llu on "
+                         "a %llu-byte device",
+                         (unsigned long long)bytes,
+                         (unsigned long long)(s->used_pages * be->page_size),
+                         (unsigned long long)be->capacity);
+    s->foreign_pages = pages;
     return CUMA_OK;
 }
 

@@ -59,6 +59,11 @@ static const key_desc keys[] = {
      "most bytes of idle pages kept in the cache; beyond it the oldest go back at once"},
     {"release_delay_ms", K_MS, F(release_delay_ms), "1000", NULL,
      "idle pages go back to the device after this many milliseconds; never = keep"},
+    {"free_watermark", K_SIZE, F(free_watermark), "0", NULL,
+     "device pressure: while the device's free memory (as the driver counts it, other programs "
+     "included) is below this, idle pages go back at once, oldest first, until it is above again "
+     "(the release thread looks every 10 ms while the heap holds idle pages); for GPUs shared "
+     "with programs outside cuma's ledger; 0 = off"},
     {"fragmentation_threshold", K_FRACTION, F(fragmentation_threshold), "0.05", NULL,
      "idle pages past the release delay stay while the cache is at most this share of the "
      "memory in use (avoids churn; an idle heap keeps nothing); 0 = release every one"},

@@ -24,6 +24,7 @@ typedef struct cuma_settings {
     double memory_fraction;         /* 0 = none */
     uint64_t max_cached;            /* CUMA_UNLIMITED = no cap */
     int64_t release_delay_ms;       /* -1 = never by time */
+    uint64_t free_watermark;        /* device pressure below this much free memory; 0 = off */
     double fragmentation_threshold; /* see config.c */
     double remap_threshold;         /* idle share below which backing creates, not moves */
     double page_call_budget;        /* pacing: share of wall time for page calls */

@@ -47,6 +47,7 @@ typedef struct cuma_counters {
     uint64_t requested, allocated;
     uint64_t managed, active, allocs, frees, failed, retries, ooms, oom_calls, managed_fallbacks,
         trims;
+    uint64_t watermark_bytes; /* idle bytes given back under device pressure (free_watermark) */
 } cuma_counters;
 
 /* A heap is one or more arenas. The handle the program holds is the first arena; it makes more

@@ -288,6 +288,16 @@ cuma_status cuma_sim_hold_stream(cuma_heap *h, cuma_stream s) {
     return hold(h, s, true);
 }
 
+cuma_status cuma_sim_take_memory(cuma_heap *h, uint64_t bytes) {
+    if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_take_memory: heap is NULL");
+    pthread_mutex_lock(&h->lock);
+    cuma_backend_lock(h->be);
+    cuma_status st = cuma_simbe_take(cuma_backend_unwrap(h->be), bytes);
+    cuma_backend_unlock(h->be);
+    pthread_mutex_unlock(&h->lock);
+    return st;
+}
+
 cuma_status cuma_sim_release_stream(cuma_heap *h, cuma_stream s) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_release_stream: heap is NULL");
     return hold(h, s, false);

@@ -149,6 +149,53 @@ cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
     return CUMA_OK;
 }
 
+/* How often the first arena's release thread looks at the device's free memory when
+ * free_watermark is set (a driver call of a few microseconds, made only while the heap holds idle
+ * pages). */
+#define WATERMARK_POLL_NS 10000000ull
+
+static bool watches_device(const cuma_heap *h) {
+    return h->primary == h && h->set.free_watermark;
+}
+
+/* The heap's idle bytes: exact for the first arena (its lock held), as last published for the
+ * others. */
+static uint64_t idle_bytes(cuma_heap *p) {
+    int64_t others = cuma_heap_total(p, CUMA_PUB_CACHED) -
+                     atomic_load_explicit(&p->pub[CUMA_PUB_CACHED], memory_order_relaxed);
+    return cuma_heap_cached(p) + (others > 0 ? (uint64_t)others : 0);
+}
+
+/* Device pressure (free_watermark): while the device's free memory is under the watermark, the
+ * idle pages that make up the difference go back, oldest first, whatever their age, from every
+ * arena in turn. First arena's release thread, its lock held on entry and exit; the driver is
+ * asked with no lock held (it may be slow, and needs no heap state). */
+static void watermark_poll(cuma_heap *p) {
+    if (!idle_bytes(p)) return;
+    pthread_mutex_unlock(&p->lock);
+    uint64_t fr = 0, total = 0;
+    if (p->be->ops->mem_info(p->be, &fr, &total) == CUMA_OK && fr < p->set.free_watermark) {
+        uint64_t deficit = p->set.free_watermark - fr;
+        unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
+        for (unsigned i = 0; i < n && deficit; i++) {
+            cuma_heap *a = p->arenas[i];
+            pthread_mutex_lock(&a->lock);
+            cuma_streams_tick(&a->streams);
+            uint64_t cached = cuma_heap_cached(a);
+            uint64_t go = deficit < cached ? deficit : cached;
+            if (go) {
+                /* No age limit (-1), a cap of what may stay: the oldest pages above it go. */
+                cuma_heap_release(a, cuma_heap_now(a), -1, cached - go, 0, false);
+                uint64_t gone = cached - cuma_heap_cached(a);
+                a->c.watermark_bytes += gone;
+                deficit = gone < deficit ? deficit - gone : 0;
+            }
+            pthread_mutex_unlock(&a->lock);
+        }
+    }
+    pthread_mutex_lock(&p->lock);
+}
+
 /* Gives idle memory back while the program runs, even when it makes no allocator call: sleeps
  * until the oldest idle page's delay ends (or a page goes idle in an empty cache). */
 void *cuma_heap_release_thread(void *arg) {
@@ -173,6 +220,7 @@ void *cuma_heap_release_thread(void *arg) {
         uint64_t policy_at = t + wait_ns;
         h->thread_wake_at = policy_at; /* a free whose page is due earlier wakes the thread */
         if (h->ledger && wait_ns > CUMA_LEDGER_POLL_NS) wait_ns = CUMA_LEDGER_POLL_NS;
+        if (watches_device(h) && wait_ns > WATERMARK_POLL_NS) wait_ns = WATERMARK_POLL_NS;
         {
             struct timespec ts;
             clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -184,6 +232,7 @@ void *cuma_heap_release_thread(void *arg) {
         uint64_t now = cuma_heap_now(h);
         if (!h->stopping && (woken || now >= policy_at)) cuma_heap_release_policy(h, now);
         if (!h->stopping && h->ledger) cuma_heap_ledger_poll(h);
+        if (!h->stopping && watches_device(h)) watermark_poll(h);
     }
     pthread_mutex_unlock(&h->lock);
     return NULL;

@@ -41,6 +41,7 @@ static void add_arena(cuma_heap *a, cuma_stats *s) {
     s->events_recorded += a->streams.events_recorded;
     s->event_queries += a->streams.event_queries;
     s->trims += c->trims;
+    s->watermark_released_bytes += c->watermark_bytes;
 }
 
 /* The whole heap: every arena in turn (one lock at a time), then what the first arena keeps
@@ -150,6 +151,7 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(events_recorded);
     U(event_queries);
     U(trims);
+    U(watermark_released_bytes);
     U(arenas);
     U(ledger_denials);
     U(pressure_asks);

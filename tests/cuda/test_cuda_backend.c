@@ -282,6 +282,46 @@ static void test_vmm_probe(void) {
     check_no_driver_objects();
 }
 
+/* free_watermark through the driver: memory the program takes with cuMemAlloc behind cuma's back
+ * lowers cuMemGetInfo's free figure, and the heap's release thread gives back just enough idle
+ * pages to lift it to the watermark; nothing once the device has room again. */
+static void test_watermark(void) {
+    size_t fr = 0, total = 0;
+    CHECK_CU(cuMemGetInfo(&fr, &total));
+    CHECK(total - fr < 64 * MB); /* nothing else holds memory: the figures below are exact */
+    uint64_t used0 = total - fr;
+    char conf[160];
+    /* Pressure once more than 500M (beyond what was used before) is in use on the device. */
+    snprintf(conf, sizeof conf,
+             "backend:vmm,release_delay_ms:never,tcache:off,arenas:1,free_watermark:%llu",
+             (unsigned long long)(total - used0 - 500 * MB));
+    cuma_heap *h = heap_make(conf);
+    void *idle, *live;
+    CHECK_OK(cuma_alloc(h, 300 * MB, 0, &idle));
+    CHECK_OK(cuma_alloc(h, 100 * MB, 0, &live));
+    CHECK_OK(cuma_free(h, idle, 0));
+    cuma_stats s;
+    usleep(30000);
+    CHECK_OK(cuma_get_stats(h, &s));
+    CHECK(s.cached_bytes == 300 * MB && s.watermark_released_bytes == 0);
+    CUdeviceptr other;
+    CHECK_CU(cuMemAlloc(&other, 150 * MB)); /* 550M in use: 50M under the watermark */
+    for (int i = 0; i < 5000; i++) {
+        CHECK_OK(cuma_get_stats(h, &s));
+        if (s.cached_bytes <= 250 * MB) break;
+        usleep(1000);
+    }
+    CHECK(s.cached_bytes == 250 * MB && s.watermark_released_bytes == 50 * MB);
+    CHECK_CU(cuMemFree(other));
+    usleep(30000);
+    CHECK_OK(cuma_get_stats(h, &s));
+    CHECK(s.cached_bytes == 250 * MB && s.watermark_released_bytes == 50 * MB);
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, live, 0));
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
 /* Backend ops one by one: a page keeps its data across unmap and remap elsewhere; events
  * follow held streams; segments, managed memory, device info. */
 static void test_vmm_ops(void) {
@@ -584,6 +624,7 @@ int main(int argc, char **argv) {
         test_held_page_stays();
         test_early_remap();
         test_busy_stream_does_not_block();
+        test_watermark();
         test_context_restored(&t);
         test_page_size();
         test_threads(&t);
