@@ -107,6 +107,13 @@ def _candidates():
     for d, what in ((pkg, "package directory"), (os.path.dirname(pkg), "next to the package")):
         for n in _NAMES:
             yield what, os.path.join(d, n)
+    try:  # installed by `make install`: the library folder relative to the package
+        from . import _installed
+
+        for n in _NAMES:
+            yield "install prefix", os.path.normpath(os.path.join(pkg, _installed.LIBDIR, n))
+    except ImportError:
+        pass
     repo = os.path.dirname(os.path.dirname(pkg))  # python/cuma -> python -> repo
     for n in _NAMES:
         yield "source tree build", os.path.join(repo, "build", "lib", n)
