@@ -104,9 +104,11 @@ cuma_status cuma_heap_build(cuma_heap *h) {
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&h->wake, &ca);
     pthread_condattr_destroy(&ca);
-    /* The thread also answers the ledger's pressure requests and watches the device's free
-     * memory (free_watermark), whatever the release delay. */
-    bool thread = h->release_delay_ns >= 0 || (first && (h->ledger || h->set.free_watermark));
+    /* The thread also ages the thread caches (a batched free holds its pages mapped until then;
+     * max_cached acts on them only after), answers the ledger's pressure requests and watches
+     * the device's free memory (free_watermark), whatever the release delay. */
+    bool thread =
+        h->release_delay_ns >= 0 || h->tc_on || (first && (h->ledger || h->set.free_watermark));
     if (h->set.release_thread && !h->set.sim_clock_manual && thread) {
         if (pthread_create(&h->thread, NULL, cuma_heap_release_thread, h)) {
             st = cuma_fail(CUMA_ERR_BACKEND, "could not start the release thread");

@@ -200,6 +200,11 @@ static void watermark_poll(cuma_heap *p) {
  * until the oldest idle page's delay ends (or a page goes idle in an empty cache). */
 void *cuma_heap_release_thread(void *arg) {
     cuma_heap *h = arg;
+    /* When the release policy runs next: kept across the short looks of the ledger and the
+     * watermark (a plan made anew at every look would always lie ahead, and the policy, thread
+     * caches' ageing included, would run only when woken), brought forward when a look finds
+     * something due earlier, and made afresh once the policy ran. */
+    uint64_t policy_at = UINT64_MAX;
     pthread_mutex_lock(&h->lock);
     while (!h->stopping) {
         uint64_t t = cuma_heap_now(h), due = next_age_due(h), wait_ns = 1000000000ull;
@@ -217,7 +222,9 @@ void *cuma_heap_release_thread(void *arg) {
         if (wait_ns < 1000000) wait_ns = 1000000;
         /* Other processes' pressure requests are answered within a few ms; the release policy
          * still runs when it is due (or the thread is woken), not at every look. */
-        uint64_t policy_at = t + wait_ns;
+        if (t + wait_ns < policy_at) policy_at = t + wait_ns;
+        wait_ns = policy_at > t ? policy_at - t : 0;
+        if (wait_ns < 1000000) wait_ns = 1000000;
         h->thread_wake_at = policy_at; /* a free whose page is due earlier wakes the thread */
         if (h->ledger && wait_ns > CUMA_LEDGER_POLL_NS) wait_ns = CUMA_LEDGER_POLL_NS;
         if (watches_device(h) && wait_ns > WATERMARK_POLL_NS) wait_ns = WATERMARK_POLL_NS;
@@ -230,7 +237,10 @@ void *cuma_heap_release_thread(void *arg) {
             woken = pthread_cond_timedwait(&h->wake, &h->lock, &ts) == 0;
         }
         uint64_t now = cuma_heap_now(h);
-        if (!h->stopping && (woken || now >= policy_at)) cuma_heap_release_policy(h, now);
+        if (!h->stopping && (woken || now >= policy_at)) {
+            cuma_heap_release_policy(h, now);
+            policy_at = UINT64_MAX;
+        }
         if (!h->stopping && h->ledger) cuma_heap_ledger_poll(h);
         if (!h->stopping && watches_device(h)) watermark_poll(h);
     }

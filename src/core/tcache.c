@@ -141,6 +141,12 @@ cuma_tcache *cuma_tcache_get_slow(cuma_heap *h) {
     pthread_mutex_lock(&h->lock);
     tc->next = h->tcaches;
     h->tcaches = tc;
+    /* The release thread ages caches only once one exists: one that sleeps past the first
+     * block's age (a second, with nothing else due) would keep a large batched free mapped. */
+    if (h->thread_running && h->tc_age_ns != INT64_MAX &&
+        h->thread_wake_at >
+            atomic_load_explicit(&h->coarse_now, memory_order_relaxed) + (uint64_t)h->tc_age_ns)
+        pthread_cond_signal(&h->wake);
     pthread_mutex_unlock(&h->lock);
     tl[free_slot] = (tl_slot){h, h->id, tc};
     cuma_tl_last = tl[free_slot];
