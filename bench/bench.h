@@ -4,6 +4,7 @@
  *   bench_fast.c    fast path: alloc+free pairs of one size; primitive costs (clock, mutex)
  *   bench_replay.c  trace replays: throughput, per-operation latency, 1 and 2 threads
  *   bench_peer.c    host allocators in child processes (LD_PRELOAD), rows over a pipe
+ *   bench_release.c how soon idle memory goes back: release delay, trim, max_cached, ledger
  *   bench_report.c  rows: the table and the JSON lines
  *   cuma_bench.c    options, the order of the measurements, profile modes
  */
@@ -28,9 +29,10 @@
 
 /* ---- options ------------------------------------------------------------------------------ */
 
-#define BENCH_COST   1u
-#define BENCH_FAST   2u
-#define BENCH_REPLAY 4u /* replay, latency and scaling */
+#define BENCH_COST    1u
+#define BENCH_FAST    2u
+#define BENCH_REPLAY  4u /* replay, latency and scaling */
+#define BENCH_RELEASE 8u
 
 typedef struct bench_opts {
     int runs;          /* timed runs per figure; the median is reported */
@@ -39,7 +41,7 @@ typedef struct bench_opts {
     bool quick;        /* smoke mode: tiny counts, one trace */
     bool json;         /* one JSON object per row instead of the table */
     bool peers;        /* run the host allocators too */
-    unsigned only;     /* BENCH_COST | BENCH_FAST | BENCH_REPLAY: the sections to run */
+    unsigned only;     /* BENCH_COST | BENCH_FAST | BENCH_REPLAY | BENCH_RELEASE: sections to run */
     const char *conf;  /* appended to cuma's settings */
     char **traces;     /* trace paths */
     int ntraces;
@@ -83,6 +85,9 @@ void bench_timer_init(void);
 
 /* Median of n doubles (sorts v). NAN for n == 0. */
 double bench_median(double *v, int n);
+/* Nearest-rank quantile q in [0, 1] of n doubles (sorts v): the smallest value with at least
+ * q of them at or below it. NAN for n == 0. */
+double bench_quantile(double *v, int n, double q);
 
 /* Latency percentiles of n tick samples (sorts s), in ns with the timer overhead taken off. */
 typedef struct bench_pct {
@@ -136,7 +141,7 @@ static inline void bench_escape(void *p) {
 /* ---- rows (bench_report.c) ---------------------------------------------------------------- */
 
 typedef struct bench_row {
-    char section[12]; /* cost, fast, replay, latency, scaling */
+    char section[12]; /* cost, fast, replay, latency, scaling, release */
     char name[48];    /* the case: "4 KiB", "resnet_train x1" */
     char alloc[32];   /* cuma, glibc, mimalloc, jemalloc (or a primitive's name) */
     int threads;
@@ -144,6 +149,7 @@ typedef struct bench_row {
     double cpu_ns;    /* CPU ns of all threads / operations */
     double ops_per_s;
     double p50, p99, p999;
+    double max;      /* largest sample (release rows, where rounds are few) */
     double scale_2t; /* scaling: 2-thread throughput / 1-thread throughput */
     double vs_mim;   /* ns_per_op over mimalloc's, median over paired runs (NAN: from medians) */
     char note[96];
@@ -164,6 +170,12 @@ void bench_row_write(int fd, const bench_row *r);
 bool bench_row_parse(char *line, bench_row *r);
 
 /* ---- measurements -------------------------------------------------------------------------- */
+
+/* A heap on the bench's settings (cuma_bench.c): the simulated device on a manual clock, then
+ * `extra` (later keys win: "sim_clock:real" gives the real one), then --conf. The first
+ * exits naming the settings when the heap cannot be made; the second returns the status. */
+cuma_heap *bench_heap(const bench_opts *o, const char *extra);
+cuma_status bench_heap_try(const bench_opts *o, const char *extra, cuma_heap **out);
 
 /* An allocator under test: cuma on a heap, or the process's malloc. */
 typedef struct bench_target {
@@ -219,6 +231,9 @@ bench_replay_run bench_replay_step(bench_replay_state *s);
 void bench_replay_end(bench_replay_state *s, double vs_mim, double vs_mim_2t);
 /* Exactly `reps` replays after one warm-up, untimed (profile mode). Returns failed calls. */
 uint64_t bench_replay_reps(const bench_target *t, const bench_ops *ops, int reps);
+
+/* bench_release.c: how soon idle memory goes back to the device (release rows). */
+void bench_release(const bench_opts *o);
 
 /* bench_peer.c: the host allocators ("glibc", "mimalloc", "jemalloc"), each measured in a
  * child process (the same program re-executed, with LD_PRELOAD for mimalloc and jemalloc).

@@ -26,6 +26,13 @@ double bench_median(double *v, int n) {
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+double bench_quantile(double *v, int n, double q) {
+    if (n <= 0) return NAN;
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    int k = (int)ceil(q * (double)n);
+    return v[(k < 1 ? 1 : k > n ? n : k) - 1];
+}
+
 /* Median cost in ticks of a start/stop pair of readings with nothing between them. */
 static double pair_overhead_ticks(void) {
     enum { N = 20001 };

@@ -2,11 +2,12 @@
  * jemalloc on the same operations.
  *
  *   cuma-bench [--quick] [--json] [--runs N] [--run-ms MS] [--events N] [--no-peers]
- *              [--only cost,fast,replay] [--conf STR] [TRACE.csv.gz ...]
+ *              [--only cost,fast,replay,release] [--conf STR] [TRACE.csv.gz ...]
  *
  * cuma runs in this process on a simulated device (backend:sim, no host backing,
  * sim_clock:manual): addresses are numbers nobody touches and the clock is an atomic load,
- * so the figures are the heap's own bookkeeping. The host allocators run in child processes
+ * so the figures are the heap's own bookkeeping (the release section, bench_release.c, adds
+ * sim_clock:real: it times the release thread). The host allocators run in child processes
  * (bench_peer.c). Rows are printed at the end as one table, or as JSON lines with --json.
  *
  * Profile modes (bench/profile.sh runs them under callgrind; no clock, no child, fixed counts):
@@ -41,21 +42,27 @@ static void usage(FILE *f) {
             "  --run-ms MS  length of one fast-path run (default 50)\n"
             "  --events N   replay only the first N events of each trace\n"
             "  --no-peers   cuma only (no glibc, mimalloc, jemalloc)\n"
-            "  --only LIST  sections to run, of cost,fast,replay (replay includes latency and\n"
-            "               scaling); default all\n"
+            "  --only LIST  sections to run, of cost,fast,replay,release (replay includes\n"
+            "               latency and scaling); default all\n"
             "  --conf STR   added to cuma's settings (" BASE_CONF ")\n"
             "  traces default to %s/*.csv.gz\n",
             CUMA_BENCH_DATA_DIR);
 }
 
-static cuma_heap *make_heap(const bench_opts *o, const char *extra) {
+cuma_status bench_heap_try(const bench_opts *o, const char *extra, cuma_heap **out) {
     char conf[1024];
     snprintf(conf, sizeof conf, "%s%s%s%s%s", BASE_CONF, extra ? "," : "", extra ? extra : "",
              o->conf ? "," : "", o->conf ? o->conf : "");
     cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+    return cuma_heap_create(&cfg, out);
+}
+
+cuma_heap *bench_heap(const bench_opts *o, const char *extra) {
     cuma_heap *h;
-    if (cuma_heap_create(&cfg, &h) != CUMA_OK) {
-        fprintf(stderr, "cuma-bench: cannot create a heap (%s): %s\n", conf, cuma_last_error());
+    if (bench_heap_try(o, extra, &h) != CUMA_OK) {
+        fprintf(stderr, "cuma-bench: cannot create a heap (%s%s%s%s%s): %s\n", BASE_CONF,
+                extra ? "," : "", extra ? extra : "", o->conf ? "," : "", o->conf ? o->conf : "",
+                cuma_last_error());
         exit(2);
     }
     return h;
@@ -85,26 +92,26 @@ static long number(const char *flag, const char *v, long min) {
 }
 
 static unsigned sections(const char *v) {
-    static const char *const names[] = {"cost", "fast", "replay"};
+    static const char *const names[] = {"cost", "fast", "replay", "release"};
     unsigned m = 0;
     for (const char *p = v; p && *p;) {
         size_t len = strcspn(p, ",");
         unsigned bit = 0;
-        for (unsigned k = 0; k < 3; k++)
+        for (unsigned k = 0; k < 4; k++)
             if (len == strlen(names[k]) && !strncmp(p, names[k], len)) bit = 1u << k;
         if (!bit) break;
         m |= bit;
         p += len + (p[len] == ',');
         if (!*p) return m;
     }
-    fprintf(stderr, "cuma-bench: --only wants a list of cost, fast, replay\n");
+    fprintf(stderr, "cuma-bench: --only wants a list of cost, fast, replay, release\n");
     exit(2);
 }
 
 static void parse(int argc, char **argv, cli *c) {
     bench_opts *o = &c->o;
     *o = (bench_opts){.runs = 5, .run_ms = 50, .peers = true};
-    o->only = BENCH_COST | BENCH_FAST | BENCH_REPLAY;
+    o->only = BENCH_COST | BENCH_FAST | BENCH_REPLAY | BENCH_RELEASE;
     bool runs_set = false, ms_set = false, ev_set = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -168,7 +175,7 @@ static void parse(int argc, char **argv, cli *c) {
 static int profile(const cli *c) {
     bench_opts o = c->o;
     long n = number("the profile count", c->prof_count, 0);
-    cuma_heap *h = make_heap(&o, NULL);
+    cuma_heap *h = bench_heap(&o, NULL);
     bench_target t = {"cuma", h};
     uint64_t bad = 0, ops;
     if (c->prof_fast) {
@@ -219,13 +226,13 @@ static void machine(const bench_opts *o, char *text, size_t tlen, char *json, si
 
 static void run_fast(const bench_opts *o) {
     progress("fast path:", "cuma");
-    cuma_heap *h = make_heap(o, NULL);
+    cuma_heap *h = bench_heap(o, NULL);
     bench_target cuma = {"cuma", h};
     bench_fast(o, &cuma);
     cuma_heap_destroy(h);
     /* What the clock costs: sim_clock:real reads CLOCK_MONOTONIC on every call, as the CUDA
      * backends do, and runs the release thread, which each free may wake. */
-    h = make_heap(o, "sim_clock:real");
+    h = bench_heap(o, "sim_clock:real");
     bench_target real = {"cuma (real clock)", h};
     for (int threads = 1; threads <= 2; threads++)
         bench_fast_one(o, &real, 4096, threads, "sim_clock:real: clock read + release thread");
@@ -257,7 +264,7 @@ static int run_trace(const bench_opts *o, const char *path) {
         bench_peer_start(o, bench_peers[p], path, &peer[p]);
         if (!strcmp(bench_peers[p], "mimalloc")) mim = p;
     }
-    cuma_heap *h = make_heap(o, NULL);
+    cuma_heap *h = bench_heap(o, NULL);
     bench_target cuma = {"cuma", h};
     bench_replay_state *s = bench_replay_begin(o, &cuma, &ops, 1);
     for (int r = 0; r < runs; r++) {
@@ -270,7 +277,7 @@ static int run_trace(const bench_opts *o, const char *path) {
     bench_replay_end(s, have_mim ? paired(pr[NP], pr[mim], runs, false) : NAN,
                      have_mim ? paired(pr[NP], pr[mim], runs, true) : NAN);
     cuma_heap_destroy(h);
-    h = make_heap(o, NULL);
+    h = bench_heap(o, NULL);
     cuma.heap = h;
     bench_replay(o, &cuma, &ops, 16);
     cuma_heap_destroy(h);
@@ -310,6 +317,10 @@ int main(int argc, char **argv) {
     if (o->only & BENCH_FAST) run_fast(o);
     for (int i = 0; (o->only & BENCH_REPLAY) && i < o->ntraces; i++)
         rc |= run_trace(o, o->traces[i]);
+    if (o->only & BENCH_RELEASE) {
+        progress("release latency", NULL);
+        bench_release(o);
+    }
 
     char text[2048], json[2048];
     machine(o, text, sizeof text, json, sizeof json);

@@ -40,9 +40,27 @@ done
 has replay "$name x16" cuma 1
 has latency "$name x16" cuma 1
 has scaling "$name x16" cuma 2
-# cuma's own rows carry figures, not notes of failure.
-if grep '"allocator":"cuma' "$out" | grep -v '"note":""' | grep -v 'sim_clock:real'; then
+for rc in "delay 20 ms: a thread's timed wait" "delay 20 ms: idle heap (all freed)" \
+    "delay 20 ms: 32 of 96 pages freed, frag 0" "delay 20 ms: 32 of 96 pages freed, frag 0.05" \
+    "delay 20 ms: idle heap, thread caches on" "trim 64 MiB" "trim 1 GiB" \
+    "trim 64 MiB, sim_call_us:20" "max_cached 8 MiB, 32 pages freed" \
+    "max_cached 8 MiB, 32 pages freed, tcache on" "ledger pressure: 512 MiB, 768 of 1024 MiB idle"; do
+    alloc=cuma
+    case "$rc" in *"timed wait") alloc=cond_timedwait ;; esac
+    has release "$rc" "$alloc" 1
+done
+# cuma's own rows carry figures, not notes of failure (release rows always carry a note: the
+# reference their figures are read against).
+if grep '"allocator":"cuma' "$out" | grep -v '"section":"release"' | grep -v '"note":""' |
+    grep -v 'sim_clock:real'; then
     echo "bench_smoke: a cuma row has a note (failed calls?)"
+    fail=1
+fi
+# Every release row has its figures, and none says that a round failed, that memory never went
+# back or went back before its delay, or that the allocation did not go through the ledger.
+if grep '^{"section":"release"' "$out" |
+    grep -E '"p50_ns":null|failed|never given|stayed|before the delay|did not ask|no ledger'; then
+    echo "bench_smoke: a release row has no figures or a note of failure"
     fail=1
 fi
 rows=$(grep -c '^{"section":"[a-z]*","case"' "$out")
@@ -51,7 +69,7 @@ if ! "$bench" --quick "$trace" >"$out.table"; then
     echo "bench_smoke: cuma-bench --quick failed"
     exit 1
 fi
-table=$(grep -cE '^\| (cost|fast|replay|latency|scaling) ' "$out.table")
+table=$(grep -cE '^\| (cost|fast|replay|latency|scaling|release) ' "$out.table")
 if [ "$table" -ne "$rows" ]; then
     echo "bench_smoke: the table has $table rows, the JSON $rows"
     fail=1
