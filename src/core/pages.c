@@ -136,17 +136,6 @@ static void pace(cuma_pages *pp) {
     pp->win_start = t, pp->win_call_ns = pp->call_ns;
 }
 
-static cuma_status unmap_page(cuma_pages *pp, uint32_t i) {
-    cuma_phys *p = &pp->phys[i];
-    if (p->va == CUMA_NIL) return CUMA_OK;
-    cuma_status st = be_unmap(pp, p->va, 1);
-    if (st) return st;
-    pp->phys_of[p->va] = 0;
-    p->va = CUMA_NIL;
-    pp->unmaps++;
-    return CUMA_OK;
-}
-
 static cuma_status new_slot(cuma_pages *pp, uint32_t *out) {
     *out = CUMA_NIL;
     if (pp->free_slot != CUMA_NIL) {
@@ -522,9 +511,48 @@ void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, 
     }
 }
 
+/* Pages cuma_pages_release took out of the cache, still mapped where they were: their mappings
+ * go in runs of adjacent virtual pages, one backend call a run (a freed block's pages idle side
+ * by side, so a trim of it is one unmap instead of one a page), then the pages themselves. A run
+ * whose unmap fails is left to the backend, which keeps what it could not unmap and retries it,
+ * as for the old places of moved pages. */
+#define RELEASE_BATCH 128
+typedef struct release_batch {
+    uint32_t n;
+    uint64_t key[RELEASE_BATCH]; /* virtual page << 32 | physical slot, sorted before the calls */
+} release_batch;
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static uint64_t release_flush(cuma_pages *pp, release_batch *rb) {
+    qsort(rb->key, rb->n, sizeof rb->key[0], cmp_u64);
+    for (uint32_t k = 0, n; k < rb->n; k += n) {
+        uint32_t va = (uint32_t)(rb->key[k] >> 32);
+        for (n = 1; k + n < rb->n && (uint32_t)(rb->key[k + n] >> 32) == va + n; n++) {
+        }
+        be_unmap(pp, va, n);
+        pp->unmap_runs++;
+        for (uint32_t j = k; j < k + n; j++) {
+            uint32_t i = (uint32_t)rb->key[j];
+            pp->phys_of[pp->phys[i].va] = 0;
+            pp->phys[i].va = CUMA_NIL;
+            pp->unmaps++;
+            release_page(pp, i);
+        }
+    }
+    uint64_t released = rb->n;
+    rb->n = 0;
+    return released;
+}
+
 uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint64_t max_cached,
                             uint64_t age_keep, bool wait) {
     uint64_t released = 0;
+    release_batch rb;
+    rb.n = 0;
     uint32_t i = pp->tail;
     cuma_streams_tick(pp->ss);
     /* A page with ghosts stays until they go: waiting (a trim) waits for their work too. */
@@ -538,14 +566,19 @@ uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint
         if (!old && !over) break; /* newer pages are younger still */
         /* A page with ghosts has work pending (its fence covers theirs): it stays. */
         if (!p->pinned && !p->nghost &&
-            cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, wait) &&
-            unmap_page(pp, i) == CUMA_OK) {
+            cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, wait)) {
             cache_remove(pp, i);
-            release_page(pp, i);
-            released++;
+            if (p->va == CUMA_NIL) {
+                release_page(pp, i);
+                released++;
+            } else {
+                rb.key[rb.n++] = (uint64_t)p->va << 32 | i;
+                if (rb.n == RELEASE_BATCH) released += release_flush(pp, &rb);
+            }
         }
         i = prev;
     }
+    if (rb.n) released += release_flush(pp, &rb);
     return released;
 }
 

@@ -99,7 +99,7 @@ typedef struct cuma_pages {
     uint32_t nghosts, capghosts;
     uint64_t creates, releases, maps, unmaps;
     uint64_t map_runs;     /* backend map calls: runs of consecutive pages mapped together */
-    uint64_t unmap_runs;   /* backend unmap calls for moved pages' old places, likewise */
+    uint64_t unmap_runs;   /* backend unmap calls (moved pages' old places, released pages) */
     uint64_t early_remaps; /* ghosts made: pages mapped anew before their old work was done */
     uint64_t remap_waits;  /* times backing a ghost's virtual page waited for the device */
 } cuma_pages;

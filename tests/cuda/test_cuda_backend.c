@@ -282,6 +282,31 @@ static void test_vmm_probe(void) {
     check_no_driver_objects();
 }
 
+/* Released pages leave their addresses in runs: a trim of a freed 64 MiB block (32 adjacent
+ * pages) is one cuMemUnmap and 32 cuMemRelease, and two blocks apart are two runs. */
+static void test_release_runs(void) {
+    cuma_heap *h = heap_make("backend:vmm,release_delay_ms:never,tcache:off,arenas:1");
+    void *a, *b, *c;
+    CHECK_OK(cuma_alloc(h, 64 * MB, 0, &a));
+    CHECK_OK(cuma_alloc(h, 2 * MB, 0, &b)); /* stays: keeps a and c apart */
+    CHECK_OK(cuma_alloc(h, 32 * MB, 0, &c));
+    CHECK_OK(cuma_free(h, a, 0));
+    CHECK_OK(cuma_free(h, c, 0));
+    unsigned long un0 = fakecuda_calls("cuMemUnmap"), rel0 = fakecuda_calls("cuMemRelease");
+    cuma_stats s0, s;
+    CHECK_OK(cuma_get_stats(h, &s0));
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK_OK(cuma_get_stats(h, &s));
+    CHECK(fakecuda_calls("cuMemUnmap") - un0 == 2);
+    CHECK(fakecuda_calls("cuMemRelease") - rel0 == 48);
+    CHECK(s.unmaps - s0.unmaps == 48 && s.unmap_runs - s0.unmap_runs == 2);
+    CHECK(s.reserved_bytes == 2 * MB);
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, b, 0));
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
 /* free_watermark through the driver: memory the program takes with cuMemAlloc behind cuma's back
  * lowers cuMemGetInfo's free figure, and the heap's release thread gives back just enough idle
  * pages to lift it to the watermark; nothing once the device has room again. */
@@ -625,6 +650,7 @@ int main(int argc, char **argv) {
         test_early_remap();
         test_busy_stream_does_not_block();
         test_watermark();
+        test_release_runs();
         test_context_restored(&t);
         test_page_size();
         test_threads(&t);
