@@ -10,7 +10,10 @@
  *
  * fork(): a child process gets every heap in a consistent state, whatever the parent's other
  * threads were doing (the locks are held across the fork), without their release threads: its
- * heaps give idle memory back from their own calls, and cuma_heap_destroy works. A heap on a
+ * heaps give idle memory back from their own calls, and cuma_heap_destroy works. The one thing
+ * a lock cannot hold still is a thread cache's lock-free fast path: a parent's thread inside one
+ * at the fork leaves that block (or its counters) half moved in the child, which cuma_validate
+ * then reports; the heap goes on working. A heap on a
  * simulated device is fully usable in the child; CUDA memory is not (the driver does not support
  * a forked child), and a heap in the ledger grows only in the process whose slot it has.
  *
@@ -168,7 +171,8 @@ typedef struct cuma_stats {
     uint64_t maps;              /* pages mapped */
     uint64_t unmaps;            /* pages unmapped */
     uint64_t map_runs;          /* map calls: runs of consecutive pages made accessible at once */
-    uint64_t unmap_runs;        /* unmap calls for moved pages: runs of consecutive old places */
+    uint64_t unmap_runs;        /* unmap calls: runs of adjacent pages (moved pages' old places,
+                                   released pages) */
     uint64_t page_call_ns;      /* time spent in the device's page calls (0 on a manual clock) */
     double remap_keep;          /* idle share of the memory in use pacing keeps in place now */
     /* Idle pages mapped at a new address while the device still had work on their old one,

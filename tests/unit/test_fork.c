@@ -24,18 +24,19 @@
 #define WORKERS 2
 
 static atomic_bool stop;
-static cuma_heap *heaps[2];
+#define HEAPS 3
+static cuma_heap *heaps[HEAPS];
 static unsigned seed;
 
 /* Allocates and frees at random on both heaps, with trims and stats calls among them, so that
  * at any fork some lock is likely held by this thread. */
 static void *worker(void *arg) {
     unsigned r = seed + (unsigned)(uintptr_t)arg * 7919u;
-    void *live[32] = {0};
+    void *live[33] = {0};
     while (!atomic_load(&stop)) {
-        cuma_heap *h = heaps[rand_r(&r) % 2];
-        unsigned k = (unsigned)rand_r(&r) % 32;
-        cuma_heap *owner = heaps[k % 2];
+        cuma_heap *h = heaps[rand_r(&r) % HEAPS];
+        unsigned k = (unsigned)rand_r(&r) % 33;
+        cuma_heap *owner = heaps[k % HEAPS];
         if (live[k]) {
             CHECK_OK(cuma_free(owner, live[k], 0));
             live[k] = NULL;
@@ -51,17 +52,19 @@ static void *worker(void *arg) {
             CHECK_OK(cuma_get_stats(h, &s));
         }
     }
-    for (unsigned k = 0; k < 32; k++)
-        if (live[k]) CHECK_OK(cuma_free(heaps[k % 2], live[k], 0));
+    for (unsigned k = 0; k < 33; k++)
+        if (live[k]) CHECK_OK(cuma_free(heaps[k % HEAPS], live[k], 0));
     return NULL;
 }
 
-/* The child: a few allocations on each inherited heap, a check of both, then both destroyed. A
- * heap in a ledger serves a child from its cache only: the ledger's slot is the parent's, so
- * growing is refused (CUMA_ERR_UNSUPPORTED, saying so). */
+/* The child: a few allocations on each inherited heap, a check of those without thread caches,
+ * then all destroyed. A heap in a ledger serves a child from its cache only: the ledger's slot is
+ * the parent's, so growing is refused (CUMA_ERR_UNSUPPORTED, saying so). The heap with thread
+ * caches is not checked: a parent's thread caught inside a lock-free fast path at the fork never
+ * finishes it in the child (a block, or its counters, stay half moved: cuma.h says so). */
 static void child(unsigned r) {
     alarm(10);
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < HEAPS; i++) {
         void *p[8] = {0};
         for (int k = 0; k < 8; k++) {
             cuma_status st = cuma_alloc(heaps[i], 1 + rand_r(&r) % (1 << 20), 0, &p[k]);
@@ -71,10 +74,9 @@ static void child(unsigned r) {
         }
         for (int k = 0; k < 8; k++)
             if (p[k]) CHECK_OK(cuma_free(heaps[i], p[k], 0));
-        CHECK_OK(cuma_validate(heaps[i]));
+        if (i < 2) CHECK_OK(cuma_validate(heaps[i]));
     }
-    cuma_heap_destroy(heaps[0]);
-    cuma_heap_destroy(heaps[1]);
+    for (int i = 0; i < HEAPS; i++) cuma_heap_destroy(heaps[i]);
     _exit(0);
 }
 
@@ -85,10 +87,14 @@ int main(int argc, char **argv) {
     char ledger[64], conf[192];
     snprintf(ledger, sizeof ledger, "test-fork-%d", (int)getpid());
     /* One heap with several arenas and a short release delay (its release thread busy), one in a
-     * named ledger (its release thread polls every 5 ms, and a child must not touch its slot). */
-    heaps[0] = heap_make("backend:sim,capacity:2G,arenas:3,release_delay_ms:2,tcache_age_ms:1");
-    snprintf(conf, sizeof conf, "backend:sim,capacity:2G,release_delay_ms:5,ledger:%s", ledger);
+     * named ledger (its release thread polls every 5 ms, and a child must not touch its slot),
+     * both without thread caches so that every call takes the locks a fork must hold; one with
+     * thread caches. */
+    heaps[0] = heap_make("backend:sim,capacity:2G,arenas:3,release_delay_ms:2,tcache:off");
+    snprintf(conf, sizeof conf, "backend:sim,capacity:2G,release_delay_ms:5,tcache:off,ledger:%s",
+             ledger);
     heaps[1] = heap_make(conf);
+    heaps[2] = heap_make("backend:sim,capacity:2G,release_delay_ms:2,tcache_age_ms:1");
     pthread_t t[WORKERS];
     for (uintptr_t i = 0; i < WORKERS; i++) CHECK(!pthread_create(&t[i], NULL, worker, (void *)i));
     unsigned r = seed;
@@ -110,8 +116,7 @@ int main(int argc, char **argv) {
     }
     atomic_store(&stop, true);
     for (int i = 0; i < WORKERS; i++) pthread_join(t[i], NULL);
-    CHECK_OK(cuma_validate(heaps[0]));
-    CHECK_OK(cuma_validate(heaps[1]));
+    for (int i = 0; i < HEAPS; i++) CHECK_OK(cuma_validate(heaps[i]));
     /* The parent's slot survived its children's destroys. */
     cuma_ledger_entry e[4];
     size_t n = 0;
@@ -131,8 +136,7 @@ int main(int argc, char **argv) {
     CHECK(s.cached_bytes == 0);
     char path[128];
     CHECK_OK(cuma_ledger_path(ledger, path, sizeof path));
-    cuma_heap_destroy(heaps[0]);
-    cuma_heap_destroy(heaps[1]);
+    for (int i = 0; i < HEAPS; i++) cuma_heap_destroy(heaps[i]);
     unlink(path);
     printf("test_fork: %d forks, every child allocated, validated and destroyed its heaps\n",
            FORKS);
