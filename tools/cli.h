@@ -67,12 +67,25 @@ int cli_usage_error(const char *cmd, const char *usage, const char *fmt, ...)
 #define CUMA_TOP_USAGE                                                                             \
     "usage: cuma top [--ledger NAME] [-d SECONDS] [-n ITERATIONS]\n"                               \
     "  cuma ps refreshed, with each heap's change since the last refresh: reserved bytes,\n"       \
-    "  bytes given back on others' requests per second, ledger denials per second. Sorted by\n"    \
-    "  device, then reserved bytes. The screen is cleared only when stdout is a terminal.\n"       \
-    "  Ctrl-C ends it.\n"                                                                          \
+    "  bytes given back on others' requests per second, ledger denials per second, allocations\n"  \
+    "  per second; and its OOMs so far and fragmentation (from the figures its release thread\n"   \
+    "  publishes every 100 ms; cuma stats shows them all). Sorted by device, then reserved\n"      \
+    "  bytes. The screen is cleared only when stdout is a terminal. Ctrl-C ends it.\n"             \
     "  --ledger NAME  as for cuma ps\n"                                                            \
     "  -d SECONDS     the refresh interval (default 1; fractions allowed)\n"                       \
     "  -n ITERATIONS  stop after this many refreshes (default: until interrupted)\n"
+
+#define CUMA_STATS_USAGE                                                                           \
+    "usage: cuma stats [--ledger NAME] [--json] [PID...]\n"                                        \
+    "  Every figure the ledger has of each live heap (of the PIDs' heaps only, when PIDs are\n"    \
+    "  given): settings, memory, peaks, allocations, failures, OOMs, page calls,\n"                \
+    "  fragmentation, pressure, and how old the figures are. A heap's release thread publishes\n"  \
+    "  its allocator figures every 100 ms; a heap without one (release_thread:off) never does.\n"  \
+    "  Exit status 1 when the ledger does not exist or a PID has no heap in it (the others'\n"     \
+    "  heaps are still shown).\n"                                                                  \
+    "  --ledger NAME  as for cuma ps\n"                                                            \
+    "  --json         one JSON object as cuma ps --json's, each heap with its allocator figures\n" \
+    "                 (null when never published)\n"
 
 #define CUMA_EXPORTER_DEFAULT_PORT 9840
 
@@ -90,6 +103,7 @@ int cuma_cmd_replay(int argc, char **argv);
 int cuma_cmd_plot(int argc, char **argv);
 int cuma_cmd_ps(int argc, char **argv);
 int cuma_cmd_top(int argc, char **argv);
+int cuma_cmd_stats(int argc, char **argv);
 int cuma_cmd_exporter(int argc, char **argv);
 
 #endif

@@ -33,6 +33,8 @@ static const subcommand commands[] = {
     {"ps", cuma_cmd_ps, "list the live heaps of the ledger, by device", CUMA_PS_USAGE},
     {"top", cuma_cmd_top, "the heaps of the ledger, refreshed, with their rates of change",
      CUMA_TOP_USAGE},
+    {"stats", cuma_cmd_stats, "every figure of the ledger's heaps (or some PIDs'), one block each",
+     CUMA_STATS_USAGE},
     {"exporter", cuma_cmd_exporter, "serve the ledger as Prometheus metrics (or print them once)",
      CUMA_EXPORTER_USAGE},
     {"config", cmd_config, "list the configuration keys, or check a settings string", CONFIG_USAGE},

@@ -94,6 +94,33 @@ static const heap_metric heap_metrics[] = {
     {"cuma_pressure_callbacks_total", "counter", "Pressure callbacks the heap ran.",
      F(pressure_calls)},
 };
+
+/* The allocator's figures, as its release thread last published them (every 100 ms). A heap
+ * that has published none has no samples in these families: zeros would read as an idle heap,
+ * and a counter that later jumps from 0 to its real value would show as a burst in rate(). */
+static const heap_metric alloc_metrics[] = {
+    {"cuma_allocs_total", "counter", "Successful allocations.", F(num_allocs)},
+    {"cuma_frees_total", "counter", "Frees.", F(num_frees)},
+    {"cuma_failed_allocs_total", "counter", "Allocations that returned an error.",
+     F(failed_allocs)},
+    {"cuma_alloc_retries_total", "counter",
+     "Allocations that did not fit at once and went down the out-of-memory ladder (cache "
+     "released, then the others' memory, callbacks, managed memory).",
+     F(alloc_retries)},
+    {"cuma_ooms_total", "counter", "Allocations that reached the heap's OOM callbacks.", F(ooms)},
+    {"cuma_oom_callbacks_total", "counter", "OOM callback invocations.", F(oom_callbacks)},
+    {"cuma_managed_fallbacks_total", "counter", "Allocations served from managed memory.",
+     F(managed_fallbacks)},
+    {"cuma_page_creates_total", "counter", "Physical pages (or segments) obtained from the device.",
+     F(page_creates)},
+    {"cuma_page_releases_total", "counter", "Physical pages (or segments) given back.",
+     F(page_releases)},
+    {"cuma_active_allocations", "gauge", "Live allocations.", F(active_allocs)},
+    {"cuma_allocated_bytes", "gauge", "Bytes of live allocations after rounding.", F(allocated)},
+    {"cuma_mapped_bytes", "gauge", "Bytes of pages under at least one live byte.", F(mapped)},
+    {"cuma_managed_bytes", "gauge", "Bytes of live allocations served from managed memory.",
+     F(managed)},
+};
 #undef F
 
 static void family(sbuf *b, const char *name, const char *type, const char *help) {
@@ -110,13 +137,26 @@ static void label_value(sbuf *b, const char *s) {
 }
 
 /* The labels of a heap. slot makes the series unique: one process may have several heaps on a
- * device at one priority, and samples with equal label sets are rejected by Prometheus. */
+ * device at one priority, and samples with equal label sets are rejected by Prometheus. backend
+ * is fixed when the heap joins, so it adds no series; empty for a slot that names none. */
 static void heap_labels(sbuf *b, const cuma_ledger_entry *e) {
-    sb_printf(b, "{device=\"");
+    sb_printf(b, "{backend=\"");
+    label_value(b, e->backend);
+    sb_printf(b, "\",device=\"");
     label_value(b, e->device);
     sb_printf(b, "\",pid=\"%d\",process=\"", e->pid);
     label_value(b, e->process);
     sb_printf(b, "\",priority=\"%d\",slot=\"%u\"}", e->priority, e->slot);
+}
+
+static void heap_family(sbuf *b, const ledger_view *v, const heap_metric *hm, int published_only) {
+    family(b, hm->name, hm->type, hm->help);
+    for (size_t i = 0; i < v->nheaps; i++) {
+        if (published_only && !view_has_stats(&v->heaps[i])) continue;
+        sb_printf(b, "%s", hm->name);
+        heap_labels(b, &v->heaps[i]);
+        sb_printf(b, " %" PRIu64 "\n", *(const uint64_t *)((const char *)&v->heaps[i] + hm->off));
+    }
 }
 
 /* device_family's `off` for the number of heaps, a size_t, not a uint64_t field. */
@@ -167,22 +207,33 @@ static void render(sbuf *b, const char *ledger, uint64_t *errors, int *was_up) {
                       "Capacity minus what heaps hold or are guaranteed, as admission counts it.",
                       offsetof(view_device, free));
         device_family(b, &v, "cuma_device_heaps", "Live heaps on the device.", HEAP_COUNT);
-        for (size_t m = 0; m < sizeof heap_metrics / sizeof heap_metrics[0]; m++) {
-            const heap_metric *hm = &heap_metrics[m];
-            family(b, hm->name, hm->type, hm->help);
-            for (size_t i = 0; i < v.nheaps; i++) {
-                sb_printf(b, "%s", hm->name);
-                heap_labels(b, &v.heaps[i]);
-                sb_printf(b, " %" PRIu64 "\n",
-                          *(const uint64_t *)((const char *)&v.heaps[i] + hm->off));
-            }
-        }
+        for (size_t m = 0; m < sizeof heap_metrics / sizeof heap_metrics[0]; m++)
+            heap_family(b, &v, &heap_metrics[m], 0);
         family(b, "cuma_heap_publish_age_seconds", "gauge",
                "Time since the heap last published its cached and requested bytes.");
         for (size_t i = 0; i < v.nheaps; i++) {
             sb_printf(b, "cuma_heap_publish_age_seconds");
             heap_labels(b, &v.heaps[i]);
             sb_printf(b, " %.3f\n", (double)v.heaps[i].age_ns * 1e-9);
+        }
+        for (size_t m = 0; m < sizeof alloc_metrics / sizeof alloc_metrics[0]; m++)
+            heap_family(b, &v, &alloc_metrics[m], 1);
+        family(b, "cuma_fragmentation_ratio", "gauge",
+               "Share of the mapped bytes not under live allocations (0 to 1).");
+        for (size_t i = 0; i < v.nheaps; i++) {
+            if (!view_has_stats(&v.heaps[i])) continue;
+            sb_printf(b, "cuma_fragmentation_ratio");
+            heap_labels(b, &v.heaps[i]);
+            /* The ledger keeps parts per million: six decimals are exact. */
+            sb_printf(b, " %.6f\n", v.heaps[i].fragmentation);
+        }
+        family(b, "cuma_heap_stats_age_seconds", "gauge",
+               "Time since the heap last published its allocator figures (every 100 ms).");
+        for (size_t i = 0; i < v.nheaps; i++) {
+            if (!view_has_stats(&v.heaps[i])) continue;
+            sb_printf(b, "cuma_heap_stats_age_seconds");
+            heap_labels(b, &v.heaps[i]);
+            sb_printf(b, " %.3f\n", (double)v.heaps[i].stats_age_ns * 1e-9);
         }
     }
     view_free(&v);

@@ -1,4 +1,5 @@
-/* One read of a ledger for the operator's views (ps, top, exporter) and their shared helpers. */
+/* One read of a ledger for the operator's views (ps, top, stats, exporter) and their shared
+ * helpers. */
 #include "ledger_view.h"
 
 #include "cli.h"
@@ -105,6 +106,59 @@ void view_free(ledger_view *v) {
 
 uint64_t view_in_use(const cuma_ledger_entry *e) {
     return e->reserved > e->cached ? e->reserved - e->cached : 0;
+}
+
+int view_has_stats(const cuma_ledger_entry *e) {
+    return e->stats_age_ns != UINT64_MAX;
+}
+
+static void json_heap(FILE *f, const cuma_ledger_entry *e,
+                      void (*extra)(FILE *f, const cuma_ledger_entry *e)) {
+    fprintf(f, "{\"pid\":%d,\"process\":", e->pid);
+    view_json_string(f, e->process);
+    fprintf(f,
+            ",\"slot\":%u,\"priority\":%d,\"guarantee\":%" PRIu64 ",\"limit\":%" PRIu64
+            ",\"reserved\":%" PRIu64 ",\"cached\":%" PRIu64 ",\"in_use\":%" PRIu64
+            ",\"requested\":%" PRIu64 ",\"peak_reserved\":%" PRIu64 ",\"want\":%" PRIu64
+            ",\"pressure_given\":%" PRIu64 ",\"pressure_asks\":%" PRIu64
+            ",\"pressure_calls\":%" PRIu64 ",\"denials\":%" PRIu64 ",\"age_ns\":%" PRIu64,
+            e->slot, e->priority, e->guarantee, e->limit, e->reserved, e->cached, view_in_use(e),
+            e->requested, e->peak_reserved, e->want, e->pressure_given, e->pressure_asks,
+            e->pressure_calls, e->denials, e->age_ns);
+    if (extra) extra(f, e);
+    fputc('}', f);
+}
+
+void view_json(FILE *f, const ledger_view *v, const unsigned char *keep,
+               void (*extra)(FILE *f, const cuma_ledger_entry *e)) {
+    size_t shown = 0;
+    for (size_t i = 0; i < v->nheaps; i++) shown += !keep || keep[i];
+    fprintf(f, "{\"ledger\":");
+    view_json_string(f, v->path);
+    fprintf(f, ",\"uid\":%u,\"heaps\":%zu,\"devices\":[", (unsigned)geteuid(), shown);
+    int first_device = 1;
+    for (size_t k = 0; k < v->ndevices; k++) {
+        const view_device *d = &v->devices[k];
+        size_t n = 0;
+        for (size_t i = d->first; i < d->first + d->count; i++) n += !keep || keep[i];
+        if (!n) continue;
+        fprintf(f, "%s{\"device\":", first_device ? "" : ",");
+        first_device = 0;
+        view_json_string(f, d->device);
+        fprintf(f,
+                ",\"capacity\":%" PRIu64 ",\"reserved\":%" PRIu64 ",\"cached\":%" PRIu64
+                ",\"guaranteed\":%" PRIu64 ",\"free\":%" PRIu64 ",\"heaps\":[",
+                d->capacity, d->reserved, d->cached, d->guaranteed, d->free);
+        int first_heap = 1;
+        for (size_t i = d->first; i < d->first + d->count; i++) {
+            if (keep && !keep[i]) continue;
+            if (!first_heap) fputc(',', f);
+            first_heap = 0;
+            json_heap(f, &v->heaps[i], extra);
+        }
+        fprintf(f, "]}");
+    }
+    fprintf(f, "]}\n");
 }
 
 const char *view_size(uint64_t bytes, char *buf, size_t len) {

@@ -1,6 +1,7 @@
-/* What `cuma ps`, `cuma top` and `cuma exporter` share: one read of a ledger, its heaps sorted
- * by device then reserved bytes and summed per device, and the formatting helpers their outputs
- * need (sizes, names made printable, JSON strings, options). */
+/* What `cuma ps`, `cuma top`, `cuma stats` and `cuma exporter` share: one read of a ledger, its
+ * heaps sorted by device then reserved bytes and summed per device, the JSON document of ps and
+ * stats, and the formatting helpers their outputs need (sizes, names made printable, JSON
+ * strings, options). */
 #ifndef CUMA_TOOLS_LEDGER_VIEW_H
 #define CUMA_TOOLS_LEDGER_VIEW_H
 
@@ -40,6 +41,17 @@ void view_free(ledger_view *v);
 
 /* reserved - cached, never below zero (cached is published later than reserved changes). */
 uint64_t view_in_use(const cuma_ledger_entry *e);
+
+/* Whether the heap's release thread has published its allocator figures (backend aside, the
+ * fields from page_size on); until then they are zeros that mean nothing. */
+int view_has_stats(const cuma_ledger_entry *e);
+
+/* The JSON document of `cuma ps --json`: the ledger, and per device its totals (over all its
+ * heaps) and the heaps for which keep[i] is set (keep NULL: all; a device none of whose heaps is
+ * kept is left out). `extra` (may be NULL) appends fields to each heap's object, each preceded
+ * by a comma. */
+void view_json(FILE *f, const ledger_view *v, const unsigned char *keep,
+               void (*extra)(FILE *f, const cuma_ledger_entry *e));
 
 /* "512 B", "12.0 MiB", "1.50 GiB": binary units, 3 significant digits or so. */
 const char *view_size(uint64_t bytes, char *buf, size_t len);

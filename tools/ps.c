@@ -2,7 +2,8 @@
  *
  * Both read the ledger through cuma_ledger_snapshot (which also frees dead processes' slots),
  * so they show what admission sees: a heap's reserved bytes are what the ledger admitted, its
- * cached and requested bytes what its release thread last published (every few ms). */
+ * cached and requested bytes what its release thread last published (every few ms), top's
+ * allocator columns what it last published of its stats (every 100 ms). */
 #include "cli.h"
 #include "ledger_view.h"
 
@@ -47,9 +48,36 @@ static void print_header(int rates) {
     printf("%*s %*s %*s %*s %*s ", SZ, "CACHED", SZ, "IN USE", SZ, "REQUESTED", SZ, "PEAK", SZ,
            "WANT");
     if (rates)
-        printf("%*s %9s\n", SZ + 2, "GIVEN/s", "DENIALS/s");
+        printf("%*s %9s %8s %5s %6s\n", SZ + 2, "GIVEN/s", "DENIALS/s", "ALLOC/s", "OOMS", "FRAG");
     else
         printf("%*s %8s\n", SZ, "GIVEN", "DENIALS");
+}
+
+/* An event rate in at most 8 characters: one decimal while it fits, then whole numbers, then
+ * powers of ten (10^8 allocations a second is not expected, but must not shift the row). */
+static const char *event_rate(double r, char *buf, size_t len) {
+    snprintf(buf, len, r < 99999.95 ? "%.1f" : r < 99999999.5 ? "%.0f" : "%.2e", r);
+    return buf;
+}
+
+/* The allocator's columns of top: allocations per second between the two refreshes' figures,
+ * OOMs since the heap began, fragmentation now. The rate is over the time between the two
+ * publications the figures come from (the release thread publishes every 100 ms, so a refresh
+ * interval would be off by up to that much); "-" while the heap has published nothing, or
+ * nothing new since the previous refresh. */
+static void print_allocator(const cuma_ledger_entry *e, const cuma_ledger_entry *p, double dt) {
+    char rate[32] = "-", ooms[32] = "-", frag[32] = "-";
+    if (view_has_stats(e)) {
+        snprintf(ooms, sizeof ooms, "%" PRIu64, e->ooms);
+        snprintf(frag, sizeof frag, "%.1f%%", e->fragmentation * 100.0);
+        if (p && view_has_stats(p)) {
+            /* A publication's time is the refresh's minus its age; the difference of the two. */
+            double span = dt - ((double)e->stats_age_ns - (double)p->stats_age_ns) * 1e-9;
+            uint64_t n = e->num_allocs > p->num_allocs ? e->num_allocs - p->num_allocs : 0;
+            if (span > 1e-3) event_rate((double)n / span, rate, sizeof rate);
+        }
+    }
+    printf(" %8s %5s %6s\n", rate, ooms, frag);
 }
 
 /* One heap's row. With rates (top), `p` is the same heap at the previous refresh, `dt` seconds
@@ -75,7 +103,8 @@ static void print_heap(const cuma_ledger_entry *e, int rates, const cuma_ledger_
         char gv[32];
         printf("%*s %8" PRIu64 "\n", SZ, view_size(e->pressure_given, gv, sizeof gv), e->denials);
     } else if (!p || dt <= 0) {
-        printf("%*s %9s\n", SZ + 2, "-", "-");
+        printf("%*s %9s", SZ + 2, "-", "-");
+        print_allocator(e, NULL, 0);
     } else {
         /* Counters only grow while the slot is the same heap's; should one go back (a ledger
          * bug), the rate shows 0 rather than a wrapped figure. */
@@ -85,7 +114,8 @@ static void print_heap(const cuma_ledger_entry *e, int rates, const cuma_ledger_
         double given = (double)dg / dt, denials = (double)dd / dt;
         char gv[32], rate[40];
         snprintf(rate, sizeof rate, "%s/s", view_size((uint64_t)llround(given), gv, sizeof gv));
-        printf("%*s %9.1f\n", SZ + 2, rate, denials);
+        printf("%*s %9.1f", SZ + 2, rate, denials);
+        print_allocator(e, p, dt);
     }
 }
 
@@ -104,41 +134,6 @@ static void print_table(const ledger_view *v, int rates, const ledger_view *prev
         for (size_t i = d->first; i < d->first + d->count; i++)
             print_heap(&v->heaps[i], rates, previous(prev, &v->heaps[i]), dt);
     }
-}
-
-/* ---- JSON ----------------------------------------------------------------------------------- */
-
-static void print_json_heap(const cuma_ledger_entry *e) {
-    printf("{\"pid\":%d,\"process\":", e->pid);
-    view_json_string(stdout, e->process);
-    printf(",\"slot\":%u,\"priority\":%d,\"guarantee\":%" PRIu64 ",\"limit\":%" PRIu64
-           ",\"reserved\":%" PRIu64 ",\"cached\":%" PRIu64 ",\"in_use\":%" PRIu64
-           ",\"requested\":%" PRIu64 ",\"peak_reserved\":%" PRIu64 ",\"want\":%" PRIu64
-           ",\"pressure_given\":%" PRIu64 ",\"pressure_asks\":%" PRIu64
-           ",\"pressure_calls\":%" PRIu64 ",\"denials\":%" PRIu64 ",\"age_ns\":%" PRIu64 "}",
-           e->slot, e->priority, e->guarantee, e->limit, e->reserved, e->cached, view_in_use(e),
-           e->requested, e->peak_reserved, e->want, e->pressure_given, e->pressure_asks,
-           e->pressure_calls, e->denials, e->age_ns);
-}
-
-static void print_json(const ledger_view *v) {
-    printf("{\"ledger\":");
-    view_json_string(stdout, v->path);
-    printf(",\"uid\":%u,\"heaps\":%zu,\"devices\":[", (unsigned)geteuid(), v->nheaps);
-    for (size_t k = 0; k < v->ndevices; k++) {
-        const view_device *d = &v->devices[k];
-        printf("%s{\"device\":", k ? "," : "");
-        view_json_string(stdout, d->device);
-        printf(",\"capacity\":%" PRIu64 ",\"reserved\":%" PRIu64 ",\"cached\":%" PRIu64
-               ",\"guaranteed\":%" PRIu64 ",\"free\":%" PRIu64 ",\"heaps\":[",
-               d->capacity, d->reserved, d->cached, d->guaranteed, d->free);
-        for (size_t i = d->first; i < d->first + d->count; i++) {
-            if (i > d->first) putchar(',');
-            print_json_heap(&v->heaps[i]);
-        }
-        printf("]}");
-    }
-    printf("]}\n");
 }
 
 /* ---- options -------------------------------------------------------------------------------- */
@@ -197,7 +192,7 @@ int cuma_cmd_ps(int argc, char **argv) {
         fprintf(stderr, "cuma ps: %s\n", v.error);
         rc = CUMA_EXIT_FAIL;
     } else if (o.json) {
-        print_json(&v);
+        view_json(stdout, &v, NULL, NULL);
     } else {
         print_table(&v, 0, NULL, 0);
     }

@@ -162,7 +162,8 @@ typedef struct cuma_stats {
     uint64_t num_allocs;    /* successful allocations */
     uint64_t num_frees;
     uint64_t failed_allocs;     /* allocations that returned an error */
-    uint64_t num_alloc_retries; /* allocations that needed the cache released to succeed */
+    uint64_t num_alloc_retries; /* allocations that released the cache and tried again (as
+                                   PyTorch counts them: whether or not the retry succeeded) */
     uint64_t num_ooms;          /* allocations that reached the OOM callbacks */
     uint64_t oom_callbacks;     /* callback invocations */
     uint64_t managed_fallbacks; /* allocations served from managed memory */

@@ -1,12 +1,17 @@
 /* Heaps with known figures in a ledger, for the tests of `cuma ps`, `cuma top` and
  * `cuma exporter` (check_tools.py). Waits, holding them, until stdin reaches EOF.
  *
- *   ledger_fixture NAME sim   two heaps on the simulated device (64M) of ledger NAME:
+ *   ledger_fixture NAME sim   three heaps on the simulated device (64M, 2M pages) of ledger NAME:
  *                             A: priority 2, guarantee 8M, limit 48M; 12M reserved, 4M idle,
  *                                8M requested
  *                             B: priority -1, guarantee 24M (more than it holds, so the
- *                                device's free memory is 64 - 12 - 24); 20M reserved and
+ *                                device's free memory is 64 - 12 - 24 - C's); 20M reserved and
  *                                requested
+ *                             C: priority 0, limit 16M, for the allocator's counters (see
+ *                                run_sim): 4 allocations, 2 frees, 1 failure, 2 trips down
+ *                                the OOM ladder, 1 OOM with 2 callbacks (the second frees a
+ *                                block and has the allocation retried), 3 trims, 3M + 6M live
+ *                                (part of a page unused: fragmentation above 0)
  *                             (the raw slots carry the denial and pressure figures: a sim
  *                             heap refused part way keeps idle pages, and what a later trim
  *                             gives back shows in the ledger's cached figure only at the next
@@ -21,9 +26,13 @@
  *                                waiting for 12M (one pressure request that nobody answers)
  *
  * Once every figure is in the ledger it prints one JSON object per heap (what it made, as the
- * heap's own stats say for sim heaps) and the line "ready". In raw mode the line "step" on stdin
- * changes X (see run_raw). The raw slots are left behind at exit, as a killed process leaves
- * them: readers must reap them. */
+ * heap's own stats say for sim heaps, whose objects also carry "stats": the allocator figures
+ * of its cuma_get_stats under the ledger's names, once its release thread has published them)
+ * and the line "ready". The raw slots never publish allocator figures: they have no heap. The
+ * line "step" on stdin changes X in raw mode (see run_raw) and makes C allocate and free
+ * STEP_ALLOCS times in sim mode, which then prints C's object again; both then print
+ * "stepped". The raw slots are left behind at exit, as a killed process leaves them: readers
+ * must reap them. */
 #include "check.h"
 #include "coord/ledger.h"
 #include "cuma/ledger.h"
@@ -36,11 +45,45 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MB (1024ull * 1024ull)
+#define MB          (1024ull * 1024ull)
+#define STEP_ALLOCS 200
 
 static const char *ledger_name;
 
-static void print_entry(const cuma_ledger_entry *e) {
+/* The heap's own report of its backend (cuma_stats has none). */
+static void own_backend(cuma_heap *h, char *out, size_t len) {
+    char json[8192];
+    CHECK_OK(cuma_stats_json(h, json, sizeof json, NULL));
+    const char *p = strstr(json, "\"backend\":\"");
+    CHECK(p != NULL);
+    p += strlen("\"backend\":\"");
+    size_t n = strcspn(p, "\"");
+    CHECK(n < len);
+    memcpy(out, p, n);
+    out[n] = 0;
+}
+
+/* The heap's own stats, under the names of cuma_ledger_entry (and of `cuma stats --json`). */
+static void print_stats(cuma_heap *h) {
+    cuma_stats s = heap_stats(h);
+    char backend[32];
+    own_backend(h, backend, sizeof backend);
+    printf(",\"stats\":{\"backend\":\"%s\",\"page_size\":%" PRIu64 ",\"allocated\":%" PRIu64
+           ",\"peak_requested\":%" PRIu64 ",\"mapped\":%" PRIu64 ",\"managed\":%" PRIu64
+           ",\"active_allocs\":%" PRIu64 ",\"num_allocs\":%" PRIu64 ",\"num_frees\":%" PRIu64
+           ",\"failed_allocs\":%" PRIu64 ",\"alloc_retries\":%" PRIu64 ",\"ooms\":%" PRIu64
+           ",\"oom_callbacks\":%" PRIu64 ",\"managed_fallbacks\":%" PRIu64
+           ",\"page_creates\":%" PRIu64 ",\"page_releases\":%" PRIu64 ",\"maps\":%" PRIu64
+           ",\"unmaps\":%" PRIu64 ",\"trims\":%" PRIu64 ",\"page_call_ns\":%" PRIu64
+           ",\"arenas\":%" PRIu64 ",\"fragmentation\":%.17g}",
+           backend, s.page_size, s.allocated_bytes, s.peak_requested_bytes, s.mapped_bytes,
+           s.managed_bytes, s.active_allocs, s.num_allocs, s.num_frees, s.failed_allocs,
+           s.num_alloc_retries, s.num_ooms, s.oom_callbacks, s.managed_fallbacks, s.page_creates,
+           s.page_releases, s.maps, s.unmaps, s.trims, s.page_call_ns, s.arenas, s.fragmentation);
+}
+
+/* One heap's line: its ledger entry, and for a heap (h not NULL) its own stats. */
+static void print_entry(const cuma_ledger_entry *e, cuma_heap *h) {
     printf("{\"pid\":%d,\"process\":\"", e->pid);
     for (const char *p = e->process; *p; p++)
         printf("%s%c", *p == '"' || *p == '\\' ? "\\" : "", *p);
@@ -48,10 +91,12 @@ static void print_entry(const cuma_ledger_entry *e) {
            ",\"limit\":%" PRIu64 ",\"reserved\":%" PRIu64 ",\"cached\":%" PRIu64
            ",\"requested\":%" PRIu64 ",\"peak_reserved\":%" PRIu64 ",\"want\":%" PRIu64
            ",\"denials\":%" PRIu64 ",\"pressure_asks\":%" PRIu64 ",\"pressure_given\":%" PRIu64
-           ",\"pressure_calls\":%" PRIu64 "}\n",
+           ",\"pressure_calls\":%" PRIu64,
            e->device, e->capacity, e->priority, e->guarantee, e->limit, e->reserved, e->cached,
            e->requested, e->peak_reserved, e->want, e->denials, e->pressure_asks, e->pressure_given,
            e->pressure_calls);
+    if (h) print_stats(h);
+    printf("}\n");
 }
 
 /* This process's heap on `device` with `priority` as the ledger shows it (each heap here has a
@@ -74,8 +119,31 @@ static uint64_t now_ms(void) {
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
-/* A sim heap's entry once its release thread has published what its stats say (every 5 ms).
- * The entry printed is the ledger's, checked against the heap's own stats first. */
+/* Waits until the heap's release thread has published its allocator figures twice since the
+ * call (it does every 100 ms): the first publication seen may come from a snapshot taken
+ * before the call, the second cannot. A publication is seen as the age of the figures going
+ * down between two looks (the same publication only grows older). */
+static void wait_stats(int priority) {
+    uint64_t t0 = now_ms(), last = UINT64_MAX;
+    int seen = -1; /* the first look only sets `last` */
+    while (seen < 2) {
+        cuma_ledger_entry e;
+        CHECK(find(&e, "sim", priority));
+        if (seen < 0 || e.stats_age_ns < last) seen++;
+        last = e.stats_age_ns;
+        if (now_ms() - t0 > 10000) {
+            fprintf(stderr, "ledger_fixture: heap of priority %d published no figures in 10 s\n",
+                    priority);
+            abort();
+        }
+        usleep(5000);
+    }
+}
+
+/* A sim heap's entry once its release thread has published what its stats say (cached and
+ * requested every 5 ms, the allocator figures every 100 ms). The entry printed is the ledger's,
+ * checked against the heap's own stats first; the allocator figures printed are the heap's own,
+ * for the test to compare with what the tools read from the ledger. */
 static void settle_sim(cuma_heap *h, int priority) {
     uint64_t t0 = now_ms();
     for (;;) {
@@ -88,7 +156,9 @@ static void settle_sim(cuma_heap *h, int priority) {
                   e.pressure_given == s.pressure_given_bytes &&
                   e.pressure_calls == s.pressure_callbacks && e.limit == s.limit_bytes &&
                   e.peak_reserved == s.peak_reserved_bytes);
-            print_entry(&e);
+            wait_stats(priority);
+            CHECK(find(&e, "sim", priority));
+            print_entry(&e, h);
             return;
         }
         if (now_ms() - t0 > 10000) {
@@ -112,21 +182,66 @@ static cuma_heap *sim_heap(const char *extra) {
     return heap_make(conf);
 }
 
-static void wait_for_eof(void) {
-    char buf[256];
-    while (fread(buf, 1, sizeof buf, stdin) > 0) {
+/* C's OOM callbacks: the first passes; the second frees the block it is given, once, and has
+ * the allocation retried. */
+static int oom_pass(void *user, cuma_heap *h, size_t size, cuma_stream stream) {
+    (void)user, (void)h, (void)size, (void)stream;
+    return CUMA_OOM_PASS;
+}
+
+static int oom_free(void *user, cuma_heap *h, size_t size, cuma_stream stream) {
+    (void)size, (void)stream;
+    void **spare = user;
+    if (!*spare) return CUMA_OOM_PASS;
+    CHECK_OK(cuma_free(h, *spare, NULL));
+    *spare = NULL;
+    return CUMA_OOM_RETRY;
+}
+
+static void *spare; /* C's block for oom_free */
+
+/* C's history: every counter of the allocator ends at a value of its own. */
+static void run_c(cuma_heap *c, void **c3, void **c6) {
+    void *c8, *x;
+    CHECK_OK(cuma_alloc(c, 3 * MB, NULL, c3));
+    CHECK_OK(cuma_alloc(c, 8 * MB, NULL, &c8));
+    CHECK_OK(cuma_free(c, c8, NULL));
+    /* Beyond the limit: the cache goes (a trim), the allocation still fails, no callbacks yet. */
+    CHECK_ST(cuma_alloc(c, 20 * MB, NULL, &x), CUMA_ERR_LIMIT);
+    CHECK_OK(cuma_add_oom_callback(c, oom_pass, NULL, NULL));
+    CHECK_OK(cuma_add_oom_callback(c, oom_free, &spare, NULL));
+    CHECK_OK(cuma_alloc(c, 10 * MB, NULL, &spare));
+    /* 4M + 10M held, 6M more would pass the limit: both callbacks run, the second frees the
+     * spare block, and the retry fits. */
+    CHECK_OK(cuma_alloc(c, 6 * MB, NULL, c6));
+    CHECK(spare == NULL);
+    CHECK_OK(cuma_trim(c, 0));
+    cuma_stats s = heap_stats(c);
+    CHECK(s.num_allocs == 4 && s.num_frees == 2 && s.active_allocs == 2 && s.failed_allocs == 1 &&
+          s.num_alloc_retries == 2 && s.num_ooms == 1 && s.oom_callbacks == 2 && s.trims == 3 &&
+          s.requested_bytes == 9 * MB && s.fragmentation > 0);
+}
+
+/* "step": C allocates and frees a block STEP_ALLOCS times, for top's allocation rate. */
+static void step_c(cuma_heap *c) {
+    for (int i = 0; i < STEP_ALLOCS; i++) {
+        void *p;
+        CHECK_OK(cuma_alloc(c, 4096, NULL, &p));
+        CHECK_OK(cuma_free(c, p, NULL));
     }
 }
 
 static int run_sim(void) {
     cuma_heap *a = sim_heap("priority:2,guarantee:8M,limit:48M");
     cuma_heap *b = sim_heap("priority:-1,guarantee:24M");
-    void *a6, *a4, *a2, *b20;
+    cuma_heap *c = sim_heap("priority:0,limit:16M");
+    void *a6, *a4, *a2, *b20, *c3, *c6;
     CHECK_OK(cuma_alloc(a, 6 * MB, NULL, &a6));
     CHECK_OK(cuma_alloc(a, 4 * MB, NULL, &a4));
     CHECK_OK(cuma_alloc(a, 2 * MB, NULL, &a2));
     CHECK_OK(cuma_free(a, a4, NULL));
     CHECK_OK(cuma_alloc(b, 20 * MB, NULL, &b20));
+    run_c(c, &c3, &c6);
     cuma_stats sa = heap_stats(a), sb = heap_stats(b);
     CHECK(sa.reserved_bytes == 12 * MB && sa.cached_bytes == 4 * MB &&
           sa.requested_bytes == 8 * MB && sa.peak_reserved_bytes == 12 * MB);
@@ -134,14 +249,25 @@ static int run_sim(void) {
           sb.peak_reserved_bytes == 20 * MB);
     settle_sim(a, 2);
     settle_sim(b, -1);
+    settle_sim(c, 0);
     printf("ready\n");
     fflush(stdout);
-    wait_for_eof();
+    char line[64];
+    while (fgets(line, sizeof line, stdin)) {
+        if (strcmp(line, "step\n")) continue;
+        step_c(c);
+        settle_sim(c, 0);
+        printf("stepped\n");
+        fflush(stdout);
+    }
     CHECK_OK(cuma_free(a, a6, NULL));
     CHECK_OK(cuma_free(a, a2, NULL));
     CHECK_OK(cuma_free(b, b20, NULL));
+    CHECK_OK(cuma_free(c, c3, NULL));
+    CHECK_OK(cuma_free(c, c6, NULL));
     cuma_heap_destroy(a);
     cuma_heap_destroy(b);
+    cuma_heap_destroy(c);
     return 0;
 }
 
@@ -190,8 +316,8 @@ static int run_raw(void) {
         usleep(1000);
     }
     cuma_ledger_self(x, &ex);
-    print_entry(&ex);
-    print_entry(&ey);
+    print_entry(&ex, NULL);
+    print_entry(&ey, NULL);
     printf("ready\n");
     fflush(stdout);
     /* "step": X gives 4M more in one callback, is refused 4M once and gives 2M back to the

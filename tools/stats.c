@@ -1,0 +1,266 @@
+/* `cuma stats`: every figure the ledger holds of a heap, one block per heap, or as JSON.
+ *
+ * ps and top keep to one row a heap; this is the view of one process's allocator from outside
+ * (what cuma_get_stats says inside it), for an operator asking why a job fails or holds what it
+ * holds. The allocator figures are those the heap's release thread last published (every
+ * 100 ms); the ledger's own (reserved, pressure) are exact at the read. */
+#include "cli.h"
+#include "ledger_view.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The allocator's counts and sizes in the JSON, by their cuma_ledger_entry names (those of
+ * cuma.ledger() in Python too). */
+typedef struct stat_field {
+    const char *name;
+    size_t off; /* of a uint64_t in cuma_ledger_entry */
+} stat_field;
+
+#define F(field)                                                                                   \
+    { #field, offsetof(cuma_ledger_entry, field) }
+static const stat_field stat_fields[] = {
+    F(page_size),
+    F(allocated),
+    F(peak_requested),
+    F(mapped),
+    F(managed),
+    F(active_allocs),
+    F(num_allocs),
+    F(num_frees),
+    F(failed_allocs),
+    F(alloc_retries),
+    F(ooms),
+    F(oom_callbacks),
+    F(managed_fallbacks),
+    F(page_creates),
+    F(page_releases),
+    F(maps),
+    F(unmaps),
+    F(trims),
+    F(page_call_ns),
+    F(arenas),
+};
+#undef F
+
+static uint64_t field_of(const cuma_ledger_entry *e, const stat_field *f) {
+    return *(const uint64_t *)((const char *)e + f->off);
+}
+
+/* ---- text ----------------------------------------------------------------------------------- */
+
+/* "453 ns", "12.5 us", "3.2 ms", "1.50 s": page calls take microseconds, ages seconds. */
+static const char *duration(uint64_t ns, char *buf, size_t len) {
+    if (ns < 1000)
+        snprintf(buf, len, "%" PRIu64 " ns", ns);
+    else if (ns < 1000000)
+        snprintf(buf, len, "%.1f us", (double)ns / 1e3);
+    else if (ns < 1000000000)
+        snprintf(buf, len, "%.1f ms", (double)ns / 1e6);
+    else
+        snprintf(buf, len, "%.2f s", (double)ns / 1e9);
+    return buf;
+}
+
+/* One line of a block: the label in a column of its own, then the figures. */
+static void line(const char *label, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void line(const char *label, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    printf("  %-14s", label);
+    vprintf(fmt, ap);
+    putchar('\n');
+    va_end(ap);
+}
+
+static void print_block(const cuma_ledger_entry *e) {
+    char name[64], dev[128], be[64], a[32], b[32], c[32], d[32];
+    view_clean(e->process, name, sizeof name);
+    view_clean(e->device, dev, sizeof dev);
+    view_clean(e->backend, be, sizeof be);
+    int st = view_has_stats(e);
+    printf("pid %d %s, device %s, slot %u\n", e->pid, name, dev, e->slot);
+    if (st)
+        line("backend", "%s, page size %s, arenas %" PRIu64, be[0] ? be : "-",
+             view_size(e->page_size, a, sizeof a), e->arenas);
+    else
+        line("backend", "%s", be[0] ? be : "-");
+    line("settings", "priority %d, guarantee %s, limit %s", e->priority,
+         view_size(e->guarantee, a, sizeof a), e->limit ? view_size(e->limit, b, sizeof b) : "-");
+    line("memory", "reserved %s, cached %s, in use %s, requested %s",
+         view_size(e->reserved, a, sizeof a), view_size(e->cached, b, sizeof b),
+         view_size(view_in_use(e), c, sizeof c), view_size(e->requested, d, sizeof d));
+    if (st) {
+        line("", "allocated %s, mapped %s, managed %s", view_size(e->allocated, a, sizeof a),
+             view_size(e->mapped, b, sizeof b), view_size(e->managed, c, sizeof c));
+        line("peaks", "reserved %s, requested %s", view_size(e->peak_reserved, a, sizeof a),
+             view_size(e->peak_requested, b, sizeof b));
+        line("allocations",
+             "active %" PRIu64 ", allocs %" PRIu64 ", frees %" PRIu64 ", failed %" PRIu64
+             ", retries %" PRIu64,
+             e->active_allocs, e->num_allocs, e->num_frees, e->failed_allocs, e->alloc_retries);
+        line("out of memory",
+             "OOMs %" PRIu64 ", OOM callbacks %" PRIu64 ", managed fallbacks %" PRIu64, e->ooms,
+             e->oom_callbacks, e->managed_fallbacks);
+        line("page calls",
+             "creates %" PRIu64 ", releases %" PRIu64 ", maps %" PRIu64 ", unmaps %" PRIu64
+             ", trims %" PRIu64 ", time %s",
+             e->page_creates, e->page_releases, e->maps, e->unmaps, e->trims,
+             duration(e->page_call_ns, a, sizeof a));
+        line("fragmentation", "%.1f%%", e->fragmentation * 100.0);
+    } else {
+        line("peaks", "reserved %s", view_size(e->peak_reserved, a, sizeof a));
+        /* Said in words: zeros here would read as an idle heap. */
+        line("allocator", "never published (no release thread: release_thread:off or "
+                          "sim_clock:manual)");
+    }
+    line("ledger", "want %s, denials %" PRIu64 ", asks %" PRIu64 ", given %s, callbacks %" PRIu64,
+         e->want ? view_size(e->want, a, sizeof a) : "-", e->denials, e->pressure_asks,
+         view_size(e->pressure_given, b, sizeof b), e->pressure_calls);
+    if (st)
+        line("age", "allocator figures %s, cached/requested %s",
+             duration(e->stats_age_ns, a, sizeof a), duration(e->age_ns, b, sizeof b));
+    else
+        line("age", "cached/requested %s", duration(e->age_ns, b, sizeof b));
+}
+
+static void print_text(const ledger_view *v, const unsigned char *keep, int filtered) {
+    size_t shown = 0;
+    for (size_t i = 0; i < v->nheaps; i++) shown += keep[i];
+    if (!v->nheaps && !filtered) {
+        printf("ledger %s: no live heaps\n", v->path);
+        return;
+    }
+    if (!shown) return; /* only PIDs without heaps: their errors say it all */
+    if (filtered)
+        printf("ledger %s: %zu of its %zu heap%s\n", v->path, shown, v->nheaps,
+               v->nheaps == 1 ? "" : "s");
+    else
+        printf("ledger %s: %zu heap%s on %zu device%s\n", v->path, v->nheaps,
+               v->nheaps == 1 ? "" : "s", v->ndevices, v->ndevices == 1 ? "" : "s");
+    for (size_t i = 0; i < v->nheaps; i++) {
+        if (!keep[i]) continue;
+        putchar('\n');
+        print_block(&v->heaps[i]);
+    }
+}
+
+/* ---- JSON ----------------------------------------------------------------------------------- */
+
+/* The fields after cuma ps's: unknown figures are null, not zero (a heap that never published
+ * is not an idle one). */
+static void json_stats(FILE *f, const cuma_ledger_entry *e) {
+    fputs(",\"backend\":", f);
+    if (e->backend[0])
+        view_json_string(f, e->backend);
+    else
+        fputs("null", f);
+    int st = view_has_stats(e);
+    for (size_t k = 0; k < sizeof stat_fields / sizeof stat_fields[0]; k++) {
+        if (st)
+            fprintf(f, ",\"%s\":%" PRIu64, stat_fields[k].name, field_of(e, &stat_fields[k]));
+        else
+            fprintf(f, ",\"%s\":null", stat_fields[k].name);
+    }
+    if (st) /* The ledger keeps parts per million: six decimals are exact. */
+        fprintf(f, ",\"fragmentation\":%.6f,\"stats_age_ns\":%" PRIu64, e->fragmentation,
+                e->stats_age_ns);
+    else
+        fputs(",\"fragmentation\":null,\"stats_age_ns\":null", f);
+}
+
+/* ---- the command ---------------------------------------------------------------------------- */
+
+/* A PID argument: digits only, 1 to INT_MAX. */
+static int parse_pid(const char *s, int *pid) {
+    if (*s < '0' || *s > '9') return -1;
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || *end || v < 1 || v > INT_MAX) return -1;
+    *pid = (int)v;
+    return 0;
+}
+
+/* Why `pid` has no heap here: gone, or alive without one in this ledger. */
+static void report_missing(int pid, const char *path) {
+    if (kill(pid, 0) && errno == ESRCH)
+        fprintf(stderr, "cuma stats: pid %d is not running\n", pid);
+    else
+        fprintf(stderr, "cuma stats: pid %d has no heap in ledger %s\n", pid, path);
+}
+
+int cuma_cmd_stats(int argc, char **argv) {
+    if (cli_wants_help(argc, argv, CUMA_STATS_USAGE)) return CUMA_EXIT_OK;
+    const char *ledger = NULL;
+    int json = 0, npids = 0, options_done = 0;
+    int *pids = calloc((size_t)argc, sizeof *pids);
+    if (!pids) {
+        fprintf(stderr, "cuma stats: out of memory\n");
+        return CUMA_EXIT_FAIL;
+    }
+    for (int i = 1; i < argc; i++) {
+        const char *v;
+        int missing = 0;
+        if (!options_done && !strcmp(argv[i], "--")) {
+            options_done = 1;
+        } else if (!options_done &&
+                   (v = cli_option(argc, argv, &i, "--ledger", &missing)) != NULL) {
+            ledger = v;
+        } else if (!options_done && !strcmp(argv[i], "--json")) {
+            json = 1;
+        } else if (missing) {
+            free(pids);
+            return cli_usage_error("stats", CUMA_STATS_USAGE, "%s needs a value", argv[i]);
+        } else if (!options_done && argv[i][0] == '-') {
+            free(pids);
+            return cli_usage_error("stats", CUMA_STATS_USAGE, "unknown argument '%s'", argv[i]);
+        } else if (parse_pid(argv[i], &pids[npids]) == 0) {
+            npids++;
+        } else {
+            free(pids);
+            return cli_usage_error("stats", CUMA_STATS_USAGE,
+                                   "a PID is a positive integer, not '%s'", argv[i]);
+        }
+    }
+    ledger_view v;
+    int r = view_read(&v, ledger), rc = CUMA_EXIT_OK;
+    unsigned char *keep = NULL;
+    if (r == -2) {
+        rc = cli_usage_error("stats", CUMA_STATS_USAGE, "%s", v.error);
+    } else if (r) {
+        fprintf(stderr, "cuma stats: %s\n", v.error);
+        rc = CUMA_EXIT_FAIL;
+    } else if (!(keep = calloc(v.nheaps ? v.nheaps : 1, 1))) {
+        fprintf(stderr, "cuma stats: out of memory\n");
+        rc = CUMA_EXIT_FAIL;
+    } else {
+        for (size_t i = 0; i < v.nheaps; i++) {
+            keep[i] = !npids;
+            for (int k = 0; k < npids && !keep[i]; k++) keep[i] = v.heaps[i].pid == pids[k];
+        }
+        if (json)
+            view_json(stdout, &v, keep, json_stats);
+        else
+            print_text(&v, keep, npids > 0);
+        for (int k = 0; k < npids; k++) {
+            int found = 0, again = 0;
+            for (size_t i = 0; i < v.nheaps && !found; i++) found = v.heaps[i].pid == pids[k];
+            for (int j = 0; j < k && !again; j++) again = pids[j] == pids[k];
+            if (found || again) continue;
+            report_missing(pids[k], v.path);
+            rc = CUMA_EXIT_FAIL;
+        }
+    }
+    free(keep);
+    free(pids);
+    view_free(&v);
+    if (fflush(stdout) || ferror(stdout)) rc = CUMA_EXIT_FAIL;
+    return rc;
+}
