@@ -7,8 +7,8 @@
  * is published with a release store and read with an acquire load, so the fast path (every
  * allocation after the first) is one atomic load and no lock. Creation takes `create_lock`, so
  * two threads that race to create the same device's heap create it once.
- * cuma_default_heaps_shutdown must not race with any other use of a default heap (like
- * cuma_heap_destroy).
+ * cuma_default_heaps_shutdown must not race with any other use of a default heap, nor
+ * cuma_default_heap_retire with any use of that device's heap (like cuma_heap_destroy).
  */
 #include "default_heap.h"
 
@@ -26,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Written under create_lock (creation, shutdown); read by anyone without it. */
+/* Written under create_lock (creation, retirement, shutdown); read by anyone without it. */
 static _Atomic(cuma_heap *) heaps[CUMA_MAX_DEFAULT_HEAPS];
 static pthread_mutex_t create_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -143,6 +143,19 @@ cuma_status cuma_default_heap(int device, cuma_heap **out) {
 cuma_heap *cuma_default_heap_peek(int device) {
     if (device < 0 || device >= CUMA_MAX_DEFAULT_HEAPS) return NULL;
     return atomic_load_explicit(&heaps[device], memory_order_acquire);
+}
+
+bool cuma_default_heap_retire(int device) {
+    if (device < 0 || device >= CUMA_MAX_DEFAULT_HEAPS) return false;
+    /* Unpublished under create_lock, so that a creation under way for this device (which holds
+     * it) publishes first and is the one destroyed here. The destruction itself runs without the
+     * lock: it waits for the heap's release thread, and other devices' heaps may be created
+     * meanwhile. */
+    pthread_mutex_lock(&create_lock);
+    cuma_heap *h = atomic_exchange_explicit(&heaps[device], NULL, memory_order_acq_rel);
+    pthread_mutex_unlock(&create_lock);
+    cuma_heap_destroy(h);
+    return h != NULL;
 }
 
 /* Not registered with atexit, on purpose: a framework may still free memory while the process

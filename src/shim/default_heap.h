@@ -4,6 +4,8 @@
 
 #include "cuma/cuma.h"
 
+#include <stdbool.h>
+
 /* Device ordinals 0..CUMA_MAX_DEFAULT_HEAPS-1 have a default heap. */
 #define CUMA_MAX_DEFAULT_HEAPS 64
 
@@ -11,5 +13,13 @@
  * Never creates one: for hooks that act on "every heap there is" (empty_cache, record_stream)
  * and must not create heaps for devices the program never used. */
 cuma_heap *cuma_default_heap_peek(int device);
+
+/* Destroys the default heap of `device` and unpublishes it, so that the next
+ * cuma_default_heap(device) creates a new one: for a device whose context is about to be
+ * destroyed (a device reset), which would take the heap's memory with it. The heap's pages go
+ * back through the driver, so the context must still exist. Like cuma_heap_destroy, it must not
+ * race with any use of that heap (cuma_default_heap_peek included); the caller guarantees it.
+ * Returns whether there was a heap. A bad ordinal is a no-op. */
+bool cuma_default_heap_retire(int device);
 
 #endif

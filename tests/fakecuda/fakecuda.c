@@ -10,7 +10,11 @@
  *   FAKECUDA_CAPACITY bytes (default 80G) and allocation granularity
  *   FAKECUDA_GRANULARITY (default 2M; minimum == recommended). Each device
  *   has one primary context (a static object); the current context is a
- *   thread-local pointer.
+ *   thread-local pointer. cuDevicePrimaryCtxReset destroys the memory of the
+ *   context (its cuMemAlloc/managed blocks, its handles and their mappings;
+ *   fakecuda_reclaimed counts what was still live) and makes it inactive
+ *   until the next retain; the last cuDevicePrimaryCtxRelease makes it
+ *   inactive but keeps its memory, so that leak checks still see it.
  * - Physical memory: one sparse memfd per device, carved by a first-fit
  *   extent allocator in granularity units. The file is made larger than the
  *   capacity (16x when possible, sparse so it costs nothing) so that
@@ -67,6 +71,7 @@ FC_HIDDEN pthread_cond_t fc_cv;
 FC_HIDDEN int fc_initialized;
 FC_HIDDEN struct fc_device fc_dev[FC_MAX_DEVICES];
 FC_HIDDEN struct fc_live_counts fc_live_n;
+FC_HIDDEN struct fc_live_counts fc_reclaimed_n;
 FC_HIDDEN _Thread_local struct CUctx_st *fc_tls_ctx;
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -285,6 +290,7 @@ CUresult cuInit(unsigned int Flags) {
                     fc_die("cannot create the memfd for device %d: %s", i, strerror(errno));
                 d->ctx.dev = i;
                 d->ctx.refcount = 0;
+                d->ctx.stale = 0;
                 fc_stream_init_device(d, i);
             }
             fc_initialized = 1;
@@ -431,17 +437,40 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     return CUDA_SUCCESS;
 }
 
+/* The last release makes the context inactive but, unlike the driver, keeps its memory: leak
+ * checks made after it (a library that releases the context it retained) still see what was
+ * left behind. cuDevicePrimaryCtxReset destroys it. */
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     FC_ENTER(DevicePrimaryCtxRelease);
     if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
     CUresult rc = CUDA_SUCCESS;
     fc_lock();
-    if (fc_dev[dev].ctx.refcount <= 0)
-        rc = CUDA_ERROR_INVALID_CONTEXT;
+    struct CUctx_st *c = &fc_dev[dev].ctx;
+    if (c->stale > 0)
+        c->stale--;
+    else if (c->refcount > 0)
+        c->refcount--;
     else
-        fc_dev[dev].ctx.refcount--;
+        rc = CUDA_ERROR_INVALID_CONTEXT;
     fc_unlock();
     return rc;
+}
+
+/* The context's memory is destroyed (fc_mem_reset_device_locked) and the context becomes inactive
+ * until the next retain, which gets the same handle (as the driver's does). The retains it had
+ * are not released but dropped: their releases still succeed (`stale`). A thread's current
+ * context stays set, and calls in it fail until someone retains the context again. Streams and
+ * events are kept (a simplification: code under test must not rely on it). */
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
+    FC_ENTER(DevicePrimaryCtxReset);
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    fc_lock();
+    fc_mem_reset_device_locked(dev);
+    struct CUctx_st *c = &fc_dev[dev].ctx;
+    c->stale += c->refcount;
+    c->refcount = 0;
+    fc_unlock();
+    return CUDA_SUCCESS;
 }
 
 CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
@@ -580,10 +609,12 @@ CUresult cuGetErrorName(CUresult error, const char **pStr) {
 #undef cuStreamDestroy
 #undef cuEventDestroy
 #undef cuDevicePrimaryCtxRelease
+#undef cuDevicePrimaryCtxReset
 #undef cuDeviceGetUuid
 FC_EXPORT CUresult cuStreamDestroy(CUstream hStream);
 FC_EXPORT CUresult cuEventDestroy(CUevent hEvent);
 FC_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev);
+FC_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev);
 FC_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev);
 CUresult cuStreamDestroy(CUstream hStream) {
     return cuStreamDestroy_v2(hStream);
@@ -593,6 +624,9 @@ CUresult cuEventDestroy(CUevent hEvent) {
 }
 CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
     return cuDevicePrimaryCtxRelease_v2(dev);
+}
+CUresult cuDevicePrimaryCtxReset(CUdevice dev) {
+    return cuDevicePrimaryCtxReset_v2(dev);
 }
 CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
     return cuDeviceGetUuid_v2(uuid, dev);
@@ -626,6 +660,7 @@ static const struct fc_proc g_procs[] = {
     P2("cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease_v2, 11000, cuDevicePrimaryCtxRelease,
        7000),
     P("cuDevicePrimaryCtxGetState", cuDevicePrimaryCtxGetState, 7000),
+    P2("cuDevicePrimaryCtxReset", cuDevicePrimaryCtxReset_v2, 11000, cuDevicePrimaryCtxReset, 7000),
     P("cuCtxSetCurrent", cuCtxSetCurrent, 4000),
     P("cuCtxGetCurrent", cuCtxGetCurrent, 4000),
     P("cuCtxGetDevice", cuCtxGetDevice, 2000),
@@ -726,7 +761,8 @@ void fakecuda_reset_counters(void) {
     fc_unlock();
 }
 
-long fakecuda_live(const char *kind) {
+/* One kind's figure in a set of counts; `api` names the caller in the message for a bad kind. */
+static long count_of(const struct fc_live_counts *counts, const char *kind, const char *api) {
     fc_config_once();
     static const struct {
         const char *name;
@@ -744,11 +780,19 @@ long fakecuda_live(const char *kind) {
         if (strcmp(kinds[i].name, kind) != 0) continue;
         long v;
         fc_lock();
-        memcpy(&v, (const char *)&fc_live_n + kinds[i].off, sizeof v);
+        memcpy(&v, (const char *)counts + kinds[i].off, sizeof v);
         fc_unlock();
         return v;
     }
-    fc_die("fakecuda_live: unknown kind \"%s\"", kind ? kind : "(null)");
+    fc_die("%s: unknown kind \"%s\"", api, kind ? kind : "(null)");
+}
+
+long fakecuda_live(const char *kind) {
+    return count_of(&fc_live_n, kind, "fakecuda_live");
+}
+
+long fakecuda_reclaimed(const char *kind) {
+    return count_of(&fc_reclaimed_n, kind, "fakecuda_reclaimed");
 }
 
 size_t fakecuda_used_bytes(int device) {

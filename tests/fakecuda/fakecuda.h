@@ -87,6 +87,14 @@ void fakecuda_reset_counters(void);
 long fakecuda_live(const char *kind);
 
 /*
+ * Number of objects of one kind (the kinds of fakecuda_live) that a
+ * cuDevicePrimaryCtxReset destroyed because they were still live, since the
+ * library was loaded. Code that gives its memory back before a reset leaves
+ * "handles", "mappings", "allocs" and "managed" where they were.
+ */
+long fakecuda_reclaimed(const char *kind);
+
+/*
  * Bytes charged to `device`'s capacity: cuMemCreate physical memory that is
  * still allocated (a released handle stays charged until its last mapping is
  * unmapped), cuMemAlloc and cuMemAllocManaged sizes rounded up to the

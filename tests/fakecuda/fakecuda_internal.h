@@ -33,6 +33,7 @@
     X(DevicePrimaryCtxRetain)                                                                      \
     X(DevicePrimaryCtxRelease)                                                                     \
     X(DevicePrimaryCtxGetState)                                                                    \
+    X(DevicePrimaryCtxReset)                                                                       \
     X(CtxSetCurrent)                                                                               \
     X(CtxGetCurrent)                                                                               \
     X(CtxGetDevice)                                                                                \
@@ -96,6 +97,10 @@ struct fc_vec {
 struct CUctx_st {
     int dev;
     int refcount; /* primary context retain count; 0 = inactive */
+    /* Retains that a cuDevicePrimaryCtxReset dropped: the driver documents releasing them after
+     * the reset as safe, so each release of one succeeds and changes nothing. Released before
+     * `refcount` (a release cannot say which retain it ends; the older ones go first). */
+    int stale;
 };
 
 struct CUstream_st {
@@ -131,6 +136,9 @@ extern FC_HIDDEN pthread_cond_t fc_cv;
 extern FC_HIDDEN int fc_initialized;
 extern FC_HIDDEN struct fc_device fc_dev[FC_MAX_DEVICES];
 extern FC_HIDDEN struct fc_live_counts fc_live_n;
+/* Objects that cuDevicePrimaryCtxReset destroyed because they were still live (fakecuda_reclaimed).
+ */
+extern FC_HIDDEN struct fc_live_counts fc_reclaimed_n;
 extern FC_HIDDEN _Thread_local struct CUctx_st *fc_tls_ctx;
 
 /* fakecuda.c */
@@ -162,6 +170,10 @@ FC_HIDDEN void fc_vec_erase(struct fc_vec *v, size_t i, size_t count);
 
 /* fakecuda_mem.c: per-device setup at cuInit; 0 or -1 (errno set). */
 FC_HIDDEN int fc_mem_init_device(struct fc_device *d);
+
+/* fakecuda_mem.c: destroys the memory of device dev's primary context, as a reset does (see
+ * cuDevicePrimaryCtxReset_v2 in fakecuda.c). fc_mu held. */
+FC_HIDDEN void fc_mem_reset_device_locked(int dev);
 
 /* fakecuda_stream.c: per-device setup at cuInit. */
 FC_HIDDEN void fc_stream_init_device(struct fc_device *d, int dev);

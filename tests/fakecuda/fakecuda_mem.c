@@ -600,6 +600,61 @@ static CUresult free_block(CUdeviceptr dptr) {
     return rc;
 }
 
+/* ---- a reset of the primary context ---------------------------------------- */
+
+/* Everything of device dev's context goes, as with the driver: its cuMemAlloc and managed blocks,
+ * its physical handles (released or not) and every mapping of them, so that the old addresses
+ * and handles are errors from now on (a CPU access to an old mapping faults, as a kernel's
+ * would). Reservations stay: they are the process's address space, not the context's, and their
+ * owner frees them as before. What was still live is counted in fc_reclaimed_n: code that gives
+ * its memory back before the reset leaves nothing there. */
+void fc_mem_reset_device_locked(int dev) {
+    for (size_t i = 0; i < g_maps.n;) {
+        const struct fc_map *m = fc_vec_at(&g_maps, i);
+        if (m->dev != dev) {
+            i++;
+            continue;
+        }
+        struct fc_resv *r = resv_containing(m->addr, m->size);
+        if (!r) fc_die("internal error: mapping outside any reservation");
+        va_to_reserved(m->addr, m->size);
+        r->nmaps--;
+        g_slots[m->slot].maps--;
+        fc_vec_erase(&g_maps, i, 1);
+        fc_live_n.mappings--;
+        fc_reclaimed_n.mappings++;
+    }
+    for (uint32_t k = 0; k < g_nslots; k++) {
+        struct fc_slot *s = &g_slots[k];
+        if (!s->in_use || s->dev != dev) continue;
+        if (s->maps != 0) fc_die("internal error: a handle of a reset device is still mapped");
+        if (!s->released) {
+            fc_live_n.handles--;
+            fc_reclaimed_n.handles++;
+        }
+        slot_destroy(k);
+    }
+    for (size_t i = 0; i < g_blocks.n;) {
+        struct fc_block b;
+        memcpy(&b, fc_vec_at(&g_blocks, i), sizeof b);
+        if (b.dev != dev) {
+            i++;
+            continue;
+        }
+        munmap((void *)(uintptr_t)b.addr, b.size);
+        if (!b.managed) phys_free(&fc_dev[dev], b.off, b.size);
+        fc_dev[dev].used -= b.size;
+        if (b.managed) {
+            fc_live_n.managed--;
+            fc_reclaimed_n.managed++;
+        } else {
+            fc_live_n.allocs--;
+            fc_reclaimed_n.allocs++;
+        }
+        fc_vec_erase(&g_blocks, i, 1);
+    }
+}
+
 /* Pitch as current GPUs give it: rows padded to 512 bytes. */
 CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
                             unsigned int ElementSizeBytes) {

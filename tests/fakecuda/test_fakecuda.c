@@ -1,9 +1,9 @@
 /*
  * test_fakecuda.c - self test of the fake CUDA driver (tests/fakecuda):
  * main, initialisation, devices, contexts and memory (VMM, capacity,
- * cuMemAlloc/managed, fault injection). Streams, events, threads, exports and
- * the environment modes are in test_fakecuda_streams.c; the shared check
- * macros and helpers in test_fakecuda.h.
+ * cuMemAlloc/managed, fault injection, a reset of the primary context). Streams, events, threads,
+ * exports and the environment modes are in test_fakecuda_streams.c; the shared check macros and
+ * helpers in test_fakecuda.h.
  *
  * Runs with FAKECUDA_DEVICES=2, FAKECUDA_CAPACITY=64M, FAKECUDA_GRANULARITY=2M
  * (set below, before the library reads its configuration). Every check
@@ -393,6 +393,77 @@ static void test_alloc(void) {
     CHECK(fakecuda_used_bytes(0) == 0 && fakecuda_used_bytes(1) == 0);
 }
 
+/* A reset destroys device 0's memory (not device 1's, not the reservation): every old handle,
+ * mapping and block is an error afterwards, and the retains it dropped can still be released. */
+static void test_reset(void) {
+    g_section = "reset";
+    static const char *const kinds[] = {"handles", "mappings", "allocs", "managed"};
+    long before[4];
+    for (int i = 0; i < 4; i++) before[i] = fakecuda_reclaimed(kinds[i]);
+    CUdeviceptr base = reserve(4 * GRAN), blk, man, blk1;
+    CUmemGenericAllocationHandle h0 = create(0, 2 * GRAN), spare = create(0, GRAN);
+    CUmemGenericAllocationHandle h1 = create(1, GRAN);
+    OK(cuMemMap(base, 2 * GRAN, 0, h0, 0));
+    OK(set_access(base, 2 * GRAN, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE));
+    OK(cuMemMap(base + 2 * GRAN, GRAN, 0, h1, 0));
+    OK(set_access(base + 2 * GRAN, GRAN, 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE));
+    fill(base, 3 * GRAN, 7);
+    OK(cuMemAlloc(&blk, 4096));
+    OK(cuMemAllocManaged(&man, 4096, CU_MEM_ATTACH_GLOBAL));
+    OK(cuCtxSetCurrent(g_ctx1));
+    OK(cuMemAlloc(&blk1, 4096));
+    OK(cuCtxSetCurrent(g_ctx0));
+
+    CHECK_RC(cuDevicePrimaryCtxReset(2), CUDA_ERROR_INVALID_DEVICE);
+    OK(cuDevicePrimaryCtxReset(0));
+    static const long want[4] = {2, 1, 1, 1}; /* h0 and spare, h0's mapping, blk, man */
+    for (int i = 0; i < 4; i++)
+        if (fakecuda_reclaimed(kinds[i]) - before[i] != want[i])
+            fail(__LINE__, "objects a reset destroyed", kinds[i]);
+    CHECK(fakecuda_used_bytes(0) == 0 && fakecuda_used_bytes(1) == 2 * GRAN);
+    CHECK(fakecuda_live("handles") == 1 && fakecuda_live("mappings") == 1);
+    unsigned flags;
+    int active = 1;
+    OK(cuDevicePrimaryCtxGetState(0, &flags, &active));
+    CHECK(!active);
+    CUcontext c = NULL;
+    OK(cuCtxGetCurrent(&c));
+    CHECK(c == g_ctx0); /* still current, but nothing works in it until a retain */
+    CUdeviceptr p;
+    CHECK_RC(cuMemAlloc(&p, 16), CUDA_ERROR_INVALID_CONTEXT);
+    OK(cuDevicePrimaryCtxRetain(&c, 0));
+    CHECK(c == g_ctx0);
+    OK(cuDevicePrimaryCtxGetState(0, &flags, &active));
+    CHECK(active);
+
+    CHECK_RC(cuMemRelease(h0), CUDA_ERROR_INVALID_VALUE);
+    CHECK_RC(cuMemMap(base, GRAN, 0, spare, 0), CUDA_ERROR_INVALID_VALUE);
+    CHECK_RC(cuMemUnmap(base, 2 * GRAN), CUDA_ERROR_INVALID_VALUE);
+    CHECK_RC(cuMemsetD8(base, 0, 16), CUDA_ERROR_INVALID_VALUE);
+    CHECK_FAULTS(base, 0);
+    CHECK_RC(cuMemsetD8(blk, 0, 16), CUDA_ERROR_INVALID_VALUE);
+    CHECK_RC(cuMemFree(blk), CUDA_ERROR_INVALID_VALUE);
+    CHECK_RC(cuMemFree(man), CUDA_ERROR_INVALID_VALUE);
+    CHECK(check_fill(base + 2 * GRAN, GRAN, 7 + 2 * GRAN / 4096)); /* device 1's page */
+
+    /* The reservation is the process's: freed as before once device 1's page is unmapped. */
+    CHECK_RC(cuMemAddressFree(base, 4 * GRAN), CUDA_ERROR_INVALID_VALUE);
+    OK(cuMemUnmap(base + 2 * GRAN, GRAN));
+    OK(cuMemRelease(h1));
+    OK(cuMemAddressFree(base, 4 * GRAN));
+    OK(cuCtxSetCurrent(g_ctx1));
+    OK(cuMemFree(blk1));
+    OK(cuCtxSetCurrent(g_ctx0));
+    OK(cuMemAlloc(&p, 16)); /* the device works again */
+    OK(cuMemFree(p));
+    CHECK(fakecuda_used_bytes(0) == 0 && fakecuda_used_bytes(1) == 0);
+
+    /* g_ctx0's retain from before the reset: released, while the new one keeps it active. */
+    OK(cuDevicePrimaryCtxRelease(0));
+    OK(cuDevicePrimaryCtxGetState(0, &flags, &active));
+    CHECK(active);
+}
+
 static void test_fault_injection(void) {
     g_section = "fault injection";
     CUmemAllocationProp prop = prop_for(0);
@@ -480,6 +551,7 @@ int main(int argc, char **argv) {
     test_capacity();
     test_alloc();
     test_fault_injection();
+    test_reset();
     test_streams();
     test_proc_address();
     test_exports_and_counters();

@@ -207,6 +207,11 @@ void test_proc_address(void) {
     CHECK(fn == (void *)cuStreamDestroy_v2);
     OK(cuGetProcAddress("cuDeviceGetUuid", &fn, 11040, 0, &st));
     CHECK(fn == (void *)cuDeviceGetUuid_v2);
+    OK(cuGetProcAddress("cuDevicePrimaryCtxReset", &fn, 11000, 0, &st));
+    CHECK(fn == (void *)cuDevicePrimaryCtxReset_v2);
+    OK(cuGetProcAddress("cuDevicePrimaryCtxReset", &fn, 10020, 0, &st));
+    CHECK(fn && fn == dlsym(RTLD_DEFAULT, "cuDevicePrimaryCtxReset") &&
+          fn != (void *)cuDevicePrimaryCtxReset_v2);
     OK(cuGetProcAddress("cuGetProcAddress", &fn, 12000, 0, NULL));
     CHECK(fn == (void *)cuGetProcAddress_v2);
     OK(cuGetProcAddress("cuNoSuchFunction", &fn, 13000, 0, &st));
@@ -224,7 +229,8 @@ void test_exports_and_counters(void) {
         "cuInit cuDriverGetVersion cuDeviceGet cuDeviceGetCount cuDeviceGetName "
         "cuDeviceGetUuid cuDeviceGetUuid_v2 cuDeviceGetAttribute cuDeviceTotalMem_v2 "
         "cuDeviceCanAccessPeer cuDevicePrimaryCtxRetain cuDevicePrimaryCtxRelease "
-        "cuDevicePrimaryCtxRelease_v2 cuCtxSetCurrent cuCtxGetCurrent cuCtxGetDevice "
+        "cuDevicePrimaryCtxRelease_v2 cuDevicePrimaryCtxReset cuDevicePrimaryCtxReset_v2 "
+        "cuCtxSetCurrent cuCtxGetCurrent cuCtxGetDevice "
         "cuCtxSynchronize cuMemGetInfo_v2 cuMemAlloc_v2 cuMemFree_v2 cuMemAllocManaged "
         "cuMemAddressReserve cuMemAddressFree cuMemCreate cuMemRelease cuMemMap "
         "cuMemUnmap cuMemSetAccess cuMemGetAllocationGranularity cuStreamCreate "
@@ -234,7 +240,7 @@ void test_exports_and_counters(void) {
         "cuGetErrorString cuGetErrorName cuGetProcAddress_v2 cuStreamSynchronize_ptsz "
         "cuEventRecord_ptsz cuMemcpyHtoD_v2_ptds fakecuda_stream_hold "
         "fakecuda_stream_release fakecuda_set_fail fakecuda_calls "
-        "fakecuda_reset_counters fakecuda_live fakecuda_used_bytes ";
+        "fakecuda_reset_counters fakecuda_live fakecuda_reclaimed fakecuda_used_bytes ";
     for (char *save = NULL, *name = strtok_r(present, " ", &save); name;
          name = strtok_r(NULL, " ", &save)) {
         if (!dlsym(RTLD_DEFAULT, name)) fail(__LINE__, "exported symbol missing", name);

@@ -13,12 +13,19 @@
  * ROUTED 0: the plain driver's answers (FAKECUDA_CAPACITY=1G). SHIM 1: the shim is loaded
  * (LD_PRELOAD), which dlsym(RTLD_NEXT, ...) from the program must still see. STDERR_TEXT: what
  * the shim must have written on stderr, once (a bad CUMA_CONF names its key).
+ *
+ * Last, the program resets the device (cudaDeviceReset: cuDevicePrimaryCtxReset fetched through
+ * cuGetProcAddress and through dlsym) with blocks live and freed ones cached, and goes on: the
+ * reset must find nothing of cuma's left to destroy, the next allocation must be real memory in
+ * a fresh heap, a free of an old pointer must fail cleanly. With a second device
+ * (FAKECUDA_DEVICES=2), a thread works on device 1 while device 0 is reset over and over.
  */
 #include "fakecuda.h"
 
 #include <cuda.h>
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -75,6 +82,9 @@ static void show_captured(void) {
 
 static bool routed, shim_loaded, vmm;
 static CUcontext primary;
+/* How many times this program retained device 0's primary context (a reset drops them without
+ * releasing them; each may still be released). */
+static int retains;
 
 /* The file that defines the function at p, for "whose function is this?". */
 static const char *file_of(const void *p) {
@@ -327,6 +337,186 @@ static void check_runtime_path(void) {
     CHECK(sym && is_shim(sym) == shim_loaded);
 }
 
+typedef CUresult (*ctx_fn)(CUdevice);
+
+/* What a reset destroys (fakecuda_reclaimed): objects that were still live when it came. */
+static const char *const reclaim_kinds[] = {"handles", "mappings", "allocs", "managed"};
+#define NKINDS (sizeof reclaim_kinds / sizeof reclaim_kinds[0])
+
+/* The runtime's next call after cudaDeviceReset retains the primary context again. */
+static void retain_again(CUdevice dev) {
+    CUcontext c = NULL;
+    CHECK_CU(cuDevicePrimaryCtxRetain(&c, dev));
+    CHECK(c != NULL);
+    CHECK_CU(cuCtxSetCurrent(c));
+    if (dev == 0) {
+        CHECK(c == primary); /* the driver hands out the same handle again */
+        retains++;
+    }
+}
+
+/* A reset of device 0 through reset_fn with two blocks live and a freed one in cuma's cache, then
+ * the program goes on. */
+static void reset_and_go_on(ctx_fn reset_fn, const char *how) {
+    CUdeviceptr keep, old, idle;
+    CHECK_CU(cuMemAlloc_v2(&keep, 1 * MB));
+    CHECK_CU(cuMemAlloc_v2(&old, 3 * MB));
+    CHECK_CU(cuMemAlloc_v2(&idle, 5 * MB));
+    touch(keep, 1 * MB, 0x21);
+    touch(old, 3 * MB, 0x22);
+    touch(idle, 5 * MB, 0x23);
+    CHECK_CU(cuMemFree_v2(idle));
+    long before[NKINDS];
+    for (size_t i = 0; i < NKINDS; i++) before[i] = fakecuda_reclaimed(reclaim_kinds[i]);
+    CHECK_CU(reset_fn(0));
+    for (size_t i = 0; i < NKINDS; i++) {
+        long n = fakecuda_reclaimed(reclaim_kinds[i]) - before[i];
+        /* Routed: cuma gave back every page and segment while the context still existed. Plain:
+         * the driver destroys the program's two blocks. */
+        long want = !routed && !strcmp(reclaim_kinds[i], "allocs") ? 2 : 0;
+        if (n != want)
+            FAIL("reset through %s destroyed %ld %s, wanted %ld%s\n", how, n, reclaim_kinds[i],
+                 want, routed ? " (cuma still held them)" : "");
+    }
+    /* Nothing of cuma's is left: no page, range or segment, nothing charged to the device. */
+    CHECK(fakecuda_live("handles") == 0 && fakecuda_live("mappings") == 0);
+    CHECK(fakecuda_live("reservations") == 0 && fakecuda_live("allocs") == 0);
+    CHECK(fakecuda_used_bytes(0) == 0);
+    retain_again(0);
+
+    CUdeviceptr fresh;
+    CHECK_CU(cuMemAlloc_v2(&fresh, 2 * MB));
+    touch(fresh, 2 * MB, 0x24); /* mapped: real memory behind the address */
+    size_t fr, tot;
+    CHECK_CU(cuMemGetInfo_v2(&fr, &tot));
+    CHECK(tot == (routed ? LIMIT : CAPACITY));
+    /* A fresh heap: the old blocks count no more (4 MiB of them would). */
+    if (routed && tot - fr > 2 * MB) FAIL("after the reset, free %zu of %zu\n", fr, tot);
+    /* An old pointer is no block any more. The driver may hand its address out again (so may
+     * cuma's new heap), and a free of it would then free the new block, as without the shim:
+     * free one that the new block does not start at. */
+    CUdeviceptr stale = fresh == old ? keep : old;
+    CHECK_RES(cuMemFree_v2(stale), CUDA_ERROR_INVALID_VALUE);
+    CHECK_RES(cuMemFreeAsync(stale, NULL), CUDA_ERROR_INVALID_VALUE);
+    touch(fresh, 2 * MB, 0x25); /* untouched by those frees */
+    CHECK_CU(cuMemFree_v2(fresh));
+    CHECK_RES(cuMemFree_v2(fresh), CUDA_ERROR_INVALID_VALUE);
+}
+
+/* Device 1's user: its heap, blocks and frees (which look at device 0's heap first) must not
+ * notice device 0's resets. */
+static void *device1_main(void *arg) {
+    atomic_int *stop = arg;
+    retain_again(1);
+    CUdeviceptr held;
+    CHECK_CU(cuMemAlloc_v2(&held, 12 * MB)); /* a segment of its own in segment mode */
+    touch(held, 12 * MB, 0x61);
+    unsigned long rounds = 0;
+    while (!atomic_load(stop) || rounds < 200) {
+        CUdeviceptr p;
+        size_t n = 4096 + (rounds % 64) * 65536;
+        CHECK_CU(cuMemAlloc_v2(&p, n));
+        CHECK_CU(cuMemsetD8_v2(p + n - 1, (unsigned char)rounds, 1));
+        CHECK_CU(cuMemFree_v2(p));
+        size_t fr, tot;
+        CHECK_CU(cuMemGetInfo_v2(&fr, &tot));
+        rounds++;
+    }
+    unsigned char c = 0;
+    CHECK_CU(cuMemcpyDtoH_v2(&c, held + 12 * MB - 1, 1));
+    CHECK(c == 0x61);
+    CHECK_CU(cuMemFree_v2(held));
+    CHECK_RES(cuMemFree_v2(held), CUDA_ERROR_INVALID_VALUE); /* still known as cuma's */
+    return NULL;
+}
+
+static void check_reset_beside_device1(ctx_fn reset_fn) {
+    atomic_int stop = 0;
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, device1_main, &stop) == 0);
+    for (int i = 0; i < 20; i++) {
+        CUdeviceptr p;
+        CHECK_CU(cuMemAlloc_v2(&p, (size_t)(i + 1) * 100000));
+        touch(p, (size_t)(i + 1) * 100000, (unsigned char)i);
+        CHECK_CU(reset_fn(0));
+        retain_again(0);
+    }
+    atomic_store(&stop, 1);
+    CHECK(pthread_join(t, NULL) == 0);
+    /* Device 1's turn: its heap goes too, and nothing of cuma's is left anywhere. */
+    long before = fakecuda_reclaimed("handles") + fakecuda_reclaimed("allocs");
+    CHECK_CU(reset_fn(1));
+    CHECK(fakecuda_reclaimed("handles") + fakecuda_reclaimed("allocs") == before);
+    CHECK(fakecuda_live("reservations") == 0 && fakecuda_used_bytes(1) == 0);
+}
+
+/* The program's releases. cuma's heap holds a reference of its own: the program's last release
+ * leaves the context active (without the shim it goes inactive). A release more than the
+ * program took takes cuma's: the context goes inactive, and the shim retires the heap that held
+ * it (the plain driver refuses that release). */
+static void check_release(ctx_fn release_fn) {
+    CUdeviceptr p;
+    CHECK_CU(cuMemAlloc_v2(&p, 1 * MB));
+    touch(p, 1 * MB, 0x31);
+    CHECK_CU(cuMemFree_v2(p));
+    for (; retains > 0; retains--) CHECK_CU(release_fn(0));
+    unsigned flags;
+    int active = -1;
+    CHECK_CU(cuDevicePrimaryCtxGetState(0, &flags, &active));
+    CHECK(active == (routed ? 1 : 0));
+    if (routed) {
+        CHECK_CU(release_fn(0));
+        CHECK_CU(cuDevicePrimaryCtxGetState(0, &flags, &active));
+        CHECK(!active);
+        CHECK(fakecuda_live("handles") == 0 && fakecuda_live("mappings") == 0);
+        CHECK(fakecuda_live("reservations") == 0 && fakecuda_live("allocs") == 0);
+    } else {
+        CHECK_RES(release_fn(0), CUDA_ERROR_INVALID_CONTEXT);
+    }
+    retain_again(0); /* the program starts over, and cuma with a new heap */
+    CHECK_CU(cuMemAlloc_v2(&p, 1 * MB));
+    touch(p, 1 * MB, 0x32);
+    CHECK_CU(cuMemFree_v2(p));
+}
+
+/* cudaDeviceReset as the runtime reaches it: cuDevicePrimaryCtxReset from cuGetProcAddress (the
+ * _v2 ABI, and the unversioned one a runtime older than CUDA 11 asks for) and from dlsym. */
+static void check_reset(void) {
+    const char *lib = getenv("CUMA_CUDA_LIBRARY");
+    void *h = dlopen(lib && *lib ? lib : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    CHECK(h);
+    void *sym = dlsym(h, "cuGetProcAddress_v2");
+    CHECK(sym);
+    gpa_fn gpa;
+    memcpy(&gpa, &sym, sizeof sym);
+    CUdriverProcAddressQueryResult st;
+    void *fn = NULL;
+    ctx_fn by_gpa, by_gpa_v1, by_dlsym, release_fn;
+    CHECK_CU(gpa("cuDevicePrimaryCtxReset", &fn, 13000, 0, &st));
+    CHECK(fn && is_shim(fn) == routed);
+    if (routed) CHECK(!strcmp(name_of(fn), "cuDevicePrimaryCtxReset_v2"));
+    memcpy(&by_gpa, &fn, sizeof fn);
+    CHECK_CU(gpa("cuDevicePrimaryCtxReset", &fn, 10020, 0, &st));
+    CHECK(fn && is_shim(fn) == routed);
+    if (routed) CHECK(!strcmp(name_of(fn), "cuDevicePrimaryCtxReset"));
+    memcpy(&by_gpa_v1, &fn, sizeof fn);
+    sym = dlsym(h, "cuDevicePrimaryCtxReset_v2");
+    CHECK(sym && is_shim(sym) == routed);
+    memcpy(&by_dlsym, &sym, sizeof sym);
+    CHECK_CU(gpa("cuDevicePrimaryCtxRelease", &fn, 13000, 0, &st));
+    CHECK(fn && is_shim(fn) == routed);
+    memcpy(&release_fn, &fn, sizeof fn);
+
+    reset_and_go_on(by_gpa, "cuGetProcAddress");
+    reset_and_go_on(by_dlsym, "dlsym");
+    reset_and_go_on(by_gpa_v1, "cuGetProcAddress (CUDA 10.2)");
+    int ndev = 0;
+    CHECK_CU(cuDeviceGetCount(&ndev));
+    if (ndev >= 2) check_reset_beside_device1(by_gpa);
+    check_release(release_fn);
+    dlclose(h);
+}
+
 #define THREADS 4
 #define ROUNDS  2000
 
@@ -410,6 +600,7 @@ int main(int argc, char **argv) {
     CHECK(total == (routed ? LIMIT : CAPACITY));
     CHECK(fakecuda_calls("cuDevicePrimaryCtxRetain") == 0);
     CHECK_CU(cuDevicePrimaryCtxRetain(&primary, dev));
+    retains = 1;
     CHECK_CU(cuCtxSetCurrent(primary));
     /* The first call that needs the heap makes it; with nothing allocated, all is free. */
     size_t fr = 0;
@@ -425,6 +616,7 @@ int main(int argc, char **argv) {
     check_foreign_free();
     check_per_thread_streams();
     check_runtime_path();
+    check_reset();
     check_stderr(want);
     printf("test_preload: routed=%d shim=%d vmm=%d: all checks passed\n", routed, shim_loaded, vmm);
     return 0;

@@ -143,6 +143,7 @@ const cuma_preload_driver *cuma_preload_driver_get(void) {
 typedef struct owned_range {
     CUdeviceptr base;
     size_t size;
+    int dev; /* the device whose context cuma took it in; -1: unknown, never forgotten */
 } owned_range;
 
 /* Invariant: owned[0..nowned) is sorted by base and the ranges do not overlap (the driver never
@@ -164,7 +165,7 @@ static size_t owned_upper(CUdeviceptr addr) {
     return lo;
 }
 
-static void owned_add(CUdeviceptr base, size_t size) {
+static void owned_add(CUdeviceptr base, size_t size, int dev) {
     pthread_mutex_lock(&owned_lock);
     if (nowned == capowned) {
         size_t nc = capowned ? capowned * 2 : 16;
@@ -179,7 +180,7 @@ static void owned_add(CUdeviceptr base, size_t size) {
     }
     size_t i = owned_upper(base);
     memmove(&owned[i + 1], &owned[i], (nowned - i) * sizeof *owned);
-    owned[i] = (owned_range){base, size};
+    owned[i] = (owned_range){base, size, dev};
     nowned++;
     pthread_mutex_unlock(&owned_lock);
 }
@@ -194,6 +195,15 @@ static void owned_remove(CUdeviceptr base) {
     pthread_mutex_unlock(&owned_lock);
 }
 
+void cuma_preload_owned_forget(int dev) {
+    pthread_mutex_lock(&owned_lock);
+    size_t kept = 0;
+    for (size_t i = 0; i < nowned; i++)
+        if (owned[i].dev != dev) owned[kept++] = owned[i];
+    nowned = kept;
+    pthread_mutex_unlock(&owned_lock);
+}
+
 bool cuma_preload_owned(CUdeviceptr addr) {
     pthread_mutex_lock(&owned_lock);
     size_t i = owned_upper(addr);
@@ -202,12 +212,20 @@ bool cuma_preload_owned(CUdeviceptr addr) {
     return in;
 }
 
+/* The device of the current context: cuma's backend makes its device's primary context current
+ * for every call it makes (src/backend/cuda_internal.h), so this is the device the memory is
+ * for. -1 when the driver cannot say. */
+static int current_device(const cuma_preload_driver *d) {
+    CUdevice dev;
+    return d->CtxGetDevice && d->CtxGetDevice(&dev) == CUDA_SUCCESS ? (int)dev : -1;
+}
+
 static CUresult CUDAAPI track_reserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr,
                                       unsigned long long flags) {
     const cuma_preload_driver *d = cuma_preload_driver_get();
     if (!d->MemAddressReserve) return CUDA_ERROR_NOT_FOUND;
     CUresult r = d->MemAddressReserve(ptr, size, align, addr, flags);
-    if (r == CUDA_SUCCESS) owned_add(*ptr, size);
+    if (r == CUDA_SUCCESS) owned_add(*ptr, size, current_device(d));
     return r;
 }
 
@@ -223,7 +241,7 @@ static CUresult CUDAAPI track_alloc(CUdeviceptr *dptr, size_t size) {
     const cuma_preload_driver *d = cuma_preload_driver_get();
     if (!d->MemAlloc) return CUDA_ERROR_NOT_FOUND;
     CUresult r = d->MemAlloc(dptr, size);
-    if (r == CUDA_SUCCESS) owned_add(*dptr, size);
+    if (r == CUDA_SUCCESS) owned_add(*dptr, size, current_device(d));
     return r;
 }
 
@@ -231,7 +249,7 @@ static CUresult CUDAAPI track_alloc_managed(CUdeviceptr *dptr, size_t size, unsi
     const cuma_preload_driver *d = cuma_preload_driver_get();
     if (!d->MemAllocManaged) return CUDA_ERROR_NOT_FOUND;
     CUresult r = d->MemAllocManaged(dptr, size, flags);
-    if (r == CUDA_SUCCESS) owned_add(*dptr, size);
+    if (r == CUDA_SUCCESS) owned_add(*dptr, size, current_device(d));
     return r;
 }
 
@@ -297,6 +315,10 @@ MINE(info, cuma_pl_MemGetInfo_fn, cuMemGetInfo_v2)
 MINE(total, cuma_pl_DeviceTotalMem_fn, cuDeviceTotalMem_v2)
 MINE(gpa2, cuma_pl_GetProcAddressV2_fn, cuGetProcAddress_v2)
 MINE(gpa1, cuma_preload_gpa1_fn, cuGetProcAddress)
+MINE(reset, cuma_pl_DevicePrimaryCtxReset_fn, cuDevicePrimaryCtxReset_v2)
+MINE(reset1, cuma_pl_DevicePrimaryCtxResetV1_fn, cuDevicePrimaryCtxReset)
+MINE(release, cuma_pl_DevicePrimaryCtxRelease_fn, cuDevicePrimaryCtxRelease_v2)
+MINE(release1, cuma_pl_DevicePrimaryCtxReleaseV1_fn, cuDevicePrimaryCtxRelease)
 #undef MINE
 
 #define OFF(field) offsetof(cuma_preload_driver, field)
@@ -314,6 +336,16 @@ static const export_entry exports[] = {
     {"cuDeviceTotalMem_v2", "cuDeviceTotalMem", 3020, 0, false, OFF(DeviceTotalMem), mine_total},
     {"cuGetProcAddress_v2", "cuGetProcAddress", 12000, 0, false, OFF(GetProcAddressV2), mine_gpa2},
     {"cuGetProcAddress", "cuGetProcAddress", 11030, 12000, false, OFF(GetProcAddressV1), mine_gpa1},
+    /* The _v2 ABI of the context calls came with CUDA 11.0; the unversioned one serves older
+     * requests (same arguments, the driver's older rules about the context's users). */
+    {"cuDevicePrimaryCtxReset_v2", "cuDevicePrimaryCtxReset", 11000, 0, false,
+     OFF(DevicePrimaryCtxReset), mine_reset},
+    {"cuDevicePrimaryCtxReset", "cuDevicePrimaryCtxReset", 7000, 11000, false,
+     OFF(DevicePrimaryCtxResetV1), mine_reset1},
+    {"cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease", 11000, 0, false,
+     OFF(DevicePrimaryCtxRelease), mine_release},
+    {"cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRelease", 7000, 11000, false,
+     OFF(DevicePrimaryCtxReleaseV1), mine_release1},
 };
 #undef OFF
 

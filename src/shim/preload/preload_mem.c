@@ -14,7 +14,8 @@
  *
  * Thread safety: every entry point may be called from any thread at any time. The per-device
  * table below is written with release stores and read with acquire loads; heap creation is
- * serialised by cuma_default_heap.
+ * serialised by cuma_default_heap. A heap is used only under a pin of its device
+ * (preload_pin.c), so that a reset of the device (preload_ctx.c) can destroy it once nobody does.
  */
 #include "preload.h"
 
@@ -92,13 +93,20 @@ bool cuma_preload_routing(void) {
 
 /* ---- the heap of a context ------------------------------------------------------------------- */
 
-enum { DEV_UNTRIED, DEV_READY, DEV_FAILED };
+enum { DEV_UNTRIED, DEV_READY, DEV_FAILED, DEV_RETIRING };
 
-/* One per device ordinal. Invariant: state == DEV_READY implies heap and primary are set and
- * never change again (cuma's heap holds a retain on the primary context for as long as the
- * process runs, so the handle stays that device's primary context). Writers store heap, then
- * primary, then state, with release; readers load state with acquire first. DEV_FAILED is
- * final: that device's calls go to the driver. */
+/* One per device ordinal. state: UNTRIED (no heap: the next allocation in the device's primary
+ * context adopts one), READY (heap and primary set), FAILED (final: the driver serves the
+ * device), RETIRING (a reset is destroying the heap; calls go to the driver until it is over,
+ * then UNTRIED). Transitions: UNTRIED -> READY or FAILED (adoption, compare-and-swap), UNTRIED
+ * or READY -> RETIRING -> UNTRIED (retirement, one at a time: preload_ctx.c).
+ *
+ * Invariants: while state == READY, heap and primary are set and do not change (cuma's heap
+ * holds a retain on the primary context, so the handle stays that device's primary context).
+ * heap is dereferenced only by a thread that pinned the device before it read state as READY
+ * (pin_heap), and a retirement waits for the device's pins after it leaves READY, so a heap is
+ * never destroyed under a call that uses it. Writers store heap, then primary, then state, with
+ * release; readers load state with acquire first. */
 typedef struct preload_dev {
     _Atomic(cuma_heap *) heap;
     _Atomic(CUcontext) primary;
@@ -106,22 +114,43 @@ typedef struct preload_dev {
 } preload_dev;
 
 static preload_dev devs[CUMA_MAX_DEFAULT_HEAPS];
-/* 1 + the highest ordinal that is DEV_READY (only grows): the scans stop there. */
+/* 1 + the highest ordinal that was ever READY (only grows): the scans stop there. */
 static _Atomic int ndevs;
 
+/* Device i's heap if it is READY; the caller holds a pin of i (or uses only the pointer). */
 static cuma_heap *ready_heap(int i) {
     if (atomic_load_explicit(&devs[i].state, memory_order_acquire) != DEV_READY) return NULL;
     return atomic_load_explicit(&devs[i].heap, memory_order_relaxed);
 }
 
-/* The heap whose device's primary context is ctx, among the devices already routed. */
-static cuma_heap *heap_of_known_ctx(CUcontext ctx) {
+/* Pins dev and returns its heap, pinned; NULL, with no pin held, when it has none. */
+static cuma_heap *pin_heap(int dev, cuma_preload_pin *pin) {
+    cuma_preload_pin_take(pin, dev);
+    cuma_heap *h = ready_heap(dev);
+    if (!h) cuma_preload_pin_drop(pin);
+    return h;
+}
+
+/* The heap whose device's primary context is ctx, among the devices already routed, pinned;
+ * NULL (nothing pinned) if there is none. The scan compares handles and reads no heap. */
+static cuma_heap *pin_known_ctx(CUcontext ctx, cuma_preload_pin *pin) {
     int n = atomic_load_explicit(&ndevs, memory_order_acquire);
     for (int i = 0; i < n; i++) {
-        cuma_heap *h = ready_heap(i);
-        if (h && atomic_load_explicit(&devs[i].primary, memory_order_relaxed) == ctx) return h;
+        if (!ready_heap(i) || atomic_load_explicit(&devs[i].primary, memory_order_relaxed) != ctx)
+            continue;
+        cuma_heap *h = pin_heap(i, pin);
+        /* Retired and adopted again since the scan read it: still right if ctx is its context. */
+        if (h && atomic_load_explicit(&devs[i].primary, memory_order_relaxed) != ctx) {
+            cuma_preload_pin_drop(pin);
+            h = NULL;
+        }
+        return h;
     }
     return NULL;
+}
+
+bool cuma_preload_has_heap(int dev) {
+    return dev >= 0 && dev < CUMA_MAX_DEFAULT_HEAPS && ready_heap(dev) != NULL;
 }
 
 static void fail_device(int dev, const char *why) {
@@ -153,36 +182,45 @@ static bool is_cuda_heap(cuma_heap *h) {
 }
 
 /* Creates (or finds) the default heap of dev, whose primary context is ctx and is retained by
- * the caller, and publishes it. */
-static cuma_heap *adopt(int dev, CUcontext ctx) {
+ * the caller, and publishes it; returns it pinned, or NULL with nothing pinned. The pin is taken
+ * before the state is read, so a reset that starts meanwhile waits for this call, finds the heap
+ * made here unpublished (the state is no longer UNTRIED) and destroys it. */
+static cuma_heap *adopt(int dev, CUcontext ctx, cuma_preload_pin *pin) {
+    cuma_preload_pin_take(pin, dev);
     cuma_heap *h = NULL;
-    if (cuma_default_heap(dev, &h) != CUMA_OK) {
+    if (atomic_load_explicit(&devs[dev].state, memory_order_acquire) != DEV_UNTRIED) {
+        /* Another thread adopted it (READY, checked below), or a reset is under way. */
+    } else if (cuma_default_heap(dev, &h) != CUMA_OK) {
         char why[512];
         snprintf(why, sizeof why, "cuma cannot serve it: %s", cuma_last_error());
         fail_device(dev, why);
-        return NULL;
-    }
-    if (!is_cuda_heap(h)) {
+    } else if (!is_cuda_heap(h)) {
         /* The default heap falls back to the simulated device when cuma finds no driver; its
          * addresses are host memory that a kernel would fault on. */
         fail_device(dev, "cuma's heap for it is not on the CUDA driver (no driver found?)");
-        return NULL;
+    } else {
+        atomic_store_explicit(&devs[dev].heap, h, memory_order_release);
+        atomic_store_explicit(&devs[dev].primary, ctx, memory_order_release);
+        int expect = DEV_UNTRIED;
+        atomic_compare_exchange_strong(&devs[dev].state, &expect, DEV_READY);
+        int n = atomic_load_explicit(&ndevs, memory_order_relaxed);
+        while (n < dev + 1 &&
+               !atomic_compare_exchange_weak_explicit(&ndevs, &n, dev + 1, memory_order_release,
+                                                      memory_order_relaxed)) {
+        }
     }
-    atomic_store_explicit(&devs[dev].heap, h, memory_order_release);
-    atomic_store_explicit(&devs[dev].primary, ctx, memory_order_release);
-    int expect = DEV_UNTRIED;
-    atomic_compare_exchange_strong(&devs[dev].state, &expect, DEV_READY);
-    int n = atomic_load_explicit(&ndevs, memory_order_relaxed);
-    while (n < dev + 1 && !atomic_compare_exchange_weak_explicit(
-                              &ndevs, &n, dev + 1, memory_order_release, memory_order_relaxed)) {
-    }
-    return ready_heap(dev);
+    h = ready_heap(dev);
+    if (h && atomic_load_explicit(&devs[dev].primary, memory_order_relaxed) != ctx) h = NULL;
+    if (!h) cuma_preload_pin_drop(pin);
+    return h;
 }
 
-/* The heap for an allocation in the current context cur (not NULL), creating the device's heap
- * on first use; NULL when cur is not its device's primary context or the device passes. */
-static cuma_heap *heap_of_current(const cuma_preload_driver *d, CUcontext cur) {
-    cuma_heap *h = heap_of_known_ctx(cur);
+/* The heap for an allocation in the current context cur (not NULL), pinned, creating the
+ * device's heap on first use; NULL when cur is not its device's primary context or the device
+ * passes. */
+static cuma_heap *heap_of_current(const cuma_preload_driver *d, CUcontext cur,
+                                  cuma_preload_pin *pin) {
+    cuma_heap *h = pin_known_ctx(cur, pin);
     if (h) return h;
     CUdevice dev;
     if (!d->CtxGetDevice || d->CtxGetDevice(&dev) != CUDA_SUCCESS) return NULL;
@@ -200,29 +238,52 @@ static cuma_heap *heap_of_current(const cuma_preload_driver *d, CUcontext cur) {
     if (!d->DevicePrimaryCtxRetain || !d->DevicePrimaryCtxRelease ||
         d->DevicePrimaryCtxRetain(&primary, dev) != CUDA_SUCCESS)
         return NULL;
-    if (primary == cur) h = adopt(dev, primary);
+    if (primary == cur) h = adopt(dev, primary, pin);
     d->DevicePrimaryCtxRelease(dev); /* the heap holds its own retain */
     return h;
 }
 
-/* The heap for a call in the current context; NULL: pass the call to the driver. */
-static cuma_heap *current_heap(const cuma_preload_driver *d) {
+/* The heap for a call in the current context, pinned; NULL: pass the call to the driver. */
+static cuma_heap *current_heap(const cuma_preload_driver *d, cuma_preload_pin *pin) {
     CUcontext cur = NULL;
     if (!d->CtxGetCurrent || d->CtxGetCurrent(&cur) != CUDA_SUCCESS || !cur) return NULL;
-    return heap_of_current(d, cur);
+    return heap_of_current(d, cur, pin);
 }
 
-/* The heap for a stream-ordered call on stream s: the stream's context decides (a stream may
- * belong to another device than the current context's). */
-static cuma_heap *stream_heap(const cuma_preload_driver *d, CUstream s) {
+/* The heap for a stream-ordered call on stream s, pinned: the stream's context decides (a stream
+ * may belong to another device than the current context's). */
+static cuma_heap *stream_heap(const cuma_preload_driver *d, CUstream s, cuma_preload_pin *pin) {
     CUcontext cur = NULL;
     if (!d->CtxGetCurrent || d->CtxGetCurrent(&cur) != CUDA_SUCCESS) return NULL;
     if (s && s != CU_STREAM_LEGACY && s != CU_STREAM_PER_THREAD && d->StreamGetCtx) {
         CUcontext sc = NULL;
         if (d->StreamGetCtx(s, &sc) != CUDA_SUCCESS) return NULL; /* the driver reports it */
-        if (sc != cur) return heap_of_known_ctx(sc);
+        if (sc != cur) return pin_known_ctx(sc, pin);
     }
-    return cur ? heap_of_current(d, cur) : NULL;
+    return cur ? heap_of_current(d, cur, pin) : NULL;
+}
+
+/* ---- retiring a device's heap --------------------------------------------------------------- */
+
+bool cuma_preload_retire_begin(int dev) {
+    if (dev < 0 || dev >= CUMA_MAX_DEFAULT_HEAPS) return false;
+    int s = atomic_load_explicit(&devs[dev].state, memory_order_acquire);
+    do {
+        if (s != DEV_READY && s != DEV_UNTRIED) return false; /* FAILED: the driver's device */
+    } while (!atomic_compare_exchange_weak(&devs[dev].state, &s, DEV_RETIRING));
+    /* No call that starts now uses the heap; those under way finish first. An UNTRIED device is
+     * retired too: an adoption may be under way, or a heap of it made for another device's sake
+     * (cuma_default_heap creates device 0's to tell "no driver" from "no such device"). */
+    cuma_preload_pins_wait(dev);
+    cuma_default_heap_retire(dev);
+    cuma_preload_owned_forget(dev);
+    return true;
+}
+
+void cuma_preload_retire_end(int dev) {
+    atomic_store_explicit(&devs[dev].heap, NULL, memory_order_relaxed);
+    atomic_store_explicit(&devs[dev].primary, NULL, memory_order_relaxed);
+    atomic_store_explicit(&devs[dev].state, DEV_UNTRIED, memory_order_release);
 }
 
 /* ---- statuses ------------------------------------------------------------------------------- */
@@ -280,10 +341,13 @@ static CUresult alloc_in(cuma_heap *h, const char *call, CUdeviceptr *dptr, size
 CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     const cuma_preload_driver *d = cuma_preload_driver_get();
     cuma_heap *h;
+    cuma_preload_pin pin;
     /* Bad arguments get the driver's own answer. */
-    if (!dptr || !bytesize || !cuma_preload_routing() || !(h = current_heap(d)))
+    if (!dptr || !bytesize || !cuma_preload_routing() || !(h = current_heap(d, &pin)))
         return FORWARD(d, MemAlloc, dptr, bytesize);
-    return alloc_in(h, "cuMemAlloc", dptr, bytesize, NULL);
+    CUresult r = alloc_in(h, "cuMemAlloc", dptr, bytesize, NULL);
+    cuma_preload_pin_drop(&pin);
+    return r;
 }
 
 CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch,
@@ -295,17 +359,21 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemAllocPitch_v2(CUdeviceptr *dptr, size_
                  WidthInBytes <= SIZE_MAX - PITCH_ALIGN;
     size_t pitch = valid ? (WidthInBytes + PITCH_ALIGN - 1) / PITCH_ALIGN * PITCH_ALIGN : 0;
     cuma_heap *h;
-    if (!valid || Height > SIZE_MAX / pitch || !cuma_preload_routing() || !(h = current_heap(d)))
+    cuma_preload_pin pin;
+    if (!valid || Height > SIZE_MAX / pitch || !cuma_preload_routing() ||
+        !(h = current_heap(d, &pin)))
         return FORWARD(d, MemAllocPitch, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     CUdeviceptr p = 0;
     CUresult r = alloc_in(h, "cuMemAllocPitch", &p, pitch * Height, NULL);
-    if (r != CUDA_SUCCESS) return r;
-    if (p % PITCH_ALIGN) {
+    if (r == CUDA_SUCCESS && p % PITCH_ALIGN) {
         /* cuma aligns to 512-byte granules, so this does not happen; if a policy ever changes
          * that, the driver serves the rows it must align. */
         cuma_free(h, (void *)(uintptr_t)p, NULL);
+        cuma_preload_pin_drop(&pin);
         return FORWARD(d, MemAllocPitch, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     }
+    cuma_preload_pin_drop(&pin);
+    if (r != CUDA_SUCCESS) return r;
     *dptr = p;
     *pPitch = pitch;
     return CUDA_SUCCESS;
@@ -323,12 +391,15 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t size, CUstream stream, boo
     /* The per-thread flavour's NULL stream is the calling thread's default stream. */
     CUstream s = ptsz && !stream ? CU_STREAM_PER_THREAD : stream;
     cuma_heap *h;
-    if (!dptr || !size || !cuma_preload_routing() || !(h = stream_heap(d, s)))
+    cuma_preload_pin pin;
+    if (!dptr || !size || !cuma_preload_routing() || !(h = stream_heap(d, s, &pin)))
         return ptsz ? FORWARD(d, MemAllocAsyncPtsz, dptr, size, stream)
                     : FORWARD(d, MemAllocAsync, dptr, size, stream);
     if (s == CU_STREAM_PER_THREAD && !atomic_load_explicit(&per_thread_used, memory_order_relaxed))
         atomic_store(&per_thread_used, true);
-    return alloc_in(h, "cuMemAllocAsync", dptr, size, s);
+    CUresult r = alloc_in(h, "cuMemAllocAsync", dptr, size, s);
+    cuma_preload_pin_drop(&pin);
+    return r;
 }
 
 /* Waits for the calling thread's per-thread default stream (a free on it), or for the whole
@@ -360,9 +431,11 @@ static bool free_in_cuma(CUdeviceptr p, CUstream stream, const char *call, CUres
     if (!p || !cuma_preload_routing()) return false;
     int n = atomic_load_explicit(&ndevs, memory_order_acquire);
     for (int i = 0; i < n; i++) {
-        cuma_heap *h = ready_heap(i);
+        cuma_preload_pin pin;
+        cuma_heap *h = pin_heap(i, &pin);
         if (!h) continue;
         cuma_status st = cuma_free(h, (void *)(uintptr_t)p, (cuma_stream)stream);
+        cuma_preload_pin_drop(&pin);
         if (st == CUMA_ERR_BAD_POINTER) continue; /* another heap's, or nobody's: unchanged */
         *out = st == CUMA_OK ? CUDA_SUCCESS : failed(call, st);
         return true;
@@ -433,10 +506,13 @@ static uint64_t configured_limit(uint64_t capacity) {
 CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t *free, size_t *total) {
     const cuma_preload_driver *d = cuma_preload_driver_get();
     cuma_heap *h;
+    cuma_preload_pin pin;
     cuma_stats s;
-    if (!free || !total || !cuma_preload_routing() || !(h = current_heap(d)) ||
-        cuma_get_stats(h, &s) != CUMA_OK)
+    if (!free || !total || !cuma_preload_routing() || !(h = current_heap(d, &pin)))
         return FORWARD(d, MemGetInfo, free, total);
+    cuma_status st = cuma_get_stats(h, &s);
+    cuma_preload_pin_drop(&pin);
+    if (st != CUMA_OK) return FORWARD(d, MemGetInfo, free, total);
     uint64_t mapped =
         s.reserved_bytes - (s.cached_bytes < s.reserved_bytes ? s.cached_bytes : s.reserved_bytes);
     uint64_t in_use = s.allocated_bytes < mapped ? s.allocated_bytes : mapped;
@@ -461,11 +537,15 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuDeviceTotalMem_v2(size_t *bytes, CUdevice
     CUresult r = FORWARD(d, DeviceTotalMem, bytes, dev);
     if (r != CUDA_SUCCESS || !cuma_preload_routing() || dev < 0 || dev >= CUMA_MAX_DEFAULT_HEAPS)
         return r;
-    int state = atomic_load_explicit(&devs[dev].state, memory_order_acquire);
-    cuma_stats s;
-    if (state == DEV_READY && cuma_get_stats(ready_heap(dev), &s) == CUMA_OK)
-        *bytes = (size_t)s.limit_bytes;
-    else if (state == DEV_UNTRIED)
+    cuma_preload_pin pin;
+    cuma_heap *h = pin_heap(dev, &pin);
+    if (h) {
+        cuma_stats s;
+        if (cuma_get_stats(h, &s) == CUMA_OK) *bytes = (size_t)s.limit_bytes;
+        cuma_preload_pin_drop(&pin);
+    } else if (atomic_load_explicit(&devs[dev].state, memory_order_acquire) != DEV_FAILED) {
+        /* No heap yet, or one being retired: the next one gets CUMA_CONF's limit. */
         *bytes = (size_t)configured_limit(*bytes);
+    }
     return CUDA_SUCCESS;
 }
