@@ -33,7 +33,7 @@ test-asan:
 
 test-tsan:
 	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUMA_SANITIZE=thread >/dev/null
-	cmake --build build-tsan -j$(JOBS) --target test_stress test_tcache test_default_heap test_arena test_fork test_trace_writer test_ledger test_ledger_stress
+	cmake --build build-tsan -j$(JOBS) --target test_stress test_tcache test_default_heap test_arena test_fork test_fork_cases test_trace_writer test_ledger test_ledger_stress
 	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 CUMA_STRESS_OPS=300000 ctest --output-on-failure -R '^(test_(stress|tcache|default_heap|arena|fork|ledger_inprocess|ledger_stress)|trace_writer)'
 
 test-python: build

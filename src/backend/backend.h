@@ -25,6 +25,10 @@
 #define CUMA_CAP_MANAGED     4u  /* managed_alloc/managed_free work */
 #define CUMA_CAP_HOST_ACCESS 8u  /* device addresses can be dereferenced by the host (tests) */
 #define CUMA_CAP_ALIAS       16u /* a page may be mapped at a second address (early remaps) */
+/* The device's memory is the process's own, so a forked child may go on using its copy of the
+ * heap (a simulated device without host backing: addresses and pages are only bookkeeping).
+ * Without it the child's heap refuses to work: its memory is the parent's (src/core/fork.c). */
+#define CUMA_CAP_FORK_PRIVATE 32u
 
 typedef struct cuma_backend cuma_backend;
 

@@ -120,7 +120,12 @@ static cuma_status vmm_unmap(cuma_backend *be, uint64_t addr, uint32_t n) {
     uint64_t ps = be->page_size;
     cudabe_ctx_guard g;
     cuma_status st = cudabe_ctx_enter(b, &g);
-    if (st) return st;
+    if (st) {
+        /* The core takes the pages as unmapped either way: what could not even be tried is
+         * remembered like any mapping that failed, and retried. */
+        for (uint32_t k = 0; k < n; k++) cuma_cudabe_stuck_add(b, STUCK_MAPPING, addr + k * ps, ps);
+        return st;
+    }
     CUresult r = b->unmap_per_page && n > 1 ? CUDA_ERROR_NOT_SUPPORTED
                                             : b->cu->MemUnmap((CUdeviceptr)addr, (size_t)(n * ps));
     uint64_t bad = addr;

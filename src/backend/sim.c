@@ -38,6 +38,7 @@ typedef struct sim_event {
 typedef struct sim {
     cuma_backend be;
     bool backing;
+    pid_t owner; /* the process that made it: with backing, its memfd is shared with children */
     uint64_t npages, next_fresh;
     _Atomic uint64_t used_pages;
     _Atomic uint64_t foreign_pages; /* held by "another program" (cuma_sim_take_memory) */
@@ -117,7 +118,9 @@ static cuma_status sim_page_create(cuma_backend *be, uint64_t *handle) {
 static void sim_page_release(cuma_backend *be, uint64_t handle) {
     sim *s = (sim *)be;
     spend(s, 1);
-    if (s->backing)
+    /* The memfd is shared with a forked child: only its maker may drop pages' contents (a child
+     * destroying its copy of the heap must not wipe the parent's live data). */
+    if (s->backing && getpid() == s->owner)
         fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                   (off_t)(handle * be->page_size), (off_t)be->page_size);
     s->free_pages[s->nfree++] = handle;
@@ -322,11 +325,13 @@ cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out
     s->be.ops = &sim_ops;
     s->be.name = "sim";
     s->be.caps = (set->sim_segments ? CUMA_CAP_SEGMENTS : CUMA_CAP_VMM | CUMA_CAP_ALIAS) |
-                 CUMA_CAP_MANAGED | (set->host_backing ? CUMA_CAP_HOST_ACCESS : 0);
+                 CUMA_CAP_MANAGED |
+                 (set->host_backing ? CUMA_CAP_HOST_ACCESS : CUMA_CAP_FORK_PRIVATE);
     s->be.page_size = set->page_size;
     s->be.capacity = set->capacity;
     snprintf(s->be.device_id, sizeof s->be.device_id, "sim");
     s->backing = set->host_backing;
+    s->owner = getpid();
     s->lag_ns = (uint64_t)set->sim_lag_ms * 1000000ull;
     s->call_ns = (uint64_t)set->sim_call_us * 1000ull;
     s->npages = set->capacity / set->page_size;
@@ -369,8 +374,8 @@ cuma_status cuma_simbe_take(cuma_backend *be, uint64_t bytes) {
     if (!s)
         return cuma_fail(CUMA_ERR_UNSUPPORTED,
                          "cuma_sim_take_memory: the heap is on backend %s, not sim", be->name);
-    uint64_t pages = (bytes + be->page_size - 1) / be->page_size;
-    if (pages + s->used_pages > s->npages)
+    uint64_t pages = bytes / be->page_size + (bytes % be->page_size != 0);
+    if (pages > s->npages || pages + s->used_pages > s->npages)
         return cuma_fail(CUMA_ERR_OOM,
                          "cuma_sim_take_memory: %llu bytes do not fit next to the heap's %llu on "
                          "a %llu-byte device",

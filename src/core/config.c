@@ -380,6 +380,11 @@ cuma_status cuma_settings_validate(const cuma_settings *s) {
         return cuma_fail(CUMA_ERR_CONFIG,
                          "pressure_timeout_ms: never would wait forever for memory nobody gives; "
                          "give milliseconds (0 = do not ask)");
+    if (s->free_watermark && (!s->release_thread || s->sim_clock_manual))
+        return cuma_fail(CUMA_ERR_CONFIG,
+                         "free_watermark needs the release thread, which %s turns off: it is the "
+                         "thread that watches the device's free memory",
+                         !s->release_thread ? "release_thread:off" : "sim_clock:manual");
     if (s->arenas < 1 || s->arenas > CUMA_MAX_ARENAS)
         return cuma_fail(CUMA_ERR_CONFIG, "arenas %d is not between 1 and %d", s->arenas,
                          CUMA_MAX_ARENAS);

@@ -11,15 +11,21 @@
  *
  * Lock order (the same everywhere): fork_lock, each heap's arena_lock, the thread caches'
  * registry lock, each heap's arena locks in arena order, its oom_lock and managed_lock, its
- * shared backend's lock, then the ledger's mapping list. Nothing here runs with a heap lock
+ * shared backend's lock, then the ledger's mapping list and the trace writers' locks (a heap
+ * logs under its arena's lock). A child drops the trace logs it inherited (they are the
+ * parent's files) and logs nothing. Nothing here runs with a heap lock
  * held; heap creation and destruction take fork_lock alone.
  *
  * What a child may do with an inherited heap depends on the device: a simulated heap works as
- * it did; CUDA memory is not usable in a forked child at all (the CUDA driver says so), and a
- * child must not free the parent's device memory through an inherited heap. */
+ * it did; a heap whose memory is the parent's (CUDA memory, which a forked child cannot use
+ * anyway, or a simulated device with host backing, whose pages the two processes share) refuses
+ * every call but cuma_heap_destroy with CUMA_ERR_UNSUPPORTED, since handing out or giving back
+ * one of its pages would change the parent's memory; destroying it frees the child's copy. */
 #include "coord/ledger.h"
+#include "error.h"
 #include "heap.h"
 #include "tcache.h"
+#include "trace/writer.h"
 
 #include <pthread.h>
 
@@ -44,12 +50,28 @@ static void prepare(void) {
         cuma_backend_lock(h->be);
     }
     cuma_ledger_prefork();
+    cuma_trace_writer_prefork();
 }
 
-/* Releases what prepare took, in reverse. In the child, also forgets the release threads. */
+/* Releases what prepare took, in reverse. In the child, also forgets the release threads (and an
+ * OOM callback another thread was in), and retires heaps whose memory is the parent's. */
 static void release(bool child) {
+    cuma_trace_writer_postfork(child);
     cuma_ledger_postfork();
     for (cuma_heap *h = live_heaps; h; h = h->fork_next) {
+        if (child) {
+            atomic_store(&h->in_oom, 0);
+            if (!(cuma_backend_unwrap(h->be)->caps & CUMA_CAP_FORK_PRIVATE)) {
+                /* Its pages are the parent's (device memory, or a simulated device's shared host
+                 * backing): handing one out, or giving one back, would change the parent's. The
+                 * fast paths go, so that every call reaches the check. */
+                atomic_store(&h->inherited, true);
+                for (unsigned i = 0, n = arenas_of(h); i < n; i++) {
+                    h->arenas[i]->fast_max = 0;
+                    h->arenas[i]->tc_on = false;
+                }
+            }
+        }
         cuma_backend_unlock(h->be);
         pthread_mutex_unlock(&h->managed_lock);
         pthread_mutex_unlock(&h->oom_lock);
@@ -83,6 +105,13 @@ static void child(void) {
 
 static void install_hooks(void) {
     pthread_atfork(prepare, parent, child);
+}
+
+cuma_status cuma_heap_inherited(cuma_heap *h, const char *call) {
+    return cuma_fail(CUMA_ERR_UNSUPPORTED,
+                     "%s: heap %p came through fork, and its memory is the parent's (backend %s): "
+                     "only cuma_heap_destroy works in the child; make a heap of its own",
+                     call, (void *)h, h->be->name);
 }
 
 void cuma_fork_track(cuma_heap *h) {

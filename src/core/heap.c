@@ -242,6 +242,8 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
     if (!heap || !ptr)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: %s is NULL", heap ? "ptr" : "heap");
     *ptr = NULL;
+    if (atomic_load_explicit(&heap->inherited, memory_order_relaxed))
+        return cuma_heap_inherited(heap, "cuma_alloc");
     cuma_heap *h = cuma_arena_mine(heap);
     if (size == 0) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size 0");
     uint64_t n = !h->tlsf || size > (1ull << 47) ? h->pol->ops->round(size)
@@ -334,6 +336,8 @@ __attribute__((noinline)) static cuma_status
 free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_tc_result r) {
     if (!heap) return cuma_fail(CUMA_ERR_INVALID, "cuma_free: heap is NULL");
     if (!ptr) return CUMA_OK;
+    if (atomic_load_explicit(&heap->inherited, memory_order_relaxed))
+        return cuma_heap_inherited(heap, "cuma_free");
     uint64_t a = (uint64_t)(uintptr_t)ptr;
     cuma_heap *h = cuma_arena_of(heap, a);
     pthread_mutex_lock(&h->lock);

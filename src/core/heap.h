@@ -104,8 +104,12 @@ struct cuma_heap {
      * was not told to use could not be joined (stats), "" otherwise; constant. */
     struct cuma_ledger *ledger;
     char ledger_error[160];
-    uint64_t stats_due; /* first arena's release thread only: next publication of its figures */
-    _Atomic int in_oom; /* first arena: a callback is running: no recursion into callbacks */
+    uint64_t stats_due;     /* first arena's release thread only: next publication of its figures */
+    uint64_t watermark_due; /* first arena's release thread only: next look at free memory */
+    _Atomic int in_oom;     /* first arena: a callback is running: no recursion into callbacks */
+    /* First arena, set once in a forked child (fork.c) when the heap's memory is the parent's
+     * (its backend lacks CUMA_CAP_FORK_PRIVATE): every call but destroy is refused. */
+    _Atomic bool inherited;
     /* First arena only, under managed_lock (a leaf lock): managed fallbacks (the map above,
      * c.managed, c.managed_fallbacks and the frees of managed memory). */
     pthread_mutex_t managed_lock;
@@ -251,6 +255,8 @@ void cuma_heap_ledger_publish(cuma_heap *p);
 /* fork.c: a created heap joins the list whose locks are held across fork(); a heap being
  * destroyed leaves it first (no lock held). */
 void cuma_fork_track(cuma_heap *h);
+/* The error of a call on a heap that came through fork with its parent's memory. */
+cuma_status cuma_heap_inherited(cuma_heap *h, const char *call);
 void cuma_fork_untrack(cuma_heap *h);
 
 /* The whole heap's figures (stats.c): every arena's in turn, one lock at a time (none held on

@@ -106,12 +106,14 @@ void cuma_heap_release_all(cuma_heap *h, uint64_t keep_bytes, bool count_trim) {
 
 cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_trim: heap is NULL");
+    if (atomic_load(&h->inherited)) return cuma_heap_inherited(h, "cuma_trim");
     cuma_heap_release_all(h, keep_bytes, true);
     return CUMA_OK;
 }
 
 cuma_status cuma_poll(cuma_heap *h) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_poll: heap is NULL");
+    if (atomic_load(&h->inherited)) return cuma_heap_inherited(h, "cuma_poll");
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *a = h->arenas[i];
@@ -171,6 +173,10 @@ static uint64_t idle_bytes(cuma_heap *p) {
  * arena in turn. First arena's release thread, its lock held on entry and exit; the driver is
  * asked with no lock held (it may be slow, and needs no heap state). */
 static void watermark_poll(cuma_heap *p) {
+    /* The thread may pass by more often (the ledger's looks, a due page still busy). */
+    uint64_t t = cuma_heap_now(p);
+    if (t < p->watermark_due) return;
+    p->watermark_due = t + WATERMARK_POLL_NS;
     if (!idle_bytes(p)) return;
     pthread_mutex_unlock(&p->lock);
     uint64_t fr = 0, total = 0;
@@ -182,7 +188,10 @@ static void watermark_poll(cuma_heap *p) {
             pthread_mutex_lock(&a->lock);
             cuma_streams_tick(&a->streams);
             uint64_t cached = cuma_heap_cached(a);
-            uint64_t go = deficit < cached ? deficit : cached;
+            /* Preallocated pages never go: asking for them would walk the cache every look. */
+            uint64_t pinned = a->vmm ? a->pages.npinned * a->pages.page_size : 0;
+            uint64_t free_able = cached > pinned ? cached - pinned : 0;
+            uint64_t go = deficit < free_able ? deficit : free_able;
             if (go) {
                 /* No age limit (-1), a cap of what may stay: the oldest pages above it go. */
                 cuma_heap_release(a, cuma_heap_now(a), -1, cached - go, 0, false);

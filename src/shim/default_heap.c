@@ -101,6 +101,26 @@ static cuma_status create_default(int device, cuma_heap **out) {
     return CUMA_OK;
 }
 
+/* A fork while another thread was creating a heap (create_lock held) would leave the lock held in
+ * the child for good: the child starts with it free. The heaps array needs nothing: entries are
+ * published whole (atomic), and a heap half made by a thread the child does not have is just not
+ * there. Registered once, before the lock is first taken. */
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+static void child_after_fork(void) {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    memcpy(&create_lock, &fresh, sizeof fresh);
+}
+
+static void watch_forks(void) {
+    pthread_atfork(NULL, NULL, child_after_fork);
+}
+
+static void lock_create(void) {
+    pthread_once(&fork_once, watch_forks);
+    pthread_mutex_lock(&create_lock);
+}
+
 cuma_status cuma_default_heap(int device, cuma_heap **out) {
     if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_default_heap: out is NULL");
     *out = NULL;
@@ -126,7 +146,7 @@ cuma_status cuma_default_heap(int device, cuma_heap **out) {
         cuma_clear_error();
     }
 #endif
-    pthread_mutex_lock(&create_lock);
+    lock_create();
     cuma_status st = CUMA_OK;
     h = atomic_load_explicit(&heaps[device], memory_order_relaxed); /* another thread won */
     if (!h) {
@@ -151,7 +171,7 @@ bool cuma_default_heap_retire(int device) {
      * it) publishes first and is the one destroyed here. The destruction itself runs without the
      * lock: it waits for the heap's release thread, and other devices' heaps may be created
      * meanwhile. */
-    pthread_mutex_lock(&create_lock);
+    lock_create();
     cuma_heap *h = atomic_exchange_explicit(&heaps[device], NULL, memory_order_acq_rel);
     pthread_mutex_unlock(&create_lock);
     cuma_heap_destroy(h);
@@ -165,7 +185,7 @@ bool cuma_default_heap_retire(int device) {
  * back at exit anyway; an owner that knows every user is done (a test, a framework's orderly
  * shutdown) calls this. */
 void cuma_default_heaps_shutdown(void) {
-    pthread_mutex_lock(&create_lock);
+    lock_create();
     for (int i = 0; i < CUMA_MAX_DEFAULT_HEAPS; i++) {
         cuma_heap *h = atomic_exchange_explicit(&heaps[i], NULL, memory_order_acq_rel);
         cuma_heap_destroy(h);

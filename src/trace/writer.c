@@ -66,6 +66,22 @@ static void close_all_at_exit(void) {
     pthread_mutex_unlock(&list_mu);
 }
 
+void cuma_trace_writer_prefork(void) {
+    pthread_mutex_lock(&list_mu);
+    for (cuma_trace_writer *w = open_list; w; w = w->next_open) pthread_mutex_lock(&w->mu);
+}
+
+void cuma_trace_writer_postfork(bool child) {
+    for (cuma_trace_writer *w = open_list; w; w = w->next_open) {
+        /* gzclose would write the parent's buffered lines and a trailer into the parent's file
+         * through the shared offset: the child's copy of the stream is left, unwritten. */
+        if (child) w->gz = NULL;
+        pthread_mutex_unlock(&w->mu);
+    }
+    if (child) open_list = NULL;
+    pthread_mutex_unlock(&list_mu);
+}
+
 static void register_exit(void) {
     atexit(close_all_at_exit);
 }

@@ -11,6 +11,7 @@
 
 #include "trace.h"
 
+#include <stdbool.h>
 #include <stdint.h>
 
 typedef struct cuma_trace_writer cuma_trace_writer;
@@ -27,5 +28,11 @@ void cuma_trace_writer_event(cuma_trace_writer *w, cuma_trace_action action, uin
 
 /* Flushes, closes and frees. NULL is fine. */
 void cuma_trace_writer_close(cuma_trace_writer *w);
+
+/* Around fork (src/core/fork.c, after every heap's locks): every writer's lock is held across it.
+ * In the child the logs are the parent's (their buffers and the file offset are shared): the
+ * child's copies are dropped unwritten, and its heaps log nothing. */
+void cuma_trace_writer_prefork(void);
+void cuma_trace_writer_postfork(bool child);
 
 #endif

@@ -7,6 +7,7 @@
 
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -84,8 +85,13 @@ int main(void) {
     CHECK_OK(cuma_alloc(h, 624 * MB, 0, &big));
     CHECK_OK(cuma_free(h, big, 0));
     check_cache_stays(h, 624 * MB, 60);
-    /* What a program cannot take is refused, naming the sizes. */
+    /* What a program cannot take is refused, naming the sizes (also sizes whose page count
+     * would wrap). */
     CHECK_ST(cuma_sim_take_memory(h, 900 * MB), CUMA_ERR_OOM);
+    CHECK(strstr(cuma_last_error(), "do not fit"));
+    CHECK_ST(cuma_sim_take_memory(h, UINT64_MAX), CUMA_ERR_OOM);
+    CHECK_ST(cuma_sim_take_memory(h, UINT64_MAX - 2 * MB), CUMA_ERR_OOM);
+    CHECK(stats(h).device_free_bytes == 1024 * MB - 824 * MB);
     CHECK_OK(cuma_validate(h));
     CHECK_OK(cuma_free(h, live, 0));
     cuma_heap_destroy(h);
@@ -112,6 +118,12 @@ int main(void) {
     check_cache_stays(h, 600 * MB, 60);
     CHECK(stats(h).watermark_released_bytes == 0);
     cuma_heap_destroy(h);
+    /* Without the thread that watches, a watermark would do nothing: refused, saying why. */
+    cuma_config bad = {.conf = "backend:sim,free_watermark:1M,release_thread:off",
+                       .flags = CUMA_CONFIG_NO_ENV};
+    CHECK_ST(cuma_heap_create(&bad, &h), CUMA_ERR_CONFIG);
+    CHECK(strstr(cuma_last_error(), "free_watermark") &&
+          strstr(cuma_last_error(), "release_thread"));
     puts("test_watermark: ok");
     return 0;
 }
