@@ -4,10 +4,16 @@
 # installed `cuma` command runs; the installed Python package imports and finds the installed
 # library by itself (no CUMA_LIBRARY, no PYTHONPATH into the source tree, run from elsewhere).
 #
-# usage: check_install.sh BUILD_DIR PYTHON_DIR (relative to the prefix; empty: no package)
+# The package's folder under the configured prefix must also be on that interpreter's own path,
+# so that after a real `make install` nothing needs setting (checked without installing there).
+#
+# usage: check_install.sh BUILD_DIR PYTHON_DIR PREFIX PYTHON
+#        (PYTHON_DIR relative to the prefix, empty: no package; PREFIX: the configured one)
 set -euo pipefail
 build=$1
 pydir=${2:-}
+conf_prefix=${3:-/usr/local}
+python=${4:-/usr/bin/python3}
 tmp=$(mktemp -d /tmp/cuma-install-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 prefix=$tmp/prefix
@@ -74,6 +80,13 @@ print(h.stats()["num_allocs"], cuma._lib.lib()._name)
   case "$got" in
     "1 $prefix/"*) ;;
     *) fail "the installed package loaded another library or did not allocate: '$got'" ;;
+  esac
+  case "$conf_prefix" in
+    /usr | /usr/local)
+      "$python" -c 'import os, sys; sys.exit(os.path.join(sys.argv[1], sys.argv[2]) not in sys.path)' \
+        "$conf_prefix" "$pydir" ||
+        fail "$conf_prefix/$pydir is not on $python's path: set CUMA_PYTHON_DIR" ;;
+    *) echo "check_install: prefix $conf_prefix is not the system's: its Python folder needs PYTHONPATH" ;;
   esac
 fi
 echo "check_install: pkg-config, find_package(cuma), the cuma command${pydir:+ and the Python package ($pydir)} work from $prefix"
