@@ -539,6 +539,17 @@ int cuma_cmd_replay(int argc, char **argv) {
     }
     if (rc == CUMA_EXIT_OK && o.timeline_dir && !timeline_dir_ok(o.timeline_dir))
         rc = CUMA_EXIT_USAGE;
+    /* Two traces of one name (a/x.csv.gz, b/x.csv) would write one timeline file: refused before
+     * anything is replayed, naming both. */
+    for (int i = 0; rc == CUMA_EXIT_OK && o.timeline_dir && i < ntraces; i++)
+        for (int j = 0; rc == CUMA_EXIT_OK && j < i; j++) {
+            size_t li, lj;
+            const char *si = tl_stem(traces[i], &li), *sj = tl_stem(traces[j], &lj);
+            if (li == lj && !memcmp(si, sj, li))
+                rc = cli_usage_error("replay", CUMA_REPLAY_USAGE,
+                                     "--timeline: %s and %s would both write %s/%.*s.timeline.csv",
+                                     traces[j], traces[i], o.timeline_dir, (int)li, si);
+        }
     /* Every trace is replayed even after a bad one: the others' figures still count. */
     int header_done = 0, worst = CUMA_EXIT_OK;
     for (int i = 0; rc == CUMA_EXIT_OK && i < ntraces; i++) {

@@ -23,16 +23,23 @@ static uint64_t bucket_of(const tl_writer *w, uint64_t time_us) {
     return dt / (w->span_us / TL_BUCKETS + 1); /* a span of centuries: no overflow */
 }
 
+const char *tl_stem(const char *trace_path, size_t *len) {
+    const char *slash = strrchr(trace_path, '/'), *base = slash ? slash + 1 : trace_path;
+    size_t n = strlen(base);
+    if (n > 3 && !strcmp(base + n - 3, ".gz")) n -= 3;
+    if (n > 4 && !strncmp(base + n - 4, ".csv", 4)) n -= 4;
+    *len = n;
+    return base;
+}
+
 int tl_open(tl_writer *w, const char *dir, const char *trace_path, uint64_t t0_us,
             uint64_t span_us) {
     memset(w, 0, sizeof *w);
     w->bucket = UINT64_MAX;
     w->t0_us = t0_us;
     w->span_us = span_us;
-    const char *slash = strrchr(trace_path, '/'), *base = slash ? slash + 1 : trace_path;
-    size_t len = strlen(base);
-    if (len > 3 && !strcmp(base + len - 3, ".gz")) len -= 3;
-    if (len > 4 && !strncmp(base + len - 4, ".csv", 4)) len -= 4;
+    size_t len;
+    const char *base = tl_stem(trace_path, &len);
     size_t need = strlen(dir) + len + sizeof "/.timeline.csv";
     w->path = malloc(need);
     if (!w->path) {

@@ -38,6 +38,9 @@ typedef struct tl_writer {
     size_t rows;
 } tl_writer;
 
+/* The stem of a trace's timeline file: its base name without .gz and .csv (*len bytes from the
+ * returned pointer, inside trace_path). */
+const char *tl_stem(const char *trace_path, size_t *len);
 /* Opens DIR/<stem>.timeline.csv for the trace at trace_path (stem: its base name without .gz
  * and .csv) for times in [t0_us, t0_us + span_us]. 0, or -1 with a message on stderr naming
  * the file. */

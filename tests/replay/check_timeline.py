@@ -428,6 +428,16 @@ def mode_bad_input(args):
            ["good.timeline.csv is not a directory"])
     expect("replay --timeline without value", ["replay", valid, "--timeline"], 2,
            ["--timeline needs a value"])
+    # Two traces of one name would write one timeline: refused before any replay, naming both.
+    twin_dir = os.path.join(d, "twin")
+    os.makedirs(twin_dir, exist_ok=True)
+    twin = os.path.join(twin_dir, "valid.csv")
+    with open(valid) as src, open(twin, "w") as dst:
+        dst.write(src.read())
+    tl_out = os.path.join(d, "tl_twins")
+    expect("replay --timeline of two traces of one name", ["replay", "--timeline", tl_out, valid,
+           twin], 2, [valid, twin, "valid.timeline.csv"],
+           os.path.join(tl_out, "valid.timeline.csv"))
 
 
 def main():
