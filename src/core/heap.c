@@ -215,6 +215,10 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
             if (!is_oom(st)) return st;
         }
     }
+    /* The ladder released the cache first: what is idle now are the pages the failed attempts made
+     * before they ran out. A failed allocation leaves the device as it found it, so they go
+     * back now, not a release delay later (another program, or managed memory, may need them). */
+    cuma_heap_release_idle(h, 0);
     if (h->set.managed_fallback && (h->be->caps & CUMA_CAP_MANAGED)) {
         uint64_t addr;
         if (h->be->ops->managed_alloc(h->be, size, &addr) == CUMA_OK) {

@@ -166,6 +166,21 @@ static void test_oom_ladder(void) {
     CHECK_OK(cuma_free(h, p, NULL));
     cuma_heap_destroy(h);
 
+    /* Another program holds a quarter of the device: the heap's growth is refused part-way,
+     * once the device's free pages are gone. The pages the failed attempts made go back with the
+     * failure, not a release delay later. */
+    h = make("capacity:16M,sim_clock:manual,tcache:off");
+    CHECK_OK(cuma_sim_take_memory(h, 4 * MB));
+    CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &p));
+    void *q;
+    CHECK_ST(cuma_alloc(h, 10 * MB, NULL, &q), CUMA_ERR_OOM);
+    s = heap_stats(h);
+    CHECK(s.cached_bytes == 0 && s.reserved_bytes == 4 * MB);
+    CHECK(s.peak_reserved_bytes == 12 * MB); /* what the refused growth held for a moment */
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, p, NULL));
+    cuma_heap_destroy(h);
+
     /* Managed fallback when the device is full. */
     h = make("capacity:16M,sim_clock:manual,managed_fallback:on");
     void *big;
