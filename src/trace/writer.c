@@ -21,6 +21,9 @@
 struct cuma_trace_writer {
     pthread_mutex_t mu;
     gzFile gz;
+    /* In a forked child: the parent's stream, kept but never written or closed (its buffer and
+     * file offset are the parent's); NULL otherwise. */
+    gzFile inherited;
     bool failed;
     uint64_t t0; /* ns, monotonic, at open */
     char *path;
@@ -75,7 +78,7 @@ void cuma_trace_writer_postfork(bool child) {
     for (cuma_trace_writer *w = open_list; w; w = w->next_open) {
         /* gzclose would write the parent's buffered lines and a trailer into the parent's file
          * through the shared offset: the child's copy of the stream is left, unwritten. */
-        if (child) w->gz = NULL;
+        if (child && w->gz) w->inherited = w->gz, w->gz = NULL;
         pthread_mutex_unlock(&w->mu);
     }
     if (child) open_list = NULL;
@@ -152,6 +155,10 @@ void cuma_trace_writer_event(cuma_trace_writer *w, cuma_trace_action action, uin
     pthread_mutex_unlock(&w->mu);
 }
 
+/* Writers a forked child closed while they held the parent's stream: kept (under list_mu), since
+ * the stream can be neither written nor freed without writing. */
+static cuma_trace_writer *parked;
+
 void cuma_trace_writer_close(cuma_trace_writer *w) {
     if (!w) return;
     pthread_mutex_lock(&list_mu);
@@ -159,6 +166,12 @@ void cuma_trace_writer_close(cuma_trace_writer *w) {
     pthread_mutex_lock(&w->mu);
     finish(w);
     pthread_mutex_unlock(&w->mu);
+    if (w->inherited) {
+        w->next_open = parked;
+        parked = w;
+        pthread_mutex_unlock(&list_mu);
+        return;
+    }
     pthread_mutex_unlock(&list_mu);
     pthread_mutex_destroy(&w->mu);
     free(w->path);
