@@ -121,6 +121,18 @@ static void lock_create(void) {
     pthread_mutex_lock(&create_lock);
 }
 
+void cuma_default_heap_load_driver(void) {
+#ifdef CUMA_HAVE_CUDA
+    /* Loading takes no lock of cuma's; a failure is the heap creation's to report. */
+    cuma_settings set;
+    bool sim = cuma_settings_from_config(&set, NULL) == CUMA_OK && set.backend_named &&
+               !strcmp(set.backend, "sim");
+    const cuma_cuda_api *api;
+    if (!sim && cuma_cuda_load(&api)) cuma_clear_error();
+    cuma_clear_error();
+#endif
+}
+
 cuma_status cuma_default_heap(int device, cuma_heap **out) {
     if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_default_heap: out is NULL");
     *out = NULL;
@@ -132,20 +144,7 @@ cuma_status cuma_default_heap(int device, cuma_heap **out) {
         *out = h;
         return CUMA_OK;
     }
-#ifdef CUMA_HAVE_CUDA
-    /* The driver is opened before create_lock is taken, never under it: dlopen waits for glibc's
-     * loader lock, whose holder may be running a library constructor that allocates through cuma
-     * (LD_PRELOAD) and waits for create_lock. Loading takes no lock of cuma's; a failure is the
-     * heap creation's to report. */
-    {
-        cuma_settings set;
-        bool sim = cuma_settings_from_config(&set, NULL) == CUMA_OK && set.backend_named &&
-                   !strcmp(set.backend, "sim");
-        const cuma_cuda_api *api;
-        if (!sim && cuma_cuda_load(&api)) cuma_clear_error();
-        cuma_clear_error();
-    }
-#endif
+    cuma_default_heap_load_driver();
     lock_create();
     cuma_status st = CUMA_OK;
     h = atomic_load_explicit(&heaps[device], memory_order_relaxed); /* another thread won */

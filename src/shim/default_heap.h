@@ -12,6 +12,12 @@
 /* The default heap of `device` if it has been created, else NULL (also for a bad ordinal).
  * Never creates one: for hooks that act on "every heap there is" (empty_cache, record_stream)
  * and must not create heaps for devices the program never used. */
+/* Opens the CUDA driver for the default heaps (unless CUMA_CONF names the simulated device),
+ * taking no lock of cuma's. dlopen waits for glibc's loader lock, whose holder may be running a
+ * library constructor that allocates through cuma (LD_PRELOAD) and waits for a lock of cuma's:
+ * so the driver is opened before any such lock (create_lock, a device's pin in the shim) is
+ * taken, never under one. cuma_default_heap calls it first; the shim before it pins a device. */
+void cuma_default_heap_load_driver(void);
 cuma_heap *cuma_default_heap_peek(int device);
 
 /* Destroys the default heap of `device` and unpublishes it, so that the next

@@ -94,8 +94,9 @@ bool cuma_preload_routing(void);
 
 /* Whether [addr, addr + 1) lies in device memory that cuma's backend took from the driver
  * (reserved ranges, segments, managed segments): a free of such an address that no heap
- * accepts is a double free or an interior pointer, never a driver allocation. Thread-safe. */
-bool cuma_preload_owned(CUdeviceptr addr);
+ * accepts is a double free or an interior pointer, never a driver allocation. *dev (may be NULL)
+ * gets the device whose heap took it (-1: unknown or not cuma's). Thread-safe. */
+bool cuma_preload_owned(CUdeviceptr addr, int *dev);
 
 /* Forgets the ranges cuma took on device `dev` that are still recorded: called once the device's
  * heap is gone and its context is being destroyed, which takes whatever the heap could not give
@@ -141,6 +142,12 @@ void cuma_preload_pin_drop(const cuma_preload_pin *pin);
 
 /* Returns once no thread holds a pin of dev that it took before the caller's last store. */
 void cuma_preload_pins_wait(int dev);
+/* In a forked child: the pins of the parent's other threads are dropped (those threads are not
+ * there to drop them). */
+void cuma_preload_pins_after_fork(void);
+/* In a forked child: the locks of the owned ranges and of retirements start free. */
+void cuma_preload_owned_after_fork(void);
+void cuma_preload_ctx_after_fork(void);
 
 /* Prints "cuma preload: <message>" on stderr. */
 void cuma_preload_report(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

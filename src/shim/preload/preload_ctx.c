@@ -25,22 +25,36 @@
 #include "preload.h"
 
 #include <pthread.h>
+#include <string.h>
 
 /* Retirements one at a time: two resets of one device must not both destroy its heap, and the
  * second must not publish the device again while the first still resets it. Never taken by an
  * allocation or a free. */
 static pthread_mutex_t retire_lock = PTHREAD_MUTEX_INITIALIZER;
 
+void cuma_preload_ctx_after_fork(void) {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    memcpy(&retire_lock, &fresh, sizeof fresh);
+}
+
 typedef CUresult(CUDAAPI *ctx_fn)(CUdevice);
 
 static CUresult reset(ctx_fn real, CUdevice dev) {
     if (!real) return CUDA_ERROR_NOT_FOUND;
     if (!cuma_preload_routing()) return real(dev);
+    /* A reset the driver would refuse (no such device, the driver not initialised or shut down)
+     * must not cost the program its memory: the device's state is asked first, with the same
+     * handle, and only a device the driver knows has its heap retired. */
+    const cuma_preload_driver *d = cuma_preload_driver_get();
+    unsigned flags;
+    int active;
+    if (!d->DevicePrimaryCtxGetState || d->DevicePrimaryCtxGetState(dev, &flags, &active) != 0)
+        return real(dev);
     pthread_mutex_lock(&retire_lock);
     bool retired = cuma_preload_retire_begin(dev);
     CUresult r = real(dev);
-    /* Also after a failed reset: the heap is gone either way, and the next allocation makes a
-     * new one in whatever context the device then has. */
+    /* Also after a reset the driver refused for another reason: the heap is gone either way, and
+     * the next allocation makes a new one in whatever context the device then has. */
     if (retired) cuma_preload_retire_end(dev);
     pthread_mutex_unlock(&retire_lock);
     return r;

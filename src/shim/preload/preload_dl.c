@@ -195,6 +195,11 @@ static void owned_remove(CUdeviceptr base) {
     pthread_mutex_unlock(&owned_lock);
 }
 
+void cuma_preload_owned_after_fork(void) {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    memcpy(&owned_lock, &fresh, sizeof fresh);
+}
+
 void cuma_preload_owned_forget(int dev) {
     pthread_mutex_lock(&owned_lock);
     size_t kept = 0;
@@ -204,10 +209,11 @@ void cuma_preload_owned_forget(int dev) {
     pthread_mutex_unlock(&owned_lock);
 }
 
-bool cuma_preload_owned(CUdeviceptr addr) {
+bool cuma_preload_owned(CUdeviceptr addr, int *dev) {
     pthread_mutex_lock(&owned_lock);
     size_t i = owned_upper(addr);
     bool in = i > 0 && addr - owned[i - 1].base < owned[i - 1].size;
+    if (dev) *dev = in ? owned[i - 1].dev : -1;
     pthread_mutex_unlock(&owned_lock);
     return in;
 }

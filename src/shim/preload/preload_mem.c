@@ -39,6 +39,7 @@
 enum { ROUTING_UNDECIDED, ROUTING_ON, ROUTING_OFF };
 
 static _Atomic int routing = ROUTING_UNDECIDED; /* set once by decide_routing */
+static void after_fork_child(void);
 static pthread_once_t routing_once = PTHREAD_ONCE_INIT;
 /* CUMA_CONF parsed, for the limit a device reports before its heap exists. Written by
  * decide_routing before `routing` is published, constant afterwards. */
@@ -80,6 +81,7 @@ static void decide_routing(void) {
         }
     }
     atomic_store_explicit(&routing, r, memory_order_release);
+    pthread_atfork(NULL, NULL, after_fork_child);
 }
 
 bool cuma_preload_routing(void) {
@@ -116,6 +118,21 @@ typedef struct preload_dev {
 static preload_dev devs[CUMA_MAX_DEFAULT_HEAPS];
 /* 1 + the highest ordinal that was ever READY (only grows): the scans stop there. */
 static _Atomic int ndevs;
+
+/* A forked child. CUDA does not work in a child of a process that had initialised it: if the
+ * parent used the shim's heaps (any device past UNTRIED), the child's calls go to the driver,
+ * which refuses them as it would without the shim, and nothing of the parent's heaps (whose
+ * memory is the parent's) is touched. A parent that never allocated leaves its children free to
+ * use CUDA, and cuma, afresh. Either way the parent's other threads' pins and locks are gone. */
+static void after_fork_child(void) {
+    bool used = atomic_load_explicit(&ndevs, memory_order_relaxed) > 0;
+    for (int d = 0; d < CUMA_MAX_DEFAULT_HEAPS && !used; d++)
+        used = atomic_load_explicit(&devs[d].state, memory_order_relaxed) != DEV_UNTRIED;
+    if (used) atomic_store_explicit(&routing, ROUTING_OFF, memory_order_relaxed);
+    cuma_preload_pins_after_fork();
+    cuma_preload_owned_after_fork();
+    cuma_preload_ctx_after_fork();
+}
 
 /* Device i's heap if it is READY; the caller holds a pin of i (or uses only the pointer). */
 static cuma_heap *ready_heap(int i) {
@@ -186,6 +203,9 @@ static bool is_cuda_heap(cuma_heap *h) {
  * before the state is read, so a reset that starts meanwhile waits for this call, finds the heap
  * made here unpublished (the state is no longer UNTRIED) and destroys it. */
 static cuma_heap *adopt(int dev, CUcontext ctx, cuma_preload_pin *pin) {
+    /* Not under the pin: a reset that waits for it may hold glibc's loader lock (a library
+     * constructor), which dlopen of the driver waits for. */
+    cuma_default_heap_load_driver();
     cuma_preload_pin_take(pin, dev);
     cuma_heap *h = NULL;
     if (atomic_load_explicit(&devs[dev].state, memory_order_acquire) != DEV_UNTRIED) {
@@ -426,11 +446,16 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemAllocAsync_ptsz(CUdeviceptr *dptr, siz
 
 /* Frees p if cuma's: true with *out set when a heap took it or it lies in cuma's memory (a
  * double free: never shown to the driver, which could free a whole segment under cuma). false:
- * not cuma's, the driver's to free. */
-static bool free_in_cuma(CUdeviceptr p, CUstream stream, const char *call, CUresult *out) {
+ * not cuma's, the driver's to free. owner: the device whose range holds p (-1: unknown), asked
+ * first; the others only if it refuses (a range of unknown device), so that a free on device 7
+ * does not ask seven heaps (and format seven refusals) first. */
+static bool free_in_cuma(CUdeviceptr p, int owner, CUstream stream, const char *call,
+                         CUresult *out) {
     if (!p || !cuma_preload_routing()) return false;
     int n = atomic_load_explicit(&ndevs, memory_order_acquire);
-    for (int i = 0; i < n; i++) {
+    for (int k = -1; k < n; k++) {
+        int i = k < 0 ? owner : k;
+        if (i < 0 || i >= n || (k >= 0 && k == owner)) continue;
         cuma_preload_pin pin;
         cuma_heap *h = pin_heap(i, &pin);
         if (!h) continue;
@@ -440,7 +465,7 @@ static bool free_in_cuma(CUdeviceptr p, CUstream stream, const char *call, CUres
         *out = st == CUMA_OK ? CUDA_SUCCESS : failed(call, st);
         return true;
     }
-    if (!cuma_preload_owned(p)) return false;
+    if (!cuma_preload_owned(p, NULL)) return false;
     *out = CUDA_ERROR_INVALID_VALUE;
     return true;
 }
@@ -449,10 +474,11 @@ static bool free_in_cuma(CUdeviceptr p, CUstream stream, const char *call, CUres
  * memory: settled first (above); false when it is the driver's to free. */
 static bool free_settled(const cuma_preload_driver *d, CUdeviceptr dptr, CUstream s,
                          const char *call, CUresult *out) {
-    if (!dptr || !cuma_preload_routing() || !cuma_preload_owned(dptr)) return false;
+    int owner;
+    if (!dptr || !cuma_preload_routing() || !cuma_preload_owned(dptr, &owner)) return false;
     CUresult r = settle(d, s, s == NULL);
     if (r != CUDA_SUCCESS) return *out = r, true;
-    return free_in_cuma(dptr, s, call, out);
+    return free_in_cuma(dptr, owner, s, call, out);
 }
 
 CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr) {

@@ -128,6 +128,16 @@ void cuma_preload_pin_drop(const cuma_preload_pin *pin) {
         atomic_fetch_sub_explicit(&anon_pins[pin->dev], 1, memory_order_release);
 }
 
+void cuma_preload_pins_after_fork(void) {
+    /* Only the forking thread came along, and it was not inside the shim: every pin is gone. */
+    for (pin_rec *r = atomic_load_explicit(&recs, memory_order_relaxed); r; r = r->next) {
+        atomic_store_explicit(&r->mask, 0, memory_order_relaxed);
+        if (r != mine) atomic_store_explicit(&r->taken, false, memory_order_relaxed);
+    }
+    for (int d = 0; d < CUMA_MAX_DEFAULT_HEAPS; d++)
+        atomic_store_explicit(&anon_pins[d], 0, memory_order_relaxed);
+}
+
 void cuma_preload_pins_wait(int dev) {
     atomic_thread_fence(memory_order_seq_cst);
     const uint64_t bit = 1ull << dev;
