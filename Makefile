@@ -45,6 +45,12 @@ bench: build
 	@scripts/deps.sh bench
 	@scripts/bench.sh $(BUILD) $(BENCH_ARGS)
 
+# The randomized tests again and again with new seeds, under ASan + UBSan, for SOAK_MINUTES (10).
+.PHONY: soak
+soak:
+	@scripts/deps.sh build
+	@scripts/soak.sh
+
 # Instructions per operation under callgrind (bench/profile.sh), repeatable on a busy machine.
 .PHONY: profile
 profile: build
@@ -59,3 +65,24 @@ install: build
 
 clean:
 	rm -rf build build-asan build-tsan
+
+# Fuzzing (tests/fuzz/README.md): the harnesses as libFuzzer targets, built by clang with ASan and
+# UBSan, each run for FUZZ_SECONDS on its seed corpus; new inputs go to $(FUZZ_BUILD)/corpus,
+# crashes to $(FUZZ_BUILD)/crashes. `make test` replays the seeds only (fuzz_regress_*).
+FUZZ_SECONDS ?= 60
+FUZZ_BUILD ?= build-fuzz
+FUZZ_TARGETS ?= fuzz_config fuzz_trace fuzz_heap fuzz_ledger_file
+.PHONY: fuzz
+fuzz:
+	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+		-DCUMA_SANITIZE=address -DCUMA_FUZZ=ON >/dev/null
+	cmake --build $(FUZZ_BUILD) -j$(JOBS) --target $(FUZZ_TARGETS)
+	@failed=; for t in $(FUZZ_TARGETS); do \
+		mkdir -p $(FUZZ_BUILD)/corpus/$$t $(FUZZ_BUILD)/crashes/$$t; \
+		echo "== $$t: $(FUZZ_SECONDS) s"; \
+		UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 $(FUZZ_BUILD)/tests/fuzz/$$t \
+			-max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+			-artifact_prefix=$(FUZZ_BUILD)/crashes/$$t/ \
+			$(FUZZ_BUILD)/corpus/$$t tests/fuzz/corpus/$$t || failed="$$failed $$t"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "fuzz: findings in$$failed (see $(FUZZ_BUILD)/crashes)"; exit 1; fi

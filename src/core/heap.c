@@ -131,6 +131,10 @@ static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si
     b->req = req;
     b->mapped_len = req;
     b->stream = (uint16_t)si;
+    /* A record the policy hands out again keeps what its last block was: the streams that block's
+     * record_stream added must not hold this one's free back. */
+    b->extra[0] = b->extra[1] = CUMA_NO_STREAM;
+    b->extra_all = 0;
     *out = b;
     return CUMA_OK;
 }

@@ -366,6 +366,10 @@ static cuma_status read_all(loader *L, gzFile gz) {
         if (!complete) {
             cuma_status st = read_error(L, gz);
             if (st != CUMA_OK) return st;
+            /* gzgets stops only at a newline, a full buffer or the end: a line that ends short of
+             * its newline with more to read had a NUL byte, after which the rest (events too, in
+             * a long line) would be read as lines of their own. */
+            if (!gzeof(gz)) return bad_field(L, "a NUL byte in the line", (span){line, len});
         }
         while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) len--;
         const char *p = line;

@@ -352,7 +352,33 @@ static void test_preallocate(const char *mode) {
     cuma_heap_destroy(h);
 }
 
+/* A block whose record the policy hands out again must not inherit the streams record_stream
+ * added to the block that had it before: its free would wait for them (found by fuzz_heap). */
+static void test_record_stream_not_inherited(const char *policy) {
+    char conf[160];
+    snprintf(conf, sizeof conf,
+             "capacity:64M,page_size:64K,sim_clock:manual,tcache:off,arenas:1,policy:%s", policy);
+    cuma_heap *h = make(conf);
+    cuma_stream s1 = (cuma_stream)0x100, s2 = (cuma_stream)0x200;
+    void *a, *b;
+    CHECK_OK(cuma_alloc(h, 196609, s2, &a));
+    CHECK_OK(cuma_record_stream(h, a, s1));
+    CHECK_OK(cuma_free(h, a, s2));
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK_OK(cuma_alloc(h, 196609, NULL, &b));
+    CHECK(b == a); /* the same place, and (here) the same record */
+    CHECK_OK(cuma_sim_hold_stream(h, s1));
+    CHECK_OK(cuma_free(h, b, NULL)); /* never recorded on s1: done at once */
+    cuma_stats s = heap_stats(h);
+    CHECK(s.requested_bytes == 0 && s.active_allocs == 0);
+    CHECK_OK(cuma_sim_release_stream(h, s1));
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
 int main(void) {
+    test_record_stream_not_inherited("tlsf");
+    test_record_stream_not_inherited("buddy");
     test_preallocate("policy:tlsf");
     test_preallocate("sim_segments:on");
     test_fragmentation_threshold();
