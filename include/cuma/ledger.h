@@ -1,7 +1,8 @@
 /* cuma's cross-process ledger: the heaps of several processes that share GPUs.
  *
  * Every heap on a CUDA device (and a heap on the simulated device that names a ledger) has a
- * slot in a ledger in POSIX shared memory, one per user (mode 0600): its process, device (by
+ * slot in a ledger in POSIX shared memory, one per user (mode 0600; `ledger:@GROUP` one that the
+ * members of a Unix group share, mode 0660): its process, device (by
  * UUID), priority, guarantee, limit and what it holds. A heap grows only while the device has
  * room for it next to what the others hold and the guarantees they have not used yet; one that
  * cannot grow asks the others (a pressure request): heaps of the same or lower priority give

@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,23 +26,82 @@ static bool valid_name(const char *n) {
     return true;
 }
 
-/* shm_open's name: /cuma-UID for the user's ledger, /cuma-UID-NAME for a named one. */
-static cuma_status shm_name(const char *name, char *buf, size_t len) {
+/* shm_open's name: /cuma-UID for the user's ledger, /cuma-UID-NAME for a named one, /cuma-gGID
+ * for the ledger of a Unix group ("@GROUP": the jobs of every member share it) and /cuma-gGID-NAME
+ * for a named one of a group ("@GROUP+NAME"). *gid (may be NULL) gets the group's id, or -1 for a
+ * ledger of the user's own. */
+static cuma_status shm_name(const char *name, char *buf, size_t len, long *gid) {
+    if (gid) *gid = -1;
     if (!name || !*name || !strcmp(name, "on") || !strcmp(name, "auto")) {
         snprintf(buf, len, "/cuma-%u", (unsigned)geteuid());
         return CUMA_OK;
     }
+    if (name[0] == '@') {
+        char group[64];
+        const char *plus = strchr(name, '+');
+        size_t glen = plus ? (size_t)(plus - name - 1) : strlen(name + 1);
+        snprintf(group, sizeof group, "%.*s", (int)(glen < sizeof group ? glen : 0), name + 1);
+        if (!valid_name(group) || (plus && !valid_name(plus + 1)))
+            return cuma_fail(CUMA_ERR_CONFIG,
+                             "ledger: bad group ledger '%s': @GROUP or @GROUP+NAME, each of 1 to "
+                             "48 letters, digits, '_', '-' or '.'",
+                             name);
+        struct group gr, *found = NULL;
+        char tmp[4096];
+        if (getgrnam_r(group, &gr, tmp, sizeof tmp, &found) || !found)
+            return cuma_fail(CUMA_ERR_CONFIG, "ledger %s: no such group '%s'", name, group);
+        if (plus)
+            snprintf(buf, len, "/cuma-g%u-%s", (unsigned)found->gr_gid, plus + 1);
+        else
+            snprintf(buf, len, "/cuma-g%u", (unsigned)found->gr_gid);
+        if (gid) *gid = (long)found->gr_gid;
+        return CUMA_OK;
+    }
     if (!valid_name(name))
         return cuma_fail(CUMA_ERR_CONFIG,
-                         "ledger: bad name '%s': 1 to 48 letters, digits, '_', '-' or '.'", name);
+                         "ledger: bad name '%s': 1 to 48 letters, digits, '_', '-' or '.', or "
+                         "@GROUP",
+                         name);
     snprintf(buf, len, "/cuma-%u-%s", (unsigned)geteuid(), name);
     return CUMA_OK;
+}
+
+/* Whether the process is a member of group gid (its effective or a supplementary group). */
+static bool in_group(gid_t gid) {
+    if (getegid() == gid) return true;
+    gid_t list[256];
+    int n = getgroups(256, list);
+    for (int i = 0; i < n; i++)
+        if (list[i] == gid) return true;
+    return false;
+}
+
+/* Whether the file may steer this process's memory: the user's own ledger is the user's, mode
+ * 0600; a group's is shared by the group's members, group read-write and nothing for others
+ * (any member may own it), and the process must be a member. */
+static cuma_status check_owner(const struct stat *sb, long gid, const char *path) {
+    if (gid < 0) {
+        if (sb->st_uid == geteuid() && !(sb->st_mode & 077)) return CUMA_OK;
+        return cuma_fail(CUMA_ERR_IO,
+                         "ledger %s belongs to uid %u with mode %03o: it must be this user's (%u) "
+                         "with mode 0600",
+                         path, (unsigned)sb->st_uid, (unsigned)(sb->st_mode & 0777),
+                         (unsigned)geteuid());
+    }
+    if (sb->st_gid == (gid_t)gid && (sb->st_mode & 0060) == 0060 && !(sb->st_mode & 007) &&
+        in_group((gid_t)gid))
+        return CUMA_OK;
+    return cuma_fail(CUMA_ERR_IO,
+                     "ledger %s has group %u and mode %03o: a group ledger must have group %ld, "
+                     "mode 0660, and this process (uid %u) must be a member of it",
+                     path, (unsigned)sb->st_gid, (unsigned)(sb->st_mode & 0777), gid,
+                     (unsigned)geteuid());
 }
 
 cuma_status cuma_ledger_path(const char *name, char *buf, size_t len) {
     char n[72]; /* "/cuma-UID-" and a name of 48 at most */
     if (!buf || !len) return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_path: no buffer");
-    cuma_status st = shm_name(name, n, sizeof n);
+    cuma_status st = shm_name(name, n, sizeof n, NULL);
     if (st) return st;
     if ((size_t)snprintf(buf, len, "/dev/shm%s", n) >= len)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_path: buffer of %zu bytes too small", len);
@@ -83,10 +143,15 @@ cuma_status cuma_ledger_check_header(const ledger_shm *m, const char *path) {
 static cuma_status map_ledger(const char *name, bool create, ledger_shm **out, char *path,
                               size_t plen, uint64_t *ino) {
     char n[72]; /* "/cuma-UID-" and a name of 48 at most */
-    cuma_status st = shm_name(name, n, sizeof n);
+    long gid;
+    cuma_status st = shm_name(name, n, sizeof n, &gid);
     if (st) return st;
     snprintf(path, plen, "/dev/shm%s", n);
-    int fd = shm_open(n, O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0), 0600);
+    if (gid >= 0 && !in_group((gid_t)gid))
+        return cuma_fail(CUMA_ERR_IO,
+                         "ledger %s (%s): this process (uid %u) is no member of group %ld", path,
+                         name, (unsigned)geteuid(), gid);
+    int fd = shm_open(n, O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0), gid < 0 ? 0600 : 0660);
     if (fd < 0)
         return cuma_fail(CUMA_ERR_IO, "ledger %s: %s", path,
                          errno == ENOENT ? "no such ledger (no heap has joined it)"
@@ -96,15 +161,20 @@ static cuma_status map_ledger(const char *name, bool create, ledger_shm **out, c
         st = cuma_fail(CUMA_ERR_IO, "ledger %s: fstat: %s", path, strerror(errno));
         goto out_fd;
     }
-    /* The ledger steers other processes' memory: only the user's own, private one will do. */
-    if (sb.st_uid != geteuid() || (sb.st_mode & 077)) {
-        st = cuma_fail(CUMA_ERR_IO,
-                       "ledger %s belongs to uid %u with mode %03o: it must be this user's (%u) "
-                       "with mode 0600",
-                       path, (unsigned)sb.st_uid, (unsigned)(sb.st_mode & 0777),
-                       (unsigned)geteuid());
-        goto out_fd;
+    /* A group ledger this process just made has its group and mode set now (the umask may have
+     * taken g+rw away, and a new file gets the process's own group): only its owner can. */
+    if (gid >= 0 && create && sb.st_uid == geteuid() && sb.st_size == 0 &&
+        (sb.st_gid != (gid_t)gid || (sb.st_mode & 0777) != 0660)) {
+        if (fchown(fd, (uid_t)-1, (gid_t)gid) || fchmod(fd, 0660) || fstat(fd, &sb)) {
+            st = cuma_fail(CUMA_ERR_IO, "ledger %s: giving it to group %ld: %s", path, gid,
+                           strerror(errno));
+            goto out_fd;
+        }
     }
+    /* The ledger steers other processes' memory: only the user's own, private one, or the
+     * group's shared with its members alone, will do. */
+    st = check_owner(&sb, gid, path);
+    if (st) goto out_fd;
     if (flock(fd, LOCK_EX)) {
         st = cuma_fail(CUMA_ERR_IO, "ledger %s: flock: %s", path, strerror(errno));
         goto out_fd;
@@ -175,7 +245,7 @@ typedef struct mapping {
 /* The inode the ledger's name leads to now (0 when none). */
 static uint64_t current_ino(const char *name) {
     char n[72];
-    if (shm_name(name, n, sizeof n)) return 0;
+    if (shm_name(name, n, sizeof n, NULL)) return 0;
     int fd = shm_open(n, O_RDONLY | O_CLOEXEC, 0);
     if (fd < 0) return 0;
     struct stat sb;

@@ -127,8 +127,10 @@ static const key_desc keys[] = {
     {"ledger", K_WORD, F(ledger), "auto", NULL,
      "the cross-process ledger through which heaps on one device share it by priority "
      "(include/cuma/ledger.h, `cuma ps`): auto = the user's ledger for CUDA devices, none for "
-     "the simulated one; on = the user's ledger; off = none; any other name = a ledger of that "
-     "name (letters, digits, _ - .), e.g. for a group of simulated heaps"},
+     "the simulated one; on = the user's ledger; off = none; @GROUP = the ledger every member of "
+     "that Unix group shares (/dev/shm/cuma-gGID, mode 0660: jobs of several users on one GPU), "
+     "@GROUP+NAME a named one of the group; any other name = a ledger of that name (letters, "
+     "digits, _ - .), e.g. for a group of simulated heaps"},
     {"priority", K_PRIO, F(priority), "0", NULL,
      "this heap's priority in the ledger (-1000 to 1000, higher wins): heaps of lower priority "
      "give their cache back and are asked to shrink to their guarantee when it needs memory"},
@@ -223,7 +225,8 @@ static const char *kind_hint(enum kind k) {
     case K_PATH:
         return "a file path of at most 255 bytes, without commas, or none";
     case K_WORD:
-        return "auto, on, off, or a name of 1 to 48 letters, digits, '_', '-' or '.'";
+        return "auto, on, off, a name of 1 to 48 letters, digits, '_', '-' or '.', @GROUP or "
+               "@GROUP+NAME";
     case K_PRIO:
         return "an integer from -1000 to 1000";
     }
@@ -278,8 +281,19 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
         break;
     }
     case K_WORD: {
-        size_t n = strspn(v, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.");
-        ok = n && n == strlen(v) && n <= 48;
+        /* @GROUP or @GROUP+NAME: a group's ledger (whether the group exists is the ledger's to
+         * say, when a heap joins it). */
+        static const char word[] =
+            "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.";
+        const char *w = v[0] == '@' ? v + 1 : v;
+        size_t n = strspn(w, word);
+        ok = n && n <= 48;
+        if (ok && v[0] == '@' && w[n] == '+') {
+            size_t m = strspn(w + n + 1, word);
+            ok = m && m <= 48 && !w[n + 1 + m];
+        } else {
+            ok = ok && !w[n];
+        }
         if (ok) snprintf(field, sizeof s->ledger, "%s", v);
         break;
     }
