@@ -18,7 +18,9 @@
  * cuGetProcAddress and through dlsym) with blocks live and freed ones cached, and goes on: the
  * reset must find nothing of cuma's left to destroy, the next allocation must be real memory in
  * a fresh heap, a free of an old pointer must fail cleanly. With a second device
- * (FAKECUDA_DEVICES=2), a thread works on device 1 while device 0 is reset over and over.
+ * (FAKECUDA_DEVICES=2), a thread works on device 1 while device 0 is reset over and over. Routed,
+ * a reset also comes while another thread's allocation waits inside the heap for a held stream,
+ * and must wait for it.
  */
 #include "fakecuda.h"
 
@@ -450,6 +452,90 @@ static void check_reset_beside_device1(ctx_fn reset_fn) {
     CHECK(fakecuda_live("reservations") == 0 && fakecuda_used_bytes(1) == 0);
 }
 
+/* A reset while a call is inside the heap, blocked on work the device has not finished: the
+ * reset must wait for it (preload_pin.c) before it destroys the heap. Thread A frees a block on a
+ * stream S that is held (its pages idle, but fenced by S's work) and then asks for a block that
+ * fits only once they go back: the out-of-memory ladder releases the cache, which waits for S's
+ * events, pinned. Thread B resets the device meanwhile. B must not return before S is released;
+ * A's allocation then gets the freed memory, and the reset finds nothing of cuma's to destroy.
+ *
+ * With a release thread, the heap's destruction stops it under the arena lock that A holds while
+ * it waits, so a reset that did not wait for pins would still wait for A, by luck: the
+ * preload_reset_wait run turns the thread off (release_thread:off), and there only the pin
+ * makes B wait. */
+#define PIN_WAIT_MS 500
+
+struct pin_wait {
+    ctx_fn reset_fn;
+    CUstream s;
+    CUdeviceptr p;
+    CUresult alloc_r, reset_r;
+    atomic_int reset_done;
+};
+
+static void *pin_wait_alloc_main(void *arg) {
+    struct pin_wait *w = arg;
+    CHECK_CU(cuCtxSetCurrent(primary));
+    CUdeviceptr x;
+    CHECK_CU(cuMemAllocAsync(&x, 200 * MB, w->s));
+    CHECK_CU(cuMemFreeAsync(x, w->s)); /* idle once S's work is done, which it is not */
+    w->alloc_r = cuMemAlloc_v2(&w->p, 200 * MB);
+    return NULL;
+}
+
+static void *pin_wait_reset_main(void *arg) {
+    struct pin_wait *w = arg;
+    w->reset_r = w->reset_fn(0);
+    atomic_store(&w->reset_done, 1);
+    return NULL;
+}
+
+static void check_reset_waits_for_pins(ctx_fn reset_fn) {
+    if (!routed) return; /* the plain driver's allocation does not wait, and nothing pins */
+    struct pin_wait w = {.reset_fn = reset_fn};
+    atomic_init(&w.reset_done, 0);
+    CHECK_CU(cuStreamCreate(&w.s, CU_STREAM_NON_BLOCKING));
+    fakecuda_stream_hold(w.s);
+    long before[NKINDS];
+    for (size_t i = 0; i < NKINDS; i++) before[i] = fakecuda_reclaimed(reclaim_kinds[i]);
+    unsigned long syncs = fakecuda_calls("cuEventSynchronize");
+    pthread_t a, b;
+    CHECK(pthread_create(&a, NULL, pin_wait_alloc_main, &w) == 0);
+    /* A is inside the heap once it waits for S's event (nothing else A does waits for one; the
+     * fake counts a call when it starts). */
+    for (int ms = 0; fakecuda_calls("cuEventSynchronize") == syncs; ms++) {
+        if (ms == 8000) FAIL("the allocation never waited for the held stream\n");
+        usleep(1000);
+    }
+    CHECK(pthread_create(&b, NULL, pin_wait_reset_main, &w) == 0);
+    /* B cannot return while A is in the heap: wait a while for it to do so all the same. */
+    for (int ms = 0; ms < PIN_WAIT_MS && !atomic_load(&w.reset_done); ms++) usleep(1000);
+    if (atomic_load(&w.reset_done))
+        FAIL("the reset returned while a call was inside the heap (waiting for a held stream)\n");
+    fakecuda_stream_release(w.s);
+    CHECK(pthread_join(a, NULL) == 0);
+    CHECK(pthread_join(b, NULL) == 0);
+    CHECK(atomic_load(&w.reset_done));
+    CHECK_RES(w.reset_r, CUDA_SUCCESS);
+    /* The cache release gave the freed block's pages back: the request fits the limit. */
+    CHECK_RES(w.alloc_r, CUDA_SUCCESS);
+    /* cuma gave back every page, A's new block's included, before the driver's reset. */
+    for (size_t i = 0; i < NKINDS; i++) {
+        long n = fakecuda_reclaimed(reclaim_kinds[i]) - before[i];
+        if (n) FAIL("reset beside a pinned call destroyed %ld %s\n", n, reclaim_kinds[i]);
+    }
+    CHECK(fakecuda_live("handles") == 0 && fakecuda_live("mappings") == 0);
+    CHECK(fakecuda_live("reservations") == 0 && fakecuda_live("allocs") == 0);
+    CHECK(fakecuda_used_bytes(0) == 0);
+    retain_again(0);
+    CHECK_RES(cuMemFree_v2(w.p), CUDA_ERROR_INVALID_VALUE); /* gone with the reset */
+    CHECK_CU(cuStreamDestroy_v2(w.s));
+    CUdeviceptr p;
+    CHECK_CU(cuMemAlloc_v2(&p, 200 * MB)); /* a fresh heap, with all of the limit */
+    touch(p, 200 * MB, 0x41);
+    CHECK_CU(cuMemFree_v2(p));
+}
+
 /* The program's releases. cuma's heap holds a reference of its own: the program's last release
  * leaves the context active (without the shim it goes inactive). A release more than the
  * program took takes cuma's: the context goes inactive, and the shim retires the heap that held
@@ -513,6 +599,7 @@ static void check_reset(void) {
     int ndev = 0;
     CHECK_CU(cuDeviceGetCount(&ndev));
     if (ndev >= 2) check_reset_beside_device1(by_gpa);
+    check_reset_waits_for_pins(by_gpa);
     check_release(release_fn);
     dlclose(h);
 }
