@@ -14,12 +14,12 @@
  * a lock cannot hold still is a thread cache's lock-free fast path: a parent's thread inside one
  * at the fork leaves that block (or its counters) half moved in the child, which cuma_validate
  * then reports; the heap goes on working. A heap whose memory the child shares with the parent
- * (CUDA memory, a simulated device with host_backing) refuses cuma_alloc, cuma_free, cuma_trim
- * and cuma_poll in the child with CUMA_ERR_UNSUPPORTED (handing out or giving back a page would
- * change the parent's memory); cuma_heap_destroy frees the child's copy. Trace logs stay the
- * parent's: a child logs nothing. A heap on a simulated device without host backing is fully
- * usable in the child, except that a heap in the ledger grows only in the process whose slot it
- * has.
+ * (CUDA memory, a simulated device with host_backing) refuses cuma_alloc, cuma_free, cuma_trim,
+ * cuma_poll, cuma_set_limit (and _memory_fraction) and cuma_record_stream in the child with
+ * CUMA_ERR_UNSUPPORTED (handing out or giving back a page would change the parent's memory);
+ * cuma_heap_destroy frees the child's copy. Trace logs stay the parent's: a child logs nothing. A
+ * heap on a simulated device without host backing is fully usable in the child, except that a heap
+ * in the ledger grows only in the process whose slot it has.
  *
  * Errors: every call returns a cuma_status; on failure cuma_last_error() returns a message
  * for the calling thread that names what was wrong (the key, the value, the pointer).

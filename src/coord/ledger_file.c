@@ -46,15 +46,27 @@ static cuma_status shm_name(const char *name, char *buf, size_t len, long *gid) 
                              "ledger: bad group ledger '%s': @GROUP or @GROUP+NAME, each of 1 to "
                              "48 letters, digits, '_', '-' or '.'",
                              name);
+        /* The entry's size is the group's (its members): the buffer grows until it fits. */
         struct group gr, *found = NULL;
-        char tmp[4096];
-        if (getgrnam_r(group, &gr, tmp, sizeof tmp, &found) || !found)
+        long gr_gid = -1;
+        int err = ERANGE;
+        for (size_t cap = 4096; err == ERANGE && cap <= (64u << 20); cap *= 4) {
+            char *tmp = malloc(cap);
+            if (!tmp) return cuma_fail(CUMA_ERR_OOM, "ledger %s: no host memory", name);
+            err = getgrnam_r(group, &gr, tmp, cap, &found);
+            if (!err && found) gr_gid = (long)found->gr_gid;
+            free(tmp);
+        }
+        if (err)
+            return cuma_fail(CUMA_ERR_CONFIG, "ledger %s: looking up group '%s': %s", name, group,
+                             strerror(err));
+        if (gr_gid < 0)
             return cuma_fail(CUMA_ERR_CONFIG, "ledger %s: no such group '%s'", name, group);
         if (plus)
-            snprintf(buf, len, "/cuma-g%u-%s", (unsigned)found->gr_gid, plus + 1);
+            snprintf(buf, len, "/cuma-g%ld-%s", gr_gid, plus + 1);
         else
-            snprintf(buf, len, "/cuma-g%u", (unsigned)found->gr_gid);
-        if (gid) *gid = (long)found->gr_gid;
+            snprintf(buf, len, "/cuma-g%ld", gr_gid);
+        if (gid) *gid = gr_gid;
         return CUMA_OK;
     }
     if (!valid_name(name))
@@ -69,11 +81,13 @@ static cuma_status shm_name(const char *name, char *buf, size_t len, long *gid) 
 /* Whether the process is a member of group gid (its effective or a supplementary group). */
 static bool in_group(gid_t gid) {
     if (getegid() == gid) return true;
-    gid_t list[256];
-    int n = getgroups(256, list);
-    for (int i = 0; i < n; i++)
-        if (list[i] == gid) return true;
-    return false;
+    int n = getgroups(0, NULL);
+    gid_t *list = n > 0 ? malloc((size_t)n * sizeof *list) : NULL;
+    bool in = false;
+    if (list && (n = getgroups(n, list)) > 0)
+        for (int i = 0; i < n && !in; i++) in = list[i] == gid;
+    free(list);
+    return in;
 }
 
 /* Whether the file may steer this process's memory: the user's own ledger is the user's, mode
@@ -139,6 +153,32 @@ cuma_status cuma_ledger_check_header(const ledger_shm *m, const char *path) {
     return CUMA_OK;
 }
 
+/* Makes a group's ledger file /dev/shm<n> appear whole: made under a private name, given to the
+ * group with mode 0660, then linked to its name (if another process made it meanwhile, that one
+ * stays). A file made in place would first be its maker's alone (the new file's group is the
+ * process's, the umask may take g+rw): a member opening it then was refused, and a maker killed
+ * before fixing it left a file nobody else may remove from the sticky /dev/shm. */
+static cuma_status make_group_file(const char *n, long gid, const char *path) {
+    static _Atomic unsigned seq;
+    char tmp[128], final[96];
+    snprintf(tmp, sizeof tmp, "/dev/shm/.cuma-new-%ld-%u", (long)getpid(),
+             atomic_fetch_add(&seq, 1));
+    snprintf(final, sizeof final, "/dev/shm%s", n);
+    int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return cuma_fail(CUMA_ERR_IO, "ledger %s: making it in /dev/shm: %s", path,
+                         strerror(errno));
+    cuma_status st = CUMA_OK;
+    if (fchown(fd, (uid_t)-1, (gid_t)gid) || fchmod(fd, 0660))
+        st = cuma_fail(CUMA_ERR_IO, "ledger %s: giving it to group %ld: %s", path, gid,
+                       strerror(errno));
+    close(fd);
+    if (!st && link(tmp, final) && errno != EEXIST)
+        st = cuma_fail(CUMA_ERR_IO, "ledger %s: %s", path, strerror(errno));
+    unlink(tmp);
+    return st;
+}
+
 /* Maps the ledger, creating and initialising it where `create`. */
 static cuma_status map_ledger(const char *name, bool create, ledger_shm **out, char *path,
                               size_t plen, uint64_t *ino) {
@@ -151,25 +191,28 @@ static cuma_status map_ledger(const char *name, bool create, ledger_shm **out, c
         return cuma_fail(CUMA_ERR_IO,
                          "ledger %s (%s): this process (uid %u) is no member of group %ld", path,
                          name, (unsigned)geteuid(), gid);
-    int fd = shm_open(n, O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0), gid < 0 ? 0600 : 0660);
+    int fd;
+    if (gid >= 0) {
+        fd = shm_open(n, O_RDWR | O_CLOEXEC, 0);
+        if (fd < 0 && errno == ENOENT && create) {
+            st = make_group_file(n, gid, path);
+            if (st) return st;
+            fd = shm_open(n, O_RDWR | O_CLOEXEC, 0);
+        }
+    } else {
+        fd = shm_open(n, O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0), 0600);
+    }
     if (fd < 0)
-        return cuma_fail(CUMA_ERR_IO, "ledger %s: %s", path,
+        return cuma_fail(CUMA_ERR_IO, "ledger %s: %s%s", path,
                          errno == ENOENT ? "no such ledger (no heap has joined it)"
-                                         : strerror(errno));
+                                         : strerror(errno),
+                         errno == EACCES && gid >= 0
+                             ? " (a group ledger must be mode 0660 and the group's: ls -l it)"
+                             : "");
     struct stat sb;
     if (fstat(fd, &sb)) {
         st = cuma_fail(CUMA_ERR_IO, "ledger %s: fstat: %s", path, strerror(errno));
         goto out_fd;
-    }
-    /* A group ledger this process just made has its group and mode set now (the umask may have
-     * taken g+rw away, and a new file gets the process's own group): only its owner can. */
-    if (gid >= 0 && create && sb.st_uid == geteuid() && sb.st_size == 0 &&
-        (sb.st_gid != (gid_t)gid || (sb.st_mode & 0777) != 0660)) {
-        if (fchown(fd, (uid_t)-1, (gid_t)gid) || fchmod(fd, 0660) || fstat(fd, &sb)) {
-            st = cuma_fail(CUMA_ERR_IO, "ledger %s: giving it to group %ld: %s", path, gid,
-                           strerror(errno));
-            goto out_fd;
-        }
     }
     /* The ledger steers other processes' memory: only the user's own, private one, or the
      * group's shared with its members alone, will do. */

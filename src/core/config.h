@@ -46,7 +46,7 @@ typedef struct cuma_settings {
     int64_t tcache_age_ms;          /* blocks idle longer go back to the heap */
     int arenas;                     /* most arenas threads spread over under contention */
     char trace[256];                /* log of every call to this file; "" = none */
-    char ledger[64];                /* auto, on, off or a ledger's name */
+    char ledger[104];               /* auto, on, off, a ledger's name, @GROUP or @GROUP+NAME */
     int priority;                   /* in the ledger: higher wins */
     uint64_t guarantee;             /* in the ledger: device bytes nobody takes from the heap */
     int64_t pressure_timeout_ms;    /* how long a growth waits for others to give memory */

@@ -449,6 +449,7 @@ static bool is_managed(cuma_heap *h, uint64_t addr) {
 cuma_status cuma_record_stream(cuma_heap *heap, void *ptr, cuma_stream stream) {
     if (!heap || !ptr)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_record_stream: %s is NULL", heap ? "ptr" : "heap");
+    if (atomic_load(&heap->inherited)) return cuma_heap_inherited(heap, "cuma_record_stream");
     cuma_heap *h = cuma_arena_of(heap, (uint64_t)(uintptr_t)ptr);
     pthread_mutex_lock(&h->lock);
     cuma_status st = CUMA_OK;

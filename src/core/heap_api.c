@@ -10,6 +10,7 @@
 
 cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_set_limit: heap is NULL");
+    if (atomic_load(&h->inherited)) return cuma_heap_inherited(h, "cuma_set_limit");
     /* Every arena gets the new limit (arena_lock: no arena is made meanwhile with the old). */
     pthread_mutex_lock(&h->arena_lock);
     unsigned n = atomic_load(&h->narenas);

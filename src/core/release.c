@@ -187,11 +187,10 @@ static void watermark_poll(cuma_heap *p) {
             cuma_heap *a = p->arenas[i];
             pthread_mutex_lock(&a->lock);
             cuma_streams_tick(&a->streams);
+            /* Preallocated pages among the idle ones stay (the release skips them): at worst a
+             * look every 10 ms walks the cache for nothing. */
             uint64_t cached = cuma_heap_cached(a);
-            /* Preallocated pages never go: asking for them would walk the cache every look. */
-            uint64_t pinned = a->vmm ? a->pages.npinned * a->pages.page_size : 0;
-            uint64_t free_able = cached > pinned ? cached - pinned : 0;
-            uint64_t go = deficit < free_able ? deficit : free_able;
+            uint64_t go = deficit < cached ? deficit : cached;
             if (go) {
                 /* No age limit (-1), a cap of what may stay: the oldest pages above it go. */
                 cuma_heap_release(a, cuma_heap_now(a), -1, cached - go, 0, false);

@@ -17,7 +17,7 @@
 
 #define MB (1024ull * 1024ull)
 
-static char ledger[96], path[128];
+static char ledger[112], path[160];
 static pid_t main_pid;
 
 /* A failed check leaves no file in /dev/shm behind (a child's failure is the parent's to see). */
@@ -28,7 +28,7 @@ static void on_abort(int sig) {
 }
 
 static cuma_heap *group_heap(cuma_status *st) {
-    char conf[192];
+    char conf[256];
     snprintf(conf, sizeof conf,
              "backend:sim,capacity:64M,tcache:off,release_delay_ms:never,pressure_timeout_ms:0,"
              "ledger:%s",
@@ -87,13 +87,20 @@ int main(void) {
     gid_t gid = getegid();
     struct group *gr = getgrgid(gid);
     CHECK(gr);
-    snprintf(ledger, sizeof ledger, "@%s+test-group-%d", gr->gr_name, (int)getpid());
+    /* A long name (48 characters) is the file's whole name, not cut short. */
+    snprintf(ledger, sizeof ledger, "@%s+test-group-%08d-%s", gr->gr_name, (int)getpid(),
+             "abcdefghijklmnopqrstuvwxyzAB");
+    CHECK(strlen(strchr(ledger, '+') + 1) == 48);
     CHECK_OK(cuma_ledger_path(ledger, path, sizeof path));
     main_pid = getpid();
     signal(SIGABRT, on_abort);
     printf("test_ledger_group: ledger %s at %s\n", ledger, path);
+    CHECK(strstr(path, strchr(ledger, '+') + 1));
+    /* The file is the group's, mode 0660, whatever the umask of the process that makes it. */
+    mode_t old_mask = umask(077);
     cuma_status st;
     cuma_heap *h = group_heap(&st);
+    umask(old_mask);
     CHECK_OK(st);
     void *p;
     CHECK_OK(cuma_alloc(h, 16 * MB, 0, &p));

@@ -48,7 +48,12 @@ C
 flags=$(PKG_CONFIG_PATH="$prefix/$libdir/pkgconfig" pkg-config --cflags --libs cuma) || fail "pkg-config cuma"
 cc -std=c11 -Wall -Werror "$tmp/use.c" $flags -Wl,-rpath,"$prefix/$libdir" -o "$tmp/use_pc"
 [ "$("$tmp/use_pc")" = "allocs 1" ] || fail "the pkg-config build did not allocate"
-ldd "$tmp/use_pc" | grep -q "$prefix/$libdir/libcuma.so" || fail "the pkg-config build did not load the installed libcuma.so"
+# Not `ldd | grep -q`: under pipefail, grep's early exit makes ldd die of SIGPIPE now and then.
+libs=$(ldd "$tmp/use_pc")
+case "$libs" in
+  *"$prefix/$libdir/libcuma.so"*) ;;
+  *) fail "the pkg-config build did not load the installed libcuma.so: $libs" ;;
+esac
 
 # CMake package
 mkdir "$tmp/proj"

@@ -290,6 +290,16 @@ static void test_special_values(void) {
     CHECK_OK(
         cuma_settings_parse(&s, "limit:NONE,max_cached:Unlimited,release_delay_ms:Never", "t"));
     CHECK(s.limit == CUMA_UNLIMITED && s.max_cached == CUMA_UNLIMITED && s.release_delay_ms == -1);
+    /* Ledger names: a group's with a name, of the longest parts (48 + 48), is kept whole, not cut
+     * to a shorter one that another long name could share. */
+    char longest[128];
+    snprintf(longest, sizeof longest, "ledger:@%048d+%048d", 7, 9);
+    CHECK_OK(cuma_settings_parse(&s, longest, "test"));
+    CHECK(!strcmp(s.ledger, longest + strlen("ledger:")));
+    static const char *bad_ledgers[] = {"ledger:@",      "ledger:@+x", "ledger:@g+",
+                                        "ledger:@g+a+b", "ledger:a+b", "ledger:@g h"};
+    for (size_t i = 0; i < sizeof bad_ledgers / sizeof bad_ledgers[0]; i++)
+        CHECK_ST(cuma_settings_parse(&s, bad_ledgers[i], "test"), CUMA_ERR_CONFIG);
     /* Booleans in every spelling. */
     static const char *yes[] = {"on", "true", "1", "yes", "ON", "True", "YES"};
     static const char *no[] = {"off", "false", "0", "no", "OFF", "False", "No"};

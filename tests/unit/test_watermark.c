@@ -110,6 +110,19 @@ int main(void) {
     CHECK_OK(cuma_free(h, live, 0));
     cuma_heap_destroy(h);
 
+    /* Preallocated pages in use do not keep the others from going. */
+    h = heap_make("backend:sim,capacity:64M,page_size:2M,release_delay_ms:never,tcache:off,"
+                  "arenas:1,preallocate:16M,free_watermark:40M");
+    void *pre;
+    CHECK_OK(cuma_alloc(h, 16 * MB, 0, &pre)); /* the preallocated pages */
+    CHECK_OK(cuma_alloc(h, 16 * MB, 0, &big));
+    CHECK_OK(cuma_free(h, big, 0)); /* 32M free, 8M under the watermark */
+    wait_cached_at_most(h, 8 * MB);
+    s = stats(h);
+    CHECK(s.watermark_released_bytes == 8 * MB && s.device_free_bytes == 40 * MB);
+    CHECK_OK(cuma_free(h, pre, 0));
+    cuma_heap_destroy(h);
+
     /* Off (the default): the same pressure leaves the cache alone. */
     h = heap_make("backend:sim,capacity:1G,page_size:2M,release_delay_ms:never,tcache:off");
     CHECK_OK(cuma_alloc(h, 600 * MB, 0, &big));
