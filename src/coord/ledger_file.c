@@ -124,19 +124,22 @@ cuma_status cuma_ledger_path(const char *name, char *buf, size_t len) {
 
 /* ---- the file ------------------------------------------------------------------------------- */
 
-static void init_header(ledger_shm *m) {
-    memset(m, 0, LEDGER_BYTES);
-    m->version = LEDGER_VERSION;
-    m->nslots = LEDGER_SLOTS;
-    m->slot_size = (uint32_t)sizeof(ledger_slot);
-    m->mutex_size = (uint32_t)sizeof(pthread_mutex_t);
-    m->size = LEDGER_BYTES;
+void cuma_ledger_init_lock(ledger_shm *m) {
     pthread_mutexattr_t a;
     pthread_mutexattr_init(&a);
     pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
     pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
     pthread_mutex_init(&m->lock, &a);
     pthread_mutexattr_destroy(&a);
+}
+
+void cuma_ledger_init_header(ledger_shm *m) {
+    m->version = LEDGER_VERSION;
+    m->nslots = LEDGER_SLOTS;
+    m->slot_size = (uint32_t)sizeof(ledger_slot);
+    m->mutex_size = (uint32_t)sizeof(pthread_mutex_t);
+    m->size = LEDGER_BYTES;
+    cuma_ledger_init_lock(m);
     atomic_store_explicit(&m->magic, LEDGER_MAGIC, memory_order_release);
 }
 
@@ -247,7 +250,8 @@ static cuma_status map_ledger(const char *name, bool create, ledger_shm **out, c
     /* No magic under flock: its creator died before finishing (or it was just made). */
     if (atomic_load_explicit(&m->magic, memory_order_acquire) != LEDGER_MAGIC) {
         if ((uint64_t)sb.st_size == LEDGER_BYTES && create) {
-            init_header(m);
+            memset(m, 0, LEDGER_BYTES);
+            cuma_ledger_init_header(m);
         } else {
             st = cuma_fail(CUMA_ERR_CORRUPT, "ledger %s is not a cuma ledger (no magic)", path);
             munmap(p, (size_t)sb.st_size);

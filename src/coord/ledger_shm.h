@@ -111,6 +111,10 @@ cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_shm **out,
                                 size_t plen);
 /* Drops one use of a mapping cuma_ledger_acquire gave (unmapped with its last). */
 void cuma_ledger_release_map(ledger_shm *shm);
+/* Writes the header of this build's layout (the slots are left as they are), its robust
+ * process-shared lock, then the magic (release). The fuzzer writes headers this way too. */
+void cuma_ledger_init_header(ledger_shm *m);
+void cuma_ledger_init_lock(ledger_shm *m);
 /* CUMA_OK when the header is this build's layout, else CUMA_ERR_CORRUPT naming both. */
 cuma_status cuma_ledger_check_header(const ledger_shm *m, const char *path);
 

@@ -45,26 +45,6 @@ static void init_once(void) {
     pidns = stat("/proc/self/ns/pid", &sb) ? 0 : (uint64_t)sb.st_ino;
 }
 
-static void init_lock(ledger_shm *m) {
-    pthread_mutexattr_t a;
-    pthread_mutexattr_init(&a);
-    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    pthread_mutex_init(&m->lock, &a);
-    pthread_mutexattr_destroy(&a);
-}
-
-/* A header of this build's layout, as a heap joining the ledger writes it. */
-static void init_header(ledger_shm *m) {
-    m->version = LEDGER_VERSION;
-    m->nslots = LEDGER_SLOTS;
-    m->slot_size = (uint32_t)sizeof(ledger_slot);
-    m->mutex_size = (uint32_t)sizeof(pthread_mutex_t);
-    m->size = LEDGER_BYTES;
-    init_lock(m);
-    atomic_store(&m->magic, LEDGER_MAGIC);
-}
-
 /* Spoils one of the header fields that say which layout the file has. */
 static void spoil_header(ledger_shm *m, fz_reader *r) {
     uint8_t which = fz_u8(r);
@@ -161,13 +141,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     ledger_shm *m = (ledger_shm *)map;
     if (slots) {
-        init_header(m);
+        cuma_ledger_init_header(m);
         if (spoil) spoil_header(m, &r);
         size_t room = LEDGER_SLOTS * sizeof(ledger_slot), k = size - r.at;
         memcpy(m->slot, data + r.at, k < room ? k : room);
     } else {
         if (rest) memcpy(map, data + r.at, rest < fsize ? rest : fsize);
-        if (fsize >= sizeof(ledger_shm)) init_lock(m);
+        if (fsize >= sizeof(ledger_shm)) cuma_ledger_init_lock(m);
     }
     if (group) FZ_CHECK(!fchmod(fd, 0640), "chmod");
 
