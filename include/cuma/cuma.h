@@ -145,6 +145,9 @@ cuma_status cuma_set_memory_fraction(cuma_heap *heap, double fraction);
 
 /* Counters and gauges of one heap; all sizes in bytes. */
 typedef struct cuma_stats {
+    /* Sums of live allocations. A block freed after cuma_record_stream stays live in these (and
+     * in active_allocs) until the work of its recorded streams is done, as PyTorch counts it:
+     * its memory cannot be reused before. */
     uint64_t requested_bytes;      /* sum of the sizes asked for by live allocations */
     uint64_t peak_requested_bytes; /* highest requested_bytes since creation/reset; exact with
                                       one thread; with several, each thread's allocations
