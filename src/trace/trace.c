@@ -355,9 +355,16 @@ static cuma_status read_error(const loader *L, gzFile gz) {
 static cuma_status read_all(loader *L, gzFile gz) {
     int have_header = 0;
     char line[LINE_CAP];
+    /* The uncompressed offset before each line: gzgets says nothing of a NUL byte it copied,
+     * after which strlen stops short; the bytes it consumed tell. */
+    z_off_t at = gztell(gz);
     while (gzgets(gz, line, sizeof line)) {
         L->line++;
         size_t len = strlen(line);
+        z_off_t next = gztell(gz);
+        int nul = at >= 0 && next >= at && (uint64_t)(next - at) != len;
+        at = next;
+        if (nul) return bad_field(L, "a NUL byte in the line", (span){line, len});
         int complete = len > 0 && line[len - 1] == '\n';
         if (!complete && len == sizeof line - 1 && !gzeof(gz))
             return bad_field(L, "line too long", (span){line, len});
@@ -366,10 +373,6 @@ static cuma_status read_all(loader *L, gzFile gz) {
         if (!complete) {
             cuma_status st = read_error(L, gz);
             if (st != CUMA_OK) return st;
-            /* gzgets stops only at a newline, a full buffer or the end: a line that ends short of
-             * its newline with more to read had a NUL byte, after which the rest (events too, in
-             * a long line) would be read as lines of their own. */
-            if (!gzeof(gz)) return bad_field(L, "a NUL byte in the line", (span){line, len});
         }
         while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) len--;
         const char *p = line;

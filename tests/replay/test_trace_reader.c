@@ -225,6 +225,11 @@ int main(int argc, char **argv) {
     check_bad(data, "no_header.csv", CUMA_ERR_PARSE,
               (const char *[]){"no_header.csv:1: ", "header", NULL});
     check_bad(data, "empty.csv", CUMA_ERR_PARSE, (const char *[]){"empty.csv", "empty", NULL});
+    /* A NUL byte in a line, also in a last line without its newline (the rest was dropped). */
+    check_bad(data, "nul_mid_line.csv", CUMA_ERR_PARSE,
+              (const char *[]){"nul_mid_line.csv:2: ", "NUL byte", NULL});
+    check_bad(data, "nul_last_line.csv", CUMA_ERR_PARSE,
+              (const char *[]){"nul_last_line.csv:3: ", "NUL byte", NULL});
     check_bad(data, "no_such_file.csv", CUMA_ERR_IO,
               (const char *[]){"no_such_file.csv", "No such file", NULL});
 
