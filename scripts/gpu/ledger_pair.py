@@ -171,16 +171,22 @@ def main():
             idle["blocks"], idle["fill_s"], idle["stats"]))
         # What `cuma stats` shows from outside: the holder's figures, published by its release
         # thread every 100 ms, as its own stats have them.
-        seen, deadline = None, time.time() + 5
+        # A publication may fall between the allocations and the frees: wait (5 s at most) for
+        # one taken after both.
+        def view_matches(e):
+            return (e.get("backend") == idle["stats"]["backend"].split(" ")[0]
+                    and e.get("num_allocs") == idle["blocks"]
+                    and e.get("num_frees") == idle["blocks"]
+                    and e.get("page_creates") == idle["stats"]["page_creates"])
+
+        e, deadline = {}, time.time() + 5
         while time.time() < deadline:
-            seen = [e for e in cuma.ledger(args.ledger) if e["priority"] == -1]
-            if seen and seen[0]["num_allocs"] >= idle["blocks"]:
+            seen = [x for x in cuma.ledger(args.ledger) if x["priority"] == -1]
+            e = seen[0] if seen else {}
+            if view_matches(e):
                 break
             time.sleep(0.02)
-        e = seen[0] if seen else {}
-        view_ok = (e.get("backend") == idle["stats"]["backend"].split(" ")[0]
-                   and e.get("num_allocs") == idle["blocks"] and e.get("num_frees") == idle["blocks"]
-                   and e.get("page_creates") == idle["stats"]["page_creates"])
+        view_ok = view_matches(e)
         ok = ok and view_ok
         print("ledger view of the holder (cuma stats): %s backend %s, %s allocations, %s frees, "
               "%s pages created" % ("OK" if view_ok else "WRONG", e.get("backend"),
