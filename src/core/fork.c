@@ -81,11 +81,7 @@ static void release(bool child) {
                 /* Its thread did not come along: nothing to stop or join at destroy, and the
                  * condition variable must not wait for the waiter it had in the parent. */
                 a->thread_running = false;
-                pthread_condattr_t ca;
-                pthread_condattr_init(&ca);
-                pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-                pthread_cond_init(&a->wake, &ca);
-                pthread_condattr_destroy(&ca);
+                cuma_heap_init_wake(a);
             }
             pthread_mutex_unlock(&a->lock);
         }

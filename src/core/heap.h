@@ -255,6 +255,9 @@ void cuma_heap_ledger_publish(cuma_heap *p);
 /* fork.c: a created heap joins the list whose locks are held across fork(); a heap being
  * destroyed leaves it first (no lock held). */
 void cuma_fork_track(cuma_heap *h);
+/* (Re)initialises the release thread's condition variable (heap_life.c): at creation, and in a
+ * forked child, where the parent's waiter will never leave it. */
+void cuma_heap_init_wake(cuma_heap *h);
 /* The error of a call on a heap that came through fork with its parent's memory. */
 cuma_status cuma_heap_inherited(cuma_heap *h, const char *call);
 void cuma_fork_untrack(cuma_heap *h);

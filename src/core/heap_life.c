@@ -33,6 +33,15 @@ void cuma_heap_refresh_limit(cuma_heap *h) {
     }
 }
 
+void cuma_heap_init_wake(cuma_heap *h) {
+    /* The release thread's timed waits are on the monotonic clock, as the heap's time is. */
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&h->wake, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
 /* Everything an arena needs besides its settings, backend and first arena (set by the caller):
  * placement, virtual range and pages (or segments), tables, limits, the first arena's
  * preallocation, the lock and the release thread. On failure nothing is left to undo. */
@@ -99,11 +108,7 @@ cuma_status cuma_heap_build(cuma_heap *h) {
     pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_ADAPTIVE_NP);
     pthread_mutex_init(&h->lock, &ma);
     pthread_mutexattr_destroy(&ma);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&h->wake, &ca);
-    pthread_condattr_destroy(&ca);
+    cuma_heap_init_wake(h);
     /* The thread also ages the thread caches (a batched free holds its pages mapped until then;
      * max_cached acts on them only after), answers the ledger's pressure requests and watches
      * the device's free memory (free_watermark), whatever the release delay. */
