@@ -305,35 +305,47 @@ void cuma_ledger_publish(cuma_ledger *l, uint64_t cached, uint64_t requested, un
     atomic_store_explicit(&me->published_ns, cuma_ledger_now_ns(), memory_order_relaxed);
 }
 
+/* Where each of a slot's allocator figures comes from (a uint64_t of cuma_stats) and goes to (one
+ * of cuma_ledger_entry), by its index in the slot; fragmentation, a share, travels apart in parts
+ * per million (LEDGER_ST_FRAG_PPM). */
+#define STAT(idx, from, to) [idx] = {offsetof(cuma_stats, from), offsetof(cuma_ledger_entry, to)}
+static const struct {
+    size_t from, to;
+} stat_fields[LEDGER_ST_FRAG_PPM] = {
+    STAT(LEDGER_ST_PAGE_SIZE, page_size, page_size),
+    STAT(LEDGER_ST_ALLOCATED, allocated_bytes, allocated),
+    STAT(LEDGER_ST_PEAK_REQUESTED, peak_requested_bytes, peak_requested),
+    STAT(LEDGER_ST_MAPPED, mapped_bytes, mapped),
+    STAT(LEDGER_ST_MANAGED, managed_bytes, managed),
+    STAT(LEDGER_ST_ACTIVE, active_allocs, active_allocs),
+    STAT(LEDGER_ST_ALLOCS, num_allocs, num_allocs),
+    STAT(LEDGER_ST_FREES, num_frees, num_frees),
+    STAT(LEDGER_ST_FAILED, failed_allocs, failed_allocs),
+    STAT(LEDGER_ST_RETRIES, num_alloc_retries, alloc_retries),
+    STAT(LEDGER_ST_OOMS, num_ooms, ooms),
+    STAT(LEDGER_ST_OOM_CALLS, oom_callbacks, oom_callbacks),
+    STAT(LEDGER_ST_MANAGED_FALLBACKS, managed_fallbacks, managed_fallbacks),
+    STAT(LEDGER_ST_CREATES, page_creates, page_creates),
+    STAT(LEDGER_ST_RELEASES, page_releases, page_releases),
+    STAT(LEDGER_ST_MAPS, maps, maps),
+    STAT(LEDGER_ST_UNMAPS, unmaps, unmaps),
+    STAT(LEDGER_ST_TRIMS, trims, trims),
+    STAT(LEDGER_ST_CALL_NS, page_call_ns, page_call_ns),
+    STAT(LEDGER_ST_ARENAS, arenas, arenas),
+};
+#undef STAT
+_Static_assert(LEDGER_ST_FRAG_PPM + 1 == LEDGER_ST_N, "fragmentation is the last figure");
+
 void cuma_ledger_publish_stats(cuma_ledger *l, const cuma_stats *s) {
     if (!owned(l)) return;
     ledger_slot *me = my_slot(l);
+    for (unsigned i = 0; i < LEDGER_ST_FRAG_PPM; i++)
+        atomic_store_explicit(&me->stat[i],
+                              *(const uint64_t *)((const char *)s + stat_fields[i].from),
+                              memory_order_relaxed);
     double frag = s->fragmentation < 0 ? 0 : s->fragmentation > 1 ? 1 : s->fragmentation;
-    const uint64_t v[LEDGER_ST_N] = {
-        [LEDGER_ST_PAGE_SIZE] = s->page_size,
-        [LEDGER_ST_ALLOCATED] = s->allocated_bytes,
-        [LEDGER_ST_PEAK_REQUESTED] = s->peak_requested_bytes,
-        [LEDGER_ST_MAPPED] = s->mapped_bytes,
-        [LEDGER_ST_MANAGED] = s->managed_bytes,
-        [LEDGER_ST_ACTIVE] = s->active_allocs,
-        [LEDGER_ST_ALLOCS] = s->num_allocs,
-        [LEDGER_ST_FREES] = s->num_frees,
-        [LEDGER_ST_FAILED] = s->failed_allocs,
-        [LEDGER_ST_RETRIES] = s->num_alloc_retries,
-        [LEDGER_ST_OOMS] = s->num_ooms,
-        [LEDGER_ST_OOM_CALLS] = s->oom_callbacks,
-        [LEDGER_ST_MANAGED_FALLBACKS] = s->managed_fallbacks,
-        [LEDGER_ST_CREATES] = s->page_creates,
-        [LEDGER_ST_RELEASES] = s->page_releases,
-        [LEDGER_ST_MAPS] = s->maps,
-        [LEDGER_ST_UNMAPS] = s->unmaps,
-        [LEDGER_ST_TRIMS] = s->trims,
-        [LEDGER_ST_CALL_NS] = s->page_call_ns,
-        [LEDGER_ST_ARENAS] = s->arenas,
-        [LEDGER_ST_FRAG_PPM] = (uint64_t)(frag * 1e6 + 0.5),
-    };
-    for (unsigned i = 0; i < LEDGER_ST_N; i++)
-        atomic_store_explicit(&me->stat[i], v[i], memory_order_relaxed);
+    atomic_store_explicit(&me->stat[LEDGER_ST_FRAG_PPM], (uint64_t)(frag * 1e6 + 0.5),
+                          memory_order_relaxed);
     atomic_store_explicit(&me->stats_ns, cuma_ledger_now_ns(), memory_order_release);
 }
 
@@ -565,31 +577,11 @@ static void entry_of(const ledger_slot *s, unsigned i, uint64_t now, cuma_ledger
     e->backend[sizeof e->backend - 1] = 0;
     uint64_t at = atomic_load_explicit(&s->stats_ns, memory_order_acquire);
     e->stats_age_ns = !at ? UINT64_MAX : now > at ? now - at : 0;
-    uint64_t v[LEDGER_ST_N];
-    for (unsigned i = 0; i < LEDGER_ST_N; i++)
-        v[i] = atomic_load_explicit(&s->stat[i], memory_order_relaxed);
-    e->page_size = v[LEDGER_ST_PAGE_SIZE];
-    e->allocated = v[LEDGER_ST_ALLOCATED];
-    e->peak_requested = v[LEDGER_ST_PEAK_REQUESTED];
-    e->mapped = v[LEDGER_ST_MAPPED];
-    e->managed = v[LEDGER_ST_MANAGED];
-    e->active_allocs = v[LEDGER_ST_ACTIVE];
-    e->num_allocs = v[LEDGER_ST_ALLOCS];
-    e->num_frees = v[LEDGER_ST_FREES];
-    e->failed_allocs = v[LEDGER_ST_FAILED];
-    e->alloc_retries = v[LEDGER_ST_RETRIES];
-    e->ooms = v[LEDGER_ST_OOMS];
-    e->oom_callbacks = v[LEDGER_ST_OOM_CALLS];
-    e->managed_fallbacks = v[LEDGER_ST_MANAGED_FALLBACKS];
-    e->page_creates = v[LEDGER_ST_CREATES];
-    e->page_releases = v[LEDGER_ST_RELEASES];
-    e->maps = v[LEDGER_ST_MAPS];
-    e->unmaps = v[LEDGER_ST_UNMAPS];
-    e->trims = v[LEDGER_ST_TRIMS];
-    e->page_call_ns = v[LEDGER_ST_CALL_NS];
-    e->arenas = v[LEDGER_ST_ARENAS];
+    for (unsigned i = 0; i < LEDGER_ST_FRAG_PPM; i++)
+        *(uint64_t *)((char *)e + stat_fields[i].to) =
+            atomic_load_explicit(&s->stat[i], memory_order_relaxed);
     /* A scribbled slot must not print a share above one. */
-    uint64_t ppm = v[LEDGER_ST_FRAG_PPM];
+    uint64_t ppm = atomic_load_explicit(&s->stat[LEDGER_ST_FRAG_PPM], memory_order_relaxed);
     e->fragmentation = ppm > 1000000 ? 1.0 : (double)ppm / 1e6;
 }
 
