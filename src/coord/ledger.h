@@ -11,6 +11,10 @@
 
 typedef struct cuma_ledger cuma_ledger;
 
+/* Whether a `ledger` setting names a ledger: 1 to 48 letters, digits, '_', '-' or '.', @GROUP or
+ * @GROUP+NAME (each part so). The one grammar of the config parser and the ledger's files. */
+bool cuma_ledger_name_valid(const char *name);
+
 /* What a heap brings to the ledger when it joins. */
 typedef struct cuma_ledger_join_info {
     const char *name;    /* the `ledger` setting: "on" (the user's default) or a name */

@@ -26,6 +26,18 @@ static bool valid_name(const char *n) {
     return true;
 }
 
+bool cuma_ledger_name_valid(const char *name) {
+    if (name[0] != '@') return valid_name(name);
+    const char *plus = strchr(name + 1, '+');
+    if (!plus) return valid_name(name + 1);
+    char group[49];
+    size_t glen = (size_t)(plus - name - 1);
+    if (!glen || glen >= sizeof group) return false;
+    memcpy(group, name + 1, glen);
+    group[glen] = 0;
+    return valid_name(group) && valid_name(plus + 1);
+}
+
 /* shm_open's name: /cuma-UID for the user's ledger, /cuma-UID-NAME for a named one, /cuma-gGID
  * for the ledger of a Unix group ("@GROUP": the jobs of every member share it) and /cuma-gGID-NAME
  * for a named one of a group ("@GROUP+NAME"). *gid (may be NULL) gets the group's id, or -1 for a
@@ -36,16 +48,16 @@ static cuma_status shm_name(const char *name, char *buf, size_t len, long *gid) 
         snprintf(buf, len, "/cuma-%u", (unsigned)geteuid());
         return CUMA_OK;
     }
+    if (!cuma_ledger_name_valid(name))
+        return cuma_fail(CUMA_ERR_CONFIG,
+                         "ledger: bad name '%s': 1 to 48 letters, digits, '_', '-' or '.', "
+                         "@GROUP or @GROUP+NAME",
+                         name);
     if (name[0] == '@') {
-        char group[64];
+        char group[49]; /* valid: 1 to 48 characters */
         const char *plus = strchr(name, '+');
         size_t glen = plus ? (size_t)(plus - name - 1) : strlen(name + 1);
-        snprintf(group, sizeof group, "%.*s", (int)(glen < sizeof group ? glen : 0), name + 1);
-        if (!valid_name(group) || (plus && !valid_name(plus + 1)))
-            return cuma_fail(CUMA_ERR_CONFIG,
-                             "ledger: bad group ledger '%s': @GROUP or @GROUP+NAME, each of 1 to "
-                             "48 letters, digits, '_', '-' or '.'",
-                             name);
+        snprintf(group, sizeof group, "%.*s", (int)glen, name + 1);
         /* The entry's size is the group's (its members): the buffer grows until it fits. */
         struct group gr, *found = NULL;
         long gr_gid = -1;
@@ -69,11 +81,6 @@ static cuma_status shm_name(const char *name, char *buf, size_t len, long *gid) 
         if (gid) *gid = gr_gid;
         return CUMA_OK;
     }
-    if (!valid_name(name))
-        return cuma_fail(CUMA_ERR_CONFIG,
-                         "ledger: bad name '%s': 1 to 48 letters, digits, '_', '-' or '.', or "
-                         "@GROUP",
-                         name);
     snprintf(buf, len, "/cuma-%u-%s", (unsigned)geteuid(), name);
     return CUMA_OK;
 }

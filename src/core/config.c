@@ -1,6 +1,7 @@
 /* The CUMA_CONF grammar: "key:value,key:value". One table describes every key, so parsing,
  * `cuma config` and the JSON dump cannot disagree. */
 #include "config.h"
+#include "coord/ledger.h"
 #include "error.h"
 #include "strbuf.h"
 
@@ -280,23 +281,11 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
         if (ok) *(int *)field = (int)x;
         break;
     }
-    case K_WORD: {
-        /* @GROUP or @GROUP+NAME: a group's ledger (whether the group exists is the ledger's to
-         * say, when a heap joins it). */
-        static const char word[] =
-            "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.";
-        const char *w = v[0] == '@' ? v + 1 : v;
-        size_t n = strspn(w, word);
-        ok = n && n <= 48;
-        if (ok && v[0] == '@' && w[n] == '+') {
-            size_t m = strspn(w + n + 1, word);
-            ok = m && m <= 48 && !w[n + 1 + m];
-        } else {
-            ok = ok && !w[n];
-        }
+    case K_WORD:
+        /* Whether a group exists is the ledger's to say, when a heap joins it. */
+        ok = strlen(v) < sizeof s->ledger && cuma_ledger_name_valid(v);
         if (ok) snprintf(field, sizeof s->ledger, "%s", v);
         break;
-    }
     case K_PATH:
         if (!strcmp(v, "none")) v = "";
         ok = strlen(v) < sizeof s->trace;
