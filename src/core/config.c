@@ -4,6 +4,7 @@
 #include "coord/ledger.h"
 #include "error.h"
 #include "strbuf.h"
+#include "trace/writer.h"
 
 #include <ctype.h>
 #include <stdarg.h>
@@ -124,7 +125,10 @@ static const key_desc keys[] = {
     {"trace", K_PATH, F(trace), "none", NULL,
      "log every allocation, failed allocation and free to this file as RMM's CSV event log "
      "(gzip when it ends in .gz), for `cuma replay`; the thread caches are off meanwhile, so "
-     "every call is seen in order; none (or empty) = no log (./none is a file of that name)"},
+     "every call is seen in order; %p in the name is the process id, %d the device, %% a '%'; "
+     "a file another heap or process is writing, or this process wrote before, is not "
+     "overwritten: the log goes to NAME.1.csv.gz, NAME.2.csv.gz, ... instead (said on stderr, "
+     "and the stats name it); none (or empty) = no log (./none is a file of that name)"},
     {"ledger", K_WORD, F(ledger), "auto", NULL,
      "the cross-process ledger through which heaps on one device share it by priority "
      "(include/cuma/ledger.h, `cuma ps`): auto = the user's ledger for CUDA devices, none for "
@@ -224,7 +228,8 @@ static const char *kind_hint(enum kind k) {
     case K_NAME:
         return "one of the listed names";
     case K_PATH:
-        return "a file path of at most 255 bytes, without commas, or none";
+        return "a file path of at most 255 bytes, without commas, whose only %-sequences are %p, "
+               "%d and %%, or none";
     case K_WORD:
         return "auto, on, off, a name of 1 to 48 letters, digits, '_', '-' or '.', @GROUP or "
                "@GROUP+NAME";
@@ -288,7 +293,7 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
         break;
     case K_PATH:
         if (!strcmp(v, "none")) v = "";
-        ok = strlen(v) < sizeof s->trace;
+        ok = strlen(v) < sizeof s->trace && cuma_trace_pattern_valid(v);
         if (ok) snprintf(field, sizeof s->trace, "%s", v);
         break;
     case K_NAME:

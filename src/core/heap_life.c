@@ -189,7 +189,10 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     if (st) goto fail_be;
     if (h->set.trace[0]) {
         h->set.tcache = false; /* every call takes the lock: the log sees them all, in order */
-        st = cuma_trace_writer_open(h->set.trace, &h->tw);
+        /* The stats name the file really written (a pattern's %p and %d filled in, or a
+         * numbered name when the file was taken). */
+        st = cuma_trace_writer_open(h->set.trace, h->set.device, h->set.trace, sizeof h->set.trace,
+                                    &h->tw);
         if (st) goto fail_be;
     }
     if (h->set.sim_clock_manual && !strcmp(h->be->name, "sim"))

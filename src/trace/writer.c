@@ -5,11 +5,13 @@
 #include "core/error.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -25,6 +27,7 @@ struct cuma_trace_writer {
      * file offset are the parent's); NULL otherwise. */
     gzFile inherited;
     bool failed;
+    int fd;      /* gz's file, which holds the writer's flock on it (see claim) */
     uint64_t t0; /* ns, monotonic, at open */
     char *path;
     cuma_trace_writer *next_open;
@@ -32,6 +35,16 @@ struct cuma_trace_writer {
 
 static pthread_mutex_t list_mu = PTHREAD_MUTEX_INITIALIZER;
 static cuma_trace_writer *open_list;
+
+/* Every file a writer of this process has written, open or closed, never forgotten (a few
+ * hundred bytes a heap that logs): a heap made again later (after cudaDeviceReset under the
+ * shim, or by a program that makes heaps in a loop) logs to a new name instead of overwriting
+ * the earlier log. Guarded by list_mu. */
+typedef struct claimed_path {
+    struct claimed_path *next;
+    char path[];
+} claimed_path;
+static claimed_path *claimed;
 static pthread_once_t exit_once = PTHREAD_ONCE_INIT;
 
 static uint64_t now_ns(void) {
@@ -78,7 +91,12 @@ void cuma_trace_writer_postfork(bool child) {
     for (cuma_trace_writer *w = open_list; w; w = w->next_open) {
         /* gzclose would write the parent's buffered lines and a trailer into the parent's file
          * through the shared offset: the child's copy of the stream is left, unwritten. */
-        if (child && w->gz) w->inherited = w->gz, w->gz = NULL;
+        if (child && w->gz) {
+            w->inherited = w->gz, w->gz = NULL;
+            /* The child's reference to the file would keep the parent's flock alive after the
+             * parent closed the log. The stream is never used again, so its descriptor goes. */
+            close(w->fd);
+        }
         pthread_mutex_unlock(&w->mu);
     }
     if (child) open_list = NULL;
@@ -89,24 +107,146 @@ static void register_exit(void) {
     atexit(close_all_at_exit);
 }
 
-cuma_status cuma_trace_writer_open(const char *path, cuma_trace_writer **out) {
+bool cuma_trace_pattern_valid(const char *pattern) {
+    for (const char *c = pattern; *c; c++)
+        if (*c == '%' && (c[1] == 'p' || c[1] == 'd' || c[1] == '%'))
+            c++;
+        else if (*c == '%')
+            return false;
+    return true;
+}
+
+/* The pattern with %p, %d and %% replaced; CUMA_ERR_CONFIG if it does not fit out. */
+static cuma_status expand(const char *pattern, int device, char *out, size_t len) {
+    size_t n = 0;
+    for (const char *c = pattern; *c && n < len; c++) {
+        int w;
+        if (*c != '%')
+            w = snprintf(out + n, len - n, "%c", *c);
+        else if (*++c == 'p')
+            w = snprintf(out + n, len - n, "%ld", (long)getpid());
+        else if (*c == 'd')
+            w = snprintf(out + n, len - n, "%d", device);
+        else if (*c == '%')
+            w = snprintf(out + n, len - n, "%%");
+        else
+            return cuma_fail(CUMA_ERR_CONFIG,
+                             "trace %s: '%%%c' is not %%p (pid), %%d (device) or %%%% ('%%')",
+                             pattern, *c ? *c : ' ');
+        n += (size_t)w;
+    }
+    if (n >= len) return cuma_fail(CUMA_ERR_CONFIG, "trace %s: the file name is too long", pattern);
+    if (!n) out[0] = 0;
+    return CUMA_OK;
+}
+
+/* name with ".N" before its ending (.csv.gz, .csv or .gz; else at the end): run.csv.gz is
+ * followed by run.1.csv.gz, run.2.csv.gz, ... so that the name still says the format. */
+static bool numbered(const char *name, unsigned k, char *out, size_t len) {
+    static const char *const endings[] = {".csv.gz", ".csv", ".gz"};
+    size_t n = strlen(name), stem = n;
+    const char *base = strrchr(name, '/');
+    size_t base_at = base ? (size_t)(base - name) + 1 : 0;
+    for (size_t i = 0; i < sizeof endings / sizeof *endings; i++) {
+        size_t e = strlen(endings[i]);
+        if (n > base_at + e && !strcmp(name + n - e, endings[i])) {
+            stem = n - e;
+            break;
+        }
+    }
+    int w = snprintf(out, len, "%.*s.%u%s", (int)stem, name, k, name + stem);
+    return w > 0 && (size_t)w < len;
+}
+
+static bool is_claimed(const char *path) {
+    for (claimed_path *c = claimed; c; c = c->next)
+        if (!strcmp(c->path, path)) return true;
+    return false;
+}
+
+/* Opens and truncates the log for name or, when another writer holds it (in this process or
+ * another: each holds an exclusive flock on its file) or this process wrote it before, for the
+ * first numbered name that is free. The lock is what keeps two jobs started with the same
+ * CUMA_CONF (one process per GPU, or a heap per device) from interleaving two gzip streams in
+ * one file. With list_mu held. Returns the descriptor (the name in path) or -1, errno set. */
+static int claim(const char *name, char *path, size_t len, bool *mine) {
+    *mine = false;
+    for (unsigned k = 0; k < 1000; k++) {
+        if (!k)
+            snprintf(path, len, "%s", name);
+        else if (!numbered(name, k, path, len)) {
+            errno = ENAMETOOLONG;
+            return -1;
+        }
+        if (is_claimed(path)) {
+            *mine |= !k;
+            continue;
+        }
+        int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
+        if (fd < 0) return -1;
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+            close(fd);
+            continue;
+        }
+        /* Other flock failures (a file system without locks) leave the file unlocked: the
+         * log is still wanted. */
+        if (ftruncate(fd, 0) != 0 && errno != EINVAL) { /* EINVAL: not a regular file */
+            int e = errno;
+            close(fd);
+            errno = e;
+            return -1;
+        }
+        size_t n = strlen(path);
+        claimed_path *c = malloc(sizeof *c + n + 1);
+        if (!c) {
+            close(fd);
+            errno = ENOMEM;
+            return -1;
+        }
+        memcpy(c->path, path, n + 1);
+        c->next = claimed;
+        claimed = c;
+        return fd;
+    }
+    errno = EBUSY;
+    return -1;
+}
+
+cuma_status cuma_trace_writer_open(const char *pattern, int device, char *opened, size_t len,
+                                   cuma_trace_writer **out) {
     *out = NULL;
-    size_t n = strlen(path);
-    bool gz = n > 3 && !strcmp(path + n - 3, ".gz");
+    char name[CUMA_TRACE_PATH_MAX], path[CUMA_TRACE_PATH_MAX];
+    cuma_status st = expand(pattern, device, name, sizeof name);
+    if (st) return st;
+    size_t n = strlen(name);
+    bool gz = n > 3 && !strcmp(name + n - 3, ".gz");
     cuma_trace_writer *w = calloc(1, sizeof *w);
+    if (!w) return cuma_fail(CUMA_ERR_OOM, "trace %s: no host memory for the writer", name);
+    pthread_mutex_lock(&list_mu);
+    errno = 0;
+    bool mine;
+    int fd = claim(name, path, sizeof path, &mine);
+    int e = errno;
+    pthread_mutex_unlock(&list_mu);
+    if (fd < 0) {
+        free(w);
+        if (e == EBUSY)
+            return cuma_fail(CUMA_ERR_IO, "trace %s: it and its 999 numbered names are in use",
+                             name);
+        return cuma_fail(CUMA_ERR_IO, "trace %s: cannot create the log: %s", name, strerror(e));
+    }
     char *p = strdup(path);
-    if (!w || !p) {
+    if (!p || !(w->gz = gzdopen(fd, gz ? "wb1" : "wbT"))) {
+        close(fd);
         free(w), free(p);
         return cuma_fail(CUMA_ERR_OOM, "trace %s: no host memory for the writer", path);
     }
-    errno = 0;
-    w->gz = gzopen(path, gz ? "wb1" : "wbT");
-    if (!w->gz) {
-        int e = errno;
-        free(w), free(p);
-        return cuma_fail(CUMA_ERR_IO, "trace %s: cannot create the log: %s", path,
-                         e ? strerror(e) : "zlib could not open it");
-    }
+    if (strcmp(path, name))
+        fprintf(stderr, "cuma: trace %s %s: logging to %s\n", name,
+                mine ? "is or was another heap's log in this process"
+                     : "is being written by another process",
+                path);
+    w->fd = fd;
     gzbuffer(w->gz, 1 << 18);
     pthread_mutex_init(&w->mu, NULL);
     w->path = p;
@@ -117,6 +257,7 @@ cuma_status cuma_trace_writer_open(const char *path, cuma_trace_writer **out) {
         free(w), free(p);
         return cuma_fail(CUMA_ERR_IO, "trace %s: cannot write the header", path);
     }
+    if (opened) snprintf(opened, len, "%s", path);
     pthread_once(&exit_once, register_exit);
     pthread_mutex_lock(&list_mu);
     w->next_open = open_list;

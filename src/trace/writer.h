@@ -16,9 +16,21 @@
 
 typedef struct cuma_trace_writer cuma_trace_writer;
 
-/* Creates (truncates) the log at path: gzip-compressed when the name ends in ".gz", else plain
- * text. Writes the header. CUMA_ERR_IO names the path and the cause. */
-cuma_status cuma_trace_writer_open(const char *path, cuma_trace_writer **out);
+/* Longest file name of a log, its terminating NUL included. */
+#define CUMA_TRACE_PATH_MAX 256
+
+/* Whether a `trace` setting's only % sequences are %p (the process id), %d (the heap's device)
+ * and %% (a '%'). */
+bool cuma_trace_pattern_valid(const char *pattern);
+
+/* Creates (truncates) the log named by pattern (%p and %d replaced by the process id and
+ * device): gzip-compressed when the name ends in ".gz", else plain text. Writes the header.
+ * When another writer, in this process or another, has the file open, or this process wrote it
+ * before, the log is the first free of NAME.1.csv.gz, NAME.2.csv.gz, ... (said on stderr). The
+ * name used goes to opened (len bytes; NULL is fine). CUMA_ERR_IO names the file and the
+ * cause; CUMA_ERR_CONFIG a bad pattern. */
+cuma_status cuma_trace_writer_open(const char *pattern, int device, char *opened, size_t len,
+                                   cuma_trace_writer **out);
 
 /* One line: the action, the block's address (0 for a failed allocation), its size in bytes
  * and the stream, stamped with the time since the log was opened and the calling thread. A

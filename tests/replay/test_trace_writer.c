@@ -2,17 +2,23 @@
  * format, plain or gzip, from several threads, and the reader (and so `cuma replay`) reads it
  * back: every free matched to its allocation with the same size, failures as `allocate
  * failure`, times in order. A path that cannot be created fails the heap's creation, naming it.
+ * A log is never written by two heaps or processes at once, nor overwritten by a later heap of
+ * the same process (a numbered name instead); %p and %d name the process and the device.
  *
  *   test_trace_writer DIR   (a writable folder for the logs) */
 #include "check.h"
 #include "cuma/cuma.h"
 #include "trace/trace.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #define NTHREADS 3
 #define NOPS     2000
@@ -101,6 +107,105 @@ static void run(const char *path) {
     cuma_trace_free(&tr);
 }
 
+/* The file h logs to, from its stats. */
+static void logged_to(cuma_heap *h, char *out, size_t len) {
+    char json[8192];
+    CHECK_OK(cuma_stats_json(h, json, sizeof json, NULL));
+    const char *t = strstr(json, "\"trace\":\"");
+    CHECK(t);
+    t += strlen("\"trace\":\"");
+    size_t n = strcspn(t, "\"");
+    CHECK(n < len);
+    snprintf(out, len, "%.*s", (int)n, t);
+}
+
+static cuma_heap *logging_heap(const char *pattern, const char *extra) {
+    char conf[600];
+    snprintf(conf, sizeof conf, "backend:sim,capacity:1G,trace:%s%s", pattern, extra);
+    return heap_make(conf);
+}
+
+/* One allocation and its free, then the heap goes: the log must hold exactly these. */
+static void log_one(cuma_heap *h, size_t size, const char *file) {
+    void *p;
+    CHECK_OK(cuma_alloc(h, size, NULL, &p));
+    CHECK_OK(cuma_free(h, p, NULL));
+    cuma_heap_destroy(h);
+    cuma_trace tr;
+    CHECK_OK(cuma_trace_load(file, &tr));
+    CHECK(tr.n == 2 && tr.ev[0].size == size && tr.ev[1].action == CUMA_TRACE_FREE);
+    cuma_trace_free(&tr);
+}
+
+static void names(const char *dir) {
+    char pattern[512], want[600], got[600], got2[600];
+    /* Two heaps of one process with one trace setting (a heap per device under the shim):
+     * the second logs to NAME.1.csv.gz, and neither log has the other's events. */
+    snprintf(pattern, sizeof pattern, "%s/shared.csv.gz", dir);
+    cuma_heap *a = logging_heap(pattern, ""), *b = logging_heap(pattern, "");
+    logged_to(a, got, sizeof got);
+    logged_to(b, got2, sizeof got2);
+    snprintf(want, sizeof want, "%s/shared.1.csv.gz", dir);
+    CHECK(!strcmp(got, pattern) && !strcmp(got2, want));
+    log_one(a, 1000, got);
+    log_one(b, 2000, got2);
+    /* A heap made later (after a reset under the shim) does not overwrite either log. */
+    a = logging_heap(pattern, "");
+    logged_to(a, got, sizeof got);
+    snprintf(want, sizeof want, "%s/shared.2.csv.gz", dir);
+    CHECK(!strcmp(got, want));
+    log_one(a, 3000, got);
+
+    /* Another process writing the file (its flock): a numbered name; the plain ending too. */
+    snprintf(pattern, sizeof pattern, "%s/held.csv", dir);
+    int fd = open(pattern, O_WRONLY | O_CREAT, 0644);
+    CHECK(fd >= 0 && flock(fd, LOCK_EX) == 0);
+    a = logging_heap(pattern, "");
+    logged_to(a, got, sizeof got);
+    snprintf(want, sizeof want, "%s/held.1.csv", dir);
+    CHECK(!strcmp(got, want));
+    log_one(a, 4000, got);
+    close(fd);
+
+    /* A forked child whose parent is logging to the same name logs to another one. */
+    snprintf(pattern, sizeof pattern, "%s/forked.csv.gz", dir);
+    a = logging_heap(pattern, "");
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        cuma_heap *c = logging_heap(pattern, "");
+        logged_to(c, got, sizeof got);
+        snprintf(want, sizeof want, "%s/forked.1.csv.gz", dir);
+        CHECK(!strcmp(got, want));
+        log_one(c, 5000, got);
+        _exit(0);
+    }
+    int ws;
+    CHECK(waitpid(pid, &ws, 0) == pid && WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+    log_one(a, 6000, pattern);
+
+    /* %p and %d: the process and the device; %% a '%'. */
+    snprintf(pattern, sizeof pattern, "%s/p%%p-d%%d-%%%%.csv", dir);
+    a = logging_heap(pattern, ",device:3");
+    logged_to(a, got, sizeof got);
+    snprintf(want, sizeof want, "%s/p%ld-d3-%%.csv", dir, (long)getpid());
+    CHECK(!strcmp(got, want));
+    log_one(a, 7000, got);
+    CHECK(unlink(got) == 0); /* a new name each run */
+
+    /* Any other % sequence is a bad value, named. */
+    const char *bad[] = {"trace:/tmp/x%s.csv", "trace:/tmp/x%", "trace:%P"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        char conf[128];
+        snprintf(conf, sizeof conf, "backend:sim,%s", bad[i]);
+        cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+        cuma_heap *h = NULL;
+        CHECK_ST(cuma_heap_create(&cfg, &h), CUMA_ERR_CONFIG);
+        CHECK(h == NULL && strstr(cuma_last_error(), "'trace'"));
+    }
+    printf("names: shared, reset, held, forked, %%p/%%d and bad patterns as expected\n");
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: test_trace_writer DIR\n");
@@ -111,6 +216,7 @@ int main(int argc, char **argv) {
     run(path);
     snprintf(path, sizeof path, "%s/trace_writer.csv.gz", argv[1]);
     run(path);
+    names(argv[1]);
     /* A log that cannot be created: the heap is not created, and the message names the file. */
     cuma_config bad = {.conf = "backend:sim,trace:/nonexistent-dir/x.csv",
                        .flags = CUMA_CONFIG_NO_ENV};
