@@ -109,7 +109,9 @@ void cuma_heap_destroy(cuma_heap *heap);
 
 /* Allocates `size` bytes usable on `stream` (256-byte aligned at least). On out-of-memory the
  * heap releases its cache, retries, calls the OOM callbacks, retries, falls back to managed
- * memory where configured, and only then fails with CUMA_ERR_OOM (or CUMA_ERR_LIMIT). */
+ * memory where configured, and only then fails with CUMA_ERR_OOM (or CUMA_ERR_LIMIT). A size
+ * larger than the heap's virtual range (or, without one, the device) is CUMA_ERR_OOM at once
+ * unless managed memory serves it. */
 cuma_status cuma_alloc(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr);
 
 /* Frees a pointer returned by cuma_alloc. The memory is reusable at once by later work on
@@ -224,7 +226,11 @@ cuma_status cuma_validate(cuma_heap *heap);
 /* Out-of-memory callback: called (without heap locks held) when an allocation of `size`
  * bytes failed even after the cache was released. It may free memory (also through
  * cuma_free on this heap). Return CUMA_OOM_RETRY to have the allocation retried, or
- * CUMA_OOM_PASS to let the next callback (or the failure) follow. */
+ * CUMA_OOM_PASS to let the next callback (or the failure) follow. A heap's callbacks run on one
+ * thread at a time: another thread that runs out meanwhile waits, tries again with what they
+ * freed, and only then calls them itself (so a callback must not wait for a thread that may be
+ * allocating from the heap). An allocation a callback makes on the same heap fails without
+ * calling the callbacks again. */
 #define CUMA_OOM_PASS  0
 #define CUMA_OOM_RETRY 1
 typedef int (*cuma_oom_fn)(void *user, cuma_heap *heap, size_t size, cuma_stream stream);

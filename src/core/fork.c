@@ -60,7 +60,8 @@ static void release(bool child) {
     cuma_ledger_postfork();
     for (cuma_heap *h = live_heaps; h; h = h->fork_next) {
         if (child) {
-            atomic_store(&h->in_oom, 0);
+            /* A thread of the parent's may have been running the callbacks: not in the child. */
+            pthread_mutex_init(&h->oom_run, NULL);
             if (!(cuma_backend_unwrap(h->be)->caps & CUMA_CAP_FORK_PRIVATE)) {
                 /* Its pages are the parent's (device memory, or a simulated device's shared host
                  * backing): handing one out, or giving one back, would change the parent's. The

@@ -172,6 +172,84 @@ static bool is_oom(cuma_status st) {
     return st == CUMA_ERR_OOM || st == CUMA_ERR_LIMIT;
 }
 
+/* The heaps whose OOM callbacks this thread is running, innermost first (frames on the callers'
+ * stacks): an allocation a callback makes on the same heap fails without calling them again. */
+typedef struct oom_frame {
+    const cuma_heap *heap;
+    struct oom_frame *up;
+} oom_frame;
+static __thread oom_frame *oom_frames;
+
+static bool in_callbacks_of(const cuma_heap *p) {
+    for (const oom_frame *f = oom_frames; f; f = f->up)
+        if (f->heap == p) return true;
+    return false;
+}
+
+/* The callbacks' rung (arena lock held on entry and exit, dropped meanwhile). They run on one
+ * thread at a time per heap, so that a callback needs no locking of its own and several threads
+ * out of memory at once do not each shed the program's caches: a thread that finds another
+ * running them waits, then first tries again with what they freed. */
+static cuma_status run_oom_callbacks(cuma_heap *h, cuma_status st, size_t size, uint64_t n,
+                                     unsigned si, cuma_stream stream, cuma_block **out) {
+    cuma_heap *p = h->primary;
+    if (!p->oom.n || in_callbacks_of(p)) return st; /* oom.n: a racy look, rechecked below */
+    if (pthread_mutex_trylock(&p->oom_run) != 0) {
+        pthread_mutex_unlock(&h->lock);
+        pthread_mutex_lock(&p->oom_run);
+        pthread_mutex_lock(&h->lock);
+        cuma_heap_release_idle(h, 0);
+        release_other_arenas(h);
+        st = try_alloc(h, size, n, si, now(h), out);
+        if (!is_oom(st)) {
+            pthread_mutex_unlock(&p->oom_run);
+            return st;
+        }
+    }
+    pthread_mutex_lock(&p->oom_lock);
+    cuma_cb_slot cbs[CUMA_MAX_OOM_CALLBACKS];
+    int ncb = p->oom.n;
+    memcpy(cbs, p->oom.s, sizeof cbs);
+    pthread_mutex_unlock(&p->oom_lock);
+    if (ncb) h->c.ooms++;
+    oom_frame frame = {p, oom_frames};
+    oom_frames = &frame;
+    for (int i = 0; i < ncb; i++) {
+        h->c.oom_calls++;
+        pthread_mutex_unlock(&h->lock);
+        int r = ((cuma_oom_fn)cbs[i].fn)(cbs[i].user, p, size, stream);
+        pthread_mutex_lock(&h->lock);
+        if (r != CUMA_OOM_RETRY) continue;
+        cuma_heap_release_idle(h, 0); /* what the callback freed may sit in a thread cache */
+        release_other_arenas(h);
+        st = try_alloc(h, size, n, si, now(h), out);
+        if (!is_oom(st)) break;
+    }
+    oom_frames = frame.up;
+    pthread_mutex_unlock(&p->oom_run);
+    return st;
+}
+
+/* The last rung: managed memory, where configured; whether it served the request. */
+static bool managed_take(cuma_heap *h, size_t size, uint64_t *managed_addr) {
+    cuma_heap *p = h->primary;
+    if (!h->set.managed_fallback || !(h->be->caps & CUMA_CAP_MANAGED)) return false;
+    uint64_t addr;
+    if (h->be->ops->managed_alloc(h->be, size, &addr) != CUMA_OK) return false;
+    pthread_mutex_lock(&p->managed_lock);
+    bool put = cuma_map_put(&p->managed, addr, (void *)(uintptr_t)size);
+    if (put) {
+        p->c.managed += size;
+        p->c.managed_fallbacks++;
+    }
+    pthread_mutex_unlock(&p->managed_lock);
+    if (put)
+        *managed_addr = addr;
+    else
+        h->be->ops->managed_free(h->be, addr, size);
+    return put;
+}
+
 /* The out-of-memory ladder: release the cache (this arena's, then the other arenas') and retry,
  * call the callbacks and retry, fall back to managed memory, then fail. Called with the arena's
  * lock held; callbacks run without it. */
@@ -198,48 +276,13 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
         st = try_alloc(h, size, n, si, now(h), out);
         if (!is_oom(st)) return st;
     }
-    pthread_mutex_lock(&p->oom_lock);
-    cuma_cb_slot cbs[CUMA_MAX_OOM_CALLBACKS];
-    int ncb = atomic_load(&p->in_oom) ? 0 : p->oom.n;
-    memcpy(cbs, p->oom.s, sizeof cbs);
-    pthread_mutex_unlock(&p->oom_lock);
-    if (ncb) {
-        h->c.ooms++;
-        for (int i = 0; i < ncb; i++) {
-            atomic_fetch_add(&p->in_oom, 1);
-            h->c.oom_calls++;
-            pthread_mutex_unlock(&h->lock);
-            int r = ((cuma_oom_fn)cbs[i].fn)(cbs[i].user, p, size, stream);
-            pthread_mutex_lock(&h->lock);
-            atomic_fetch_sub(&p->in_oom, 1);
-            if (r != CUMA_OOM_RETRY) continue;
-            cuma_heap_release_idle(h, 0); /* what the callback freed may sit in a thread cache */
-            release_other_arenas(h);
-            st = try_alloc(h, size, n, si, now(h), out);
-            if (!is_oom(st)) return st;
-        }
-    }
+    st = run_oom_callbacks(h, st, size, n, si, stream, out);
+    if (!is_oom(st)) return st;
     /* The ladder released the cache first: what is idle now are the pages the failed attempts made
      * before they ran out. A failed allocation leaves the device as it found it, so they go
      * back now, not a release delay later (another program, or managed memory, may need them). */
     cuma_heap_release_idle(h, 0);
-    if (h->set.managed_fallback && (h->be->caps & CUMA_CAP_MANAGED)) {
-        uint64_t addr;
-        if (h->be->ops->managed_alloc(h->be, size, &addr) == CUMA_OK) {
-            pthread_mutex_lock(&p->managed_lock);
-            bool put = cuma_map_put(&p->managed, addr, (void *)(uintptr_t)size);
-            if (put) {
-                p->c.managed += size;
-                p->c.managed_fallbacks++;
-            }
-            pthread_mutex_unlock(&p->managed_lock);
-            if (put) {
-                *managed_addr = addr;
-                return CUMA_OK;
-            }
-            h->be->ops->managed_free(h->be, addr, size);
-        }
-    }
+    if (managed_take(h, size, managed_addr)) return CUMA_OK;
     return fail_oom(h, st, size);
 }
 
@@ -258,11 +301,11 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
                  : size - 1 < h->fast_max
                      ? cuma_tc_round(size)
                      : (size + CUMA_GRANULE - 1) & ~(uint64_t)(CUMA_GRANULE - 1);
+    if (!n) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size %zu is past any device", size);
+    /* A request the range (or the device) could never hold is out of memory, as PyTorch's
+     * allocator says of one larger than the GPU: callers that recover from OOM (a smaller
+     * batch) recover from it too, and managed memory may still serve it. */
     uint64_t room = h->vmm ? h->va_size : h->be->capacity;
-    if (!n || size > room)
-        return cuma_fail(CUMA_ERR_INVALID,
-                         "cuma_alloc: size %zu is larger than the %" PRIu64 "-byte %s", size, room,
-                         h->vmm ? "virtual range" : "device");
     cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
     if (tc && !tried && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
     cuma_arena_lock(heap, h);
@@ -281,8 +324,17 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
     if (h->deferred) cuma_heap_process_deferred(h, false);
     cuma_block *b = NULL;
     uint64_t managed_addr = 0;
-    st = try_alloc(h, size, n, (unsigned)si, t, &b);
-    if (st) st = recover(h, st, size, n, (unsigned)si, stream, &b, &managed_addr);
+    if (size > room) {
+        st = managed_take(h, size, &managed_addr)
+                 ? CUMA_OK
+                 : cuma_fail(CUMA_ERR_OOM,
+                             "out of memory: %zu bytes requested, more than the %" PRIu64
+                             "-byte %s can ever hold",
+                             size, room, h->vmm ? "virtual range" : "device");
+    } else {
+        st = try_alloc(h, size, n, (unsigned)si, t, &b);
+        if (st) st = recover(h, st, size, n, (unsigned)si, stream, &b, &managed_addr);
+    }
     if (st == CUMA_OK && b) {
         uint64_t addr = h->base + b->off;
         if (!cuma_map_put(&h->live, addr, b)) {

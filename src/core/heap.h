@@ -106,7 +106,9 @@ struct cuma_heap {
     char ledger_error[160];
     uint64_t stats_due;     /* first arena's release thread only: next publication of its figures */
     uint64_t watermark_due; /* first arena's release thread only: next look at free memory */
-    _Atomic int in_oom;     /* first arena: a callback is running: no recursion into callbacks */
+    /* First arena only: held by the thread running the OOM callbacks (one at a time a heap);
+     * taken with no arena lock held, or tried with one (heap.c run_oom_callbacks). */
+    pthread_mutex_t oom_run;
     /* First arena, set once in a forked child (fork.c) when the heap's memory is the parent's
      * (its backend lacks CUMA_CAP_FORK_PRIVATE): every call but destroy is refused. */
     _Atomic bool inherited;

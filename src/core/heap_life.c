@@ -214,11 +214,13 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     cuma_map_init(&h->managed);
     pthread_mutex_init(&h->arena_lock, NULL);
     pthread_mutex_init(&h->oom_lock, NULL);
+    pthread_mutex_init(&h->oom_run, NULL);
     pthread_mutex_init(&h->managed_lock, NULL);
     st = cuma_heap_build(h);
     if (st) {
         pthread_mutex_destroy(&h->arena_lock);
         pthread_mutex_destroy(&h->oom_lock);
+        pthread_mutex_destroy(&h->oom_run);
         pthread_mutex_destroy(&h->managed_lock);
         cuma_map_destroy(&h->managed);
         goto fail_be;
@@ -259,6 +261,7 @@ void cuma_heap_destroy(cuma_heap *h) {
     h->be->ops->destroy(h->be);
     pthread_mutex_destroy(&h->arena_lock);
     pthread_mutex_destroy(&h->oom_lock);
+    pthread_mutex_destroy(&h->oom_run);
     pthread_mutex_destroy(&h->managed_lock);
     cuma_trace_writer_close(h->tw);
     free(h);

@@ -3,6 +3,8 @@
 #include "check.h"
 #include "cuma/sim.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -78,6 +80,11 @@ static void test_bad_input(void) {
     CHECK_OK(cuma_validate(h));
     cuma_stats s = heap_stats(h);
     CHECK(s.failed_allocs == 1 && s.active_allocs == 0 && s.mapped_bytes == 0);
+    /* More than the virtual range could ever hold: out of memory too (as PyTorch says of a
+     * request larger than the GPU), so that callers recovering from OOM recover from it. */
+    CHECK_ST(cuma_alloc(h, (size_t)1 << 40, NULL, &q), CUMA_ERR_OOM);
+    CHECK(strstr(cuma_last_error(), "can ever hold"));
+    CHECK(heap_stats(h).failed_allocs == 2);
     CHECK_ST(cuma_record_stream(h, (void *)(uintptr_t)0x1234, NULL), CUMA_ERR_BAD_POINTER);
     cuma_heap_destroy(h);
     cuma_config bad = {.conf = "capacity:64M,bogus:1", .flags = CUMA_CONFIG_NO_ENV};
@@ -145,6 +152,60 @@ static int oom_pass(void *user, cuma_heap *h, size_t size, cuma_stream s) {
     return CUMA_OOM_PASS;
 }
 
+/* Two threads out of memory at once: thread 1 runs out while thread 0's callback is still
+ * freeing. It must wait for that callback (not skip the callbacks and fail), then get the memory
+ * freed. Within the callback, an allocation on the same heap fails without calling it again. */
+typedef struct crowd {
+    cuma_heap *h;
+    void *victim;
+    _Atomic int calls, started, done;
+    cuma_status second; /* thread 1's allocation, once done */
+    void *second_p;
+} crowd;
+
+static void *second_thread(void *arg) {
+    crowd *c = arg;
+    atomic_store(&c->started, 1);
+    c->second = cuma_alloc(c->h, 8 * MB, NULL, &c->second_p);
+    atomic_store(&c->done, 1);
+    return NULL;
+}
+
+static int oom_slow_free(void *user, cuma_heap *h, size_t size, cuma_stream s) {
+    (void)size, (void)s;
+    crowd *c = user;
+    if (atomic_fetch_add(&c->calls, 1) > 0) return CUMA_OOM_PASS; /* nothing left to free */
+    void *nested;
+    CHECK_ST(cuma_alloc(h, 8 * MB, NULL, &nested), CUMA_ERR_OOM); /* no recursion */
+    CHECK(atomic_load(&c->calls) == 1);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, second_thread, c) == 0);
+    CHECK(pthread_detach(t) == 0);
+    while (!atomic_load(&c->started)) sched_yield();
+    struct timespec ts = {0, 30 * 1000000};
+    nanosleep(&ts, NULL); /* thread 1 runs out meanwhile */
+    CHECK_OK(cuma_free(h, c->victim, NULL));
+    return CUMA_OOM_RETRY;
+}
+
+static void test_oom_crowd(void) {
+    crowd c = {.h = make("capacity:16M,sim_clock:manual")};
+    CHECK_OK(cuma_add_oom_callback(c.h, oom_slow_free, &c, NULL));
+    CHECK_OK(cuma_alloc(c.h, 16 * MB, NULL, &c.victim));
+    void *p;
+    CHECK_OK(cuma_alloc(c.h, 8 * MB, NULL, &p));
+    while (!atomic_load(&c.done)) {
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    CHECK_OK(c.second);
+    CHECK(c.second_p != NULL && atomic_load(&c.calls) == 1);
+    CHECK_OK(cuma_free(c.h, p, NULL));
+    CHECK_OK(cuma_free(c.h, c.second_p, NULL));
+    CHECK_OK(cuma_validate(c.h));
+    cuma_heap_destroy(c.h);
+}
+
 static void test_oom_ladder(void) {
     cuma_heap *h = make("capacity:16M,sim_clock:manual");
     int passes = 0;
@@ -189,6 +250,10 @@ static void test_oom_ladder(void) {
     CHECK(s.managed_fallbacks == 1 && s.managed_bytes == 32 * MB && s.reserved_bytes == 0);
     CHECK_OK(cuma_free(h, big, NULL));
     CHECK(heap_stats(h).managed_bytes == 0);
+    /* Past the virtual range too: managed memory can hold what the device never could. */
+    CHECK_OK(cuma_alloc(h, (size_t)1 << 30, NULL, &big));
+    CHECK(heap_stats(h).managed_fallbacks == 2 && heap_stats(h).managed_bytes == 1u << 30);
+    CHECK_OK(cuma_free(h, big, NULL));
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
 }
@@ -390,6 +455,7 @@ int main(void) {
     test_release_delay();
     test_limit_and_max_cached();
     test_oom_ladder();
+    test_oom_crowd();
     test_streams();
     test_json();
     printf("test_heap: all passed\n");
