@@ -60,7 +60,7 @@ profile: build
 	@bench/profile.sh $(BUILD)
 
 format:
-	clang-format -i $$(git ls-files '*.c' '*.h')
+	clang-format -i $$(git ls-files '*.c' '*.h' '*.cpp')
 
 install: build
 	cmake --install $(BUILD)

@@ -3,7 +3,7 @@
 # usage: scripts/deps.sh [build|test|bench]   (test and bench include build)
 set -euo pipefail
 what=${1:-build}
-pkgs=(cmake make gcc pkg-config zlib1g-dev python3)
+pkgs=(cmake make gcc g++ pkg-config zlib1g-dev python3)
 case "$what" in
   test) pkgs+=(clang python3-pytest python3-numpy python3-torch valgrind) ;;
   bench) pkgs+=(libmimalloc-dev libjemalloc-dev valgrind) ;;

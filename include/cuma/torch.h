@@ -1,11 +1,18 @@
 /* cuma as PyTorch's CUDA allocator.
  *
- * These are the entry points that torch.cuda.memory.CUDAPluggableAllocator loads from
- * libcuma.so by name (the Python package's cuma.torch.enable() does it for you):
+ * These are the entry points that torch.cuda.memory.CUDAPluggableAllocator loads by name (the
+ * Python package's cuma.torch.enable() does it for you):
  *
  *     alloc = torch.cuda.memory.CUDAPluggableAllocator(
- *         "/path/to/libcuma.so", "cuma_torch_malloc", "cuma_torch_free")
+ *         "/path/to/libcuma_torch.so", "cuma_torch_raising_malloc", "cuma_torch_free")
  *     torch.cuda.memory.change_current_allocator(alloc)
+ *
+ * libcuma_torch.so (built where a C++ compiler is found) holds cuma_torch_raising_malloc, which
+ * throws a C++ exception on failure: PyTorch raises it as a RuntimeError whose text starts with
+ * "CUDA out of memory." for an out-of-memory, and carries cuma's reason. PyTorch keeps a NULL
+ * from a pluggable allocator as a tensor without storage, and never raises its own
+ * OutOfMemoryError for one, so cuma_torch_malloc (the same call returning NULL) is for callers
+ * that check the pointer; with PyTorch it leaves only its line on stderr to say why.
  *
  * and the optional hooks that PyTorch 2.x accepts as function pointers (init, reset =
  * empty_cache, memory fraction, record_stream). Every call works on the process-wide default
@@ -38,13 +45,18 @@ extern "C" {
 typedef struct CUstream_st *cudaStream_t;
 #endif
 
-/* Allocates `size` bytes on `device` for use on `stream`. Size 0 gives NULL and no error; a
- * failure gives NULL (PyTorch then raises its out-of-memory error) with the reason in
- * cuma_last_error(). A negative size or a device outside 0..63 is a failure. */
+/* Allocates `size` bytes on `device` for use on `stream`, in *ptr. Size 0 gives NULL and
+ * CUMA_OK; a negative size or a device outside 0..63 is CUMA_ERR_INVALID; else cuma_alloc's
+ * status on the device's default heap. */
+cuma_status cuma_torch_alloc(ssize_t size, int device, cudaStream_t stream, void **ptr);
+
+/* cuma_torch_alloc returning the pointer: NULL on failure (reason in cuma_last_error(), and
+ * said on stderr: the first five failures, then every 1000th). */
 void *cuma_torch_malloc(ssize_t size, int device, cudaStream_t stream);
 
-/* Frees a pointer from cuma_torch_malloc. `size` is not needed (the heap knows it); `stream`
- * is the stream PyTorch last used the memory on. NULL is a no-op. */
+/* Frees a pointer from cuma_torch_malloc (or libcuma_torch's). `size` and `stream` are not
+ * needed: the heap knows the block's size and the stream it was allocated on (other streams
+ * that used it came through cuma_torch_record_stream). NULL is a no-op. */
 void cuma_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
 
 /* PyTorch's init hook: checks CUMA_CONF early, so a bad setting is reported when CUDA starts

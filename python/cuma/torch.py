@@ -3,7 +3,7 @@
 ::
 
     import cuma
-    cuma.torch.enable("release_delay_ms:2000")   # before the first CUDA tensor
+    cuma.torch.enable("release_delay_ms:2000")   # before CUDA is initialised
     ...
     print(cuma.torch.memory_summary())
     cuma.torch.empty_cache()
@@ -17,7 +17,9 @@ PyTorch is imported lazily: importing this module does not import torch.
 
 import ctypes
 import json
+import os
 import threading
+import warnings
 
 from . import _lib
 from .heap import _apply_default_conf, _device_arg
@@ -63,8 +65,12 @@ def enable(conf=None):
     """Makes cuma PyTorch's CUDA allocator for this process.
 
     ``conf`` (optional) becomes CUMA_CONF, the settings of the default heaps, which are
-    created on first use. Must be called before the first CUDA allocation: PyTorch cannot
-    swap allocators under live tensors. Raises RuntimeError, saying exactly why, when this
+    created on first use. Must be called before CUDA is initialised (the first CUDA tensor,
+    but also torch.cuda.set_device(), current_device() or get_device_name() initialise it):
+    PyTorch refuses to swap an initialised allocator. An allocation cuma cannot serve raises a
+    RuntimeError whose text starts with "CUDA out of memory." and gives cuma's reason (PyTorch
+    raises its own torch.cuda.OutOfMemoryError for its own allocator only);
+    cuma.adaptive.is_oom() recognises both. Raises RuntimeError, saying exactly why, when this
     PyTorch has no CUDA or no CUDAPluggableAllocator (PyTorch < 2.0, CPU-only builds), when
     CUDA memory was already allocated, or when the default heap is on the simulated device
     (its addresses are not device memory: PyTorch's kernels would fault on them).
@@ -114,19 +120,39 @@ def enable(conf=None):
                 "addresses are not device memory. Build libcuma with the CUDA backends and run where "
                 "a CUDA driver is present, or set CUMA_CONF=backend:vmm" % backend
             )
-        lib_path = _lib.path()
-        alloc = mem.CUDAPluggableAllocator(lib_path, "cuma_torch_malloc", "cuma_torch_free")
+        lib_path, malloc_name = _entry_points()
+        alloc = mem.CUDAPluggableAllocator(lib_path, malloc_name, "cuma_torch_free")
         _hooks = _wire_hooks(alloc)
         try:
             mem.change_current_allocator(alloc)
         except RuntimeError as e:
             raise RuntimeError(
                 "cuma.torch.enable(): PyTorch refused to switch allocators (%s); call enable() before "
-                "the first CUDA allocation" % e
+                "CUDA is initialised (the first CUDA tensor, torch.cuda.set_device(), ...)" % e
             ) from e
         _allocator = alloc
         _conf_at_enable = conf
         return alloc
+
+
+def _entry_points():
+    """The library PyTorch should load and its allocation function: libcuma_torch.so (next to
+    libcuma.so), whose allocation raises a RuntimeError starting "CUDA out of memory." with
+    cuma's reason when it fails. PyTorch keeps a NULL from a pluggable allocator as a tensor
+    without storage, which fails later saying nothing of memory, so the plain C entry point is
+    only the fallback for a libcuma built without a C++ compiler (with a warning)."""
+    lib_path = _lib.path()
+    raising = os.path.join(os.path.dirname(lib_path), "libcuma_torch.so")
+    if os.path.exists(raising):
+        return raising, "cuma_torch_raising_malloc"
+    warnings.warn(
+        "cuma.torch.enable(): %s is missing (libcuma was built without a C++ compiler): a failed "
+        "allocation will not raise an out-of-memory error in PyTorch, only print its reason on "
+        "stderr" % raising,
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return lib_path, "cuma_torch_malloc"
 
 
 def _wire_hooks(alloc):

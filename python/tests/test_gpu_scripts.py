@@ -80,3 +80,17 @@ def test_torch_compare_dry_run_with_an_alternative_cuma_run(tmp_path):
     for mode in ("native", "cuma", "cuma_alt", "cuma_trace"):
         assert "== %s run" % mode in p.stdout
     assert "[cuma_trace] step 2/2" in p.stderr + p.stdout  # --trace-steps sets its length
+
+
+def test_torch_compare_total_timeout_runs_the_judged_runs_first(tmp_path):
+    """With too little total time for the reported-only runs, native and cuma still run (first,
+    each keeping time for the other) and the others are left out, saying so."""
+    p = run([os.path.join(SCRIPTS, "torch_compare.py"), "--device", "cpu", "--warmup", "1",
+             "--total-timeout", "29.9", "--cuma-alt-conf", "remap_threshold:0.25",
+             "--trace-out", str(tmp_path / "t.csv.gz"), "--trace-steps", "2"] + TINY)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "TORCH RESULT: DRY RUN" in p.stdout
+    assert p.stdout.index("== native run") < p.stdout.index("== cuma run")
+    for mode in ("cuma_alt", "cuma_trace"):
+        assert "the %s run is left out" % mode in p.stdout
+        assert "== %s run" % mode not in p.stdout

@@ -21,7 +21,8 @@ Exit status: 0 PASS, 1 FAIL, 3 SKIP (no PyTorch with CUDA), 2 usage error.
 
 Options: --steps, --warmup, --tokens, --min-len/--max-len, --d-model, --layers, --heads,
 --vocab, --seed, --cuma-conf (CUMA_CONF for the cuma run; default: none, i.e. backend:auto),
---json-out FILE, --child-timeout SECONDS, --only native|cuma, --expandable (a run with
+--json-out FILE, --child-timeout SECONDS, --total-timeout SECONDS (the judged runs first, each
+keeping time for the other; the reported-only runs get what is left), --only native|cuma, --expandable (a run with
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, reported only), --cuma-alt-conf CONF (a
 further cuma run with these settings, reported only: remap_threshold:0.25, the fewest page
 moves cuma makes (about 19% more peak memory on torch_trace.py's trace of this loop, a tenth of
@@ -71,7 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--reserved-ratio-max", type=float, default=0.85)
     p.add_argument("--loss-rel-tol", type=float, default=0.02)
     p.add_argument("--json-out", default=None)
-    p.add_argument("--child-timeout", type=float, default=150.0)
+    p.add_argument("--child-timeout", type=float, default=150.0, help="the most one run may take")
+    p.add_argument("--total-timeout", type=float, default=None,
+                   help="the most all runs may take together: the native and cuma runs come first and "
+                        "each keeps time for the other; the runs reported only get what is left, or are "
+                        "left out")
     p.add_argument("--only", choices=("native", "cuma"), default=None, help="run one child in this process's stead")
     p.add_argument("--expandable", action="store_true",
                    help="also run native with expandable_segments:True (reported, not judged)")
@@ -146,6 +151,16 @@ def child(a):
             h = self.enc(h, mask=mask, is_causal=True) if causal_kw else self.enc(h, mask=mask)
             return self.head(h)
 
+    # What the device holds before the model: the context and libraries. Device use beyond
+    # it that the allocator does not count went around the allocator (the report compares).
+    used_at_start = 0
+    allocator_backend = None
+    if on_gpu:
+        torch.cuda.init()
+        free, total = torch.cuda.mem_get_info()
+        used_at_start = total - free
+        get_backend = getattr(torch.cuda, "get_allocator_backend", None)
+        allocator_backend = get_backend() if get_backend else None
     model = LM().to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     gen = torch.Generator(device=dev)
@@ -218,6 +233,8 @@ def child(a):
         "peak_allocated": peak_allocated,
         "peak_requested": peak_requested,
         "peak_device_used_sampled": peak_used,
+        "device_used_at_start": used_at_start,
+        "allocator_backend": allocator_backend,
         "loss_last20": statistics.fmean(losses[-20:]),
         "loss_first": losses[0],
         "extra": extra,
@@ -241,12 +258,15 @@ def child_argv(a, mode):
     return argv
 
 
-def run_child(a, mode):
+def run_child(a, mode, timeout):
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    # The native baseline is PyTorch's default allocator, whatever this machine's environment
+    # says (newer PyTorch reads PYTORCH_ALLOC_CONF first, older PYTORCH_CUDA_ALLOC_CONF).
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING"):
+        env.pop(k, None)
     if mode == "expandable":
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        env["PYTORCH_CUDA_ALLOC_CONF"] = env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     if mode.startswith("cuma"):
         py = os.path.join(REPO, "python")
         env["PYTHONPATH"] = py + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -259,18 +279,23 @@ def run_child(a, mode):
     t0 = time.time()
     try:
         p = subprocess.run(child_argv(a, mode), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, timeout=a.child_timeout)
+                           text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         err = e.stderr if isinstance(e.stderr, str) else (e.stderr or b"").decode(errors="replace")
         sys.stdout.write(err[-3000:])
-        return None, "the %s run timed out after %.0f s" % (mode, a.child_timeout)
+        return None, "the %s run timed out after %.0f s" % (mode, timeout)
     sys.stdout.write(p.stderr[-6000:])
     res = None
     for line in p.stdout.splitlines():
         if line.startswith("RESULT_JSON "):
             res = json.loads(line[len("RESULT_JSON "):])
-    if p.returncode != 0 or res is None:
+    if res is None:
         return None, "the %s run failed (exit %d after %.0f s)" % (mode, p.returncode, time.time() - t0)
+    if p.returncode != 0:
+        # The loop finished and its figures are whole: a crash on the way out (a library's
+        # teardown) is reported beside them, not in their stead.
+        res["exit_warning"] = "exit %d after printing its result" % p.returncode
+        print("  WARNING: the %s run %s" % (mode, res["exit_warning"]), flush=True)
     print("  %s: peak reserved %s, peak allocated %s, median step %.2f ms (%s, %.0f s)" % (
         mode, gib(res["peak_reserved"]), gib(res["peak_allocated"]), res["median_step_ms"], res["backend"],
         time.time() - t0), flush=True)
@@ -320,7 +345,16 @@ def report(a, runs, errors):
     r_ratio = cum["peak_reserved"] / max(1, nat["peak_reserved"])
     u_ratio = cum["peak_device_used_sampled"] / max(1, nat["peak_device_used_sampled"])
     loss_rel = abs(cum["loss_last20"] - nat["loss_last20"]) / max(1e-9, abs(nat["loss_last20"]))
+    # Device memory the allocator did not count: the context and libraries (the same in both
+    # runs) plus anything allocated around the allocator. If cuma's run has much more of it,
+    # some of PyTorch's allocations did not go through cuma, and its peak reserved flatters it.
+    def outside(r):
+        return r["peak_device_used_sampled"] - r["device_used_at_start"] - r["peak_reserved"]
+    bypass = outside(cum) - outside(nat)
+    swapped = cum.get("allocator_backend")
     checks = [
+        ("PyTorch's allocator in the cuma run is the pluggable one (get_allocator_backend: %s)" % swapped,
+         swapped in (None, "pluggable")),
         ("step time cuma/native = %.4f (goal <= %.2f)" % (t_ratio, a.time_ratio_max), t_ratio <= a.time_ratio_max),
         ("peak reserved cuma/native = %.4f, %.1f%% lower (goal <= %.2f)" % (
             r_ratio, 100 * (1 - r_ratio), a.reserved_ratio_max), r_ratio <= a.reserved_ratio_max),
@@ -329,6 +363,13 @@ def report(a, runs, errors):
          math.isfinite(cum["loss_last20"]) and loss_rel <= a.loss_rel_tol),
     ]
     print("  device used (sampled) cuma/native = %.4f (reported only)" % u_ratio)
+    print("  device memory outside the allocator's count, beyond the start: native %s, cuma %s%s" % (
+        gib(outside(nat)), gib(outside(cum)),
+        "  WARNING: %s more under cuma: allocations may have gone around it" % gib(bypass)
+        if bypass > 2**29 else ""))
+    for m in ("native", "cuma"):
+        if runs[m].get("exit_warning"):
+            print("  WARNING: the %s run: %s" % (m, runs[m]["exit_warning"]))
     alt = runs.get("cuma_alt")
     if alt:
         print("  cuma_alt (%s, reported only): step time x%.4f, peak reserved x%.4f of native" % (
@@ -342,6 +383,7 @@ def report(a, runs, errors):
         verdict.update({"pass": True, "dry_run": True})
         return verdict
     verdict.update({"pass": ok, "time_ratio": t_ratio, "reserved_ratio": r_ratio, "device_used_ratio": u_ratio,
+                    "outside_allocator_bytes": {"native": outside(nat), "cuma": outside(cum)},
                     "loss_rel_diff": loss_rel, "checks": [{"check": t, "pass": o} for t, o in checks]})
     print("TORCH RESULT: %s (step time x%.3f, peak reserved x%.3f)" % ("PASS" if ok else "FAIL", t_ratio, r_ratio))
     return verdict
@@ -366,12 +408,25 @@ def main(argv=None):
         return 3
     # The parent asks nothing else of the device: it must hold no memory beside the children.
     print("torch %s (CUDA %s), %s" % (torch.__version__, torch.version.cuda, sys.executable))
-    modes = [a.only] if a.only else (["native"] + (["expandable"] if a.expandable else []) + ["cuma"] +
-                                     (["cuma_alt"] if a.cuma_alt_conf else []) +
-                                     (["cuma_trace"] if a.trace_out else []))
+    # The judged runs first, then those reported only, with what time is left.
+    required = [a.only] if a.only else ["native", "cuma"]
+    optional = [] if a.only else ((["expandable"] if a.expandable else []) +
+                                  (["cuma_alt"] if a.cuma_alt_conf else []) +
+                                  (["cuma_trace"] if a.trace_out else []))
+    t_end = time.time() + a.total_timeout if a.total_timeout else None
     runs, errors = {}, []
-    for m in modes:
-        res, err = run_child(a, m)
+    for i, m in enumerate(required + optional):
+        timeout = a.child_timeout
+        if t_end is not None:
+            left = t_end - time.time()
+            if i < len(required):  # keep an equal share for each judged run still to come
+                timeout = min(timeout, left / (len(required) - i))
+            elif left < 30:
+                print("  the %s run is left out: %.0f s of the total time are left" % (m, left))
+                continue
+            else:
+                timeout = min(timeout, left - 5)
+        res, err = run_child(a, m, timeout)
         if err:
             print("  " + err)
             errors.append(err)

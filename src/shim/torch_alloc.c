@@ -10,6 +10,7 @@
 #include "default_heap.h"
 
 #include <limits.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -18,34 +19,50 @@ static void report(const char *hook) {
     fprintf(stderr, "cuma: %s: %s\n", hook, cuma_last_error());
 }
 
-void *cuma_torch_malloc(ssize_t size, int device, cudaStream_t stream) {
+cuma_status cuma_torch_alloc(ssize_t size, int device, cudaStream_t stream, void **ptr) {
+    if (!ptr) return cuma_fail(CUMA_ERR_INVALID, "cuma_torch_alloc: ptr is NULL");
+    *ptr = NULL;
     if (size == 0) {
         cuma_clear_error(); /* not a failure: PyTorch's empty tensors have no storage */
-        return NULL;
+        return CUMA_OK;
     }
-    if (size < 0) {
-        cuma_fail(CUMA_ERR_INVALID, "cuma_torch_malloc: negative size %zd", size);
-        return NULL;
-    }
+    if (size < 0) return cuma_fail(CUMA_ERR_INVALID, "cuma_torch_alloc: negative size %zd", size);
     cuma_heap *h;
-    if (cuma_default_heap(device, &h) != CUMA_OK) return NULL;
-    void *p = NULL;
-    if (cuma_alloc(h, (size_t)size, (cuma_stream)stream, &p) != CUMA_OK) return NULL;
-    return p;
+    cuma_status st = cuma_default_heap(device, &h);
+    if (st == CUMA_OK) st = cuma_alloc(h, (size_t)size, (cuma_stream)stream, ptr);
+    return st;
+}
+
+/* Failures of the plain entry point said on stderr: the first few, then every 1000th. */
+static _Atomic unsigned long malloc_failures;
+
+void *cuma_torch_malloc(ssize_t size, int device, cudaStream_t stream) {
+    void *p;
+    if (cuma_torch_alloc(size, device, stream, &p) == CUMA_OK) return p;
+    /* PyTorch keeps the NULL as a tensor without storage and fails later, saying nothing of
+     * why: this line is the program's only clue (libcuma_torch.so raises instead). */
+    unsigned long n = atomic_fetch_add(&malloc_failures, 1) + 1;
+    if (n <= 5 || n % 1000 == 0)
+        fprintf(stderr, "cuma: allocating %zd bytes on device %d failed (%lu so far): %s\n", size,
+                device, n, cuma_last_error());
+    return NULL;
 }
 
 void cuma_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream) {
-    (void)size; /* the heap knows the block's size; PyTorch's may be rounded differently */
+    /* The heap knows the block's size (PyTorch's may be rounded differently) and the stream it
+     * was allocated on, which is what PyTorch means to pass here (other streams come through
+     * record_stream); some PyTorch releases (2.5-2.9) could pass another allocation's stream. */
+    (void)size, (void)stream;
     if (!ptr) return;
     cuma_heap *h = cuma_default_heap_peek(device);
-    if (h && cuma_free(h, ptr, (cuma_stream)stream) == CUMA_OK) return;
+    if (h && cuma_free(h, ptr, NULL) == CUMA_OK) return;
     /* Not on the device PyTorch named (or that heap does not exist): a wrong device ordinal
      * must not leak the block, so ask the others before calling it a bad pointer. */
     for (int d = 0; d < CUMA_MAX_DEFAULT_HEAPS; d++) {
         cuma_heap *o = cuma_default_heap_peek(d);
         size_t bs;
         if (!o || o == h || cuma_block_size(o, ptr, &bs) != CUMA_OK) continue;
-        if (cuma_free(o, ptr, (cuma_stream)stream) != CUMA_OK) report("free");
+        if (cuma_free(o, ptr, NULL) != CUMA_OK) report("free");
         return;
     }
     cuma_fail(
