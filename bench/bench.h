@@ -36,7 +36,7 @@
 
 typedef struct bench_opts {
     int runs;          /* timed runs per figure; the median is reported */
-    double run_ms;     /* target length of one fast-path run */
+    double run_ms;     /* target length of one timed run (fast path or replay) */
     size_t max_events; /* replay only the first N events of a trace (0 = all) */
     bool quick;        /* smoke mode: tiny counts, one trace */
     bool json;         /* one JSON object per row instead of the table */

@@ -39,7 +39,7 @@ static void usage(FILE *f) {
             "  --quick      tiny counts, one trace (smoke test)\n"
             "  --json       one JSON object per row\n"
             "  --runs N     timed runs per figure, the median is printed (default 5)\n"
-            "  --run-ms MS  length of one fast-path run (default 50)\n"
+            "  --run-ms MS  length of one timed run, fast path or replay (default 50)\n"
             "  --events N   replay only the first N events of each trace\n"
             "  --no-peers   cuma only (no glibc, mimalloc, jemalloc)\n"
             "  --only LIST  sections to run, of cost,fast,replay,release (replay includes\n"

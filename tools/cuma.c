@@ -77,7 +77,10 @@ static int cmd_help(int argc, char **argv) {
 }
 
 static int cmd_version(int argc, char **argv) {
-    (void)argv;
+    if (argc == 2 && cli_is_help(argv[1])) {
+        fputs("usage: cuma version\n  Prints the version of cuma.\n", stdout);
+        return CUMA_EXIT_OK;
+    }
     if (argc > 1) {
         fputs("usage: cuma version\n", stderr);
         return CUMA_EXIT_USAGE;

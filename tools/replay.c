@@ -534,7 +534,7 @@ int cuma_cmd_replay(int argc, char **argv) {
     if (!traces || rc == CUMA_EXIT_FAIL) fprintf(stderr, "cuma replay: out of memory\n");
     /* Check the settings once, before any trace is read, so a typo costs nothing. */
     if (rc == CUMA_EXIT_OK && cuma_config_check(conf) != CUMA_OK) {
-        fprintf(stderr, "cuma replay: bad --conf: %s\n", cuma_last_error());
+        fprintf(stderr, "cuma replay: bad settings (--conf, --policy): %s\n", cuma_last_error());
         rc = CUMA_EXIT_USAGE;
     }
     if (rc == CUMA_EXIT_OK && o.timeline_dir && !timeline_dir_ok(o.timeline_dir))

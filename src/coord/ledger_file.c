@@ -48,6 +48,9 @@ static cuma_status shm_name(const char *name, char *buf, size_t len, long *gid) 
         snprintf(buf, len, "/cuma-%u", (unsigned)geteuid());
         return CUMA_OK;
     }
+    if (!strcmp(name, "off") || !strcmp(name, "none"))
+        return cuma_fail(CUMA_ERR_CONFIG,
+                         "ledger '%s' means no ledger: there is no file to name or read", name);
     if (!cuma_ledger_name_valid(name))
         return cuma_fail(CUMA_ERR_CONFIG,
                          "ledger: bad name '%s': 1 to 48 letters, digits, '_', '-' or '.', "

@@ -105,7 +105,10 @@ static const key_desc keys[] = {
      "sim: host time each page created, mapped, unmapped or released takes, as a GPU driver's "
      "calls do (tens of microseconds); 0 = none"},
     {"managed_fallback", K_BOOL, F(managed_fallback), "off", NULL,
-     "serve a request from managed memory when the device is full"},
+     "serve a request from managed memory when the device is full, the limit is reached or the "
+     "request is larger than the virtual range (after the cache release, the ledger and the OOM "
+     "callbacks); managed memory, which the driver can move to the host, counts in "
+     "managed_bytes, not in reserved bytes or the limit"},
     {"release_thread", K_BOOL, F(release_thread), "on", NULL,
      "a background thread gives idle pages back when their delay ends, also while the program "
      "makes no allocator call (not with sim_clock:manual, whose time only moves when told)"},
@@ -118,8 +121,9 @@ static const key_desc keys[] = {
      "device after release_delay_ms)"},
     {"arenas", K_INT, F(arenas), "4", NULL,
      "most arenas (each with its own lock, placement and page cache over its own virtual range) "
-     "a heap spreads threads over when their slow paths keep colliding on one lock; 1 = one lock "
-     "for every thread. A single thread, or threads that rarely collide, stay in one arena; "
+     "a heap spreads threads over when their slow paths keep colliding on one lock (1 to 8); 1 = "
+     "one lock for every thread. A single thread, or threads that rarely collide, stay in one "
+     "arena; "
      "a heap with preallocate keeps one"},
     {"device", K_INT, F(device), "0", NULL, "CUDA device ordinal"},
     {"trace", K_PATH, F(trace), "none", NULL,
@@ -132,7 +136,8 @@ static const key_desc keys[] = {
     {"ledger", K_WORD, F(ledger), "auto", NULL,
      "the cross-process ledger through which heaps on one device share it by priority "
      "(include/cuma/ledger.h, `cuma ps`): auto = the user's ledger for CUDA devices, none for "
-     "the simulated one; on = the user's ledger; off = none; @GROUP = the ledger every member of "
+     "the simulated one; on = the user's ledger; off (or none) = no ledger; @GROUP = the ledger "
+     "every member of "
      "that Unix group shares (/dev/shm/cuma-gGID, mode 0660: jobs of several users on one GPU), "
      "@GROUP+NAME a named one of the group; any other name = a ledger of that name (letters, "
      "digits, _ - .), e.g. for a group of simulated heaps"},
@@ -231,7 +236,8 @@ static const char *kind_hint(enum kind k) {
         return "a file path of at most 255 bytes, without commas, whose only %-sequences are %p, "
                "%d and %%, or none";
     case K_WORD:
-        return "auto, on, off, a name of 1 to 48 letters, digits, '_', '-' or '.', @GROUP or "
+        return "auto, on, off (or none), a name of 1 to 48 letters, digits, '_', '-' or '.', "
+               "@GROUP or "
                "@GROUP+NAME";
     case K_PRIO:
         return "an integer from -1000 to 1000";
@@ -287,6 +293,8 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
         break;
     }
     case K_WORD:
+        /* none means no ledger, as it means no limit or no log for the other keys. */
+        if (!strcmp(v, "none")) v = "off";
         /* Whether a group exists is the ledger's to say, when a heap joins it. */
         ok = strlen(v) < sizeof s->ledger && cuma_ledger_name_valid(v);
         if (ok) snprintf(field, sizeof s->ledger, "%s", v);

@@ -98,6 +98,7 @@ static cuma_status create_default(int device, cuma_heap **out) {
     /* The heap is not published yet, so no other thread can read the name while it changes;
      * the core only compares the name at creation (release thread choice), which is over. */
     (*out)->be->name = sim_fallback_name;
+    (*out)->backend_fallback = true; /* as for any heap that named no backend (cuma.h) */
     return CUMA_OK;
 }
 

@@ -60,6 +60,7 @@ static void test_fallback_is_visible(void) {
     if (strstr(buf, "\"backend\":\"sim")) {
         /* No driver here: the fallback must say so, and device 3 falls back as well. */
         CHECK(strstr(buf, "\"backend\":\"sim (fallback") != NULL);
+        CHECK(strstr(buf, "\"backend_fallback\":true") != NULL);
         cuma_heap *h3;
         CHECK_OK(cuma_default_heap(3, &h3));
         CHECK(h3 != h);
