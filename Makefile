@@ -33,10 +33,10 @@ test-asan:
 
 test-tsan:
 	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUMA_SANITIZE=thread >/dev/null
-	cmake --build build-tsan -j$(JOBS) --target test_stress test_tcache test_default_heap test_arena test_fork test_trace_writer test_ledger test_ledger_stress
+	cmake --build build-tsan -j$(JOBS) --target test_stress test_tcache test_default_heap test_arena test_fork test_trace_writer test_ledger test_ledger_stress test_heap
 	# test_fork_cases is left out: its children start threads (a default heap's release thread),
 	# which ThreadSanitizer does not support after a multi-threaded fork.
-	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 CUMA_STRESS_OPS=300000 ctest --output-on-failure -R '^(test_(stress|tcache|default_heap|arena|fork|ledger_inprocess|ledger_stress)|trace_writer)' -E test_fork_cases
+	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 CUMA_STRESS_OPS=300000 ctest --output-on-failure -R '^(test_(stress|tcache|default_heap|arena|fork|ledger_inprocess|ledger_stress|heap)|trace_writer)' -E test_fork_cases
 
 test-python: build
 	@if [ -d python/tests ]; then scripts/pytest.sh $(BUILD); else echo "no python tests yet"; fi

@@ -173,7 +173,7 @@ static double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* A real trace: every free matched, the pairing consistent both ways, and fast. */
+/* A real trace: every free matched, the pairing consistent both ways. */
 static void check_bundled(const char *path) {
     cuma_trace t;
     double t0 = now_s();
@@ -183,7 +183,8 @@ static void check_bundled(const char *path) {
     if (st != CUMA_OK) return;
     printf("%s: %zu events in %.3f s\n", path, t.n, dt);
     CHECK(t.n > 100000);
-    CHECK(dt < 1.0); /* typically 0.05 s; generous for sanitizer builds */
+    /* The time is printed, not judged: a fixed bound failed under ASan on a loaded machine
+     * (the replay benchmark, cuma-bench, measures speed against peers in the same run). */
     CHECK(t.unmatched_frees == 0);
     size_t bad = 0;
     for (size_t i = 0; i < t.n; i++) {
