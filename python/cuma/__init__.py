@@ -7,7 +7,8 @@ else. PyTorch is optional and imported only by the helpers that need it.
 - :class:`Heap`: a heap of your own on any backend (``cuma.Heap("backend:sim,capacity:1G")``).
 - :func:`default_heap`, :func:`on_oom`: the process-wide heaps (the ones PyTorch uses).
 - :func:`on_pressure`, :func:`ledger`: jobs sharing a GPU (the cross-process ledger): a callback
-  for when a job of higher priority needs memory, and the live heaps of the ledger.
+  for when a job of higher priority needs memory (:func:`remove_pressure` removes it), and the
+  live heaps of the ledger (:func:`ledger_path`: where it lives).
 - :mod:`cuma.torch`: ``enable()`` makes cuma PyTorch's CUDA allocator; ``memory_stats()``,
   ``memory_summary()``, ``empty_cache()``.
 - :class:`CudaMemoryAllocator`: raw device memory from the default heaps.
@@ -44,6 +45,7 @@ from .heap import (
     on_oom,
     on_pressure,
     remove_oom,
+    remove_pressure,
     shutdown_default_heaps,
 )
 from .allocator import CudaMemoryAllocator
@@ -65,6 +67,10 @@ __all__ = [
     "default_heap",
     "on_oom",
     "remove_oom",
+    "on_pressure",
+    "remove_pressure",
+    "ledger",
+    "ledger_path",
     "shutdown_default_heaps",
     "check_config",
     "config_keys",

@@ -5,7 +5,10 @@ of it; the first call that needs it raises :class:`cuma.LibraryNotFoundError` li
 place that was tried. Places, in order:
 
 1. ``$CUMA_LIBRARY``: a file, or a directory holding libcuma.so. An explicit setting wins
-   over anything found by looking around, so that a stale copy cannot shadow it.
+   over anything found by looking around, so that a stale copy cannot shadow it: when it is
+   set, nothing else is tried, and a setting that names no loadable libcuma (no such file, a
+   file the loader refuses, an old library lacking functions) is an error naming the path
+   and the reason.
 2. next to the package: ``cuma/libcuma.so``, then the directory that holds ``cuma/``
    (an installed copy of the package beside the library);
 3. the build tree when running from the source checkout: ``<repo>/build/lib``;
@@ -94,15 +97,18 @@ class Config(ctypes.Structure):
     _fields_ = [("conf", ctypes.c_char_p), ("flags", ctypes.c_uint), ("device", ctypes.c_int)]
 
 
+def _env_candidates(env):
+    """(description, path) pairs that $CUMA_LIBRARY names."""
+    if os.path.isdir(env):
+        for n in _NAMES:
+            yield "$CUMA_LIBRARY directory", os.path.join(env, n)
+    else:
+        yield "$CUMA_LIBRARY", env
+
+
 def _candidates():
-    """(description, path or bare name) pairs, in search order."""
-    env = os.environ.get("CUMA_LIBRARY")
-    if env:
-        if os.path.isdir(env):
-            for n in _NAMES:
-                yield "$CUMA_LIBRARY directory", os.path.join(env, n)
-        else:
-            yield "$CUMA_LIBRARY", env
+    """(description, path or bare name) pairs searched when $CUMA_LIBRARY is not set, in
+    order."""
     pkg = os.path.dirname(os.path.abspath(__file__))
     for d, what in ((pkg, "package directory"), (os.path.dirname(pkg), "next to the package")):
         for n in _NAMES:
@@ -187,7 +193,8 @@ def lib():
         if _lib is not None:
             return _lib
         tried = []
-        for what, path in _candidates():
+        env = os.environ.get("CUMA_LIBRARY")
+        for what, path in _env_candidates(env) if env else _candidates():
             if os.sep in path and not os.path.exists(path):
                 tried.append("%s: %s (no such file)" % (what, path))
                 continue
@@ -206,6 +213,12 @@ def lib():
                 _path = os.path.abspath(_path)
             _lib = handle
             return _lib
+        if env:
+            raise LibraryNotFoundError(
+                "CUMA_LIBRARY=%s names no usable libcuma, and an explicit setting is not replaced by "
+                "a copy found elsewhere; point it at a libcuma.so built from this version (or a folder "
+                "holding one), or unset it to search the usual places. Tried:\n  %s" % (env, "\n  ".join(tried))
+            )
         raise LibraryNotFoundError(
             "libcuma.so not found; build it (cmake -S . -B build && cmake --build build) and set "
             "CUMA_LIBRARY=/path/to/libcuma.so, or copy it next to the cuma package. Tried:\n  "

@@ -15,30 +15,58 @@ import gc
 import itertools
 import os
 import sys
+import warnings
 
 __all__ = [
     "is_oom",
     "release_memory",
     "find_batch_size",
+    "DEFAULT_BATCH_LIMIT",
     "DynamicBatcher",
     "safe_forward",
     "set_memory_growth",
     "set_memory_limit",
 ]
 
+# Texts that mean "out of memory" in errors of no out-of-memory type (matched in lower case):
+# PyTorch before 1.13 and other libraries ("CUDA out of memory", "HIP out of memory", "MPS
+# backend out of memory"), PyTorch's CPU allocator (its POSIX and its Windows wording), and
+# the CUDA/ROCm libraries' failures to allocate their own memory, which PyTorch raises as a
+# plain RuntimeError naming the status. Each names a failed allocation and nothing else.
+_OOM_TEXTS = (
+    "out of memory",
+    "defaultcpuallocator: can't allocate memory",
+    "defaultcpuallocator: not enough memory",
+    "cublas_status_alloc_failed",
+    "cudnn_status_alloc_failed",
+    "cudnn_status_not_enough_workspace",
+    "cusparse_status_alloc_failed",
+    "cusolver_status_alloc_failed",
+    "cufft_alloc_failed",
+    "hipblas_status_alloc_failed",
+)
+
 
 def is_oom(exc):
-    """Whether an exception means "out of memory": torch.cuda.OutOfMemoryError (where this
-    PyTorch has it), a RuntimeError whose message says "out of memory" (older PyTorch, other
-    libraries), cuma.OutOfMemoryError, and MemoryError."""
-    if isinstance(exc, MemoryError):  # cuma.OutOfMemoryError is one too
+    """Whether an exception means "out of memory": MemoryError (cuma.OutOfMemoryError is
+    one), torch.OutOfMemoryError and torch.cuda.OutOfMemoryError (where this PyTorch has
+    them), and a RuntimeError whose message says so: "out of memory" (older PyTorch, other
+    libraries), PyTorch's CPU allocator failing ("DefaultCPUAllocator: can't allocate
+    memory"), or a CUDA library unable to allocate its memory (CUBLAS_STATUS_ALLOC_FAILED,
+    CUDNN_STATUS_ALLOC_FAILED, CUDNN_STATUS_NOT_ENOUGH_WORKSPACE, and the cuSPARSE, cuSOLVER,
+    cuFFT and hipBLAS equivalents). Nothing else counts."""
+    if isinstance(exc, MemoryError):
         return True
     torch = sys.modules.get("torch")
     if torch is not None:
-        cls = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
-        if isinstance(cls, type) and isinstance(exc, cls):
-            return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+        cuda = getattr(torch, "cuda", None)
+        for cls in (getattr(torch, "OutOfMemoryError", None), getattr(cuda, "OutOfMemoryError", None)):
+            if isinstance(cls, type) and isinstance(exc, cls):
+                return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    msg = str(exc).lower()
+    return any(text in msg for text in _OOM_TEXTS)
 
 
 def release_memory():
@@ -66,11 +94,19 @@ def _positive_int(v, name):
 
 # --- find_batch_size ---
 
+DEFAULT_BATCH_LIMIT = 1 << 20  # find_batch_size's cap when it is given no limit
+
 
 def find_batch_size(step_fn, start, limit=None, release=None):
     """The largest batch size for which ``step_fn(batch_size)`` runs without running out of
     memory: doubles from ``start`` until a size fails (or ``limit`` is reached), then
     searches between the last size that ran and the first that failed.
+
+    ``limit=None`` caps the search at :data:`DEFAULT_BATCH_LIMIT` (2**20 = 1048576), or at
+    ``start`` if that is larger: a step whose memory use stops growing with the batch size
+    (one that never takes more than a small data set holds, say) never runs out of memory,
+    and without a cap the doubling would never end. When every size up to the cap runs, the
+    cap is returned (about 20 tries from 1).
 
     ``release()`` runs between tries (default: :func:`release_memory`). Raises RuntimeError
     (from the OOM) if even ``start`` fails; any error that is not an OOM propagates as is.
@@ -78,7 +114,9 @@ def find_batch_size(step_fn, start, limit=None, release=None):
     if not callable(step_fn):
         raise TypeError("step_fn must be callable")
     start = _positive_int(start, "start")
-    if limit is not None:
+    if limit is None:
+        limit = max(DEFAULT_BATCH_LIMIT, start)
+    else:
         limit = _positive_int(limit, "limit")
         if limit < start:
             raise ValueError("limit %d is below start %d" % (limit, start))
@@ -101,8 +139,8 @@ def find_batch_size(step_fn, start, limit=None, release=None):
 
     fits(start)
     good, bad = start, None
-    while limit is None or good < limit:
-        nxt = good * 2 if limit is None else min(good * 2, limit)
+    while good < limit:
+        nxt = min(good * 2, limit)
         if fits(nxt):
             good = nxt
         else:
@@ -119,58 +157,153 @@ def find_batch_size(step_fn, start, limit=None, release=None):
     return good
 
 
-# --- batch structures: a tensor/array, a tuple/list of them (fields), a dict, or a list of
-# samples. Shared by DynamicBatcher (dim 0) and safe_forward (any dim). ---
+# --- splitting batches, shared by DynamicBatcher (dim 0) and safe_forward (any dim) ---
+#
+# A batch is split by a *plan* worked out once (DynamicBatcher: per batch from the source;
+# safe_forward: per call) and applied to every piece, so that what is split never depends on
+# a piece's size: a value that is not per-sample stays whole in every piece even where its
+# length happens to equal some piece's. A plan is _SPLIT (slice along the batch dimension: a
+# tensor/array, or a list/tuple of per-sample values), _WHOLE (the same value goes into
+# every piece), or a container of plans: ("dict", {key: plan}) or ("seq", [plan per item]).
+
+_SPLIT = "split"
+_WHOLE = "whole"
 
 
 def _is_array(x):
     return hasattr(x, "shape") and hasattr(x, "__getitem__") and len(getattr(x, "shape", ())) > 0
 
 
-def _is_fields(b):
-    """A tuple/list whose items are all arrays (or nested field structures) with the same
-    leading size is a batch of parallel fields, e.g. (inputs, targets) as a DataLoader
-    collates them; any other list (numbers, variable-length sequences) is a list of samples."""
-    if not isinstance(b, (tuple, list)) or not b:
-        return False
-    if not all(_is_array(x) or _is_fields(x) or isinstance(x, dict) for x in b):
-        return False
-    return len({_batch_len(x) for x in b}) == 1
+def _is_record(x):
+    return isinstance(x, tuple) and hasattr(x, "_fields")  # a namedtuple
 
 
-def _batch_len(b):
-    if _is_array(b):
-        return int(b.shape[0])
-    if isinstance(b, dict):
-        for v in b.values():
-            n = _batch_len(v)
-            if n is not None:
-                return n
+def _has_array(x):
+    if _is_array(x):
+        return True
+    if isinstance(x, dict):
+        return any(_has_array(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_has_array(v) for v in x)
+    return False
+
+
+def _most_common(sizes):
+    """The most frequent of ``sizes``; a tie goes to the one that comes first."""
+    counts = collections.Counter(sizes)
+    top = max(counts.values())
+    return next(s for s in sizes if counts[s] == top)
+
+
+def _common_size(seq):
+    """The leading size that every item of a list/tuple has, each a tensor/array, list, tuple
+    or dict (a list counts by its length, a nested structure by its own batch size): the
+    shape of default_collate's output for a batch of tuple or list samples (a list of
+    fields). None when the items are something else or their sizes differ."""
+    if not seq or not all(_is_array(x) or isinstance(x, (dict, list, tuple)) for x in seq):
         return None
-    if _is_fields(b):
-        return _batch_len(b[0])
-    if isinstance(b, (list, tuple)):
-        return len(b)
+    sizes = {_field_size(x) for x in seq}
+    return sizes.pop() if len(sizes) == 1 and None not in sizes else None
+
+
+def _collated_size(seq):
+    """_common_size for a whole batch, which must hold a tensor/array too: a list of lists
+    alone (of words, say) is more likely samples than fields."""
+    return _common_size(seq) if _has_array(seq) else None
+
+
+def _field_size(v):
+    """The leading size of one field: a tensor's/array's first dimension, a nested
+    structure's batch size, or a list's length; None for anything else (a str, a number)."""
+    if _is_array(v):
+        return int(v.shape[0])
+    if isinstance(v, dict):
+        return _fields_size(list(v.values()))
+    if isinstance(v, (list, tuple)):
+        n = _common_size(v)
+        return n if n is not None else len(v)
     return None
 
 
+def _fields_size(items):
+    """The batch size of parallel fields: the most common leading size of the tensors/arrays
+    among them (of the nested structures holding some, when none is a field itself; of the
+    lists, when there is no tensor/array at all); a tie goes to the first. None if no field
+    has a size."""
+    sizes = [int(v.shape[0]) for v in items if _is_array(v)]
+    if not sizes:
+        sizes = [_field_size(v) for v in items if _has_array(v)]
+    if not sizes:
+        sizes = [_field_size(v) for v in items if isinstance(v, (dict, list, tuple))]
+    sizes = [s for s in sizes if s is not None]
+    return _most_common(sizes) if sizes else None
+
+
+def _seal(kind, subs):
+    """A container plan, or _WHOLE when nothing in it is split."""
+    plans = subs.values() if kind == "dict" else subs
+    return _WHOLE if all(p == _WHOLE for p in plans) else (kind, subs)
+
+
+def _plan_field(v, n):
+    """The plan for one field of a batch of ``n`` samples split along dim 0."""
+    if _is_array(v):
+        return _SPLIT if int(v.shape[0]) == n else _WHOLE
+    if isinstance(v, dict):
+        return _seal("dict", {k: _plan_field(x, n) for k, x in v.items()})
+    if _is_record(v) or (isinstance(v, (list, tuple)) and _common_size(v) == n):
+        # Nested fields (default_collate's output for a tuple inside each sample); where a
+        # list's length is n as well, this reading wins, as default_collate's does.
+        return _seal("seq", [_plan_field(x, n) for x in v])
+    if isinstance(v, (list, tuple)) and len(v) == n:
+        return _SPLIT  # per-sample values, e.g. the strings default_collate keeps as a list
+    return _WHOLE
+
+
+def _plan_dim(x, dim, n):
+    """safe_forward's plan: every tensor/array of size ``n`` along ``dim`` is split."""
+    if _is_array(x):
+        return _SPLIT if len(x.shape) > dim and int(x.shape[dim]) == n else _WHOLE
+    if isinstance(x, dict):
+        return _seal("dict", {k: _plan_dim(v, dim, n) for k, v in x.items()})
+    if isinstance(x, (list, tuple)):
+        return _seal("seq", [_plan_dim(v, dim, n) for v in x])
+    return _WHOLE
+
+
 def _rebuild(template, items):
-    if isinstance(template, tuple) and hasattr(template, "_fields"):  # namedtuple
+    if _is_record(template):
         return type(template)(*items)
     return type(template)(items)
 
 
-def _take(b, k):
-    """(first k samples, the rest) of a batch along dim 0."""
-    if _is_array(b):
-        return b[:k], b[k:]
-    if isinstance(b, dict):
-        pairs = {key: _take(v, k) if _batch_len(v) is not None else (v, v) for key, v in b.items()}
-        return type(b)((key, p[0]) for key, p in pairs.items()), type(b)((key, p[1]) for key, p in pairs.items())
-    if _is_fields(b):
-        pairs = [_take(x, k) for x in b]
-        return _rebuild(b, [p[0] for p in pairs]), _rebuild(b, [p[1] for p in pairs])
-    return b[:k], b[k:]
+def _split(x, plan, k, dim=0):
+    """(the first k samples, the rest) of ``x`` by its plan."""
+    if plan == _WHOLE:
+        return x, x
+    if plan == _SPLIT:
+        if _is_array(x):
+            lead = (slice(None),) * dim
+            return x[lead + (slice(None, k),)], x[lead + (slice(k, None),)]
+        return x[:k], x[k:]
+    kind, subs = plan
+    if kind == "dict":
+        pairs = {key: _split(v, subs[key], k, dim) for key, v in x.items()}
+        return type(x)((key, p[0]) for key, p in pairs.items()), type(x)((key, p[1]) for key, p in pairs.items())
+    pairs = [_split(v, p, k, dim) for v, p in zip(x, subs)]
+    return _rebuild(x, [p[0] for p in pairs]), _rebuild(x, [p[1] for p in pairs])
+
+
+def _uses_default_collate(source):
+    """Whether ``source`` is a DataLoader that batches with PyTorch's default_collate, whose
+    list batches are always parallel fields (or a list of strings)."""
+    fn = getattr(source, "collate_fn", None)
+    data = sys.modules.get("torch.utils.data")  # a DataLoader exists only if this is loaded
+    if fn is None or data is None:
+        return False
+    collate_mod = getattr(getattr(data, "_utils", None), "collate", None)
+    known = (getattr(data, "default_collate", None), getattr(collate_mod, "default_collate", None))
+    return any(k is not None and fn is k for k in known)
 
 
 # --- DynamicBatcher ---
@@ -208,11 +341,33 @@ class DynamicBatcher:
 
     or, handling the error yourself, ``except OOM: batcher.report_oom()``.
 
-    The source yields batches: a tensor/array (split along dim 0), a tuple/list of tensors
-    with the same leading size (parallel fields such as (inputs, targets), split together), a
-    dict of tensors (other values go to every piece), or a list of samples (anything else,
-    e.g. variable-length sequences). A batch larger than the current size is served in several pieces; pieces are
-    never merged across source batches.
+    A batch larger than the current size is served in several pieces; pieces are never
+    merged across source batches, and every sample is served exactly once, whole. A batch
+    from the source is split along dim 0 as follows:
+
+    - a tensor or array: sliced;
+    - parallel fields: a dict, a tuple or namedtuple, or a list of fields (below), split
+      together. The batch size is the most common leading size among the fields' tensors and
+      arrays (nested ones included; with none at all, among the lists' lengths), a tie going
+      to the first. Each field of that size is split: a tensor, a list of per-sample values
+      (default_collate keeps strings as such a list), a nested structure. Every other value
+      (a per-batch list of class names, a tensor of another size, a string, a number) goes
+      whole into every piece;
+    - a list of samples: any other list (numbers, variable-length sequences), sliced.
+
+    PyTorch's default_collate turns a batch of tuple or list samples into a *list* of
+    fields, e.g. ``[inputs, targets]`` or ``[tensor, list_of_str]``: each item a tensor, a
+    list or a nested structure, all with the batch size as their leading size. A list is
+    taken for fields when it is shaped so (every item a tensor/array, list, tuple or dict, at
+    least one a tensor/array, one leading size for all), and always when the source is a
+    DataLoader using default_collate (unless it is a list of strings: the samples). The first
+    list batch decides for the batches after it: after a list of samples, a list shaped like
+    fields (a tail batch of one sample, samples that happen to have one length) is a list of
+    samples too; after fields, a list that is not shaped like fields raises TypeError. A
+    list of same-length tensors from a loader that does not collate (``collate_fn=lambda b:
+    b``) cannot be told from fields by its shape: say what the batches are with
+    ``fields=False`` (lists and tuples are lists of samples) or ``fields=True`` (lists and
+    tuples are parallel fields). Dicts and namedtuples are always fields.
 
     On OOM the size becomes half of the failed piece (at least ``min_batch``) and the failed
     piece is served again, split; an OOM at ``min_batch`` is raised (from step()) or gives
@@ -238,6 +393,7 @@ class DynamicBatcher:
         free_memory_fn=None,
         grow_after=50,
         release=None,
+        fields=None,
     ):
         self._source = loader_or_iterable
         self.batch_size = _positive_int(batch_size, "batch_size")
@@ -249,14 +405,19 @@ class DynamicBatcher:
             raise ValueError("max_batch %d is below batch_size %d" % (max_batch, batch_size))
         if free_memory_fn is not None and not callable(free_memory_fn):
             raise TypeError("free_memory_fn must be callable")
+        if fields is not None and not isinstance(fields, bool):
+            raise TypeError("fields must be None (decide from the batches), True or False, not %r" % (fields,))
+        self.fields = fields
+        self._default_collate = _uses_default_collate(loader_or_iterable)
+        self._list_kind = None  # "fields" or "samples": what the first list batch was
         self.free_memory_fn = free_memory_fn
         self.grow_after = _positive_int(grow_after, "grow_after")
         self.release = release or release_memory
         self.num_ooms = 0
         self.num_steps = 0
         self._it = None
-        self._pending = collections.deque()
-        self._last = None
+        self._pending = collections.deque()  # (batch, plan, number of samples)
+        self._last = None  # the piece served last, as (batch, plan, number of samples)
         self._last_state = None  # None: not judged yet; "clean"; "oom"
         self._clean_run = 0
         self._release_due = False
@@ -288,17 +449,73 @@ class DynamicBatcher:
             self.release()
         while not self._pending:
             batch = next(self._it)  # StopIteration ends the loop
-            if _batch_len(batch) is None:
-                raise TypeError("DynamicBatcher: cannot split a batch of type %s" % type(batch).__name__)
-            if _batch_len(batch) > 0:
-                self._pending.append(batch)
-        unit = self._pending.popleft()
-        if _batch_len(unit) > self.batch_size:
-            unit, rest = _take(unit, self.batch_size)
-            self._pending.appendleft(rest)
-        self._last = unit
+            plan, n = self._plan(batch)
+            if n > 0:
+                self._pending.append((batch, plan, n))
+        unit, plan, n = self._pending.popleft()
+        if n > self.batch_size:
+            unit, rest = _split(unit, plan, self.batch_size)
+            self._pending.appendleft((rest, plan, n - self.batch_size))
+            n = self.batch_size
+        self._last = (unit, plan, n)
         self._last_state = None
         return unit
+
+    def _plan(self, batch):
+        """(plan, number of samples) of a batch from the source (see the class docstring)."""
+        if _is_array(batch):
+            return _SPLIT, int(batch.shape[0])
+        if isinstance(batch, dict) or _is_record(batch):
+            return self._fields_plan(batch)
+        if isinstance(batch, (list, tuple)):
+            if self._is_fields(batch):
+                return self._fields_plan(batch)
+            return _SPLIT, len(batch)
+        raise TypeError("DynamicBatcher: cannot split a batch of type %s" % type(batch).__name__)
+
+    def _is_fields(self, seq):
+        """Whether a list or tuple batch is parallel fields rather than a list of samples."""
+        if self.fields is not None:
+            return self.fields
+        if isinstance(seq, tuple):
+            return True
+        if not seq:
+            return False  # nothing to serve, and nothing to learn about the source from
+        if self._default_collate:
+            return not all(isinstance(x, (str, bytes)) for x in seq)
+        if self._list_kind == "samples":
+            return False
+        shaped = _collated_size(seq) is not None
+        if self._list_kind is None:
+            self._list_kind = "fields" if shaped else "samples"
+            if shaped and all(_is_array(x) for x in seq) and len({tuple(x.shape) for x in seq}) == 1:
+                # Fields of one shape, or samples of one length? The shape cannot tell.
+                warnings.warn(
+                    "DynamicBatcher: a list of %d tensors of shape %s is taken for parallel fields "
+                    "(default_collate's output), split along their first dimension; if it is a list "
+                    "of samples, pass fields=False (fields=True says it is fields)" % (len(seq), tuple(seq[0].shape)),
+                    stacklevel=4,  # the caller's loop: here < _plan < __next__
+                )
+        elif self._list_kind == "fields" and not shaped:
+            raise TypeError(
+                "DynamicBatcher: this list batch is a list of samples (its items do not share one "
+                "leading size), but an earlier list batch looked like parallel fields and was split "
+                "as such; pass fields=False if the batches are lists of samples (then the earlier "
+                "ones are served right too), or fields=True if they are fields"
+            )
+        return self._list_kind == "fields"
+
+    def _fields_plan(self, batch):
+        items = list(batch.values()) if isinstance(batch, dict) else list(batch)
+        n = _fields_size(items)
+        if n is None:
+            raise TypeError(
+                "DynamicBatcher: cannot tell the batch size of this %s batch: none of its fields is "
+                "a tensor, an array or a list" % type(batch).__name__
+            )
+        if isinstance(batch, dict):
+            return _seal("dict", {k: _plan_field(v, n) for k, v in batch.items()}), n
+        return _seal("seq", [_plan_field(v, n) for v in batch]), n
 
     def step(self):
         """A context manager for one training step on the batch just yielded (see above)."""
@@ -322,7 +539,7 @@ class DynamicBatcher:
     def _shrink(self):
         if self._last is None or self._last_state is not None:
             raise RuntimeError("DynamicBatcher: no batch is in flight to report an OOM for")
-        n = _batch_len(self._last)
+        n = self._last[2]
         if n <= self.min_batch:
             self._last_state = "oom"
             return False
@@ -360,23 +577,6 @@ def _tensors_in(x):
             yield from _tensors_in(v)
 
 
-def _split_at(x, dim, n, k):
-    """(first k, rest) along dim of every tensor whose size along dim is n; other values go
-    to both halves whole."""
-    if _is_array(x):
-        if len(x.shape) > dim and x.shape[dim] == n:
-            lead = (slice(None),) * dim
-            return x[lead + (slice(0, k),)], x[lead + (slice(k, n),)]
-        return x, x
-    if isinstance(x, dict):
-        pairs = {key: _split_at(v, dim, n, k) for key, v in x.items()}
-        return type(x)((key, p[0]) for key, p in pairs.items()), type(x)((key, p[1]) for key, p in pairs.items())
-    if isinstance(x, (tuple, list)):
-        pairs = [_split_at(v, dim, n, k) for v in x]
-        return _rebuild(x, [p[0] for p in pairs]), _rebuild(x, [p[1] for p in pairs])
-    return x, x
-
-
 def _map_tensors(x, fn):
     if _is_array(x):
         return fn(x)
@@ -395,56 +595,139 @@ def _call(model, inputs):
     return model(inputs)
 
 
-def _cat(torch, outs, dim):
+def _all_equal(torch, outs):
+    """Whether every piece gave the same value (a tensor: same shape, dtype and elements)."""
     first = outs[0]
-    if isinstance(first, torch.Tensor):
-        devices = {o.device for o in outs}
-        if len(devices) > 1:  # a CPU fallback piece that could not go back: all to the CPU
+    for o in outs[1:]:
+        if o is first:
+            continue
+        if isinstance(first, torch.Tensor) or isinstance(o, torch.Tensor):
+            if not (isinstance(first, torch.Tensor) and isinstance(o, torch.Tensor)):
+                return False
+            if first.shape != o.shape or first.dtype != o.dtype:
+                return False
+            a, b = (first, o) if first.device == o.device else (first.cpu(), o.cpu())
+            if not torch.equal(a, b):
+                return False
+            continue
+        try:
+            if _is_array(first) or _is_array(o):
+                same = getattr(first, "shape", None) == getattr(o, "shape", None) and bool((first == o).all())
+            else:
+                same = bool(first == o)
+        except Exception:
+            same = False
+        if not same:
+            return False
+    return True
+
+
+def _describe(x):
+    if hasattr(x, "shape"):
+        return "a %s of shape %s" % (type(x).__name__, tuple(x.shape))
+    return "a %s" % type(x).__name__
+
+
+def _join(torch, outs, sizes, dim, path):
+    """The outputs of the pieces of a split batch (``sizes`` samples each) as one output."""
+    first = outs[0]
+    if isinstance(first, dict):
+        if any(not isinstance(o, dict) or o.keys() != first.keys() for o in outs):
+            raise ValueError("safe_forward: %s has different keys in different pieces of the batch" % path)
+        return type(first)((k, _join(torch, [o[k] for o in outs], sizes, dim, "%s[%r]" % (path, k))) for k in first)
+    if isinstance(first, (tuple, list)):
+        if any(type(o) is not type(first) or len(o) != len(first) for o in outs):
+            raise ValueError("safe_forward: %s has a different length in different pieces of the batch" % path)
+        names = first._fields if _is_record(first) else None
+        paths = ["%s.%s" % (path, names[i]) if names else "%s[%d]" % (path, i) for i in range(len(first))]
+        return _rebuild(first, [_join(torch, [o[i] for o in outs], sizes, dim, paths[i]) for i in range(len(first))])
+    per_sample = all(_is_array(o) and len(o.shape) > dim and int(o.shape[dim]) == n for o, n in zip(outs, sizes))
+    if per_sample and all(isinstance(o, torch.Tensor) for o in outs):
+        if len({o.device for o in outs}) > 1:  # a CPU fallback piece that could not go back
             outs = [o.cpu() for o in outs]
         return torch.cat(outs, dim)
-    if isinstance(first, dict):
-        return type(first)((k, _cat(torch, [o[k] for o in outs], dim)) for k in first)
-    if isinstance(first, (tuple, list)):
-        return _rebuild(first, [_cat(torch, [o[i] for o in outs], dim) for i in range(len(first))])
-    if first is None:
-        return None
-    raise TypeError("safe_forward: cannot concatenate outputs of type %s after splitting" % type(first).__name__)
+    if per_sample and sys.modules.get("numpy") is not None:
+        return sys.modules["numpy"].concatenate(outs, axis=dim)
+    # Not per-sample (a scalar, a model's tensor, None): only a value that every piece gave
+    # alike is the unsplit run's value too.
+    if _all_equal(torch, outs):
+        return first
+    raise ValueError(
+        "safe_forward: the batch ran out of memory and was split (pieces of %s samples), but %s "
+        "(%s) is not per-sample (its size along dim %d is not the pieces' sizes) and differs "
+        "between the pieces, so no joined value would equal the unsplit run's; return "
+        "per-sample values and reduce them after safe_forward" % (
+            " and ".join(str(n) for n in sizes), path, _describe(first), dim)
+    )
 
 
 def _cpu_copy(torch, model):
-    """A copy of the model on the CPU that never touches the model's device: parameters and
-    buffers are copied to the CPU first and handed to deepcopy as already-copied objects, so
-    the deepcopy allocates no device memory (a plain deepcopy of a GPU model would, at the
-    moment memory is shortest). The user's model is left as it is."""
+    """A copy of the model on the CPU that never touches the model's device: every tensor the
+    model holds (parameters, buffers, and tensors kept as plain attributes of its modules,
+    such as a mask or a cached table, also inside lists, tuples and dicts) is copied to the
+    CPU first and handed to deepcopy as already copied, so the deepcopy allocates no device
+    memory (a plain deepcopy of a GPU model would, at the moment memory is shortest) and the
+    copy holds no tensor on the device. The user's model is left as it is."""
     if not isinstance(model, torch.nn.Module):
         return model
     memo = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
+
+    def to_cpu(t):
         if id(t) in memo:
-            continue
+            return
         c = t.detach().to("cpu", copy=True)
         if isinstance(t, torch.nn.Parameter):
             c = torch.nn.Parameter(c, requires_grad=t.requires_grad)
         memo[id(t)] = c
+
+    seen = set()  # containers already walked (an attribute may hold a cycle)
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            to_cpu(x)
+        elif isinstance(x, (dict, list, tuple, set, frozenset)) and id(x) not in seen:
+            seen.add(id(x))
+            for v in x.values() if isinstance(x, dict) else x:
+                walk(v)
+
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        to_cpu(t)
+    for m in model.modules():
+        for name, value in vars(m).items():
+            if name not in ("_parameters", "_buffers", "_modules"):  # done above / visited
+                walk(value)
     return copy.deepcopy(model, memo)
 
 
-def safe_forward(model, inputs, min_batch=1, cpu_fallback=False, dim=0, release=None):
+def safe_forward(model, inputs, min_batch=1, cpu_fallback=False, dim=0, release=None, batch_size=None):
     """``model(inputs)`` that survives out-of-memory by splitting the batch.
 
     ``inputs`` is a tensor (``model(inputs)``), a tuple or list (``model(*inputs)``) or a
-    dict (``model(**inputs)``); every tensor in it whose size along ``dim`` equals the
-    batch size is split, other values go to every piece whole. On OOM the cache is released
-    (``release()``, default :func:`release_memory`), the batch is split in halves, and each
-    half is run the same way, down to ``min_batch``. The pieces' outputs (a tensor, or a
-    tuple/list/dict of tensors) are joined with torch.cat along ``dim``, so the result equals
-    the unsplit run's (up to floating-point summation order in the model).
+    dict (``model(**inputs)``). The batch size is ``batch_size`` if given, else the most
+    common size along ``dim`` among the tensors in ``inputs`` (a tie goes to the first
+    tensor: put the batch first, or name it). The tensors of that size along ``dim`` are the
+    batch, decided once for the call: they are split, and every other value (a shared bias,
+    a temperature, a tensor of another size, even one whose size equals a piece's) goes
+    whole to every piece. On OOM the cache is released (``release()``, default
+    :func:`release_memory`), the batch is split in halves, and each half is run the same
+    way, down to ``min_batch``.
+
+    The pieces' outputs (a tensor, or a tuple/list/dict of them) are joined along ``dim``:
+    an output whose size along ``dim`` is its piece's batch size is concatenated
+    (torch.cat), so the result equals the unsplit run's (up to floating-point summation
+    order in the model). Any other output (a scalar, a model's tensor, None) is kept if every
+    piece gave the same; if they differ (a loss averaged over the batch), no value would be
+    the unsplit run's, and ValueError names the output: return per-sample values and reduce
+    them after safe_forward.
 
     With ``cpu_fallback=True`` a piece that runs out of memory at ``min_batch`` runs on a CPU
     copy of the model (made once; the model itself is not moved) and its output is moved back
     to the inputs' device; if even that runs out of memory, the whole result is returned on
-    the CPU. Errors that are not OOM propagate unchanged, as does an OOM at ``min_batch``
-    without the fallback."""
+    the CPU. That is for inference only: gradients of a piece run on the copy would reach the
+    copy's parameters, not the model's, so with grad enabled and parameters that require it
+    safe_forward refuses (RuntimeError) rather than train silently wrong: run it under
+    torch.no_grad() or torch.inference_mode(). Errors that are not OOM propagate unchanged,
+    as does an OOM at ``min_batch`` without the fallback."""
     import torch
 
     if not callable(model):
@@ -453,24 +736,55 @@ def safe_forward(model, inputs, min_batch=1, cpu_fallback=False, dim=0, release=
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
         raise ValueError("dim must be an int >= 0, got %r" % (dim,))
     release = release or release_memory
-    tensors = [t for t in _tensors_in(inputs) if isinstance(t, torch.Tensor) and t.dim() > dim]
-    if not tensors:
+    sizes = [int(t.shape[dim]) for t in _tensors_in(inputs) if len(t.shape) > dim]
+    if not sizes:
         raise ValueError("safe_forward: inputs hold no tensor with a dimension %d to split along" % dim)
-    device = tensors[0].device
+    tie_note = None
+    if batch_size is None:
+        n = _most_common(sizes)
+        counts = collections.Counter(sizes)
+        tied = sorted(s for s in counts if counts[s] == counts[n])
+        if len(tied) > 1:
+            tie_note = (
+                "safe_forward took %d as the batch size: input tensors have sizes %s along dim %d, as "
+                "many of each, and the first tensor decides; pass batch_size= to name it" % (n, tied, dim)
+            )
+    else:
+        n = _positive_int(batch_size, "batch_size")
+        if n not in sizes:
+            raise ValueError(
+                "safe_forward: batch_size %d: no input tensor has that size along dim %d (sizes: %s)"
+                % (n, dim, ", ".join(str(s) for s in sorted(set(sizes))))
+            )
+    plan = _plan_dim(inputs, dim, n)
+    if (
+        cpu_fallback
+        and torch.is_grad_enabled()
+        and isinstance(model, torch.nn.Module)
+        and any(p.requires_grad for p in model.parameters())
+    ):
+        raise RuntimeError(
+            "safe_forward(cpu_fallback=True) is for inference: pieces it runs on a CPU copy of the "
+            "model would give their gradients to the copy's parameters, never to the model's. Call it "
+            "under torch.no_grad() or torch.inference_mode(), or without cpu_fallback when training"
+        )
+    batch = [t for t in _tensors_in(inputs) if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == n]
+    device = batch[0].device if batch else torch.device("cpu")
     state = {}
 
     def run_cpu(piece):
         if "cpu_model" not in state:
             state["cpu_model"] = _cpu_copy(torch, model)
-        out = _call(state["cpu_model"], _map_tensors(piece, lambda t: t.to("cpu")))
+        to_cpu = lambda t: t.to("cpu") if isinstance(t, torch.Tensor) else t  # noqa: E731
+        out = _call(state["cpu_model"], _map_tensors(piece, to_cpu))
         if device.type == "cpu":
             return out
         try:
-            return _map_tensors(out, lambda t: t.to(device))
+            return _map_tensors(out, lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
         except BaseException as e:
             if not is_oom(e):
                 raise
-        return out  # stays on the CPU; _cat moves the other pieces there too
+        return out  # stays on the CPU; _join moves the other pieces there too
 
     def attempt(piece, n):
         splittable = n // 2 >= min_batch
@@ -478,15 +792,17 @@ def safe_forward(model, inputs, min_batch=1, cpu_fallback=False, dim=0, release=
             return _call(model, piece)
         except BaseException as e:
             if not is_oom(e) or (not splittable and not cpu_fallback):
+                if tie_note and is_oom(e) and piece is inputs and hasattr(e, "add_note"):
+                    e.add_note(tie_note)  # the batch may have been taken from the wrong tensor
                 raise
         release()  # outside the except: the failed attempt's frames are gone
         if not splittable:
             return run_cpu(piece)
         k = (n + 1) // 2
-        first, second = _split_at(piece, dim, n, k)
-        return _cat(torch, [attempt(first, k), attempt(second, n - k)], dim)
+        first, second = _split(piece, plan, k, dim)
+        return _join(torch, [attempt(first, k), attempt(second, n - k)], [k, n - k], dim, "output")
 
-    return attempt(inputs, int(tensors[0].shape[dim]))
+    return attempt(inputs, n)
 
 
 # --- TensorFlow's vocabulary ---
@@ -499,24 +815,25 @@ def set_memory_growth(enabled):
     the heap maps its whole allowance at creation and never grows (growth:off with
     preallocate = the limit), which needs a size: call :func:`set_memory_limit` first.
     Like TensorFlow, it cannot change heaps that already exist: RuntimeError."""
-    from .heap import _created_default_heaps, _parse_conf, _update_env_conf
+    from .heap import _conf_lock, _created_default_heaps, _parse_conf, _update_env_conf
 
     if not isinstance(enabled, bool):
         raise TypeError("enabled must be True or False, not %r" % (enabled,))
-    if _created_default_heaps():
-        raise RuntimeError(
-            "set_memory_growth: the default heaps already exist; memory growth must be set before "
-            "the first allocation"
-        )
-    if enabled:
-        _update_env_conf({"growth": "on"}, removals=("preallocate",))
-        return
-    limit = _parse_conf(os.environ.get("CUMA_CONF")).get("limit")
-    if not limit or limit.lower() in ("none", "unlimited"):
-        raise ValueError(
-            "set_memory_growth(False) needs the amount to preallocate: call set_memory_limit(bytes) first"
-        )
-    _update_env_conf({"growth": "off", "preallocate": limit})
+    with _conf_lock:  # no default heap may appear between the check and the new settings
+        if _created_default_heaps():
+            raise RuntimeError(
+                "set_memory_growth: the default heaps already exist; memory growth must be set before "
+                "the first allocation"
+            )
+        if enabled:
+            _update_env_conf({"growth": "on"}, removals=("preallocate",))
+            return
+        limit = _parse_conf(os.environ.get("CUMA_CONF")).get("limit")
+        if not limit or limit.lower() in ("none", "unlimited"):
+            raise ValueError(
+                "set_memory_growth(False) needs the amount to preallocate: call set_memory_limit(bytes) first"
+            )
+        _update_env_conf({"growth": "off", "preallocate": limit})
 
 
 def set_memory_limit(nbytes, device=None):
@@ -527,7 +844,7 @@ def set_memory_limit(nbytes, device=None):
     live memory stays until freed). With a device: that device's heap only (created if
     needed). ``nbytes`` None or 0 removes the limit. With growth off, the preallocated
     amount follows the limit."""
-    from .heap import _created_default_heaps, _parse_conf, _update_env_conf, default_heap
+    from .heap import _conf_lock, _created_default_heaps, _parse_conf, _update_env_conf, default_heap
 
     if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)):
         raise TypeError("nbytes must be an int or None, not %s" % type(nbytes).__name__)
@@ -537,12 +854,13 @@ def set_memory_limit(nbytes, device=None):
     if device is not None:
         default_heap(device).set_limit(nbytes)
         return
-    updates = {"limit": str(nbytes) if nbytes else "none"}
-    if _parse_conf(os.environ.get("CUMA_CONF")).get("growth", "on").lower() in ("off", "false", "0", "no"):
-        if not nbytes:
-            raise ValueError("set_memory_limit(None): growth is off, which needs a size to preallocate")
-        updates["preallocate"] = str(nbytes)
-    existing = _created_default_heaps()
-    _update_env_conf(updates)
-    for d in existing:
-        default_heap(d).set_limit(nbytes)
+    with _conf_lock:  # a heap created meanwhile gets either the new limit or set_limit
+        updates = {"limit": str(nbytes) if nbytes else "none"}
+        if _parse_conf(os.environ.get("CUMA_CONF")).get("growth", "on").lower() in ("off", "false", "0", "no"):
+            if not nbytes:
+                raise ValueError("set_memory_limit(None): growth is off, which needs a size to preallocate")
+            updates["preallocate"] = str(nbytes)
+        existing = _created_default_heaps()
+        _update_env_conf(updates)
+        for d in existing:
+            default_heap(d).set_limit(nbytes)

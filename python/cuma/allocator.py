@@ -1,6 +1,6 @@
 """CudaMemoryAllocator: the default heaps behind an allocator-object interface."""
 
-from .heap import _apply_default_conf, _int_arg, _ptr_arg, default_heap
+from .heap import _apply_default_conf, _device_arg, _int_arg, _ptr_arg, default_heap
 
 __all__ = ["CudaMemoryAllocator"]
 
@@ -20,9 +20,9 @@ class CudaMemoryAllocator:
         self.conf = conf
         self._configured = conf is None
 
-    def _configure(self):
+    def _configure(self, device):
         if not self._configured:
-            _apply_default_conf(self.conf, "CudaMemoryAllocator")
+            _apply_default_conf(self.conf, "CudaMemoryAllocator", device)
             self._configured = True
 
     def allocate(self, size, device=0, stream=0):
@@ -30,7 +30,7 @@ class CudaMemoryAllocator:
         Size 0 returns 0 (no memory, like PyTorch's empty tensors). Raises
         cuma.OutOfMemoryError (a MemoryError) when the heap cannot serve it."""
         size = _int_arg(size, "size", 0)
-        self._configure()
+        self._configure(_device_arg(device))
         heap = default_heap(device)
         if size == 0:
             return 0

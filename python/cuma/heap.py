@@ -9,10 +9,14 @@ the C API, except :meth:`Heap.close`, which must not race with other calls on th
 ctypes releases the GIL during each C call, so threads allocate in parallel.
 """
 
+import _thread
 import json
+import numbers
 import operator
 import os
+import sys
 import threading
+import time
 import warnings
 import ctypes
 
@@ -23,6 +27,10 @@ __all__ = [
     "default_heap",
     "on_oom",
     "remove_oom",
+    "on_pressure",
+    "remove_pressure",
+    "ledger",
+    "ledger_path",
     "shutdown_default_heaps",
     "check_config",
     "config_keys",
@@ -45,6 +53,24 @@ def _int_arg(value, name, minimum=0):
     v = operator.index(value)
     if v < minimum:
         raise ValueError("%s must be >= %d, got %d" % (name, minimum, v))
+    return v
+
+
+def _u64_arg(value, name):
+    """A byte count or time for a uint64_t/size_t parameter: ctypes would silently wrap a
+    value of 2**64 or more to its low 64 bits."""
+    v = _int_arg(value, name, 0)
+    if v >= 1 << 64:
+        raise ValueError("%s %d does not fit in 64 bits" % (name, v))
+    return v
+
+
+def _callback_id_arg(value):
+    """A callback id (a C int): ctypes would wrap 2**32 + id to id and remove another
+    callback than the one named."""
+    v = _int_arg(value, "callback_id", 0)
+    if v >= 1 << 31:
+        raise ValueError("callback_id %d is not an id from on_oom/on_pressure" % v)
     return v
 
 
@@ -93,14 +119,76 @@ def _device_arg(device):
 
 
 def _wants_retry(result):
-    """An OOM callback's answer: True, 1 or "retry" ask for a retry; anything else passes."""
-    if result is True:
-        return True
+    """An OOM callback's answer: True, 1 or "retry" ask for a retry; anything else passes.
+
+    Numbers from numpy or PyTorch count like Python's (``return freed > 0`` with a numpy
+    ``freed`` gives numpy.bool_, a 0-d tensor gives a tensor): a bool-like answer through
+    its ``item()``, an integer through ``__index__``."""
+    if isinstance(result, bool):
+        return result
     if isinstance(result, str):
         return result.strip().lower() == "retry"
-    if isinstance(result, int) and not isinstance(result, bool):
-        return result == OOM_RETRY
+    if isinstance(result, numbers.Integral):
+        return operator.index(result) == OOM_RETRY
+    item = getattr(result, "item", None)
+    if callable(item):
+        # Before __index__: numpy.bool_'s __index__ is deprecated, and item() gives a
+        # 0-d tensor's or array's value as the Python bool or int it stands for.
+        try:
+            value = item()
+        except Exception:
+            return False  # not a single value (a tensor of several): not an answer
+        return isinstance(value, (bool, int)) and _wants_retry(value)
+    if hasattr(result, "__index__"):
+        try:
+            return operator.index(result) == OOM_RETRY
+        except Exception:
+            return False
     return False
+
+
+class _AllocFrame:
+    """What the OOM callbacks of one Heap.alloc call left for it: their exceptions (a cause
+    or a warning) and a KeyboardInterrupt/SystemExit to re-raise once C has returned."""
+
+    __slots__ = ("errors", "fatal")
+
+    def __init__(self):
+        self.errors = []
+        self.fatal = None
+
+
+def _deliver_fatal(exc, what):
+    """A KeyboardInterrupt, SystemExit or other BaseException raised by a callback that no
+    Python caller can receive (it ran on a C thread, or under a C call that was not
+    Heap.alloc): a KeyboardInterrupt is raised again in the main thread; anything else
+    becomes a RuntimeWarning, as a SystemExit in a thread other than the main one ends no
+    process in Python either."""
+    if isinstance(exc, KeyboardInterrupt):
+        if threading.current_thread() is threading.main_thread():
+            # Raised again at once, the interrupt would hit this very callback (the main
+            # thread looks for it at its next bytecode, still in here) and be lost in ctypes;
+            # a helper raises it once the main thread is out of the callbacks.
+            threading.Thread(target=_interrupt_main_later, args=(threading.get_ident(),), daemon=True).start()
+        else:
+            _thread.interrupt_main()
+        return
+    warnings.warn("%s raised %r, which cannot reach a Python caller from there" % (what, exc), RuntimeWarning)
+
+
+_TRAMPOLINES = set()  # the code objects of the callback trampolines (one per kind)
+
+
+def _interrupt_main_later(main_ident, wait_s=5.0):
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(main_ident)
+        while frame is not None and frame.f_code not in _TRAMPOLINES:
+            frame = frame.f_back
+        if frame is None:  # back in the code that called C (or beyond): it gets the interrupt
+            break
+        time.sleep(0.001)
+    _thread.interrupt_main()
 
 
 class Heap:
@@ -134,9 +222,9 @@ class Heap:
         self._owned = owned
         self.device = device
         self._cb_lock = threading.Lock()
-        self._callbacks = {}  # id -> (ctypes function, Python callable): keeps them alive
-        self._retired = []  # removed callbacks, alive until the heap is gone (see remove_oom)
-        self._tls = threading.local()
+        self._callbacks = {}  # id -> (ctypes function, cell holding the Python callable)
+        self._retired = []  # ctypes functions of removed callbacks (see remove_oom)
+        self._tls = threading.local()  # .frame: the Heap.alloc in progress on this thread
 
     @classmethod
     def _borrow(cls, handle, device):
@@ -173,8 +261,7 @@ class Heap:
         if h is not None:
             _lib.lib().cuma_heap_destroy(h)
         with self._cb_lock:
-            self._callbacks.clear()
-            self._retired.clear()
+            _drop_callbacks(self)
 
     def __enter__(self):
         self._handle()
@@ -203,19 +290,32 @@ class Heap:
         """Allocates ``size`` bytes usable on ``stream``; returns the device address (int).
 
         Raises OutOfMemoryError (a MemoryError) when the heap cannot serve it after every
-        recovery step (cache release, the OOM callbacks, managed fallback where configured)."""
+        recovery step (cache release, the OOM callbacks, managed fallback where configured).
+        A KeyboardInterrupt or SystemExit raised in an OOM callback is raised from here once
+        the C call has returned (the callbacks after it are skipped; memory served anyway is
+        freed first)."""
         size = _size_arg(size)
         stream = _stream_arg(stream)
         h = self._handle()
         out = ctypes.c_void_p()
-        self._tls.cb_errors = []
-        self._tls.in_alloc = True
+        frame = _AllocFrame()
+        # An OOM callback may allocate on this heap itself: that inner call gets a record
+        # of its own, and the outer one gets its record back when the inner one returns.
+        outer = getattr(self._tls, "frame", None)
+        self._tls.frame = frame
         try:
             st = _lib.lib().cuma_alloc(h, size, stream, ctypes.byref(out))
             msg = _lib.last_error() if st else None
         finally:
-            self._tls.in_alloc = False
-            errors, self._tls.cb_errors = self._tls.cb_errors, []
+            self._tls.frame = outer
+        errors = frame.errors
+        if frame.fatal is not None:
+            if not st and out.value:
+                try:
+                    _lib.lib().cuma_free(h, out.value, stream)  # the caller never sees it
+                except Exception:
+                    pass
+            raise frame.fatal
         if st:
             exc = _lib.error_for_status(st, msg)
             raise exc from (errors[0] if errors else None)
@@ -257,7 +357,7 @@ class Heap:
     def trim(self, keep_bytes=0):
         """Returns cached memory to the device until at most ``keep_bytes`` of cached pages
         remain (0: the whole cache, like torch.cuda.empty_cache())."""
-        keep_bytes = _int_arg(keep_bytes, "keep_bytes", 0)
+        keep_bytes = _u64_arg(keep_bytes, "keep_bytes")
         _lib.check(_lib.lib().cuma_trim(self._handle(), keep_bytes))
 
     def poll(self):
@@ -273,9 +373,7 @@ class Heap:
 
     def set_limit(self, nbytes):
         """Sets the hard limit on reserved bytes (0 or None: no limit beyond the device)."""
-        nbytes = 0 if nbytes is None else _int_arg(nbytes, "nbytes", 0)
-        if nbytes >= 1 << 64:
-            raise ValueError("nbytes %d does not fit in 64 bits" % nbytes)
+        nbytes = 0 if nbytes is None else _u64_arg(nbytes, "nbytes")
         _lib.check(_lib.lib().cuma_set_limit(self._handle(), nbytes))
 
     def set_memory_fraction(self, fraction):
@@ -308,44 +406,57 @@ class Heap:
         """Registers ``callback(size, stream)`` to run when an allocation of ``size`` bytes
         failed even after the cache was released; callbacks run in registration order.
 
-        The callback may free memory (also on this heap). Returning True, 1 or "retry" has the
-        allocation retried; anything else lets the next callback (or the failure) follow. An
-        exception in a callback counts as "pass": it becomes the ``__cause__`` of the
-        OutOfMemoryError if the allocation fails, a RuntimeWarning otherwise. Returns an id
-        for :meth:`remove_oom`. At most 16 callbacks per heap."""
+        The callback may free memory (also on this heap). Returning True, 1 or "retry" (or a
+        numpy/PyTorch bool or integer equal to them) has the allocation retried; anything else
+        lets the next callback (or the failure) follow. An exception in a callback counts as
+        "pass": it becomes the ``__cause__`` of the OutOfMemoryError if the allocation fails,
+        a RuntimeWarning otherwise. A KeyboardInterrupt or SystemExit is not swallowed: it is
+        raised from :meth:`alloc` (when the allocation came from elsewhere, e.g. PyTorch's
+        allocator, a KeyboardInterrupt is raised again in the main thread and anything else
+        becomes a RuntimeWarning). Returns an id for :meth:`remove_oom`. At most 16 callbacks
+        per heap."""
         if not callable(callback):
             raise TypeError("callback must be callable, not %s" % type(callback).__name__)
         h = self._handle()
         tls = self._tls  # not self: no reference cycle, so a dropped heap closes at once
+        cell = [callback]  # emptied by remove_oom: the thunk outlives the removal, the callable not
 
         def trampoline(user, heap, size, stream):
+            cb = cell[0]
+            if cb is None:
+                return OOM_PASS  # removed while an allocation was about to call it
+            frame = getattr(tls, "frame", None)  # this thread's Heap.alloc, if C came from there
+            if frame is not None and frame.fatal is not None:
+                return OOM_PASS  # Ctrl-C or exit on its way to the caller: run nothing more
             try:
-                return OOM_RETRY if _wants_retry(callback(size, stream or 0)) else OOM_PASS
-            except BaseException as e:  # never let an exception unwind through C
-                if getattr(tls, "in_alloc", False):
-                    tls.cb_errors.append(e)
+                return OOM_RETRY if _wants_retry(cb(size, stream or 0)) else OOM_PASS
+            except Exception as e:  # the callback's own failure: it passes
+                if frame is not None:
+                    frame.errors.append(e)
                 else:
-                    warnings.warn("cuma OOM callback %r raised %r" % (callback, e), RuntimeWarning)
-                return OOM_PASS
+                    warnings.warn("cuma OOM callback %r raised %r" % (cb, e), RuntimeWarning)
+            except BaseException as e:  # never let an exception unwind through C
+                if frame is not None:
+                    frame.fatal = e
+                else:
+                    _deliver_fatal(e, "cuma OOM callback %r" % (cb,))
+            return OOM_PASS
 
+        _TRAMPOLINES.add(trampoline.__code__)
         fn = _lib.OOM_CALLBACK(trampoline)
         cb_id = ctypes.c_int()
         with self._cb_lock:
             _lib.check(_lib.lib().cuma_add_oom_callback(h, fn, None, ctypes.byref(cb_id)))
-            self._callbacks[cb_id.value] = (fn, callback)
+            self._callbacks[cb_id.value] = (fn, cell)
         return cb_id.value
 
     def remove_oom(self, callback_id):
-        """Removes a callback registered by :meth:`on_oom` (by the id it returned)."""
-        callback_id = _int_arg(callback_id, "callback_id", 0)
+        """Removes a callback registered by :meth:`on_oom` (by the id it returned). The
+        callable (and whatever it holds) is released at once."""
+        callback_id = _callback_id_arg(callback_id)
         with self._cb_lock:
             _lib.check(_lib.lib().cuma_remove_oom_callback(self._handle(), callback_id))
-            # The C function stays alive until the heap is closed: the heap calls a copy of
-            # its callback list without its lock, so another thread's allocation may still be
-            # inside it (or about to enter it) after the removal returned.
-            entry = self._callbacks.pop(callback_id, None)
-            if entry is not None:
-                self._retired.append(entry)
+            _retire(self, callback_id)
 
     # --- other processes (the cross-process ledger) ---
 
@@ -355,38 +466,48 @@ class Heap:
         ``nbytes`` that this heap holds in use beyond its guarantee. It runs on the heap's
         release thread, once per request: free what you can (drop caches, halve the batch at
         the next step). Its idle cache has gone back already. An exception in it becomes a
-        RuntimeWarning. Returns an id for :meth:`remove_pressure`. At most 16 per heap."""
+        RuntimeWarning. No Python caller is there to receive a KeyboardInterrupt raised in it:
+        it is raised again in the main thread (``_thread.interrupt_main``); a SystemExit or
+        other BaseException becomes a RuntimeWarning (as sys.exit() in a thread other than the
+        main one ends no process either). Returns an id for :meth:`remove_pressure`. At most
+        16 per heap."""
         if not callable(callback):
             raise TypeError("callback must be callable, not %s" % type(callback).__name__)
         h = self._handle()
+        cell = [callback]  # emptied by remove_pressure (see on_oom)
 
         def trampoline(user, heap, nbytes):
+            cb = cell[0]
+            if cb is None:
+                return
             try:
-                callback(int(nbytes))
+                cb(int(nbytes))
+            except Exception as e:
+                warnings.warn("cuma pressure callback %r raised %r" % (cb, e), RuntimeWarning)
             except BaseException as e:  # never let an exception unwind through C
-                warnings.warn("cuma pressure callback %r raised %r" % (callback, e), RuntimeWarning)
+                _deliver_fatal(e, "cuma pressure callback %r" % (cb,))
 
+        _TRAMPOLINES.add(trampoline.__code__)
         fn = _lib.PRESSURE_CALLBACK(trampoline)
         cb_id = ctypes.c_int()
         with self._cb_lock:
             _lib.check(_lib.lib().cuma_add_pressure_callback(h, fn, None, ctypes.byref(cb_id)))
-            self._callbacks[("pressure", cb_id.value)] = (fn, callback)
+            self._callbacks[("pressure", cb_id.value)] = (fn, cell)
         return cb_id.value
 
     def remove_pressure(self, callback_id):
-        """Removes a callback registered by :meth:`on_pressure` (by the id it returned)."""
-        callback_id = _int_arg(callback_id, "callback_id", 0)
+        """Removes a callback registered by :meth:`on_pressure` (by the id it returned). The
+        callable (and whatever it holds) is released at once."""
+        callback_id = _callback_id_arg(callback_id)
         with self._cb_lock:
             _lib.check(_lib.lib().cuma_remove_pressure_callback(self._handle(), callback_id))
-            entry = self._callbacks.pop(("pressure", callback_id), None)
-            if entry is not None:
-                self._retired.append(entry)  # the release thread may be inside it (remove_oom)
+            _retire(self, ("pressure", callback_id))
 
     # --- simulated device controls (backend:sim only; UnsupportedError elsewhere) ---
 
     def sim_set_time(self, ns):
         """Sets the simulated clock (needs sim_clock:manual)."""
-        _lib.check(_lib.lib().cuma_sim_set_time(self._handle(), _int_arg(ns, "ns", 0)))
+        _lib.check(_lib.lib().cuma_sim_set_time(self._handle(), _u64_arg(ns, "ns")))
 
     def sim_time(self):
         """The heap's clock in nanoseconds (any backend)."""
@@ -403,10 +524,37 @@ class Heap:
         _lib.check(_lib.lib().cuma_sim_release_stream(self._handle(), _stream_arg(stream)))
 
 
+def _retire(heap, key):
+    """Unregisters a removed callback on the Python side (the caller holds heap._cb_lock).
+
+    Its ctypes function stays alive until the heap is closed: the heap calls a copy of its
+    callback list without its lock, so another thread's allocation (or the release thread)
+    may still be inside it, or about to enter it, after the removal returned. The user's
+    callable is dropped now (the cell the function reads is emptied), so only the small
+    thunk is kept, not what the callable captured."""
+    entry = heap._callbacks.pop(key, None)
+    if entry is not None:
+        fn, cell = entry
+        cell[0] = None
+        heap._retired.append(fn)
+
+
+def _drop_callbacks(heap):
+    """Forgets every callback of a heap that C no longer calls (closed or shut down)."""
+    for fn, cell in heap._callbacks.values():
+        cell[0] = None
+    heap._callbacks.clear()
+    heap._retired.clear()
+
+
 # --- the process-wide default heaps ---
 
 _defaults_lock = threading.Lock()
 _defaults = {}  # device -> Heap wrapper; keeps module-level OOM callbacks alive
+# Held from "do default heaps exist, and with which CUMA_CONF?" until the heap made from the
+# settings exists, so that two threads asking for different settings cannot both pass the
+# check (the one that comes second gets the RuntimeError). Taken before _defaults_lock.
+_conf_lock = threading.Lock()
 
 
 def default_heap(device=0):
@@ -448,8 +596,13 @@ def on_oom(callback, device=0):
 
 def on_pressure(callback, device=0):
     """Registers ``callback(nbytes)`` on the default heap of ``device``; see
-    :meth:`Heap.on_pressure`. Returns the callback id."""
+    :meth:`Heap.on_pressure`. Returns the callback id (for :func:`remove_pressure`)."""
     return default_heap(device).on_pressure(callback)
+
+
+def remove_pressure(callback_id, device=0):
+    """Removes a callback that :func:`on_pressure` registered on ``device``'s default heap."""
+    default_heap(device).remove_pressure(callback_id)
 
 
 def ledger(name=None):
@@ -488,6 +641,8 @@ def ledger(name=None):
 
 def ledger_path(name=None):
     """Where the ledger lives in shared memory (/dev/shm/cuma-UID[-NAME])."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError("name must be a str or None, not %s" % type(name).__name__)
     buf = ctypes.create_string_buffer(256)
     _lib.check(_lib.lib().cuma_ledger_path(name.encode() if name else None, buf, 256))
     return buf.value.decode()
@@ -507,30 +662,32 @@ def shutdown_default_heaps():
         _lib.lib().cuma_default_heaps_shutdown()
         for w in _defaults.values():
             w._h = None
-            w._callbacks.clear()
-            w._retired.clear()
+            with w._cb_lock:
+                _drop_callbacks(w)
         _defaults.clear()
 
 
-def _apply_default_conf(conf, who):
-    """Makes ``conf`` the CUMA_CONF of default heaps created from now on; refuses (with a
-    RuntimeError) when default heaps exist already and the settings differ, since they would
-    silently not apply to them."""
+def _apply_default_conf(conf, who, device=0):
+    """Makes ``conf`` the CUMA_CONF of the default heaps and creates ``device``'s default
+    heap from it; refuses (with a RuntimeError) when default heaps exist already and the
+    settings differ, since they would silently not apply to them."""
     if conf is None:
         return
     if not isinstance(conf, str):
         raise TypeError("%s: conf must be a str like 'limit:8G', not %s" % (who, type(conf).__name__))
     check_config(conf)
-    current = os.environ.get("CUMA_CONF")
-    if current == conf:
-        return
-    if _created_default_heaps():
-        raise RuntimeError(
-            "%s: the default heaps already exist (created with CUMA_CONF=%r), so %r would not apply "
-            "to them; pass the settings before the first allocation, or call "
-            "cuma.shutdown_default_heaps() first" % (who, current, conf)
-        )
-    os.environ["CUMA_CONF"] = conf
+    with _conf_lock:
+        current = os.environ.get("CUMA_CONF")
+        if current != conf:
+            if _created_default_heaps():
+                raise RuntimeError(
+                    "%s: the default heaps already exist (created with CUMA_CONF=%r), so %r would not "
+                    "apply to them; pass the settings before the first allocation, or call "
+                    "cuma.shutdown_default_heaps() first" % (who, current, conf)
+                )
+            os.environ["CUMA_CONF"] = conf
+        # Made before the lock is let go: from here on, other settings see a heap and fail.
+        default_heap(device)
 
 
 # --- configuration ---

@@ -365,3 +365,378 @@ def test_set_memory_limit_and_growth(monkeypatch):
         adaptive.set_memory_growth("yes")
     with pytest.raises(ValueError):
         adaptive.set_memory_limit(-1)
+
+
+# --- is_oom: every wording of "out of memory", and nothing else ---
+
+
+def test_is_oom_recognises_the_cpu_allocator_and_cuda_libraries():
+    try:
+        torch.empty(1 << 62, dtype=torch.uint8)  # 4 EiB: more than any address space
+    except RuntimeError as e:
+        real = e
+    assert "DefaultCPUAllocator" in str(real) and adaptive.is_oom(real)
+    for msg in (
+        "DefaultCPUAllocator: not enough memory: you tried to allocate 8 bytes.",  # Windows
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        "cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+        "CUSOLVER_STATUS_ALLOC_FAILED",
+        "cuFFT error: CUFFT_ALLOC_FAILED",
+    ):
+        assert adaptive.is_oom(RuntimeError(msg)), msg
+    for msg in (
+        "CUBLAS_STATUS_EXECUTION_FAILED",
+        "CUDNN_STATUS_BAD_PARAM",
+        "DefaultCPUAllocator: invalid argument",
+        "Expected all tensors to be on the same device",
+    ):
+        assert not adaptive.is_oom(RuntimeError(msg)), msg
+    assert not adaptive.is_oom(ValueError("CUBLAS_STATUS_ALLOC_FAILED"))  # text counts on RuntimeError only
+
+
+def test_is_oom_recognises_torch_out_of_memory_error(monkeypatch):
+    class NewOom(RuntimeError):  # torch.OutOfMemoryError of PyTorch >= 2.5 (not in 1.13)
+        pass
+
+    monkeypatch.setattr(torch, "OutOfMemoryError", NewOom, raising=False)
+    assert adaptive.is_oom(NewOom("no text about memory"))
+
+
+def test_find_batch_size_on_the_cpu_allocator():
+    def step(bs):  # bs * 256 MiB of address space (pages never touched): 2**20 of them is
+        torch.empty(bs, 1 << 28, dtype=torch.uint8)  # more than any 48-bit address space
+
+    got = adaptive.find_batch_size(step, 1, release=lambda: None)
+    assert 1 <= got < adaptive.DEFAULT_BATCH_LIMIT
+
+
+# --- find_batch_size's default cap ---
+
+
+def test_find_batch_size_stops_at_the_default_cap_when_memory_stops_growing():
+    tries = []
+
+    def step(bs):  # never more than a 1000-row data set: never out of memory
+        tries.append(bs)
+        return torch.ones(min(bs, 1000), 4).sum()
+
+    assert adaptive.find_batch_size(step, 8, release=lambda: None) == adaptive.DEFAULT_BATCH_LIMIT
+    assert max(tries) == adaptive.DEFAULT_BATCH_LIMIT and len(tries) <= 20
+    big = adaptive.DEFAULT_BATCH_LIMIT * 4  # a start above the cap is its own cap
+    assert adaptive.find_batch_size(lambda bs: None, big, release=lambda: None) == big
+
+
+# --- safe_forward: the batch is decided once ---
+
+
+def test_safe_forward_never_splits_a_shared_tensor_whose_size_equals_a_piece():
+    def model(x, scale):
+        if x.shape[0] > 4:
+            raise oom_error(x.numel())
+        assert scale.shape == (8,)  # never cut, at any level
+        return x * scale.sum()
+
+    x, scale = torch.ones(16, 8), torch.ones(8)
+    got = adaptive.safe_forward(model, (x, scale), release=lambda: None)
+    assert torch.equal(got, x * 8.0)
+
+    lin = nn.Linear(6, 8)
+
+    def model2(x, bias):  # bias (8,) broadcast over a piece of 8 rows: must stay whole
+        if x.shape[0] > 4:
+            raise oom_error(x.numel())
+        return lin(x) + bias
+
+    x2, bias = torch.randn(16, 6), torch.randn(8)
+    with torch.no_grad():
+        assert torch.allclose(adaptive.safe_forward(model2, (x2, bias), release=lambda: None), lin(x2) + bias)
+
+
+def test_safe_forward_batch_size_is_the_most_common_or_named():
+    def model(temperature, x, mask):
+        if x.shape[0] > 4:
+            raise oom_error(x.numel())
+        return x / temperature * mask
+
+    t, x, mask = torch.tensor([2.0]), torch.ones(16, 3), torch.ones(16, 1)
+    assert torch.equal(adaptive.safe_forward(model, (t, x, mask), release=lambda: None), x / 2.0)
+
+    def model2(temperature, x):
+        if x.shape[0] > 4:
+            raise oom_error(x.numel())
+        return x / temperature
+
+    # One tensor of each size: the first would decide (size 1, not splittable), so name it.
+    with pytest.raises(RuntimeError, match="out of memory") as ei:
+        adaptive.safe_forward(model2, (t, x), release=lambda: None)
+    if hasattr(ei.value, "__notes__"):
+        assert "batch_size=" in " ".join(ei.value.__notes__)
+    assert torch.equal(adaptive.safe_forward(model2, (t, x), batch_size=16, release=lambda: None), x / 2.0)
+    with pytest.raises(ValueError, match="batch_size 5: no input tensor has that size"):
+        adaptive.safe_forward(model2, (t, x), batch_size=5)
+
+
+# --- safe_forward: outputs without a batch dimension ---
+
+
+def test_safe_forward_outputs_without_batch_dim():
+    lin = nn.Linear(4, 3)
+
+    def per_sample_and_shared(x):
+        if x.shape[0] > 4:
+            raise oom_error(x.numel())
+        return {"logits": lin(x), "weight": lin.weight, "none": None, "k": 3}
+
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        out = adaptive.safe_forward(per_sample_and_shared, x, release=lambda: None)
+        assert torch.allclose(out["logits"], lin(x), atol=1e-6)
+    assert out["weight"] is lin.weight and out["none"] is None and out["k"] == 3  # kept once
+
+    def with_mean(x):
+        if x.shape[0] > 4:
+            raise oom_error(x.numel())
+        logits = lin(x)
+        return logits, logits.mean()
+
+    with torch.no_grad():
+        a, m = adaptive.safe_forward(with_mean, x[:4], release=lambda: None)  # no split: as is
+        assert m.dim() == 0
+        with pytest.raises(ValueError, match=r"output\[1\] \(a Tensor of shape \(\)\) is not per-sample"):
+            adaptive.safe_forward(with_mean, x, release=lambda: None)
+
+
+# --- safe_forward(cpu_fallback=True): inference only, and a CPU copy of everything ---
+
+
+def test_safe_forward_cpu_fallback_refuses_to_train():
+    model = OnlyOnCopies()
+    x = torch.randn(6, 4)
+    with pytest.raises(RuntimeError, match="is for inference") as ei:
+        adaptive.safe_forward(model, x, cpu_fallback=True, release=lambda: None)
+    assert not adaptive.is_oom(ei.value)
+    with torch.no_grad():
+        adaptive.safe_forward(model, x, min_batch=3, cpu_fallback=True, release=lambda: None)
+    for p in model.parameters():
+        p.requires_grad_(False)  # a frozen model cannot be trained wrong
+    adaptive.safe_forward(model, x, min_batch=3, cpu_fallback=True, release=lambda: None)
+    adaptive.safe_forward(OomAbove(4, 3, limit=1000), x, cpu_fallback=False)  # training without it: fine
+
+
+class WithPlainTensors(nn.Module):
+    """Tensors kept as plain attributes (not parameters or buffers), as models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = torch.full((4,), 2.0)
+        self.tables = {"shift": torch.ones(4)}
+        self.lin.cache = [torch.zeros(4)]  # in a submodule too
+        ORIGINALS.add(id(self))
+
+    def forward(self, x):
+        if id(self) in ORIGINALS:
+            raise oom_error(x.numel())
+        return self.lin(x) * self.scale + self.tables["shift"] + self.lin.cache[0]
+
+
+def test_cpu_copy_copies_plain_tensor_attributes_without_deepcopying_them(monkeypatch):
+    """A deepcopy of a device tensor allocates on its device (and leaves the copy there):
+    no tensor of the model may reach Tensor.__deepcopy__."""
+    model = WithPlainTensors()
+
+    def no_deepcopy(self, memo):
+        raise AssertionError("a tensor of the model was deep-copied on its device")
+
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", no_deepcopy)
+    c = adaptive._cpu_copy(torch, model)
+    assert c.scale is not model.scale and torch.equal(c.scale, model.scale)
+    assert c.tables["shift"] is not model.tables["shift"] and c.lin.cache[0] is not model.lin.cache[0]
+    assert c.lin.weight is not model.lin.weight and torch.equal(c.lin.weight, model.lin.weight)
+    monkeypatch.undo()
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        got = adaptive.safe_forward(model, x, cpu_fallback=True, release=lambda: None)
+        assert torch.allclose(got, model.lin(x) * 2.0 + 1.0, atol=1e-6)
+
+
+# --- DynamicBatcher: fields or samples ---
+
+
+def test_dynamic_batcher_collated_list_with_strings_is_fields():
+    x = torch.arange(8).view(8, 1)
+    names = ["s%d" % i for i in range(8)]
+    pieces = list(adaptive.DynamicBatcher([[x, names]], batch_size=3, release=lambda: None))
+    assert [type(p) for p in pieces] == [list, list, list]
+    assert [p[1] for p in pieces] == [names[:3], names[3:6], names[6:]]
+    assert all(p[0].view(-1).tolist() == [int(s[1:]) for s in p[1]] for p in pieces)
+
+    batcher = adaptive.DynamicBatcher([[x, names]], batch_size=8, release=lambda: None)
+    served = []
+    for b in batcher:
+        with batcher.step():
+            if len(b[1]) > 4:
+                raise oom_error(8)
+            served.append(b)
+    assert [p[1] for p in served] == [names[:4], names[4:]]
+    assert torch.equal(torch.cat([p[0] for p in served]), x)
+
+
+def test_dynamic_batcher_lists_of_samples_stay_samples():
+    # Variable lengths first: lists are samples, so the tail of one sample is not cut.
+    loader = [[torch.arange(3), torch.arange(5)], [torch.arange(7)]]
+    got = list(adaptive.DynamicBatcher(loader, batch_size=2, release=lambda: None))
+    assert [[t.tolist() for t in b] for b in got] == [[[0, 1, 2], [0, 1, 2, 3, 4]], [list(range(7))]]
+    # A batch of samples of equal length cannot be told from fields: fields=False says so.
+    same = [torch.arange(6) + 10 * i for i in range(5)]
+    got = list(adaptive.DynamicBatcher([same], batch_size=2, release=lambda: None, fields=False))
+    assert [len(b) for b in got] == [2, 2, 1] and all(t.shape == (6,) for b in got for t in b)
+    assert [t[0].item() for b in got for t in b] == [0, 10, 20, 30, 40]
+    with pytest.warns(UserWarning, match="pass fields=False"):
+        list(adaptive.DynamicBatcher([same], batch_size=2, release=lambda: None))
+    # ... and a later list that cannot be fields shows the first guess was wrong: loudly.
+    with pytest.warns(UserWarning):
+        with pytest.raises(TypeError, match="fields=False"):
+            mixed = [same, [torch.arange(2), torch.arange(9)]]
+            list(adaptive.DynamicBatcher(mixed, batch_size=2, release=lambda: None))
+    # fields=True: a list whose items do not share a size is still fields (others go whole).
+    loader = [[torch.arange(4), torch.arange(3)]]
+    got = list(adaptive.DynamicBatcher(loader, batch_size=2, release=lambda: None, fields=True))
+    assert [b[0].tolist() for b in got] == [[0, 1], [2, 3]] and all(b[1].tolist() == [0, 1, 2] for b in got)
+    with pytest.raises(TypeError, match="fields must be"):
+        adaptive.DynamicBatcher([], batch_size=2, fields="yes")
+
+
+def test_dynamic_batcher_with_a_default_collate_dataloader():
+    data = torch.utils.data
+
+    class Pairs(data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):  # tuple samples: default_collate gives a *list* of fields
+            return torch.full((3,), float(i)), "s%d" % i, ("a%d" % i, "b%d" % i)
+
+    loader = data.DataLoader(Pairs(), batch_size=4)
+    batcher = adaptive.DynamicBatcher(loader, batch_size=3, release=lambda: None)
+    seen = []
+    for x, names, (a, b) in batcher:
+        assert x.shape[1] == 3 and len(x) == len(names) == len(a) == len(b) <= 3
+        assert [int(s[1:]) for s in names] == [int(v) for v in x[:, 0]] == [int(s[1:]) for s in a]
+        seen += names
+    assert seen == ["s%d" % i for i in range(10)]
+
+    class Texts(data.Dataset):  # no tensor at all: the fields are lists of strings
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, i):
+            return "q%d" % i, "a%d" % i
+
+    got = list(adaptive.DynamicBatcher(data.DataLoader(Texts(), batch_size=5), batch_size=2, release=lambda: None))
+    got = [[list(field) for field in b] for b in got]  # torch 1.13 gives tuples of str, newer lists
+    assert got == [[["q0", "q1"], ["a0", "a1"]], [["q2", "q3"], ["a2", "a3"]], [["q4"], ["a4"]]]
+    loader = data.DataLoader(["x", "y", "z"], batch_size=3)
+    strings = list(adaptive.DynamicBatcher(loader, batch_size=2, release=lambda: None))
+    assert strings == [["x", "y"], ["z"]]  # a batch of str samples is the samples themselves
+
+
+def test_dynamic_batcher_dict_size_comes_from_tensors():
+    x = torch.arange(6)
+    for b in ({"x": x, "classes": ["cat", "dog", "bird"]}, {"classes": ["cat", "dog", "bird"], "x": x}):
+        got = list(adaptive.DynamicBatcher([b], batch_size=2, release=lambda: None))
+        assert [p["x"].tolist() for p in got] == [[0, 1], [2, 3], [4, 5]]
+        assert all(p["classes"] == ["cat", "dog", "bird"] for p in got)  # per batch: whole
+    # A per-batch value whose length equals a *piece's* size is not cut in the rest either.
+    b = {"x": torch.arange(6), "y": torch.arange(6), "pair": ["p", "q"], "w": torch.ones(2)}
+    got = list(adaptive.DynamicBatcher([b], batch_size=4, release=lambda: None))
+    assert [p["x"].tolist() for p in got] == [[0, 1, 2, 3], [4, 5]]
+    assert all(p["pair"] == ["p", "q"] and p["w"].shape == (2,) for p in got)
+
+
+def _fuzz_batches(rnd, kind):
+    """Batches of one kind; every sample carries its id (in every field) and a length."""
+    src, sid, lengths = [], 0, {}
+    for _ in range(rnd.randint(1, 8)):
+        n = rnd.randint(0, 24)
+        ids = list(range(sid, sid + n))
+        sid += n
+        L = rnd.choice([1, 2, 3, 5])  # token lengths that often equal piece sizes
+        idt = torch.tensor(ids, dtype=torch.long)
+        tok = idt.view(-1, 1).repeat(1, L)
+        names = ["s%d" % i for i in ids]
+        if kind == "tensor":
+            src.append(tok)
+        elif kind == "tuple":
+            src.append((idt, tok))
+        elif kind == "collated":
+            src.append([idt, names, tok])
+        elif kind == "dict":
+            src.append({
+                "ids": idt, "names": names, "tok": tok, "tag": "run-1",
+                "classes": ["c%d" % j for j in range(n + 1)],  # per batch, never per sample
+                "scale": torch.ones(n + rnd.choice([1, 2])),  # per batch: another size
+            })
+        else:  # lists of samples of any lengths, said so with fields=False
+            sample_lengths = [rnd.randint(1, 4) for _ in ids]
+            lengths.update(zip(ids, sample_lengths))
+            src.append([torch.full((m,), i) for i, m in zip(ids, sample_lengths)])
+    return src, sid, lengths
+
+
+def _fuzz_piece_ids(kind, piece, lengths):
+    """The ids a piece holds, checking that each sample arrived whole and fields aligned."""
+    if kind == "tensor":
+        assert all(len(set(row.tolist())) == 1 for row in piece)
+        return [row[0].item() for row in piece]
+    if kind == "samples":
+        assert all(len(t) == lengths[t[0].item()] and len(set(t.tolist())) == 1 for t in piece)
+        return [t[0].item() for t in piece]
+    if kind == "tuple":
+        ids, tok = piece
+        names = ["s%d" % i for i in ids.tolist()]
+    elif kind == "collated":
+        ids, names, tok = piece
+    else:
+        ids, names, tok = piece["ids"], piece["names"], piece["tok"]
+        # Per-batch values come whole: longer than any piece of the batch they belong to.
+        assert piece["tag"] == "run-1" and piece["scale"].shape[0] > len(ids)
+        assert piece["classes"][0] == "c0" and len(piece["classes"]) > len(ids)
+    assert names == ["s%d" % i for i in ids.tolist()] and tok.shape[0] == len(ids)
+    assert all((tok[j] == ids[j]).all() for j in range(len(ids)))
+    return ids.tolist()
+
+
+@pytest.mark.parametrize("kind", ["tensor", "tuple", "collated", "dict", "samples"])
+def test_dynamic_batcher_fuzz_no_sample_lost_duplicated_or_cut(kind):
+    import random
+
+    seed = random.randrange(1 << 30)
+    print("fuzz seed", seed)  # shown on failure: rerun with this seed
+    rnd = random.Random(seed)
+    for _ in range(60):
+        src, total, lengths = _fuzz_batches(rnd, kind)
+        bs = rnd.randint(1, 16)
+        mb = rnd.randint(1, bs)
+        batcher = adaptive.DynamicBatcher(
+            src, batch_size=bs, min_batch=mb, max_batch=bs + rnd.randint(0, 8), grow_after=rnd.randint(1, 4),
+            release=lambda: None, fields=False if kind == "samples" else None,
+        )
+        seen, report = [], rnd.random() < 0.5
+        for piece in batcher:
+            n = len(_fuzz_piece_ids(kind, piece, lengths))
+            if rnd.random() < 0.1:
+                batcher.yield_memory()
+            oom = n > mb and rnd.random() < 0.3
+            if report:
+                if oom:
+                    batcher.report_oom()
+                    continue
+                seen += _fuzz_piece_ids(kind, piece, lengths)
+            else:
+                with batcher.step():
+                    if oom:
+                        raise oom_error(n)
+                    seen += _fuzz_piece_ids(kind, piece, lengths)
+        assert sorted(seen) == list(range(total)), (seed, kind)

@@ -5,6 +5,7 @@ cuma.CudaMemoryAllocator."""
 
 import ctypes
 import threading
+import time
 
 import pytest
 
@@ -98,6 +99,8 @@ def test_torch_entry_points_log_a_trace(monkeypatch, lib, tmp_path):
     lines = path.read_text().splitlines()
     assert lines[0] == "Thread,Time,Action,Pointer,Size,Stream"
     rows = [line.split(",") for line in lines[1:]]
+    # Frees go to the heap with no stream, the allocation's own (PyTorch 2.5-2.9 could pass
+    # another allocation's stream to the free hook), which the log names.
     assert [(r[2], int(r[3], 16), int(r[4]), r[5]) for r in rows] == [
         ("allocate", p, 3000, "0"), ("allocate", q, 5000, "0x2a"),
         ("free", p, 3000, "0"), ("free", q, 5000, "0x2a")]
@@ -289,3 +292,52 @@ def test_cuda_memory_allocator_conf(monkeypatch, lib):
         a.allocate(16, device=99)
     with pytest.raises(cuma.BadPointerError):
         a.free(p)
+
+
+def test_allocators_with_other_settings_in_two_threads(monkeypatch):
+    """Two threads' first allocations with different settings: one makes the default heap, the
+    other gets the RuntimeError (the check and the heap's creation are one step). The window
+    between them is widened by slowing the check down."""
+    import cuma.heap as H
+
+    created = H._created_default_heaps
+
+    def slow_created():
+        out = created()
+        time.sleep(0.2)
+        return out
+
+    monkeypatch.setattr(H, "_created_default_heaps", slow_created)
+    confs = ("backend:sim,capacity:128M", "backend:sim,capacity:256M")
+    results = {}
+
+    def use(conf):
+        a = cuma.CudaMemoryAllocator(conf)
+        try:
+            a.free(a.allocate(MB))
+            results[conf] = a.stats()["config"]["capacity"]
+        except RuntimeError as e:
+            results[conf] = e
+
+    threads = [threading.Thread(target=use, args=(c,)) for c in confs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    refused = [c for c in confs if isinstance(results[c], RuntimeError)]
+    assert len(refused) == 1, results
+    assert "already exist" in str(results[refused[0]])
+    (ok,) = [c for c in confs if c not in refused]
+    assert results[ok] == int(ok.rsplit(":", 1)[1][:-1]) * MB  # it got its own settings
+
+
+def test_package_exports_what_it_documents():
+    for name in ("on_pressure", "remove_pressure", "ledger", "ledger_path", "on_oom", "remove_oom", "default_heap"):
+        assert name in cuma.__all__
+    assert all(hasattr(cuma, name) for name in cuma.__all__)
+    ns = {}
+    exec("from cuma import *", ns)
+    assert callable(ns["ledger"]) and callable(ns["on_pressure"])
+    with pytest.raises(TypeError, match="name must be a str or None, not int"):
+        cuma.ledger_path(5)
+    assert cuma.ledger_path("x").endswith("-x") and cuma.ledger_path() != cuma.ledger_path("x")

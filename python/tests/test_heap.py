@@ -1,7 +1,11 @@
 """cuma.Heap on the simulated device: allocation, stats, trim, validate, errors, OOM
 callbacks, argument checks."""
 
+import gc
 import threading
+import time
+import warnings
+import weakref
 
 import pytest
 
@@ -293,3 +297,167 @@ def test_sim_clock_controls():
             h.poll()
         assert h.stats()["reserved_bytes"] == 0 and t < 10**9
         assert h.next_release() is None
+
+
+# --- OOM callbacks: nesting, Ctrl-C, answers, removal ---
+
+
+@pytest.mark.parametrize("nested_first", [False, True])
+def test_nested_alloc_in_a_callback_keeps_the_outer_callback_errors(sim_heap, nested_first):
+    h = sim_heap
+    keep = h.alloc(60 * MB)
+
+    def broken(size, stream):
+        raise KeyError("first callback failed")
+
+    def allocates(size, stream):
+        h.free(h.alloc(MB))  # a nested allocation on the same heap (it succeeds)
+        return None
+
+    for cb in ((allocates, broken) if nested_first else (broken, allocates)):
+        h.on_oom(cb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the KeyError is the cause, not a warning
+        with pytest.raises(cuma.OutOfMemoryError) as ei:
+            h.alloc(10 * MB)
+    assert isinstance(ei.value.__cause__, KeyError)
+    h.free(keep)
+
+
+@pytest.mark.parametrize("fatal", [KeyboardInterrupt, SystemExit])
+def test_keyboard_interrupt_in_an_oom_callback_reaches_the_caller(sim_heap, fatal):
+    h = sim_heap
+    keep = h.alloc(60 * MB)
+    later = []
+
+    def interrupted(size, stream):
+        raise fatal()
+
+    h.on_oom(interrupted)
+    h.on_oom(lambda size, stream: later.append(size))
+    with pytest.raises(fatal):
+        h.alloc(10 * MB)
+    assert later == []  # nothing more ran once it was raised
+    assert h.stats()["active_allocs"] == 1
+
+    # Raised after a callback freed enough: the memory served anyway goes back.
+    h2 = cuma.Heap(SIM, use_env=False)
+    held = [h2.alloc(60 * MB)]
+
+    def frees_then_interrupted(size, stream):
+        h2.free(held.pop())
+        raise fatal()
+
+    h2.on_oom(frees_then_interrupted)
+    with pytest.raises(fatal):
+        h2.alloc(10 * MB)
+    assert h2.stats()["active_allocs"] == 0
+    h2.close()
+    h.free(keep)
+
+
+def test_keyboard_interrupt_in_a_callback_without_a_python_caller(monkeypatch, lib):
+    """An OOM callback run for an allocation that did not come through Heap.alloc (here
+    PyTorch's entry point, called directly): the KeyboardInterrupt is raised again in the
+    main thread."""
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M,page_size:2M")
+    keep = cuma.default_heap(0).alloc(60 * MB)
+    cuma.on_oom(lambda size, stream: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        assert lib.cuma_torch_malloc(10 * MB, 0, None) is None
+        for _ in range(1000):  # the main thread's next bytecodes see the interrupt
+            time.sleep(0.001)
+    cuma.default_heap(0).free(keep)
+
+
+ANSWERS = {  # an OOM callback's answer -> whether it asks for a retry
+    "np.True_": (lambda np, torch: np.True_, True),
+    "np.int64(1)": (lambda np, torch: np.int64(1), True),
+    "np.array(True)": (lambda np, torch: np.array(True), True),
+    "torch.tensor(True)": (lambda np, torch: torch.tensor(True), True),
+    "torch.tensor(1)": (lambda np, torch: torch.tensor(1), True),
+    "np.False_": (lambda np, torch: np.False_, False),
+    "np.int64(0)": (lambda np, torch: np.int64(0), False),
+    "np.float64(1.0)": (lambda np, torch: np.float64(1.0), False),  # not an integer
+    "torch.ones(2)": (lambda np, torch: torch.ones(2), False),  # not one value
+}
+
+
+@pytest.mark.parametrize("answer", list(ANSWERS))
+def test_numpy_and_torch_answers_count_like_python_ones(sim_heap, answer):
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch") if answer.startswith("torch") else None
+    make, retry = ANSWERS[answer]
+    value = make(np, torch)
+    h = sim_heap
+    held = [h.alloc(60 * MB)]
+
+    def cb(size, stream):
+        if held:
+            h.free(held.pop())
+        return value
+
+    h.on_oom(cb)
+    if retry:  # the freed memory serves the allocation
+        h.free(h.alloc(10 * MB))
+    else:  # pass: nothing else frees, so it fails even though memory is free now
+        with pytest.raises(cuma.OutOfMemoryError):
+            h.alloc(10 * MB)
+
+
+def test_removed_callbacks_release_what_they_hold(sim_heap):
+    class Big:
+        pass
+
+    refs, calls = [], []
+    for _ in range(5):
+        big = Big()
+        refs.append(weakref.ref(big))
+        cid = sim_heap.on_oom(lambda size, stream, big=big: calls.append(big))
+        sim_heap.remove_oom(cid)
+        pid = sim_heap.on_pressure(lambda nbytes, big=big: calls.append(big))
+        sim_heap.remove_pressure(pid)
+        del big
+    gc.collect()
+    assert all(r() is None for r in refs)
+    keep = sim_heap.alloc(60 * MB)
+    with pytest.raises(cuma.OutOfMemoryError):
+        sim_heap.alloc(10 * MB)
+    assert calls == []
+    sim_heap.free(keep)
+
+
+def test_removed_default_heap_callbacks_release_what_they_hold(monkeypatch):
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:64M")
+
+    class Big:
+        pass
+
+    big = Big()
+    ref = weakref.ref(big)
+    cuma.remove_oom(cuma.on_oom(lambda size, stream, big=big: None))
+    cuma.remove_pressure(cuma.on_pressure(lambda nbytes, big=big: None))
+    del big
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda h, cid: h.trim(1 << 64), "keep_bytes 18446744073709551616 does not fit in 64 bits"),
+        (lambda h, cid: h.sim_set_time((1 << 64) + 5000), "ns 18446744073709556616 does not fit in 64 bits"),
+        (lambda h, cid: h.set_limit(1 << 64), "nbytes 18446744073709551616 does not fit in 64 bits"),
+        (lambda h, cid: h.remove_oom((1 << 32) + cid), "is not an id from on_oom"),  # would wrap to cid
+        (lambda h, cid: h.remove_pressure(1 << 31), "is not an id from on_oom"),
+    ],
+    ids=["trim", "sim_set_time", "set_limit", "remove_oom", "remove_pressure"],
+)
+def test_values_past_the_c_types_are_refused(call, words):
+    with cuma.Heap(SIM + ",sim_clock:manual", use_env=False) as h:
+        cid = h.on_oom(lambda size, stream: None)
+        h.sim_set_time(1000)
+        with pytest.raises(ValueError) as ei:
+            call(h, cid)
+        assert words in str(ei.value) and not isinstance(ei.value, cuma.CumaError)
+        assert h.sim_time() == 1000 and cid in h._callbacks  # nothing wrapped around and applied

@@ -227,3 +227,38 @@ def test_ledger_shows_the_heaps_allocator_figures(ledger_name):
         assert e["fragmentation"] == pytest.approx(s["fragmentation"], abs=1e-6)
         for b in blocks[1::2]:
             h.free(b)
+
+
+def test_keyboard_interrupt_in_a_pressure_callback_reaches_the_main_thread(ledger_name):
+    """A pressure callback runs on the release thread, where no Python caller can receive a
+    KeyboardInterrupt: it is raised again in the main thread, not turned into a warning."""
+    import time
+    import warnings
+
+    low = _heap(ledger_name, "priority:-1")
+    blocks = [low.alloc(4 * MB) for _ in range(12)]
+    called = threading.Event()
+
+    def interrupted(nbytes):
+        called.set()
+        raise KeyboardInterrupt()
+
+    low.on_pressure(interrupted)
+    high = _heap(ledger_name, "priority:10,pressure_timeout_ms:500")
+    got = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning instead of the interrupt fails the test
+        with pytest.raises(KeyboardInterrupt):
+            try:
+                got.append(high.alloc(40 * MB))
+            except cuma.OutOfMemoryError:
+                pass  # nothing was freed: the interrupt comes all the same
+            assert called.wait(5)
+            for _ in range(5000):
+                time.sleep(0.001)
+    for p in got:
+        high.free(p)
+    for b in blocks:
+        low.free(b)
+    high.close()
+    low.close()

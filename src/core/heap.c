@@ -439,9 +439,12 @@ free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_
     if (si < 0) si = b->stream; /* table full: the allocation stream still orders this free */
     cuma_map_remove(&h->live, a);
     h->c.frees++;
+    /* NULL frees on the allocation's stream: the log names that stream, as a replay (or a
+     * reader that takes 0 for the default stream) must see it. */
     if (h->primary->tw)
-        cuma_trace_writer_event(h->primary->tw, CUMA_TRACE_FREE, a, b->req,
-                                (uint64_t)(uintptr_t)stream);
+        cuma_trace_writer_event(
+            h->primary->tw, CUMA_TRACE_FREE, a, b->req,
+            (uint64_t)(uintptr_t)(stream ? stream : h->streams.slot[si].handle));
     uint64_t t = now(h);
     uint64_t seq = cuma_streams_note_free(&h->streams, (unsigned)si);
     if (b->extra[0] != CUMA_NO_STREAM || b->extra_all) {
