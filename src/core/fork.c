@@ -14,7 +14,9 @@
  * shared backend's lock, then the ledger's mapping list and the trace writers' locks (a heap
  * logs under its arena's lock). A child drops the trace logs it inherited (they are the
  * parent's files) and logs nothing. Nothing here runs with a heap lock
- * held; heap creation and destruction take fork_lock alone.
+ * held; heap creation and destruction take fork_lock alone. A heap's oom_run (held while a
+ * thread runs its OOM callbacks, which may take long, or fork) is not taken: it starts free in
+ * the child, whose copy of the callbacks' thread does not exist.
  *
  * What a child may do with an inherited heap depends on the device: a simulated heap works as
  * it did; a heap whose memory is the parent's (CUDA memory, which a forked child cannot use

@@ -5,10 +5,12 @@
 #include "error.h"
 #include "tcache_fast.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static uint64_t now(cuma_heap *h) {
     return cuma_heap_now(h);
@@ -186,23 +188,50 @@ static bool in_callbacks_of(const cuma_heap *p) {
     return false;
 }
 
+/* How long a thread that runs out waits for another thread's run of the callbacks before it
+ * fails as if they had freed nothing: the wait must end even when the running callback needs
+ * something the waiting thread holds (Python's GIL, taken by a C extension that allocates). */
+#define OOM_WAIT_NS 1000000000ll
+
+/* oom_run, waited for at most OOM_WAIT_NS; whether it is now held. */
+static bool wait_oom_run(cuma_heap *p) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long long ns = ts.tv_nsec + OOM_WAIT_NS;
+    ts.tv_sec += (time_t)(ns / 1000000000ll);
+    ts.tv_nsec = (long)(ns % 1000000000ll);
+    int r;
+    while ((r = pthread_mutex_timedlock(&p->oom_run, &ts)) == EINTR) {
+    }
+    return r == 0;
+}
+
 /* The callbacks' rung (arena lock held on entry and exit, dropped meanwhile). They run on one
  * thread at a time per heap, so that a callback needs no locking of its own and several threads
  * out of memory at once do not each shed the program's caches: a thread that finds another
- * running them waits, then first tries again with what they freed. */
+ * running them waits (up to OOM_WAIT_NS), then first tries again with what they freed. A thread
+ * already inside some heap's callbacks does not wait (two heaps' callbacks allocating on each
+ * other's heap would wait for each other for good): it fails as before the callbacks ran. */
 static cuma_status run_oom_callbacks(cuma_heap *h, cuma_status st, size_t size, uint64_t n,
                                      unsigned si, cuma_stream stream, cuma_block **out) {
     cuma_heap *p = h->primary;
-    if (!p->oom.n || in_callbacks_of(p)) return st; /* oom.n: a racy look, rechecked below */
+    if (in_callbacks_of(p)) return st;
+    pthread_mutex_lock(&p->oom_lock);
+    bool any = p->oom.n > 0;
+    pthread_mutex_unlock(&p->oom_lock);
+    if (!any) return st;
     if (pthread_mutex_trylock(&p->oom_run) != 0) {
+        if (oom_frames) return st;
         pthread_mutex_unlock(&h->lock);
-        pthread_mutex_lock(&p->oom_run);
+        bool got = wait_oom_run(p);
         pthread_mutex_lock(&h->lock);
-        cuma_heap_release_idle(h, 0);
-        release_other_arenas(h);
+        if (got) {
+            cuma_heap_release_idle(h, 0);
+            release_other_arenas(h);
+        }
         st = try_alloc(h, size, n, si, now(h), out);
-        if (!is_oom(st)) {
-            pthread_mutex_unlock(&p->oom_run);
+        if (!got || !is_oom(st)) {
+            if (got) pthread_mutex_unlock(&p->oom_run);
             return st;
         }
     }

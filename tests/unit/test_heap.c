@@ -4,10 +4,12 @@
 #include "cuma/sim.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define MB (1024ull * 1024)
 
@@ -202,6 +204,119 @@ static void test_oom_crowd(void) {
     CHECK(c.second_p != NULL && atomic_load(&c.calls) == 1);
     CHECK_OK(cuma_free(c.h, p, NULL));
     CHECK_OK(cuma_free(c.h, c.second_p, NULL));
+    CHECK_OK(cuma_validate(c.h));
+    cuma_heap_destroy(c.h);
+}
+
+/* Two heaps, both full, whose callbacks allocate on the other heap, run out on two threads at
+ * once: each thread, inside its own heap's callbacks, finds the other's running and must not wait
+ * for them (each would wait for the other for good). Both allocations fail, as nothing was
+ * freed. */
+typedef struct pair_ctx {
+    cuma_heap *other;
+    pthread_barrier_t *both_inside;
+    _Atomic int calls;
+    cuma_status inner;
+} pair_ctx;
+
+static int oom_alloc_other(void *user, cuma_heap *h, size_t size, cuma_stream s) {
+    (void)h, (void)size, (void)s;
+    pair_ctx *c = user;
+    /* The first run waits until both threads are inside their heap's callbacks. (A thread can
+     * run the other heap's callback too, once the other thread has left it.) */
+    if (atomic_fetch_add(&c->calls, 1) == 0) pthread_barrier_wait(c->both_inside);
+    void *p = NULL;
+    c->inner = cuma_alloc(c->other, 8 * MB, NULL, &p);
+    if (p) CHECK_OK(cuma_free(c->other, p, NULL));
+    return CUMA_OOM_PASS;
+}
+
+typedef struct pair_thread {
+    cuma_heap *h;
+    cuma_status st;
+} pair_thread;
+
+static void *alloc_8m(void *arg) {
+    pair_thread *t = arg;
+    void *p = NULL;
+    t->st = cuma_alloc(t->h, 8 * MB, NULL, &p);
+    return NULL;
+}
+
+static void test_oom_cross_heaps(void) {
+    cuma_heap *a = make("capacity:16M,sim_clock:manual"),
+              *b = make("capacity:16M,sim_clock:manual");
+    pthread_barrier_t bar;
+    CHECK(pthread_barrier_init(&bar, NULL, 2) == 0);
+    pair_ctx ca = {b, &bar, 0, CUMA_OK}, cb = {a, &bar, 0, CUMA_OK};
+    CHECK_OK(cuma_add_oom_callback(a, oom_alloc_other, &ca, NULL));
+    CHECK_OK(cuma_add_oom_callback(b, oom_alloc_other, &cb, NULL));
+    void *fa, *fb;
+    CHECK_OK(cuma_alloc(a, 16 * MB, NULL, &fa));
+    CHECK_OK(cuma_alloc(b, 16 * MB, NULL, &fb));
+    alarm(30); /* a deadlock ends the test with SIGALRM rather than at ctest's timeout */
+    pair_thread ta = {a, CUMA_OK}, tb = {b, CUMA_OK};
+    pthread_t t1, t2;
+    CHECK(pthread_create(&t1, NULL, alloc_8m, &ta) == 0);
+    CHECK(pthread_create(&t2, NULL, alloc_8m, &tb) == 0);
+    pthread_join(t1, NULL);
+    pthread_join(t2, NULL);
+    alarm(0);
+    CHECK(ta.st == CUMA_ERR_OOM && tb.st == CUMA_ERR_OOM);
+    CHECK(ca.inner == CUMA_ERR_OOM && cb.inner == CUMA_ERR_OOM);
+    pthread_barrier_destroy(&bar);
+    CHECK_OK(cuma_free(a, fa, NULL));
+    CHECK_OK(cuma_free(b, fb, NULL));
+    cuma_heap_destroy(a);
+    cuma_heap_destroy(b);
+}
+
+/* A thread that runs out while it holds something the running callback needs (a C extension
+ * holding Python's GIL) waits for the callbacks a bounded time, then fails, and the callback
+ * goes on. */
+typedef struct held_ctx {
+    pthread_mutex_t outer; /* the "GIL" */
+    _Atomic int holding, inside, calls;
+    cuma_heap *h;
+    cuma_status second;
+} held_ctx;
+
+static int oom_needs_outer(void *user, cuma_heap *h, size_t size, cuma_stream s) {
+    (void)h, (void)size, (void)s;
+    held_ctx *c = user;
+    if (atomic_fetch_add(&c->calls, 1) > 0) return CUMA_OOM_PASS; /* the other thread's turn */
+    atomic_store(&c->inside, 1);
+    pthread_mutex_lock(&c->outer); /* held by the other thread while it allocates */
+    pthread_mutex_unlock(&c->outer);
+    return CUMA_OOM_PASS;
+}
+
+static void *alloc_holding_outer(void *arg) {
+    held_ctx *c = arg;
+    pthread_mutex_lock(&c->outer);
+    atomic_store(&c->holding, 1);
+    while (!atomic_load(&c->inside)) sched_yield();
+    void *p = NULL;
+    c->second = cuma_alloc(c->h, 8 * MB, NULL, &p);
+    pthread_mutex_unlock(&c->outer);
+    return NULL;
+}
+
+static void test_oom_wait_is_bounded(void) {
+    held_ctx c = {.outer = PTHREAD_MUTEX_INITIALIZER, .h = make("capacity:16M,sim_clock:manual")};
+    CHECK_OK(cuma_add_oom_callback(c.h, oom_needs_outer, &c, NULL));
+    void *full;
+    CHECK_OK(cuma_alloc(c.h, 16 * MB, NULL, &full));
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, alloc_holding_outer, &c) == 0);
+    while (!atomic_load(&c.holding)) sched_yield();
+    alarm(30);
+    void *p = NULL;
+    CHECK_ST(cuma_alloc(c.h, 8 * MB, NULL, &p), CUMA_ERR_OOM); /* its callback waits for outer */
+    pthread_join(t, NULL);
+    alarm(0);
+    CHECK(c.second == CUMA_ERR_OOM && atomic_load(&c.calls) == 1);
+    CHECK_OK(cuma_free(c.h, full, NULL));
     CHECK_OK(cuma_validate(c.h));
     cuma_heap_destroy(c.h);
 }
@@ -456,6 +571,8 @@ int main(void) {
     test_limit_and_max_cached();
     test_oom_ladder();
     test_oom_crowd();
+    test_oom_cross_heaps();
+    test_oom_wait_is_bounded();
     test_streams();
     test_json();
     printf("test_heap: all passed\n");
