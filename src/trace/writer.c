@@ -45,6 +45,7 @@ typedef struct claimed_path {
     char path[];
 } claimed_path;
 static claimed_path *claimed;
+static bool nolock_said; /* the stderr line about a file system without locks: once */
 static pthread_once_t exit_once = PTHREAD_ONCE_INIT;
 
 static uint64_t now_ns(void) {
@@ -184,12 +185,21 @@ static int claim(const char *name, char *path, size_t len, bool *mine) {
         }
         int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
         if (fd < 0) return -1;
-        if (flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
-            close(fd);
-            continue;
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+            if (errno == EWOULDBLOCK) {
+                close(fd);
+                continue;
+            }
+            /* A file system without locks (NFS mounted nolock, some cluster file systems):
+             * the log is still wanted, but nothing keeps another process out of it. */
+            if (!nolock_said) {
+                nolock_said = true;
+                fprintf(stderr,
+                        "cuma: trace %s cannot be locked (%s): another process given the same "
+                        "name would write into it too; put %%p in the name\n",
+                        path, strerror(errno));
+            }
         }
-        /* Other flock failures (a file system without locks) leave the file unlocked: the
-         * log is still wanted. */
         if (ftruncate(fd, 0) != 0 && errno != EINVAL) { /* EINVAL: not a regular file */
             int e = errno;
             close(fd);
@@ -221,50 +231,58 @@ cuma_status cuma_trace_writer_open(const char *pattern, int device, char *opened
     size_t n = strlen(name);
     bool gz = n > 3 && !strcmp(name + n - 3, ".gz");
     cuma_trace_writer *w = calloc(1, sizeof *w);
+    char *p = NULL;
     if (!w) return cuma_fail(CUMA_ERR_OOM, "trace %s: no host memory for the writer", name);
+    /* list_mu from the claim until the writer is on the open list: a fork meanwhile (which
+     * takes list_mu first) would leave the child holding the file, and its lock, unlisted. */
     pthread_mutex_lock(&list_mu);
     errno = 0;
     bool mine;
     int fd = claim(name, path, sizeof path, &mine);
-    int e = errno;
-    pthread_mutex_unlock(&list_mu);
     if (fd < 0) {
-        free(w);
+        int e = errno;
         if (e == EBUSY)
-            return cuma_fail(CUMA_ERR_IO, "trace %s: it and its 999 numbered names are in use",
-                             name);
-        return cuma_fail(CUMA_ERR_IO, "trace %s: cannot create the log: %s", name, strerror(e));
+            st = cuma_fail(CUMA_ERR_IO, "trace %s: it and its 999 numbered names are in use", name);
+        else if (e == ENAMETOOLONG && strcmp(path, name))
+            st = cuma_fail(CUMA_ERR_IO,
+                           "trace %s is taken, and a numbered name would be longer than %d bytes: "
+                           "shorten it, or put %%p in it",
+                           name, CUMA_TRACE_PATH_MAX - 1);
+        else
+            st = cuma_fail(CUMA_ERR_IO, "trace %s: cannot create the log: %s", name, strerror(e));
+        goto fail;
     }
-    char *p = strdup(path);
-    if (!p || !(w->gz = gzdopen(fd, gz ? "wb1" : "wbT"))) {
+    if (!(p = strdup(path)) || !(w->gz = gzdopen(fd, gz ? "wb1" : "wbT"))) {
         close(fd);
-        free(w), free(p);
-        return cuma_fail(CUMA_ERR_OOM, "trace %s: no host memory for the writer", path);
+        st = cuma_fail(CUMA_ERR_OOM, "trace %s: no host memory for the writer", path);
+        goto fail;
+    }
+    w->fd = fd;
+    gzbuffer(w->gz, 1 << 18);
+    if (gzputs(w->gz, "Thread,Time,Action,Pointer,Size,Stream\n") <= 0) {
+        gzclose(w->gz);
+        st = cuma_fail(CUMA_ERR_IO, "trace %s: cannot write the header", path);
+        goto fail;
     }
     if (strcmp(path, name))
         fprintf(stderr, "cuma: trace %s %s: logging to %s\n", name,
                 mine ? "is or was another heap's log in this process"
                      : "is being written by another process",
                 path);
-    w->fd = fd;
-    gzbuffer(w->gz, 1 << 18);
     pthread_mutex_init(&w->mu, NULL);
     w->path = p;
     w->t0 = now_ns();
-    if (gzputs(w->gz, "Thread,Time,Action,Pointer,Size,Stream\n") <= 0) {
-        gzclose(w->gz);
-        pthread_mutex_destroy(&w->mu);
-        free(w), free(p);
-        return cuma_fail(CUMA_ERR_IO, "trace %s: cannot write the header", path);
-    }
     if (opened) snprintf(opened, len, "%s", path);
     pthread_once(&exit_once, register_exit);
-    pthread_mutex_lock(&list_mu);
     w->next_open = open_list;
     open_list = w;
     pthread_mutex_unlock(&list_mu);
     *out = w;
     return CUMA_OK;
+fail:
+    pthread_mutex_unlock(&list_mu);
+    free(w), free(p);
+    return st;
 }
 
 static __thread unsigned tid_cached;

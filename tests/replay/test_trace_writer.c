@@ -194,6 +194,25 @@ static void names(const char *dir) {
     log_one(a, 7000, got);
     CHECK(unlink(got) == 0); /* a new name each run */
 
+    /* A name too long to number: the second heap is refused, saying so (not overwriting). */
+    char longname[256];
+    int used = snprintf(longname, sizeof longname, "%s/", dir);
+    CHECK(used > 0 && used < 200);
+    memset(longname + used, 'x', 254 - (size_t)used - 4);
+    snprintf(longname + 250, sizeof longname - 250, ".csv");
+    CHECK(strlen(longname) == 254);
+    a = logging_heap(longname, "");
+    {
+        char conf[600];
+        snprintf(conf, sizeof conf, "backend:sim,capacity:1G,trace:%s", longname);
+        cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+        cuma_heap *h2 = NULL;
+        CHECK_ST(cuma_heap_create(&cfg, &h2), CUMA_ERR_IO);
+        CHECK(h2 == NULL && strstr(cuma_last_error(), "a numbered name would be longer"));
+    }
+    log_one(a, 8000, longname);
+    CHECK(unlink(longname) == 0);
+
     /* Any other % sequence is a bad value, named. */
     const char *bad[] = {"trace:/tmp/x%s.csv", "trace:/tmp/x%", "trace:%P"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
