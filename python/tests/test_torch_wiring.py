@@ -72,6 +72,8 @@ def test_enable_hands_pytorch_the_raising_entry_point():
     driver = _fake_driver()
     if not os.path.exists(driver):
         pytest.skip("this build has no fake CUDA driver (no cuda.h when it was configured)")
+    if not os.path.exists(os.path.join(os.path.dirname(_lib.path()), "libcuma_torch.so")):
+        pytest.skip("this build has no libcuma_torch.so (no C++ compiler when it was configured)")
     env = dict(os.environ, CUMA_CUDA_LIBRARY=driver, FAKECUDA_CAPACITY="1G")
     env.pop("CUMA_CONF", None)
     r = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=60)
