@@ -227,10 +227,11 @@ cuma_status cuma_validate(cuma_heap *heap);
  * bytes failed even after the cache was released. It may free memory (also through
  * cuma_free on this heap). Return CUMA_OOM_RETRY to have the allocation retried, or
  * CUMA_OOM_PASS to let the next callback (or the failure) follow. A heap's callbacks run on one
- * thread at a time: another thread that runs out meanwhile waits, tries again with what they
- * freed, and only then calls them itself (so a callback must not wait for a thread that may be
- * allocating from the heap). An allocation a callback makes on the same heap fails without
- * calling the callbacks again. */
+ * thread at a time: another thread that runs out meanwhile waits for them (at most a second, in
+ * case it holds something they need), tries again with what they freed, and only then calls them
+ * itself; a thread that is itself inside callbacks (of any heap) does not wait, and fails as if
+ * they freed nothing. An allocation a callback makes on the same heap fails without calling the
+ * callbacks again. */
 #define CUMA_OOM_PASS  0
 #define CUMA_OOM_RETRY 1
 typedef int (*cuma_oom_fn)(void *user, cuma_heap *heap, size_t size, cuma_stream stream);

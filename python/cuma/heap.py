@@ -414,7 +414,12 @@ class Heap:
         raised from :meth:`alloc` (when the allocation came from elsewhere, e.g. PyTorch's
         allocator, a KeyboardInterrupt is raised again in the main thread and anything else
         becomes a RuntimeWarning). Returns an id for :meth:`remove_oom`. At most 16 callbacks
-        per heap."""
+        per heap.
+
+        A heap's callbacks run on one thread at a time: another thread that runs out meanwhile
+        waits for them (at most a second: it may be a C extension's thread holding the GIL the
+        callback needs), tries again, then runs them itself. An allocation made inside a
+        callback, on any heap, never waits for other callbacks: it fails instead."""
         if not callable(callback):
             raise TypeError("callback must be callable, not %s" % type(callback).__name__)
         h = self._handle()
