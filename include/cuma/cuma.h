@@ -15,8 +15,9 @@
  * at the fork leaves that block (or its counters) half moved in the child, which cuma_validate
  * then reports; the heap goes on working. A heap whose memory the child shares with the parent
  * (CUDA memory, a simulated device with host_backing) refuses cuma_alloc, cuma_free, cuma_trim,
- * cuma_poll, cuma_set_limit (and _memory_fraction) and cuma_record_stream in the child with
- * CUMA_ERR_UNSUPPORTED (handing out or giving back a page would change the parent's memory);
+ * cuma_poll, cuma_set_limit (and _memory_fraction), cuma_record_stream and cuma_snapshot_json
+ * in the child with CUMA_ERR_UNSUPPORTED (handing out or giving back a page would change the
+ * parent's memory; the snapshot would list the parent's blocks);
  * cuma_heap_destroy frees the child's copy. Trace logs stay the parent's: a child logs nothing. A
  * heap on a simulated device without host backing is fully usable in the child, except that a heap
  * in the ledger grows only in the process whose slot it has.
@@ -216,6 +217,28 @@ cuma_status cuma_reset_peaks(cuma_heap *heap);
 /* The stats, configuration and backend of a heap as one JSON object, into buf (at most len
  * bytes, NUL-terminated); *needed (may be NULL) gets the full length without the NUL. */
 cuma_status cuma_stats_json(cuma_heap *heap, char *buf, size_t len, size_t *needed);
+
+/* What holds the heap's memory now, as one JSON object, into buf with cuma_stats_json's protocol
+ * (at most len bytes, NUL-terminated; *needed gets the full length without the NUL, also when buf
+ * is too small or NULL, which fail with CUMA_ERR_INVALID). Over every arena:
+ *   "live": blocks the program holds: "count", "bytes" (block sizes), "requested", "by_size"
+ *     (non-empty power-of-two buckets [{"le", "count", "bytes"}], "le" the bucket's upper bound)
+ *     and "largest": the 32 largest [{"addr": "0x..", "size", "requested", "stream": "0x.." or
+ *     0 for the default stream, "arena"}], by size descending, then address ascending;
+ *   "thread_cached": blocks the program freed into a thread cache ("count", "bytes"): mapped,
+ *     not live;
+ *   "deferred": freed blocks waiting for the streams cuma_record_stream added ("count", "bytes",
+ *     "requested"); cuma_get_stats still counts them, so live + deferred give its requested_bytes
+ *     and active_allocs;
+ *   "managed": managed-memory fallbacks ("count", "bytes");
+ *   "free": "largest_block" (the largest free block of address space in any arena: in page mode
+ *     a virtual range, not memory the device has), "cached_bytes", "mapped_bytes",
+ *     "reserved_bytes" as in cuma_stats;
+ * plus "arenas" and "page_size". Each arena is read under its lock in turn, so the figures are
+ * exact while no other thread is inside cuma_alloc or cuma_free on this heap (as cuma_validate).
+ * Needs no memory of its own. Refused (CUMA_ERR_UNSUPPORTED) in a forked child whose heap's
+ * memory is the parent's, like cuma_alloc. */
+cuma_status cuma_snapshot_json(cuma_heap *heap, char *buf, size_t len, size_t *needed);
 
 /* Walks every structure of the heap and checks its invariants. CUMA_OK, or CUMA_ERR_CORRUPT
  * with cuma_last_error() naming the broken invariant. Thread caches hand blocks out without the

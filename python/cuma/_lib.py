@@ -152,6 +152,7 @@ def _prototype(lib):
         "cuma_set_memory_fraction": (st, [vp, c.c_double]),
         "cuma_reset_peaks": (st, [vp]),
         "cuma_stats_json": (st, [vp, c.c_char_p, sz, c.POINTER(sz)]),
+        "cuma_snapshot_json": (st, [vp, c.c_char_p, sz, c.POINTER(sz)]),
         "cuma_validate": (st, [vp]),
         "cuma_add_oom_callback": (st, [vp, OOM_CALLBACK, vp, c.POINTER(c.c_int)]),
         "cuma_remove_oom_callback": (st, [vp, c.c_int]),

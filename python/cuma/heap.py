@@ -392,6 +392,16 @@ class Heap:
         lib = _lib.lib()
         return json.loads(_lib.read_json_text(lambda buf, n, needed: lib.cuma_stats_json(h, buf, n, needed)))
 
+    def snapshot(self):
+        """What holds the heap's memory now, as a dict (cuma_snapshot_json): "live" blocks
+        (count, bytes, requested, "by_size" power-of-two buckets and the 32 "largest" with
+        address, size, requested bytes, stream and arena), blocks freed into thread caches
+        ("thread_cached") or waiting on record_stream fences ("deferred"), "managed" fallbacks,
+        and "free": largest free block, cached, mapped and reserved bytes as in stats()."""
+        h = self._handle()
+        lib = _lib.lib()
+        return json.loads(_lib.read_json_text(lambda buf, n, needed: lib.cuma_snapshot_json(h, buf, n, needed)))
+
     def reset_peaks(self):
         """Resets the peak_* gauges to the current values."""
         _lib.check(_lib.lib().cuma_reset_peaks(self._handle()))

@@ -9,8 +9,9 @@
     cuma.torch.empty_cache()
 
 enable() needs a CUDA build of PyTorch 2.x (``torch.cuda.memory.CUDAPluggableAllocator``) and
-a libcuma with the CUDA backends. memory_stats(), memory_summary() and empty_cache() work on
-the default heaps without PyTorch, on any backend (the simulated one included).
+a libcuma with the CUDA backends. memory_stats(), memory_summary(), memory_snapshot() and
+empty_cache() work on the default heaps without PyTorch, on any backend (the simulated one
+included).
 
 PyTorch is imported lazily: importing this module does not import torch.
 """
@@ -24,7 +25,15 @@ import warnings
 from . import _lib
 from .heap import _apply_default_conf, _device_arg
 
-__all__ = ["enable", "is_enabled", "wired_hooks", "memory_stats", "memory_summary", "empty_cache"]
+__all__ = [
+    "enable",
+    "is_enabled",
+    "wired_hooks",
+    "memory_stats",
+    "memory_summary",
+    "memory_snapshot",
+    "empty_cache",
+]
 
 _lock = threading.Lock()
 _allocator = None  # the CUDAPluggableAllocator once enabled (kept alive: PyTorch holds a copy)
@@ -240,6 +249,17 @@ def memory_stats(device=0):
         else:
             out["cuma." + k] = v
     return out
+
+
+def memory_snapshot(device=0):
+    """What holds the default heap's memory now, as a dict (cuma.Heap.snapshot()): the live
+    blocks by size with the 32 largest (address, size, requested bytes, stream), blocks in
+    thread caches or waiting on record_stream, managed fallbacks and the free figures.
+    torch.cuda.memory._snapshot() does not work under a pluggable allocator; this is what to
+    print when a job runs out of memory. Creates the default heap if needed."""
+    from .heap import default_heap
+
+    return default_heap(_device_arg(device)).snapshot()
 
 
 def _fmt_bytes(n):
