@@ -133,6 +133,12 @@ static const key_desc keys[] = {
      "a file another heap or process is writing, or this process wrote before, is not "
      "overwritten: the log goes to NAME.1.csv.gz, NAME.2.csv.gz, ... instead (said on stderr, "
      "and the stats name it); none (or empty) = no log (./none is a file of that name)"},
+    {"oom_dump", K_PATH, F(oom_dump), "none", NULL,
+     "when an allocation fails after every recovery step, write the heap's statistics and "
+     "snapshot (what holds the memory, as cuma_snapshot_json) with the request and the error to "
+     "this JSON file, at most once every 10 s (a later failure replaces it only after that); %p "
+     "is the process id, "
+     "%d the device; none = no file"},
     {"ledger", K_WORD, F(ledger), "auto", NULL,
      "the cross-process ledger through which heaps on one device share it by priority "
      "(include/cuma/ledger.h, `cuma ps`): auto = the user's ledger for CUDA devices, none for "
@@ -301,6 +307,7 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
         break;
     case K_PATH:
         if (!strcmp(v, "none")) v = "";
+        /* Every path setting is a char[256], as trace is. */
         ok = strlen(v) < sizeof s->trace && cuma_trace_pattern_valid(v);
         if (ok) snprintf(field, sizeof s->trace, "%s", v);
         break;

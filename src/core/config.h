@@ -46,6 +46,7 @@ typedef struct cuma_settings {
     int64_t tcache_age_ms;          /* blocks idle longer go back to the heap */
     int arenas;                     /* most arenas threads spread over under contention */
     char trace[256];                /* log of every call to this file; "" = none */
+    char oom_dump[256];             /* what holds the memory, written at a failure; "" = none */
     char ledger[104];               /* auto, on, off, a ledger's name, @GROUP or @GROUP+NAME */
     int priority;                   /* in the ledger: higher wins */
     uint64_t guarantee;             /* in the ledger: device bytes nobody takes from the heap */

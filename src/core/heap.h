@@ -112,6 +112,9 @@ struct cuma_heap {
     /* First arena, set once in a forked child (fork.c) when the heap's memory is the parent's
      * (its backend lacks CUMA_CAP_FORK_PRIVATE): every call but destroy is refused. */
     _Atomic bool inherited;
+    /* First arena only: when the oom_dump file was last written (monotonic ns; 0 = never); a
+     * writer claims it with a compare-and-swap, so at most one dump in 10 s. */
+    _Atomic uint64_t oom_dump_at;
     /* First arena only, under managed_lock (a leaf lock): managed fallbacks (the map above,
      * c.managed, c.managed_fallbacks and the frees of managed memory). */
     pthread_mutex_t managed_lock;
@@ -267,6 +270,11 @@ void cuma_fork_untrack(cuma_heap *h);
 /* The whole heap's figures (stats.c): every arena's in turn, one lock at a time (none held on
  * entry); without the ledger's and the driver's (cuma_get_stats adds those). */
 void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s);
+
+/* The oom_dump setting (snapshot.c): after an allocation of `size` bytes failed for good (no
+ * lock held; the thread's error message is the failure's, and stays so), writes the heap's
+ * stats and snapshot to the file, unless one was written in the last 10 s. */
+void cuma_heap_oom_dump(cuma_heap *h, size_t size);
 
 /* Locked helpers shared by heap.c and heap_api.c. */
 void cuma_heap_refresh_limit(cuma_heap *h);

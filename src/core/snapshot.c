@@ -8,10 +8,16 @@
 #include "error.h"
 #include "heap.h"
 #include "strbuf.h"
+#include "trace/writer.h"
 
+#include <errno.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #define TOP_N    32
 #define NBUCKETS 64
@@ -175,4 +181,76 @@ cuma_status cuma_snapshot_json(cuma_heap *h, char *buf, size_t len, size_t *need
                          "cuma_snapshot_json: buffer of %zu bytes too small, %zu needed", len,
                          o.used + 1);
     return CUMA_OK;
+}
+
+/* ---- oom_dump: the snapshot at a failure, for a job that dies of it ---------------------------
+ */
+
+#define OOM_DUMP_GAP_NS 10000000000ull
+
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* A JSON document from one of the *_json calls, in malloc'd memory (NULL on failure). */
+static char *json_of(cuma_status (*fn)(cuma_heap *, char *, size_t, size_t *), cuma_heap *h) {
+    size_t need = 0;
+    fn(h, NULL, 0, &need);
+    for (int tries = 0; tries < 4; tries++) { /* it may grow between the two calls */
+        char *buf = malloc(need + 256);
+        if (!buf) return NULL;
+        size_t got = 0;
+        if (fn(h, buf, need + 256, &got) == CUMA_OK) return buf;
+        free(buf);
+        need = got;
+    }
+    return NULL;
+}
+
+void cuma_heap_oom_dump(cuma_heap *h, size_t size) {
+    if (!h->set.oom_dump[0]) return;
+    uint64_t now = mono_ns(), last = atomic_load(&h->oom_dump_at);
+    if ((last && now - last < OOM_DUMP_GAP_NS) ||
+        !atomic_compare_exchange_strong(&h->oom_dump_at, &last, now))
+        return;
+    /* The caller's error message is the failure's: kept, and the file quotes it. */
+    char why[1024];
+    snprintf(why, sizeof why, "%s", cuma_last_error());
+    char path[512], tmp[600];
+    cuma_status st = cuma_path_expand("oom_dump", h->set.oom_dump, h->set.device, path, 256);
+    char *stats = st ? NULL : json_of(cuma_stats_json, h);
+    char *snap = st ? NULL : json_of(cuma_snapshot_json, h);
+    const char *fail = st ? cuma_last_error() : !stats || !snap ? "no host memory" : NULL;
+    FILE *f = NULL;
+    if (!fail) {
+        snprintf(tmp, sizeof tmp, "%s.tmp%ld", path, (long)getpid());
+        f = fopen(tmp, "w");
+        if (!f) fail = strerror(errno);
+    }
+    if (f) {
+        char quoted[2200];
+        cuma_strbuf q = {quoted, sizeof quoted, 0};
+        cuma_strbuf_json_string(&q, why);
+        struct timespec wall;
+        clock_gettime(CLOCK_REALTIME, &wall);
+        fprintf(f,
+                "{\"pid\":%ld,\"time_unix\":%lld,\"device\":%d,\"request_bytes\":%zu,"
+                "\"error\":%s,\"stats\":%s,\"snapshot\":%s}\n",
+                (long)getpid(), (long long)wall.tv_sec, h->set.device, size, quoted, stats, snap);
+        /* Written whole under another name, then renamed: a reader never sees half a file. */
+        if (fclose(f) != 0 || rename(tmp, path) != 0) {
+            fail = strerror(errno);
+            unlink(tmp);
+        }
+    }
+    if (fail)
+        fprintf(stderr, "cuma: oom_dump %s: could not write what holds the memory: %s\n",
+                h->set.oom_dump, fail);
+    else
+        fprintf(stderr, "cuma: out of memory: what holds the memory is in %s\n", path);
+    free(stats);
+    free(snap);
+    cuma_fail(CUMA_ERR_OOM, "%s", why); /* the failure's message again, whatever came between */
 }

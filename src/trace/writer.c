@@ -117,8 +117,8 @@ bool cuma_trace_pattern_valid(const char *pattern) {
     return true;
 }
 
-/* The pattern with %p, %d and %% replaced; CUMA_ERR_CONFIG if it does not fit out. */
-static cuma_status expand(const char *pattern, int device, char *out, size_t len) {
+cuma_status cuma_path_expand(const char *key, const char *pattern, int device, char *out,
+                             size_t len) {
     size_t n = 0;
     for (const char *c = pattern; *c && n < len; c++) {
         int w;
@@ -132,11 +132,12 @@ static cuma_status expand(const char *pattern, int device, char *out, size_t len
             w = snprintf(out + n, len - n, "%%");
         else
             return cuma_fail(CUMA_ERR_CONFIG,
-                             "trace %s: '%%%c' is not %%p (pid), %%d (device) or %%%% ('%%')",
+                             "%s %s: '%%%c' is not %%p (pid), %%d (device) or %%%% ('%%')", key,
                              pattern, *c ? *c : ' ');
         n += (size_t)w;
     }
-    if (n >= len) return cuma_fail(CUMA_ERR_CONFIG, "trace %s: the file name is too long", pattern);
+    if (n >= len)
+        return cuma_fail(CUMA_ERR_CONFIG, "%s %s: the file name is too long", key, pattern);
     if (!n) out[0] = 0;
     return CUMA_OK;
 }
@@ -226,7 +227,7 @@ cuma_status cuma_trace_writer_open(const char *pattern, int device, char *opened
                                    cuma_trace_writer **out) {
     *out = NULL;
     char name[CUMA_TRACE_PATH_MAX], path[CUMA_TRACE_PATH_MAX];
-    cuma_status st = expand(pattern, device, name, sizeof name);
+    cuma_status st = cuma_path_expand("trace", pattern, device, name, sizeof name);
     if (st) return st;
     size_t n = strlen(name);
     bool gz = n > 3 && !strcmp(name + n - 3, ".gz");

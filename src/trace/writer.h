@@ -19,9 +19,14 @@ typedef struct cuma_trace_writer cuma_trace_writer;
 /* Longest file name of a log, its terminating NUL included. */
 #define CUMA_TRACE_PATH_MAX 256
 
-/* Whether a `trace` setting's only % sequences are %p (the process id), %d (the heap's device)
- * and %% (a '%'). */
+/* Whether a file setting's (`trace`, `oom_dump`) only % sequences are %p (the process id), %d
+ * (the heap's device) and %% (a '%'). */
 bool cuma_trace_pattern_valid(const char *pattern);
+
+/* The file name a pattern gives (%p, %d and %% replaced), into out (len bytes); CUMA_ERR_CONFIG
+ * naming the setting `key` when it has another % sequence or does not fit. */
+cuma_status cuma_path_expand(const char *key, const char *pattern, int device, char *out,
+                             size_t len);
 
 /* Creates (truncates) the log named by pattern (%p and %d replaced by the process id and
  * device): gzip-compressed when the name ends in ".gz", else plain text. Writes the header.

@@ -2,7 +2,8 @@
  * arenas, the size buckets and the 32 largest in order), the totals against cuma_get_stats in
  * page mode, segment mode and the buddy, blocks in thread caches and blocks waiting on
  * record_stream fences kept apart from live ones, managed fallbacks, the buffer protocol, bad
- * arguments and a forked child whose heap is the parent's. */
+ * arguments and a forked child whose heap is the parent's. oom_dump: the stats and snapshot at a
+ * failure, in a file named by %p/%d, at most once in 10 s, the caller's error kept. */
 #define _DEFAULT_SOURCE
 #include "check.h"
 #include "core/heap.h"
@@ -340,12 +341,55 @@ static void test_fork_child(void) {
     cuma_heap_destroy(h);
 }
 
+static char *read_file(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return NULL;
+    static char buf[1 << 16];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    return buf;
+}
+
+static void test_oom_dump(void) {
+    char dir[] = "/tmp/cuma-oom-dump-XXXXXX";
+    CHECK(mkdtemp(dir));
+    char conf[256], path[256];
+    snprintf(conf, sizeof conf,
+             "backend:sim,capacity:16M,sim_clock:manual,tcache:off,device:2,oom_dump:%s/"
+             "oom-%%p-%%d.json",
+             dir);
+    snprintf(path, sizeof path, "%s/oom-%ld-2.json", dir, (long)getpid());
+    cuma_heap *h = heap_make(conf);
+    void *a, *b;
+    CHECK_OK(cuma_alloc(h, 12 * MB, NULL, &a));
+    CHECK(read_file(path) == NULL); /* nothing failed yet */
+    CHECK_ST(cuma_alloc(h, 8 * MB, NULL, &b), CUMA_ERR_OOM);
+    CHECK(strstr(cuma_last_error(), "out of memory: 8388608 bytes requested")); /* kept */
+    char *j = read_file(path);
+    CHECK(j);
+    check_well_formed(j);
+    CHECK(num_after(j, "\"pid\":") == (uint64_t)getpid() && num_after(j, "\"device\":") == 2);
+    CHECK(num_after(j, "\"request_bytes\":") == 8 * MB);
+    CHECK(strstr(j, "\"error\":\"out of memory: 8388608 bytes requested"));
+    CHECK(num_after(j, "\"failed_allocs\":") == 1);
+    CHECK(field(j, "live", "count") == 1 && field(j, "live", "bytes") == 12 * MB);
+    /* A second failure at once: not written again (the file still has the first). */
+    CHECK_ST(cuma_alloc(h, 9 * MB, NULL, &b), CUMA_ERR_OOM);
+    j = read_file(path);
+    CHECK(num_after(j, "\"request_bytes\":") == 8 * MB && num_after(j, "\"failed_allocs\":") == 1);
+    CHECK_OK(cuma_free(h, a, NULL));
+    cuma_heap_destroy(h);
+    CHECK(unlink(path) == 0 && rmdir(dir) == 0); /* no temporary file left either */
+}
+
 int main(void) {
     test_exact();
     test_thread_cache();
     test_other_modes();
     test_protocol();
     test_fork_child();
+    test_oom_dump();
     printf("test_snapshot: ok\n");
     return 0;
 }
