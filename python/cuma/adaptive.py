@@ -207,36 +207,59 @@ def _common_size(seq):
 
 
 def _collated_size(seq):
-    """_common_size for a whole batch, which must hold a tensor/array too: a list of lists
-    alone (of words, say) is more likely samples than fields."""
-    return _common_size(seq) if _has_array(seq) else None
+    """_common_size for a whole list batch, which must hold a tensor/array among its own
+    items, as default_collate's list of fields does (the stacked fields). A list of tuple or
+    dict samples holds tensors only inside its items, and their common size (a tuple
+    sample's length, say) says nothing about the batch."""
+    return _common_size(seq) if any(_is_array(x) for x in seq) else None
 
 
 def _field_size(v):
-    """The leading size of one field: a tensor's/array's first dimension, a nested
-    structure's batch size, or a list's length; None for anything else (a str, a number)."""
+    """The leading size of one item of a nested list read as default_collate's fields: a
+    tensor's/array's first dimension, a nested structure's batch size, or a list's length;
+    None for anything else (a str, a number)."""
+    readings = _readings(v, collated=True)
+    return readings[0] if readings else None
+
+
+def _readings(v, collated):
+    """The batch sizes one field can stand for. A nested list or tuple has two readings: a
+    list of per-sample values (its length: the images of torchvision's detection batches,
+    collate_fn=lambda b: tuple(zip(*b))), or nested fields (its items' common leading size:
+    default_collate's output for a tuple inside each sample). Under default_collate only the
+    second exists, as long as the items share a size."""
     if _is_array(v):
-        return int(v.shape[0])
-    if isinstance(v, dict):
-        return _fields_size(list(v.values()))
+        return [int(v.shape[0])]
+    if isinstance(v, dict) or _is_record(v):
+        n = _fields_size(list(v.values()) if isinstance(v, dict) else list(v), collated)
+        return [] if n is None else [n]
     if isinstance(v, (list, tuple)):
-        n = _common_size(v)
-        return n if n is not None else len(v)
+        common = _common_size(v)
+        if common is None or common == len(v):
+            return [len(v)]
+        return [common] if collated else [len(v), common]
+    return []
+
+
+def _fields_size(items, collated=False):
+    """The batch size of parallel fields: the leading size of the first tensor/array among
+    them, as before fields were sized by a vote (a vote lets a shared table or bank that
+    outnumbers the batch tensors decide). Without one: the size that most fields can stand
+    for (see _readings; a field counts once per size), the fields holding a tensor/array
+    voting first (a per-batch list of names must not outvote them); a tie goes to the
+    first reading met, a list's length before its items' size, so that a tensor is not cut
+    along a dimension that may not be the batch's. None if no field has a size."""
+    for v in items:
+        if _is_array(v):
+            return int(v.shape[0])
+    for votes_now in (_has_array, lambda v: True):
+        votes = []
+        for v in items:
+            if votes_now(v):
+                votes.extend(dict.fromkeys(_readings(v, collated)))
+        if votes:
+            return _most_common(votes)
     return None
-
-
-def _fields_size(items):
-    """The batch size of parallel fields: the most common leading size of the tensors/arrays
-    among them (of the nested structures holding some, when none is a field itself; of the
-    lists, when there is no tensor/array at all); a tie goes to the first. None if no field
-    has a size."""
-    sizes = [int(v.shape[0]) for v in items if _is_array(v)]
-    if not sizes:
-        sizes = [_field_size(v) for v in items if _has_array(v)]
-    if not sizes:
-        sizes = [_field_size(v) for v in items if isinstance(v, (dict, list, tuple))]
-    sizes = [s for s in sizes if s is not None]
-    return _most_common(sizes) if sizes else None
 
 
 def _seal(kind, subs):
@@ -245,18 +268,23 @@ def _seal(kind, subs):
     return _WHOLE if all(p == _WHOLE for p in plans) else (kind, subs)
 
 
-def _plan_field(v, n):
+def _plan_field(v, n, collated=False):
     """The plan for one field of a batch of ``n`` samples split along dim 0."""
     if _is_array(v):
         return _SPLIT if int(v.shape[0]) == n else _WHOLE
     if isinstance(v, dict):
-        return _seal("dict", {k: _plan_field(x, n) for k, x in v.items()})
-    if _is_record(v) or (isinstance(v, (list, tuple)) and _common_size(v) == n):
-        # Nested fields (default_collate's output for a tuple inside each sample); where a
-        # list's length is n as well, this reading wins, as default_collate's does.
-        return _seal("seq", [_plan_field(x, n) for x in v])
-    if isinstance(v, (list, tuple)) and len(v) == n:
-        return _SPLIT  # per-sample values, e.g. the strings default_collate keeps as a list
+        return _seal("dict", {k: _plan_field(x, n, collated) for k, x in v.items()})
+    if _is_record(v):
+        return _seal("seq", [_plan_field(x, n, collated) for x in v])
+    if isinstance(v, (list, tuple)):
+        nested, per_sample = _common_size(v) == n, len(v) == n
+        # Both readings fit (3 images of 3 channels): default_collate's output is nested
+        # fields; anything else is sliced as per-sample values, which cuts no tensor along a
+        # dimension that may not be the batch's.
+        if nested and (collated or not per_sample):
+            return _seal("seq", [_plan_field(x, n, collated) for x in v])
+        if per_sample:
+            return _SPLIT  # e.g. the strings default_collate keeps as a list, or images
     return _WHOLE
 
 
@@ -347,20 +375,29 @@ class DynamicBatcher:
 
     - a tensor or array: sliced;
     - parallel fields: a dict, a tuple or namedtuple, or a list of fields (below), split
-      together. The batch size is the most common leading size among the fields' tensors and
-      arrays (nested ones included; with none at all, among the lists' lengths), a tie going
-      to the first. Each field of that size is split: a tensor, a list of per-sample values
-      (default_collate keeps strings as such a list), a nested structure. Every other value
-      (a per-batch list of class names, a tensor of another size, a string, a number) goes
-      whole into every piece;
-    - a list of samples: any other list (numbers, variable-length sequences), sliced.
+      together. The batch size is the leading size of the first tensor or array among the
+      fields (put the per-sample tensor first: when most of them have another size, a
+      UserWarning says so, once). Without one, it is the size most fields agree on, where a
+      nested list or tuple can stand for two: its length (a list of per-sample values, such
+      as the images and targets of torchvision's detection batches, ``collate_fn=lambda b:
+      tuple(zip(*b))``) or its items' common leading size (nested fields, as default_collate
+      makes them); a tie goes to the length. Each field of that size is split: a tensor, a
+      list of per-sample values (default_collate keeps strings as such a list), a nested
+      structure; a nested list that fits both readings is sliced as per-sample values (no
+      tensor is cut along a dimension that may not be the batch's) unless the source is a
+      DataLoader using default_collate. Every other value (a per-batch list of class names,
+      a tensor of another size, a string, a number) goes whole into every piece;
+    - a list of samples: any other list (numbers, variable-length sequences, tuple or dict
+      samples), sliced.
 
     PyTorch's default_collate turns a batch of tuple or list samples into a *list* of
     fields, e.g. ``[inputs, targets]`` or ``[tensor, list_of_str]``: each item a tensor, a
     list or a nested structure, all with the batch size as their leading size. A list is
     taken for fields when it is shaped so (every item a tensor/array, list, tuple or dict, at
-    least one a tensor/array, one leading size for all), and always when the source is a
-    DataLoader using default_collate (unless it is a list of strings: the samples). The first
+    least one of the items itself a tensor/array, one leading size for all), and always when
+    the source is a DataLoader using default_collate (unless it is a list of strings: the
+    samples). A list of tuple or dict samples (``(image, label)``, ``{"input_ids": ...}``)
+    holds its tensors only inside its items: it is a list of samples. The first
     list batch decides for the batches after it: after a list of samples, a list shaped like
     fields (a tail batch of one sample, samples that happen to have one length) is a list of
     samples too; after fields, a list that is not shaped like fields raises TypeError. A
@@ -410,6 +447,7 @@ class DynamicBatcher:
         self.fields = fields
         self._default_collate = _uses_default_collate(loader_or_iterable)
         self._list_kind = None  # "fields" or "samples": what the first list batch was
+        self._warned_size = False  # said once that the first tensor's size was taken
         self.free_memory_fn = free_memory_fn
         self.grow_after = _positive_int(grow_after, "grow_after")
         self.release = release or release_memory
@@ -498,24 +536,42 @@ class DynamicBatcher:
                 )
         elif self._list_kind == "fields" and not shaped:
             raise TypeError(
-                "DynamicBatcher: this list batch is a list of samples (its items do not share one "
-                "leading size), but an earlier list batch looked like parallel fields and was split "
+                "DynamicBatcher: this list batch is a list of samples (no tensor among its items, or "
+                "items of different leading sizes), but an earlier list batch looked like parallel "
+                "fields and was split "
                 "as such; pass fields=False if the batches are lists of samples (then the earlier "
                 "ones are served right too), or fields=True if they are fields"
             )
         return self._list_kind == "fields"
 
     def _fields_plan(self, batch):
+        keys = list(batch.keys()) if isinstance(batch, dict) else list(range(len(batch)))
         items = list(batch.values()) if isinstance(batch, dict) else list(batch)
-        n = _fields_size(items)
+        collated = self._default_collate
+        n = _fields_size(items, collated)
         if n is None:
             raise TypeError(
                 "DynamicBatcher: cannot tell the batch size of this %s batch: none of its fields is "
                 "a tensor, an array or a list" % type(batch).__name__
             )
+        sizes = [int(v.shape[0]) for v in items if _is_array(v)]
+        top = _most_common(sizes) if sizes else n
+        if not self._warned_size and sizes.count(top) > sizes.count(n):
+            # The first tensor decides, as it always did; a shared table outnumbering the
+            # batch tensors must not (it would be split, and every sample served twice).
+            self._warned_size = True
+            first = next(k for k, v in zip(keys, items) if _is_array(v))
+            first = ("key %r" if isinstance(batch, dict) else "field %d") % (first,)
+            warnings.warn(
+                "DynamicBatcher: took %d, the leading size of the first tensor (%s), as the batch "
+                "size, but most tensors in the batch have %d; values of another size than the batch "
+                "go whole into every piece: if the samples lie along another tensor, put it first"
+                % (n, first, top),
+                stacklevel=4,  # the caller's loop: here < _plan < __next__
+            )
         if isinstance(batch, dict):
-            return _seal("dict", {k: _plan_field(v, n) for k, v in batch.items()}), n
-        return _seal("seq", [_plan_field(v, n) for v in batch]), n
+            return _seal("dict", {k: _plan_field(v, n, collated) for k, v in batch.items()}), n
+        return _seal("seq", [_plan_field(v, n, collated) for v in batch]), n
 
     def step(self):
         """A context manager for one training step on the batch just yielded (see above)."""
@@ -641,24 +697,36 @@ def _join(torch, outs, sizes, dim, path):
         names = first._fields if _is_record(first) else None
         paths = ["%s.%s" % (path, names[i]) if names else "%s[%d]" % (path, i) for i in range(len(first))]
         return _rebuild(first, [_join(torch, [o[i] for o in outs], sizes, dim, paths[i]) for i in range(len(first))])
-    per_sample = all(_is_array(o) and len(o.shape) > dim and int(o.shape[dim]) == n for o, n in zip(outs, sizes))
-    if per_sample and all(isinstance(o, torch.Tensor) for o in outs):
-        if len({o.device for o in outs}) > 1:  # a CPU fallback piece that could not go back
-            outs = [o.cpu() for o in outs]
-        return torch.cat(outs, dim)
-    if per_sample and sys.modules.get("numpy") is not None:
-        return sys.modules["numpy"].concatenate(outs, axis=dim)
+    lead = [int(o.shape[dim]) if _is_array(o) and len(o.shape) > dim else None for o in outs]
+    np = sys.modules.get("numpy")
+    joinable = None not in lead and (all(isinstance(o, torch.Tensor) for o in outs) or np is not None)
+    if joinable and lead == list(sizes):
+        return _concat(torch, outs, dim)
     # Not per-sample (a scalar, a model's tensor, None): only a value that every piece gave
     # alike is the unsplit run's value too.
     if _all_equal(torch, outs):
         return first
+    # A flattened batch dimension ((B*L, V) logits): the same whole number of rows per sample
+    # in every piece, so the pieces' rows in order are the unsplit run's.
+    if joinable:
+        rows_per_sample = {m // n if m % n == 0 else None for m, n in zip(lead, sizes)}
+        if len(rows_per_sample) == 1 and rows_per_sample.pop() not in (None, 0):
+            return _concat(torch, outs, dim)
     raise ValueError(
         "safe_forward: the batch ran out of memory and was split (pieces of %s samples), but %s "
-        "(%s) is not per-sample (its size along dim %d is not the pieces' sizes) and differs "
-        "between the pieces, so no joined value would equal the unsplit run's; return "
-        "per-sample values and reduce them after safe_forward" % (
+        "(%s) is not per-sample (its size along dim %d is neither the pieces' sizes nor one whole "
+        "multiple of them) and differs between the pieces, so no joined value would equal the "
+        "unsplit run's; return per-sample values and reduce them after safe_forward" % (
             " and ".join(str(n) for n in sizes), path, _describe(first), dim)
     )
+
+
+def _concat(torch, outs, dim):
+    if all(isinstance(o, torch.Tensor) for o in outs):
+        if len({o.device for o in outs}) > 1:  # a CPU fallback piece that could not go back
+            outs = [o.cpu() for o in outs]
+        return torch.cat(outs, dim)
+    return sys.modules["numpy"].concatenate(outs, axis=dim)
 
 
 def _cpu_copy(torch, model):
@@ -703,31 +771,35 @@ def safe_forward(model, inputs, min_batch=1, cpu_fallback=False, dim=0, release=
     """``model(inputs)`` that survives out-of-memory by splitting the batch.
 
     ``inputs`` is a tensor (``model(inputs)``), a tuple or list (``model(*inputs)``) or a
-    dict (``model(**inputs)``). The batch size is ``batch_size`` if given, else the most
-    common size along ``dim`` among the tensors in ``inputs`` (a tie goes to the first
-    tensor: put the batch first, or name it). The tensors of that size along ``dim`` are the
-    batch, decided once for the call: they are split, and every other value (a shared bias,
-    a temperature, a tensor of another size, even one whose size equals a piece's) goes
-    whole to every piece. On OOM the cache is released (``release()``, default
-    :func:`release_memory`), the batch is split in halves, and each half is run the same
-    way, down to ``min_batch``.
+    dict (``model(**inputs)``). The batch size is ``batch_size`` if given, else the size
+    along ``dim`` of the first tensor in ``inputs`` (put the batch first, or name it: when
+    most input tensors have another size, a UserWarning says so, and an out-of-memory error
+    that propagates while another size is as common carries a note saying which size was
+    taken). The tensors of that size along ``dim`` are the batch, decided once for the call:
+    they are split, and every other value (a shared bias, a temperature, a bank of keys, a
+    tensor of another size, even one whose size equals a piece's) goes whole to every piece.
+    On OOM the cache is released (``release()``, default :func:`release_memory`), the batch
+    is split in halves, and each half is run the same way, down to ``min_batch``.
 
     The pieces' outputs (a tensor, or a tuple/list/dict of them) are joined along ``dim``:
     an output whose size along ``dim`` is its piece's batch size is concatenated
     (torch.cat), so the result equals the unsplit run's (up to floating-point summation
     order in the model). Any other output (a scalar, a model's tensor, None) is kept if every
-    piece gave the same; if they differ (a loss averaged over the batch), no value would be
-    the unsplit run's, and ValueError names the output: return per-sample values and reduce
-    them after safe_forward.
+    piece gave the same. One whose size along ``dim`` is the same whole multiple of its
+    piece's batch size in every piece (a flattened batch dimension: (B*L, V) logits) is
+    concatenated too. Any other output that differs between the pieces (a loss averaged over
+    the batch) has no value that would be the unsplit run's, and ValueError names it: return
+    per-sample values and reduce them after safe_forward.
 
     With ``cpu_fallback=True`` a piece that runs out of memory at ``min_batch`` runs on a CPU
     copy of the model (made once; the model itself is not moved) and its output is moved back
     to the inputs' device; if even that runs out of memory, the whole result is returned on
     the CPU. That is for inference only: gradients of a piece run on the copy would reach the
-    copy's parameters, not the model's, so with grad enabled and parameters that require it
-    safe_forward refuses (RuntimeError) rather than train silently wrong: run it under
-    torch.no_grad() or torch.inference_mode(). Errors that are not OOM propagate unchanged,
-    as does an OOM at ``min_batch`` without the fallback."""
+    copy's parameters, not the model's, so when the fallback is needed with grad enabled and
+    parameters that require it, safe_forward raises RuntimeError rather than train silently
+    wrong (a call that never needs it runs as usual, an eval() model under grad included):
+    run it under torch.no_grad() or torch.inference_mode(). Errors that are not OOM propagate
+    unchanged, as does an OOM at ``min_batch`` without the fallback."""
     import torch
 
     if not callable(model):
@@ -739,15 +811,27 @@ def safe_forward(model, inputs, min_batch=1, cpu_fallback=False, dim=0, release=
     sizes = [int(t.shape[dim]) for t in _tensors_in(inputs) if len(t.shape) > dim]
     if not sizes:
         raise ValueError("safe_forward: inputs hold no tensor with a dimension %d to split along" % dim)
-    tie_note = None
+    note = None
     if batch_size is None:
-        n = _most_common(sizes)
+        # The first tensor, as before sizes were put to a vote: a bank of keys or a table
+        # that outnumbers the batch tensors would win a vote, be split, and give a wrong
+        # result without an error.
+        n = sizes[0]
         counts = collections.Counter(sizes)
-        tied = sorted(s for s in counts if counts[s] == counts[n])
-        if len(tied) > 1:
-            tie_note = (
-                "safe_forward took %d as the batch size: input tensors have sizes %s along dim %d, as "
-                "many of each, and the first tensor decides; pass batch_size= to name it" % (n, tied, dim)
+        rivals = sorted(s for s in counts if s != n and counts[s] >= counts[n])
+        if rivals:
+            note = (
+                "safe_forward took %d as the batch size (the first input tensor's size along dim %d), "
+                "though as many or more input tensors have size %s there; if the batch is another "
+                "size, pass batch_size= to name it" % (n, dim, " or ".join(str(r) for r in rivals))
+            )
+        top = _most_common(sizes)
+        if counts[top] > counts[n]:
+            warnings.warn(
+                "safe_forward: took %d (the first input tensor's size along dim %d) as the batch size, "
+                "but most input tensors have size %d there: pass batch_size=%d if they are the batch, "
+                "or batch_size=%d to say the first one is" % (n, dim, top, top, n),
+                stacklevel=2,
             )
     else:
         n = _positive_int(batch_size, "batch_size")
@@ -757,22 +841,25 @@ def safe_forward(model, inputs, min_batch=1, cpu_fallback=False, dim=0, release=
                 % (n, dim, ", ".join(str(s) for s in sorted(set(sizes))))
             )
     plan = _plan_dim(inputs, dim, n)
-    if (
-        cpu_fallback
-        and torch.is_grad_enabled()
-        and isinstance(model, torch.nn.Module)
-        and any(p.requires_grad for p in model.parameters())
-    ):
-        raise RuntimeError(
-            "safe_forward(cpu_fallback=True) is for inference: pieces it runs on a CPU copy of the "
-            "model would give their gradients to the copy's parameters, never to the model's. Call it "
-            "under torch.no_grad() or torch.inference_mode(), or without cpu_fallback when training"
-        )
     batch = [t for t in _tensors_in(inputs) if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == n]
     device = batch[0].device if batch else torch.device("cpu")
     state = {}
 
-    def run_cpu(piece):
+    def run_cpu(piece, n):
+        # Refused only here, when a piece needs the copy: a call that never gets this far
+        # (no OOM, or splitting was enough) trains or evaluates the model itself.
+        if (
+            torch.is_grad_enabled()
+            and isinstance(model, torch.nn.Module)
+            and any(p.requires_grad for p in model.parameters())
+        ):
+            raise RuntimeError(
+                # Worded so that is_oom() does not take it for one: it is not to be retried.
+                "safe_forward: a piece of %d samples did not fit even at min_batch, and "
+                "cpu_fallback=True is for inference: a piece run on a CPU copy of the model would "
+                "give its gradients to the copy's parameters, never to the model's. Call it under "
+                "torch.no_grad() or torch.inference_mode(), or without cpu_fallback when training" % n
+            )
         if "cpu_model" not in state:
             state["cpu_model"] = _cpu_copy(torch, model)
         to_cpu = lambda t: t.to("cpu") if isinstance(t, torch.Tensor) else t  # noqa: E731
@@ -792,17 +879,22 @@ def safe_forward(model, inputs, min_batch=1, cpu_fallback=False, dim=0, release=
             return _call(model, piece)
         except BaseException as e:
             if not is_oom(e) or (not splittable and not cpu_fallback):
-                if tie_note and is_oom(e) and piece is inputs and hasattr(e, "add_note"):
-                    e.add_note(tie_note)  # the batch may have been taken from the wrong tensor
                 raise
         release()  # outside the except: the failed attempt's frames are gone
         if not splittable:
-            return run_cpu(piece)
+            return run_cpu(piece, n)
         k = (n + 1) // 2
         first, second = _split(piece, plan, k, dim)
         return _join(torch, [attempt(first, k), attempt(second, n - k)], [k, n - k], dim, "output")
 
-    return attempt(inputs, n)
+    try:
+        return attempt(inputs, n)
+    except BaseException as e:
+        # Wherever the OOM came from (the whole batch, or a piece at min_batch), the batch may
+        # have been taken from the wrong tensor.
+        if note is not None and is_oom(e) and hasattr(e, "add_note"):
+            e.add_note(note)
+        raise
 
 
 # --- TensorFlow's vocabulary ---

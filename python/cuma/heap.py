@@ -179,11 +179,86 @@ def _deliver_fatal(exc, what):
 _TRAMPOLINES = set()  # the code objects of the callback trampolines (one per kind)
 
 
+# --- an interrupt raised before a trampoline's try ---
+#
+# A signal that arrived while the main thread was in C is handled at the first bytecode
+# Python runs there: a trampoline's first line, outside its try. The exception escapes to
+# ctypes, which cannot return it through C and hands it to sys.unraisablehook; a wrapper
+# takes a KeyboardInterrupt or SystemExit from there to where the trampoline's own except
+# clause would have sent it.
+
+_hook_lock = threading.Lock()
+_previous_unraisablehook = None  # the hook cuma's wrapper replaced; set once
+
+
+def _install_unraisablehook():
+    """Wraps sys.unraisablehook, once per process (the first callback registered): the
+    hook found then gets every report the wrapper does not take. A hook the user sets later
+    replaces the wrapper, as any hook replaces another; one that calls the hook it replaced
+    keeps it working."""
+    global _previous_unraisablehook
+    with _hook_lock:
+        if _previous_unraisablehook is None:
+            _previous_unraisablehook = sys.unraisablehook
+            sys.unraisablehook = _unraisablehook
+
+
+def _unraisablehook(args):
+    try:
+        if _take_escaped_fatal(args):
+            return
+    except Exception:
+        pass  # the report is not lost: the previous hook prints it as before
+    (_previous_unraisablehook or sys.__unraisablehook__)(args)
+
+
+_HOOK_CODE = _unraisablehook.__code__
+
+
+def _trampoline_tls(args):
+    """(whether the unraisable exception escaped a trampoline, the trampoline's tls or None).
+
+    ctypes names the callable as the report's object up to Python 3.12; from 3.13 the object
+    is None and only the traceback, which starts in the trampoline, says where it came from."""
+    fn = args.object
+    code = getattr(fn, "__code__", None)
+    if code is not None and code in _TRAMPOLINES:
+        cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))
+        cell = cells.get("tls")
+        return True, (cell.cell_contents if cell is not None else None)
+    tb = args.exc_traceback
+    while tb is not None:
+        if tb.tb_frame.f_code in _TRAMPOLINES:
+            return True, tb.tb_frame.f_locals.get("tls")
+        tb = tb.tb_next
+    return False, None
+
+
+def _take_escaped_fatal(args):
+    """Whether the report was a KeyboardInterrupt or SystemExit that escaped a trampoline,
+    now handed on as the trampoline would have: to its Heap.alloc, or _deliver_fatal."""
+    exc = args.exc_value
+    if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return False
+    escaped, tls = _trampoline_tls(args)
+    if not escaped:
+        return False
+    frame = getattr(tls, "frame", None) if tls is not None else None  # this thread's, as there
+    if frame is not None:
+        if frame.fatal is None:
+            frame.fatal = exc
+    else:
+        _deliver_fatal(exc, "cuma callback")
+    return True
+
+
 def _interrupt_main_later(main_ident, wait_s=5.0):
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         frame = sys._current_frames().get(main_ident)
-        while frame is not None and frame.f_code not in _TRAMPOLINES:
+        # Inside cuma's unraisablehook counts as inside a callback: an interrupt raised there
+        # is lost like one raised in a trampoline.
+        while frame is not None and frame.f_code not in _TRAMPOLINES and frame.f_code is not _HOOK_CODE:
             frame = frame.f_back
         if frame is None:  # back in the code that called C (or beyond): it gets the interrupt
             break
@@ -427,12 +502,23 @@ class Heap:
         per heap.
 
         A heap's callbacks run on one thread at a time: another thread that runs out meanwhile
-        waits for them (at most a second: it may be a C extension's thread holding the GIL the
-        callback needs), tries again, then runs them itself. An allocation made inside a
-        callback, on any heap, never waits for other callbacks: it fails instead."""
+        waits for them, tries again with what they freed, then runs them itself; if they are
+        still running after a second (the running callback may need the GIL that a C
+        extension holds on the waiting thread), it fails as if they had freed nothing. An
+        allocation made inside a callback, on any heap, never waits for other callbacks: it
+        fails instead.
+
+        A Ctrl-C that arrives while the main thread is in C (that wait, say) is raised by
+        Python at the first line of the next callback it runs, before any ``try`` there, and
+        ctypes would drop it ("Exception ignored on calling ctypes callback function"). With
+        the first callback, cuma wraps ``sys.unraisablehook`` (once, calling the hook it
+        replaced for everything else) to take such a KeyboardInterrupt or SystemExit to where
+        the callback would have sent it. A hook set after that which does not call the one it
+        replaced drops it again."""
         if not callable(callback):
             raise TypeError("callback must be callable, not %s" % type(callback).__name__)
         h = self._handle()
+        _install_unraisablehook()
         tls = self._tls  # not self: no reference cycle, so a dropped heap closes at once
         cell = [callback]  # emptied by remove_oom: the thunk outlives the removal, the callable not
 
@@ -489,6 +575,7 @@ class Heap:
         if not callable(callback):
             raise TypeError("callback must be callable, not %s" % type(callback).__name__)
         h = self._handle()
+        _install_unraisablehook()
         cell = [callback]  # emptied by remove_pressure (see on_oom)
 
         def trampoline(user, heap, nbytes):

@@ -1,6 +1,8 @@
 """cuma.adaptive on CPU PyTorch: out-of-memory is simulated by a model wrapper that raises
 PyTorch's OOM error when a batch holds more elements than a limit."""
 
+import warnings
+
 import pytest
 
 import cuma
@@ -453,28 +455,61 @@ def test_safe_forward_never_splits_a_shared_tensor_whose_size_equals_a_piece():
         assert torch.allclose(adaptive.safe_forward(model2, (x2, bias), release=lambda: None), lin(x2) + bias)
 
 
-def test_safe_forward_batch_size_is_the_most_common_or_named():
+def test_safe_forward_batch_is_the_first_tensors_unless_named():
     def model(temperature, x, mask):
         if x.shape[0] > 4:
             raise oom_error(x.numel())
         return x / temperature * mask
 
+    # The first tensor decides (here a temperature of size 1, which cannot be split): most
+    # tensors having another size is said, and batch_size= names the batch.
     t, x, mask = torch.tensor([2.0]), torch.ones(16, 3), torch.ones(16, 1)
-    assert torch.equal(adaptive.safe_forward(model, (t, x, mask), release=lambda: None), x / 2.0)
-
-    def model2(temperature, x):
-        if x.shape[0] > 4:
-            raise oom_error(x.numel())
-        return x / temperature
-
-    # One tensor of each size: the first would decide (size 1, not splittable), so name it.
-    with pytest.raises(RuntimeError, match="out of memory") as ei:
-        adaptive.safe_forward(model2, (t, x), release=lambda: None)
-    if hasattr(ei.value, "__notes__"):
-        assert "batch_size=" in " ".join(ei.value.__notes__)
-    assert torch.equal(adaptive.safe_forward(model2, (t, x), batch_size=16, release=lambda: None), x / 2.0)
+    with pytest.warns(UserWarning, match=r"took 1 .* most input tensors have size 16 .* batch_size=16"):
+        with pytest.raises(RuntimeError, match="out of memory"):
+            adaptive.safe_forward(model, (t, x, mask), release=lambda: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = adaptive.safe_forward(model, (t, x, mask), batch_size=16, release=lambda: None)
+    assert torch.equal(got, x / 2.0)
     with pytest.raises(ValueError, match="batch_size 5: no input tensor has that size"):
-        adaptive.safe_forward(model2, (t, x), batch_size=5)
+        adaptive.safe_forward(model, (t, x, mask), batch_size=5)
+
+
+def test_safe_forward_never_splits_a_shared_bank_that_outnumbers_the_batch():
+    """Attention of 4 queries over a shared bank of 8 keys and values: the keys and values
+    are the majority, the queries (first) are the batch."""
+    q, keys, values = torch.randn(4, 16), torch.randn(8, 16), torch.randn(8, 16)
+
+    def attend(q, k, v):
+        if q.shape[0] * k.shape[0] > 16:  # the scores matrix runs out of memory
+            raise oom_error(q.shape[0] * k.shape[0])
+        return torch.softmax(q @ k.T, -1) @ v
+
+    want = torch.softmax(q @ keys.T, -1) @ values
+    with pytest.warns(UserWarning, match="batch_size="):
+        got = adaptive.safe_forward(attend, (q, keys, values), release=lambda: None)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # named: nothing to say
+        got = adaptive.safe_forward(attend, (q, keys, values), batch_size=4, release=lambda: None)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_safe_forward_oom_after_a_tie_says_which_batch_was_taken():
+    bank, q = torch.randn(8, 16), torch.randn(4, 16)
+
+    def model(bank, q):  # the queries are the batch, but the bank comes first: a tie, 1 to 1
+        if q.shape[0] > 2:
+            raise oom_error(q.numel())
+        return q @ bank.T
+
+    with pytest.raises(RuntimeError, match="out of memory") as ei:
+        adaptive.safe_forward(model, (bank, q), release=lambda: None)  # the bank split, down to 1
+    if hasattr(ei.value, "add_note"):  # Python >= 3.11
+        notes = " ".join(getattr(ei.value, "__notes__", []))
+        assert "took 8 as the batch size" in notes and "batch_size=" in notes
+    got = adaptive.safe_forward(model, (bank, q), batch_size=4, release=lambda: None)
+    assert torch.allclose(got, q @ bank.T, atol=1e-6)
 
 
 # --- safe_forward: outputs without a batch dimension ---
@@ -507,6 +542,31 @@ def test_safe_forward_outputs_without_batch_dim():
             adaptive.safe_forward(with_mean, x, release=lambda: None)
 
 
+def test_safe_forward_joins_outputs_with_a_flattened_batch_dim():
+    V = 5
+    emb = nn.Embedding(20, V)
+
+    def lm(ids):
+        if ids.shape[0] > 2:
+            raise oom_error(ids.numel())
+        logits = emb(ids)
+        return {"flat": logits.reshape(-1, V), "logits": logits}
+
+    ids = torch.randint(0, 20, (5, 4))  # pieces of 2, 1 and 2 samples: (B*L, V) logits of 8, 4, 8 rows
+    with torch.no_grad():
+        out = adaptive.safe_forward(lm, ids, release=lambda: None)
+        assert torch.equal(out["flat"], emb(ids).reshape(-1, V))
+        assert torch.equal(out["logits"], emb(ids))
+
+    def grid(ids):  # B*B rows: 4, 1 and 4 for pieces of 2, 1 and 2, no one multiple
+        if ids.shape[0] > 2:
+            raise oom_error(ids.numel())
+        return {"grid": torch.zeros(ids.shape[0] ** 2, 3)}
+
+    with pytest.raises(ValueError, match=r"output\['grid'\] \(a Tensor of shape \(4, 3\)\) is not per-sample"):
+        adaptive.safe_forward(grid, ids, release=lambda: None)
+
+
 # --- safe_forward(cpu_fallback=True): inference only, and a CPU copy of everything ---
 
 
@@ -522,6 +582,18 @@ def test_safe_forward_cpu_fallback_refuses_to_train():
         p.requires_grad_(False)  # a frozen model cannot be trained wrong
     adaptive.safe_forward(model, x, min_batch=3, cpu_fallback=True, release=lambda: None)
     adaptive.safe_forward(OomAbove(4, 3, limit=1000), x, cpu_fallback=False)  # training without it: fine
+
+
+def test_safe_forward_cpu_fallback_refuses_only_when_it_would_run():
+    """An eval() model called without no_grad: only a piece that would run on the CPU copy
+    is refused, when it comes to that."""
+    model = OomAbove(4, 3, limit=2 * 4).eval()
+    x = torch.randn(6, 4)
+    assert torch.allclose(adaptive.safe_forward(model, x[:2], cpu_fallback=True), model.lin(x[:2]))  # no OOM
+    got = adaptive.safe_forward(model, x, cpu_fallback=True, release=lambda: None)  # split: enough
+    assert got.requires_grad and torch.allclose(got, model.lin(x), atol=1e-6)
+    with pytest.raises(RuntimeError, match="is for inference"):
+        adaptive.safe_forward(model, x, min_batch=3, cpu_fallback=True, release=lambda: None)
 
 
 class WithPlainTensors(nn.Module):
@@ -740,3 +812,73 @@ def test_dynamic_batcher_fuzz_no_sample_lost_duplicated_or_cut(kind):
                         raise oom_error(n)
                     seen += _fuzz_piece_ids(kind, piece, lengths)
         assert sorted(seen) == list(range(total)), (seed, kind)
+
+
+# --- DynamicBatcher: samples that are tuples or dicts, nested per-sample lists, sizes ---
+
+
+def _drain_after_an_oom(batcher):
+    """Every piece served after an OOM reported for the first one."""
+    pieces, first = [], True
+    for piece in batcher:
+        if first:
+            first = False
+            batcher.report_oom()
+            continue
+        pieces.append(piece)
+    return pieces
+
+
+SAMPLE_KINDS = {  # a loader that does not collate (collate_fn=lambda b: b) gives lists of these
+    "(image, int)": lambda i: (torch.full((3, 4, 4), float(i)), i),
+    "(tensor, 0-d tensor)": lambda i: (torch.full((4,), float(i)), torch.tensor(i)),
+    "(tensor(L), tensor(L))": lambda i: (torch.full((4,), float(i)), torch.full((4,), -float(i))),
+    "dict": lambda i: {"input_ids": torch.full((6,), i), "label": torch.tensor(i)},
+    "[tensor, tensor]": lambda i: [torch.full((8,), float(i)), torch.full((8,), float(i))],
+}
+
+
+@pytest.mark.parametrize("kind", list(SAMPLE_KINDS))
+def test_dynamic_batcher_lists_of_tuple_and_dict_samples_are_samples(kind):
+    samples = [SAMPLE_KINDS[kind](i) for i in range(8)]
+    batcher = adaptive.DynamicBatcher([samples], batch_size=4, release=lambda: None)
+    pieces = _drain_after_an_oom(batcher)
+    assert all(isinstance(p, list) and len(p) == 2 for p in pieces)
+    served = [s for p in pieces for s in p]
+    assert len(served) == 8 and all(s is samples[i] for i, s in enumerate(served))  # whole, once
+
+
+def _detection_batch(n, channels=3):
+    """torchvision's detection batches: collate_fn=lambda b: tuple(zip(*b))."""
+    targets = [{"boxes": torch.zeros(i + 1, 4), "labels": torch.full((i + 1,), i)} for i in range(n)]
+    samples = [(torch.full((channels, 20 + i, 30), float(i)), targets[i]) for i in range(n)]
+    return tuple(zip(*samples))
+
+
+@pytest.mark.parametrize("n", [4, 3, 2])  # 3: as many images as channels; 2: fewer
+@pytest.mark.parametrize("fields", [None, True])
+def test_dynamic_batcher_detection_batches_are_split_by_image(n, fields):
+    batch = _detection_batch(n)
+    kw = {} if fields is None else {"fields": fields}
+    pieces = list(adaptive.DynamicBatcher([batch], batch_size=1, release=lambda: None, **kw))
+    assert len(pieces) == n and all(isinstance(p, tuple) and len(p[0]) == len(p[1]) == 1 for p in pieces)
+    for i, (images, targets) in enumerate(pieces):
+        assert images[0] is batch[0][i] and targets[0] is batch[1][i]  # never cut along channels
+    # The images alone: one field read both ways (n images, 3 channels), a tie: by image.
+    images_only = list(adaptive.DynamicBatcher([(batch[0],)], batch_size=1, release=lambda: None))
+    assert [p[0][0] is img for p, img in zip(images_only, batch[0])] == [True] * n and len(images_only) == n
+
+
+def test_dynamic_batcher_fields_batch_size_is_the_first_tensors():
+    B, L = 3, 5
+    d = {"x": torch.arange(B * L).view(B, L), "y": torch.arange(B), "pos": torch.zeros(L, L),
+         "bias": torch.zeros(L), "table": torch.zeros(L, 2)}
+    for batch in (d, tuple(d.values())):
+        batcher = adaptive.DynamicBatcher([batch, batch], batch_size=2, release=lambda: None)
+        with pytest.warns(UserWarning, match=r"took 3, .* first tensor .* most tensors .* have 5") as rec:
+            pieces = list(batcher)
+        assert len(rec) == 1  # once per batcher
+        values = [list(p.values()) if isinstance(p, dict) else list(p) for p in pieces]
+        assert [v[1].tolist() for v in values] == [[0, 1], [2], [0, 1], [2]]
+        assert all(v[0].shape[0] == v[1].shape[0] for v in values)
+        assert all(v[2].shape == (L, L) and v[3].shape == (L,) and v[4].shape == (L, 2) for v in values)

@@ -370,6 +370,112 @@ def test_keyboard_interrupt_in_a_callback_without_a_python_caller(monkeypatch, l
     cuma.default_heap(0).free(keep)
 
 
+# Run in a child: pytest swaps sys.unraisablehook around every test, which would hide the
+# wrapper being tested. Ctrl-C (interrupt_main, from a thread) arrives while the main thread
+# waits in C for another thread's run of the OOM callbacks; the main thread then runs them
+# itself, and Python raises the interrupt at the trampoline's first line, outside its try.
+CTRL_C_WHILE_WAITING = r"""
+import _thread, json, os, sys, threading, time, types
+import cuma
+import cuma.heap
+from cuma import _lib
+
+MB = 1 << 20
+SIM = "backend:sim,capacity:64M,page_size:2M"
+user_reports = []
+sys.unraisablehook = lambda args: user_reports.append(args.exc_type.__name__)  # the user's own
+
+
+def ctrl_c_while_waiting(heap, allocate):
+    keep = heap.alloc(60 * MB)
+    started = threading.Event()
+
+    def slow(size, stream):
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            time.sleep(0.3)  # the main thread waits in C for this run by now
+            _thread.interrupt_main()
+            time.sleep(0.1)
+
+    cid = heap.on_oom(slow)
+
+    def worker():
+        try:
+            heap.alloc(10 * MB)
+        except cuma.OutOfMemoryError:
+            pass
+
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        started.wait()
+        allocate()
+        for _ in range(500):  # a KeyboardInterrupt raised again in the main thread lands here
+            time.sleep(0.001)
+        got = "lost"
+    except cuma.OutOfMemoryError:
+        got = "lost"
+    except KeyboardInterrupt:
+        got = "raised"
+    t.join()
+    heap.remove_oom(cid)
+    heap.free(keep)
+    return got
+
+
+out = {}
+h = cuma.Heap(SIM, use_env=False)
+out["alloc"] = ctrl_c_while_waiting(h, lambda: h.alloc(10 * MB))
+# Python >= 3.13 reports a ctypes callback's exception with no object: only the traceback.
+wrapper = sys.unraisablehook
+sys.unraisablehook = lambda a: wrapper(types.SimpleNamespace(
+    exc_type=a.exc_type, exc_value=a.exc_value, exc_traceback=a.exc_traceback, err_msg=a.err_msg, object=None))
+out["alloc, no object"] = ctrl_c_while_waiting(h, lambda: h.alloc(10 * MB))
+sys.unraisablehook = wrapper
+os.environ["CUMA_CONF"] = SIM  # PyTorch's entry point: no Heap.alloc to raise it from
+out["torch entry point"] = ctrl_c_while_waiting(
+    cuma.default_heap(0), lambda: _lib.lib().cuma_torch_malloc(10 * MB, 0, None))
+for _ in range(3):  # more callbacks, more heaps: still one wrapper over the user's hook
+    cuma.Heap(SIM, use_env=False).on_pressure(lambda n: None)
+ours = getattr(cuma.heap, "_unraisablehook", None)
+out["wrapped once"] = ours is not None and sys.unraisablehook is ours and cuma.heap._previous_unraisablehook not in (
+    None, ours)
+
+
+class Broken:
+    def __del__(self):
+        raise ValueError("not cuma's")
+
+
+Broken()
+out["user hook"] = user_reports
+print(json.dumps(out))
+"""
+
+
+def test_ctrl_c_before_a_callbacks_try_is_not_lost():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("CUMA_CONF", None)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(cuma.__file__)))
+    p = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_WAITING], env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "Exception ignored" not in p.stderr, p.stderr
+    assert out == {
+        "alloc": "raised",
+        "alloc, no object": "raised",
+        "torch entry point": "raised",
+        "wrapped once": True,
+        "user hook": ["ValueError"],  # everything else still reaches the user's hook
+    }, (out, p.stderr)
+
+
 ANSWERS = {  # an OOM callback's answer -> whether it asks for a retry
     "np.True_": (lambda np, torch: np.True_, True),
     "np.int64(1)": (lambda np, torch: np.int64(1), True),
