@@ -468,9 +468,18 @@ size_t cuma_settings_json(const cuma_settings *s, char *buf, size_t len) {
         case K_MS:
             cuma_strbuf_put(&o, "%lld", (long long)*(const int64_t *)field);
             break;
-        case K_FRACTION:
-            cuma_strbuf_put(&o, "%g", *(const double *)field);
+        case K_FRACTION: {
+            /* The shortest form that reads back as the same double: %g's 6 digits made
+             * remap_threshold:0.1234567 read 0.123457 in the stats. */
+            double v = *(const double *)field;
+            char t[32];
+            for (int digits = 6; digits <= 17; digits++) {
+                snprintf(t, sizeof t, "%.*g", digits, v);
+                if (strtod(t, NULL) == v) break;
+            }
+            cuma_strbuf_put(&o, "%s", t);
             break;
+        }
         case K_BOOL:
             cuma_strbuf_put(&o, "%s", *(const bool *)field ? "true" : "false");
             break;

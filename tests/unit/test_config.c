@@ -290,6 +290,11 @@ static void test_special_values(void) {
     CHECK_OK(
         cuma_settings_parse(&s, "limit:NONE,max_cached:Unlimited,release_delay_ms:Never", "t"));
     CHECK(s.limit == CUMA_UNLIMITED && s.max_cached == CUMA_UNLIMITED && s.release_delay_ms == -1);
+    /* Fractions in the JSON read back exactly, in their shortest form. */
+    CHECK_OK(cuma_settings_parse(&s, "remap_threshold:0.1234567,memory_fraction:0.1", "test"));
+    json j = json_of(&s);
+    CHECK(strstr(j.text, "\"remap_threshold\":0.1234567,"));
+    CHECK(strstr(j.text, "\"memory_fraction\":0.1,"));
     /* Ledger names: a group's with a name, of the longest parts (48 + 48), is kept whole, not cut
      * to a shorter one that another long name could share. */
     char longest[128];
