@@ -532,11 +532,12 @@ step_torch() {
   if ! t=$(tmo 240); then record "$name" FAIL "$NO_TIME"; return; fi
   rc=0
   # The native and cuma runs (judged) come first and share what is left of t, each up to 100 s;
-  # the reported-only runs (remap_threshold, the trace) get the rest, or are left out.
+  # the reported-only runs (remap_threshold, the trace) get the rest, or are left out. An
+  # allocation cuma fails for good leaves torch_oom-PID.json (what held the memory: logs.tar.gz).
   run "$t" "$WORK/torch.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
     CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
     python3 scripts/gpu/torch_compare.py --json-out "$WORK/torch.json" --child-timeout 100 \
-    --total-timeout "$((t - 10))" \
+    --total-timeout "$((t - 10))" --cuma-conf "oom_dump:$WORK/torch_oom-%p.json" \
     --cuma-alt-conf remap_threshold:0.25 --trace-out "$WORK/torch_trace.csv.gz" || rc=$?
   local res
   res=$(grep 'TORCH RESULT' "$WORK/torch.log" | tail -1)

@@ -139,3 +139,23 @@ def test_torch_memory_snapshot_on_default_heap(monkeypatch):
     with pytest.raises(ValueError):
         ctorch.memory_snapshot(-1)
     heap.free(p)
+
+
+def test_oom_dump_file_is_json_with_what_held_the_memory(tmp_path):
+    """oom_dump: the file a failed allocation leaves parses as JSON and holds the request, the
+    error the caller got, the stats and the snapshot of that moment."""
+    pattern = str(tmp_path / "oom-%p-%d.json")
+    with cuma.Heap("backend:sim,capacity:16M,page_size:2M,tcache:off,sim_clock:manual,device:1,"
+                   "oom_dump:" + pattern, use_env=False) as h:
+        held = h.alloc(12 * MB)
+        with pytest.raises(cuma.OutOfMemoryError) as ei:
+            h.alloc(8 * MB)
+        dumps = list(tmp_path.glob("oom-*-1.json"))
+        assert len(dumps) == 1
+        d = json.loads(dumps[0].read_text())
+        assert d["request_bytes"] == 8 * MB and d["device"] == 1
+        assert d["error"] == str(ei.value)
+        assert d["stats"]["failed_allocs"] == 1 and d["stats"]["reserved_bytes"] == 12 * MB
+        assert d["snapshot"]["live"]["count"] == 1
+        assert d["snapshot"]["live"]["largest"][0]["addr"] == hex(held)
+        h.free(held)
