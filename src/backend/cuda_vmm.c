@@ -190,7 +190,8 @@ static cuma_status build_access(cuda_be *b) {
  * three (some vGPU and sandboxed drivers report VMM and refuse parts of it): a run mapped with
  * one cuMemSetAccess (else one a page), a page mapped at a second address (else no early
  * remaps: CUMA_CAP_ALIAS), a run unmapped with one cuMemUnmap (else one a page). A driver that
- * cannot map and make accessible one page at all fails the backend (auto then takes segments).
+ * cannot map and make accessible one page at all fails the backend (auto then takes segments);
+ * a device too full for the two pages gets the conservative answers to all three.
  * Everything it made is gone again on every path. */
 static cuma_status probe(cuda_be *b) {
     uint64_t ps = b->be.page_size, va = 0, h[2] = {0, 0};
@@ -199,6 +200,17 @@ static cuma_status probe(cuda_be *b) {
     int made = 0;
     for (; made < 2 && !st; made++) st = vmm_page_create(&b->be, &h[made]);
     if (st) made--;
+    /* No room for two pages now (another program holds the device): virtual memory works, it
+     * just cannot be tried. Segments for the heap's whole life would be the wrong answer to a
+     * moment's shortage, so the backend takes the ways every driver accepts: access and unmap
+     * a page at a time, no second mappings (no early remaps). */
+    if (st == CUMA_ERR_OOM) {
+        while (made-- > 0) vmm_page_release(&b->be, h[made]);
+        vmm_unreserve(&b->be, va, 3 * ps);
+        b->access_per_page = b->unmap_per_page = true;
+        cuma_clear_error();
+        return CUMA_OK;
+    }
     if (!st) {
         st = vmm_map(&b->be, va, h, 2);
         if (st) { /* one access call a page, then? */

@@ -266,6 +266,10 @@ static void test_vmm_probe(void) {
     probe_case("cuMemSetAccess:1", true, 3, 1); /* no access over a range */
     probe_case("cuMemMap:3", false, 1, 1);      /* no second mapping of a page */
     probe_case("cuMemUnmap:2", true, 1, 3);     /* no unmap over a range */
+    /* A device too full for the probe's pages (another program holds it) is still vmm, with
+     * the ways every driver takes: one access and one unmap call a page, no second mappings. */
+    probe_case("cuMemCreate:1", false, 3, 3);
+    probe_case("cuMemCreate:2", false, 3, 3);
     CHECK(fakecuda_set_fail("cuMemMap:*") == 0);
     cuma_settings set;
     cuma_settings_default(&set);
