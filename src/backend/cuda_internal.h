@@ -66,6 +66,10 @@ typedef struct cuda_be {
     /* What the vmm probe found this driver does (cuda_vmm.c): cuMemSetAccess and cuMemUnmap
      * over a range of several mappings, or only one mapping at a time. */
     bool access_per_page, unmap_per_page;
+    /* Set when the probe could not run (the device was full): the first map and the first unmap
+     * of several pages try the range call once and keep whichever way works (cuda_vmm.c). Only
+     * the caller of the backend (one at a time) reads or writes these. */
+    bool access_untried, unmap_untried;
     cudabe_event *events;
     uint32_t nevents, capevents, free_event;
     cudabe_stuck *stuck;

@@ -97,9 +97,19 @@ static cuma_status vmm_map(cuma_backend *be, uint64_t addr, const uint64_t *hand
     /* One call for the run: each mapping is one handle, but access is set on a range (where the
      * probe found the driver takes one). */
     CUresult r = CUDA_SUCCESS;
-    if (!b->access_per_page)
+    bool per_page = b->access_per_page;
+    if (per_page && b->access_untried && n > 1) {
+        /* Started on a full device: the probe's question, asked by this call. */
+        b->access_untried = false;
         r = b->cu->MemSetAccess((CUdeviceptr)addr, (size_t)n * ps, b->access, b->naccess);
-    for (uint32_t k = 0; b->access_per_page && k < n && r == CUDA_SUCCESS; k++)
+        if (r == CUDA_SUCCESS)
+            b->access_per_page = per_page = false;
+        else
+            r = CUDA_SUCCESS; /* refused over a range: a page at a time, now and from now on */
+    } else if (!per_page) {
+        r = b->cu->MemSetAccess((CUdeviceptr)addr, (size_t)n * ps, b->access, b->naccess);
+    }
+    for (uint32_t k = 0; per_page && k < n && r == CUDA_SUCCESS; k++)
         r = b->cu->MemSetAccess((CUdeviceptr)(addr + (uint64_t)k * ps), ps, b->access, b->naccess);
     if (r != CUDA_SUCCESS) {
         /* An inaccessible mapping is useless and the core will not unmap what it thinks
@@ -126,8 +136,12 @@ static cuma_status vmm_unmap(cuma_backend *be, uint64_t addr, uint32_t n) {
         for (uint32_t k = 0; k < n; k++) cuma_cudabe_stuck_add(b, STUCK_MAPPING, addr + k * ps, ps);
         return st;
     }
-    CUresult r = b->unmap_per_page && n > 1 ? CUDA_ERROR_NOT_SUPPORTED
-                                            : b->cu->MemUnmap((CUdeviceptr)addr, (size_t)(n * ps));
+    bool ask = b->unmap_untried && n > 1; /* started on a full device: ask once, by doing */
+    if (ask) b->unmap_untried = false;
+    CUresult r = b->unmap_per_page && n > 1 && !ask
+                     ? CUDA_ERROR_NOT_SUPPORTED
+                     : b->cu->MemUnmap((CUdeviceptr)addr, (size_t)(n * ps));
+    if (ask && r == CUDA_SUCCESS) b->unmap_per_page = false;
     uint64_t bad = addr;
     if (r != CUDA_SUCCESS && n > 1) {
         r = CUDA_SUCCESS;
@@ -202,12 +216,14 @@ static cuma_status probe(cuda_be *b) {
     if (st) made--;
     /* No room for two pages now (another program holds the device): virtual memory works, it
      * just cannot be tried. Segments for the heap's whole life would be the wrong answer to a
-     * moment's shortage, so the backend takes the ways every driver accepts: access and unmap
-     * a page at a time, no second mappings (no early remaps). */
+     * moment's shortage, so the backend takes the ways every driver accepts (access and unmap
+     * a page at a time, no second mappings: no early remaps), and the first map and unmap of
+     * several pages ask the range questions by doing. */
     if (st == CUMA_ERR_OOM) {
         while (made-- > 0) vmm_page_release(&b->be, h[made]);
         vmm_unreserve(&b->be, va, 3 * ps);
         b->access_per_page = b->unmap_per_page = true;
+        b->access_untried = b->unmap_untried = true;
         cuma_clear_error();
         return CUMA_OK;
     }

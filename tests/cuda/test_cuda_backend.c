@@ -236,8 +236,10 @@ static void test_busy_stream_does_not_block(void) {
 }
 
 /* A vmm backend made while `spec` fails driver calls: whether it may alias, and how many
- * cuMemSetAccess and cuMemUnmap calls a run of three pages then takes. */
-static void probe_case(const char *spec, bool alias, unsigned long access, unsigned long unmaps) {
+ * cuMemSetAccess and cuMemUnmap calls a run of three pages then takes, while `then` fails calls
+ * (counted from the first map). */
+static void probe_case_then(const char *spec, const char *then, bool alias, unsigned long access,
+                            unsigned long unmaps) {
     CHECK(fakecuda_set_fail(spec) == 0);
     cuma_backend *be = backend_make("vmm", 0);
     CHECK(fakecuda_set_fail(NULL) == 0);
@@ -248,14 +250,20 @@ static void probe_case(const char *spec, bool alias, unsigned long access, unsig
     CHECK_OK(o->reserve(be, 16 * MB, 2 * MB, &base));
     for (int i = 0; i < 3; i++) CHECK_OK(o->page_create(be, &h[i]));
     fakecuda_reset_counters();
+    CHECK(fakecuda_set_fail(then) == 0);
     CHECK_OK(o->map(be, base, h, 3));
     CHECK(fakecuda_calls("cuMemMap") == 3 && fakecuda_calls("cuMemSetAccess") == access);
     CHECK_OK(o->unmap(be, base, 3));
+    CHECK(fakecuda_set_fail(NULL) == 0);
     CHECK(fakecuda_calls("cuMemUnmap") == unmaps && fakecuda_live("mappings") == 0);
     for (int i = 0; i < 3; i++) o->page_release(be, h[i]);
     o->unreserve(be, base, 16 * MB);
     be->ops->destroy(be);
     check_no_driver_objects();
+}
+
+static void probe_case(const char *spec, bool alias, unsigned long access, unsigned long unmaps) {
+    probe_case_then(spec, NULL, alias, access, unmaps);
 }
 
 /* The vmm backend's probe at creation: what the driver refuses of ranges and second mappings
@@ -266,10 +274,14 @@ static void test_vmm_probe(void) {
     probe_case("cuMemSetAccess:1", true, 3, 1); /* no access over a range */
     probe_case("cuMemMap:3", false, 1, 1);      /* no second mapping of a page */
     probe_case("cuMemUnmap:2", true, 1, 3);     /* no unmap over a range */
-    /* A device too full for the probe's pages (another program holds it) is still vmm, with
-     * the ways every driver takes: one access and one unmap call a page, no second mappings. */
-    probe_case("cuMemCreate:1", false, 3, 3);
-    probe_case("cuMemCreate:2", false, 3, 3);
+    /* A device too full for the probe's pages (another program holds it) is still vmm, without
+     * second mappings; its first map and unmap of a run ask the range questions by doing: the
+     * fake driver takes both (one call each), and one that refuses access over a range is
+     * answered a page at a time from then on (the refused call, then three). */
+    probe_case("cuMemCreate:1", false, 1, 1);
+    probe_case("cuMemCreate:2", false, 1, 1);
+    probe_case_then("cuMemCreate:1", "cuMemSetAccess:1", false, 4, 1);
+    probe_case_then("cuMemCreate:1", "cuMemUnmap:1", false, 1, 4);
     CHECK(fakecuda_set_fail("cuMemMap:*") == 0);
     cuma_settings set;
     cuma_settings_default(&set);
