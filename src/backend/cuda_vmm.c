@@ -97,10 +97,11 @@ static cuma_status vmm_map(cuma_backend *be, uint64_t addr, const uint64_t *hand
     /* One call for the run: each mapping is one handle, but access is set on a range (where the
      * probe found the driver takes one). */
     CUresult r = CUDA_SUCCESS;
-    bool per_page = b->access_per_page;
+    bool per_page = b->access_per_page, asked = false;
     if (per_page && b->access_untried && n > 1) {
         /* Started on a full device: the probe's question, asked by this call. */
         b->access_untried = false;
+        asked = true;
         r = b->cu->MemSetAccess((CUdeviceptr)addr, (size_t)n * ps, b->access, b->naccess);
         if (r == CUDA_SUCCESS)
             b->access_per_page = per_page = false;
@@ -117,6 +118,8 @@ static cuma_status vmm_map(cuma_backend *be, uint64_t addr, const uint64_t *hand
         st = cuma_cudabe_check(r, "cuMemSetAccess at 0x%" PRIx64 " (%u pages) for %zu device(s)",
                                addr, n, b->naccess);
         unmap_run(b, addr, n);
+        /* A page at a time failed too: the range's refusal said nothing about ranges. */
+        if (asked) b->access_untried = true;
     }
     cudabe_ctx_leave(b, &g);
     return st;
@@ -155,6 +158,8 @@ static cuma_status vmm_unmap(cuma_backend *be, uint64_t addr, uint32_t n) {
                 cuma_cudabe_stuck_forget(b, STUCK_MAPPING, at);
             }
         }
+        /* Pages failed one at a time too: the range's refusal said nothing about ranges. */
+        if (ask && r != CUDA_SUCCESS) b->unmap_untried = true;
     } else if (r != CUDA_SUCCESS) {
         cuma_cudabe_stuck_add(b, STUCK_MAPPING, addr, ps);
     } else if (b->nstuck) {

@@ -64,6 +64,7 @@ static void release(bool child) {
         if (child) {
             /* A thread of the parent's may have been running the callbacks: not in the child. */
             pthread_mutex_init(&h->oom_run, NULL);
+            atomic_store(&h->oom_dump_at, 0); /* the parent's last dump is not the child's */
             if (!(cuma_backend_unwrap(h->be)->caps & CUMA_CAP_FORK_PRIVATE)) {
                 /* Its pages are the parent's (device memory, or a simulated device's shared host
                  * backing): handing one out, or giving one back, would change the parent's. The

@@ -391,7 +391,10 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
                                 (uint64_t)(uintptr_t)*ptr, size, (uint64_t)(uintptr_t)stream);
     cuma_heap_release_policy(h, t);
     pthread_mutex_unlock(&h->lock);
-    if (is_oom(st) && h->primary->set.oom_dump[0]) cuma_heap_oom_dump(h->primary, size);
+    /* Not for an allocation a callback makes (it fails at once, inside the ladder of another
+     * that has not failed yet): it would take the file, and the 10 s, from the real failure. */
+    if (is_oom(st) && h->primary->set.oom_dump[0] && !oom_frames)
+        cuma_heap_oom_dump(h->primary, size);
     return st;
 }
 

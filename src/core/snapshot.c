@@ -225,7 +225,9 @@ void cuma_heap_oom_dump(cuma_heap *h, size_t size) {
     const char *fail = st ? cuma_last_error() : !stats || !snap ? "no host memory" : NULL;
     FILE *f = NULL;
     if (!fail) {
-        snprintf(tmp, sizeof tmp, "%s.tmp%ld", path, (long)getpid());
+        /* Unique in the process too: two heaps may dump to one name at the same moment. */
+        static _Atomic unsigned seq;
+        snprintf(tmp, sizeof tmp, "%s.tmp%ld.%u", path, (long)getpid(), atomic_fetch_add(&seq, 1));
         f = fopen(tmp, "w");
         if (!f) fail = strerror(errno);
     }

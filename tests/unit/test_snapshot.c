@@ -351,6 +351,16 @@ static char *read_file(const char *path) {
     return buf;
 }
 
+/* An OOM callback that tries an allocation of its own (which fails at once, inside the ladder):
+ * the dump must describe the allocation that failed for good, not this one. */
+static int try_alloc_in_callback(void *user, cuma_heap *h, size_t size, cuma_stream s) {
+    (void)size, (void)s;
+    void *p = NULL;
+    *(cuma_status *)user = cuma_alloc(h, 6 * MB, NULL, &p);
+    if (p) CHECK_OK(cuma_free(h, p, NULL));
+    return CUMA_OOM_PASS;
+}
+
 static void test_oom_dump(void) {
     char dir[] = "/tmp/cuma-oom-dump-XXXXXX";
     CHECK(mkdtemp(dir));
@@ -361,10 +371,13 @@ static void test_oom_dump(void) {
              dir);
     snprintf(path, sizeof path, "%s/oom-%ld-2.json", dir, (long)getpid());
     cuma_heap *h = heap_make(conf);
+    cuma_status inner = CUMA_OK;
+    CHECK_OK(cuma_add_oom_callback(h, try_alloc_in_callback, &inner, NULL));
     void *a, *b;
     CHECK_OK(cuma_alloc(h, 12 * MB, NULL, &a));
     CHECK(read_file(path) == NULL); /* nothing failed yet */
     CHECK_ST(cuma_alloc(h, 8 * MB, NULL, &b), CUMA_ERR_OOM);
+    CHECK(inner == CUMA_ERR_OOM); /* the callback's own try failed, and wrote nothing */
     CHECK(strstr(cuma_last_error(), "out of memory: 8388608 bytes requested")); /* kept */
     char *j = read_file(path);
     CHECK(j);
@@ -372,12 +385,12 @@ static void test_oom_dump(void) {
     CHECK(num_after(j, "\"pid\":") == (uint64_t)getpid() && num_after(j, "\"device\":") == 2);
     CHECK(num_after(j, "\"request_bytes\":") == 8 * MB);
     CHECK(strstr(j, "\"error\":\"out of memory: 8388608 bytes requested"));
-    CHECK(num_after(j, "\"failed_allocs\":") == 1);
+    CHECK(num_after(j, "\"failed_allocs\":") == 2); /* the callback's try and the request */
     CHECK(field(j, "live", "count") == 1 && field(j, "live", "bytes") == 12 * MB);
     /* A second failure at once: not written again (the file still has the first). */
     CHECK_ST(cuma_alloc(h, 9 * MB, NULL, &b), CUMA_ERR_OOM);
     j = read_file(path);
-    CHECK(num_after(j, "\"request_bytes\":") == 8 * MB && num_after(j, "\"failed_allocs\":") == 1);
+    CHECK(num_after(j, "\"request_bytes\":") == 8 * MB && num_after(j, "\"failed_allocs\":") == 2);
     CHECK_OK(cuma_free(h, a, NULL));
     cuma_heap_destroy(h);
     CHECK(unlink(path) == 0 && rmdir(dir) == 0); /* no temporary file left either */
