@@ -149,6 +149,29 @@ static void heap_labels(sbuf *b, const cuma_ledger_entry *e) {
     sb_printf(b, "\",priority=\"%d\",slot=\"%u\"}", e->priority, e->slot);
 }
 
+/* A per-heap gauge of a value computed from the entry (an age, a ratio), with `decimals`. */
+static void heap_gauge(sbuf *b, const ledger_view *v, const char *name, const char *help,
+                       int published_only, double (*value)(const cuma_ledger_entry *),
+                       int decimals) {
+    family(b, name, "gauge", help);
+    for (size_t i = 0; i < v->nheaps; i++) {
+        if (published_only && !view_has_stats(&v->heaps[i])) continue;
+        sb_printf(b, "%s", name);
+        heap_labels(b, &v->heaps[i]);
+        sb_printf(b, " %.*f\n", decimals, value(&v->heaps[i]));
+    }
+}
+
+static double publish_age_s(const cuma_ledger_entry *e) {
+    return (double)e->age_ns * 1e-9;
+}
+static double stats_age_s(const cuma_ledger_entry *e) {
+    return (double)e->stats_age_ns * 1e-9;
+}
+static double fragmentation(const cuma_ledger_entry *e) {
+    return e->fragmentation;
+}
+
 static void heap_family(sbuf *b, const ledger_view *v, const heap_metric *hm, int published_only) {
     family(b, hm->name, hm->type, hm->help);
     for (size_t i = 0; i < v->nheaps; i++) {
@@ -209,32 +232,18 @@ static void render(sbuf *b, const char *ledger, uint64_t *errors, int *was_up) {
         device_family(b, &v, "cuma_device_heaps", "Live heaps on the device.", HEAP_COUNT);
         for (size_t m = 0; m < sizeof heap_metrics / sizeof heap_metrics[0]; m++)
             heap_family(b, &v, &heap_metrics[m], 0);
-        family(b, "cuma_heap_publish_age_seconds", "gauge",
-               "Time since the heap last published its cached and requested bytes.");
-        for (size_t i = 0; i < v.nheaps; i++) {
-            sb_printf(b, "cuma_heap_publish_age_seconds");
-            heap_labels(b, &v.heaps[i]);
-            sb_printf(b, " %.3f\n", (double)v.heaps[i].age_ns * 1e-9);
-        }
+        heap_gauge(b, &v, "cuma_heap_publish_age_seconds",
+                   "Time since the heap last published its cached and requested bytes.", 0,
+                   publish_age_s, 3);
         for (size_t m = 0; m < sizeof alloc_metrics / sizeof alloc_metrics[0]; m++)
             heap_family(b, &v, &alloc_metrics[m], 1);
-        family(b, "cuma_fragmentation_ratio", "gauge",
-               "Share of the mapped bytes not under live allocations (0 to 1).");
-        for (size_t i = 0; i < v.nheaps; i++) {
-            if (!view_has_stats(&v.heaps[i])) continue;
-            sb_printf(b, "cuma_fragmentation_ratio");
-            heap_labels(b, &v.heaps[i]);
-            /* The ledger keeps parts per million: six decimals are exact. */
-            sb_printf(b, " %.6f\n", v.heaps[i].fragmentation);
-        }
-        family(b, "cuma_heap_stats_age_seconds", "gauge",
-               "Time since the heap last published its allocator figures (every 100 ms).");
-        for (size_t i = 0; i < v.nheaps; i++) {
-            if (!view_has_stats(&v.heaps[i])) continue;
-            sb_printf(b, "cuma_heap_stats_age_seconds");
-            heap_labels(b, &v.heaps[i]);
-            sb_printf(b, " %.3f\n", (double)v.heaps[i].stats_age_ns * 1e-9);
-        }
+        /* The ledger keeps parts per million: six decimals are exact. */
+        heap_gauge(b, &v, "cuma_fragmentation_ratio",
+                   "Share of the mapped bytes not under live allocations (0 to 1).", 1,
+                   fragmentation, 6);
+        heap_gauge(b, &v, "cuma_heap_stats_age_seconds",
+                   "Time since the heap last published its allocator figures (every 100 ms).", 1,
+                   stats_age_s, 3);
     }
     view_free(&v);
 }

@@ -273,15 +273,22 @@ static void check_per_thread_streams(void) {
     CHECK_RES(cuMemFreeAsync_ptsz(p, NULL), CUDA_ERROR_INVALID_VALUE); /* a second free */
 }
 
-static void check_runtime_path(void) {
+/* The driver as the runtime opens it (dlopen, then dlsym of cuGetProcAddress_v2): its handle in
+ * *h and its cuGetProcAddress, which must be the shim's exactly when the calls are routed. */
+static gpa_fn runtime_gpa(void **h) {
     const char *lib = getenv("CUMA_CUDA_LIBRARY");
-    void *h = dlopen(lib && *lib ? lib : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    CHECK(h);
-    void *sym = dlsym(h, "cuGetProcAddress_v2");
-    CHECK(sym);
-    CHECK(is_shim(sym) == routed);
+    *h = dlopen(lib && *lib ? lib : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    CHECK(*h);
+    void *sym = dlsym(*h, "cuGetProcAddress_v2");
+    CHECK(sym && is_shim(sym) == routed);
     gpa_fn gpa;
     memcpy(&gpa, &sym, sizeof sym);
+    return gpa;
+}
+
+static void check_runtime_path(void) {
+    void *h, *sym;
+    gpa_fn gpa = runtime_gpa(&h);
 
     CUdriverProcAddressQueryResult st;
     void *fn = NULL;
@@ -568,13 +575,8 @@ static void check_release(ctx_fn release_fn) {
 /* cudaDeviceReset as the runtime reaches it: cuDevicePrimaryCtxReset from cuGetProcAddress (the
  * _v2 ABI, and the unversioned one a runtime older than CUDA 11 asks for) and from dlsym. */
 static void check_reset(void) {
-    const char *lib = getenv("CUMA_CUDA_LIBRARY");
-    void *h = dlopen(lib && *lib ? lib : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    CHECK(h);
-    void *sym = dlsym(h, "cuGetProcAddress_v2");
-    CHECK(sym);
-    gpa_fn gpa;
-    memcpy(&gpa, &sym, sizeof sym);
+    void *h, *sym;
+    gpa_fn gpa = runtime_gpa(&h);
     CUdriverProcAddressQueryResult st;
     void *fn = NULL;
     ctx_fn by_gpa, by_gpa_v1, by_dlsym, release_fn;
