@@ -188,18 +188,23 @@ static bool in_callbacks_of(const cuma_heap *p) {
     return false;
 }
 
+/* Another try once memory may have been freed (by a callback, or another thread's callbacks):
+ * what sits idle in thread caches and in the other arenas goes back first. */
+static cuma_status retry_after_frees(cuma_heap *h, size_t size, uint64_t n, unsigned si,
+                                     cuma_block **out) {
+    cuma_heap_release_idle(h, 0);
+    release_other_arenas(h);
+    return try_alloc(h, size, n, si, now(h), out);
+}
+
 /* How long a thread that runs out waits for another thread's run of the callbacks before it
  * fails as if they had freed nothing: the wait must end even when the running callback needs
  * something the waiting thread holds (Python's GIL, taken by a C extension that allocates). */
-#define OOM_WAIT_NS 1000000000ll
+#define OOM_WAIT_NS 1000000000ull
 
 /* oom_run, waited for at most OOM_WAIT_NS; whether it is now held. */
 static bool wait_oom_run(cuma_heap *p) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    long long ns = ts.tv_nsec + OOM_WAIT_NS;
-    ts.tv_sec += (time_t)(ns / 1000000000ll);
-    ts.tv_nsec = (long)(ns % 1000000000ll);
+    struct timespec ts = cuma_deadline(CLOCK_REALTIME, OOM_WAIT_NS); /* timedlock's clock */
     int r;
     while ((r = pthread_mutex_timedlock(&p->oom_run, &ts)) == EINTR) {
     }
@@ -225,11 +230,7 @@ static cuma_status run_oom_callbacks(cuma_heap *h, cuma_status st, size_t size, 
         pthread_mutex_unlock(&h->lock);
         bool got = wait_oom_run(p);
         pthread_mutex_lock(&h->lock);
-        if (got) {
-            cuma_heap_release_idle(h, 0);
-            release_other_arenas(h);
-        }
-        st = try_alloc(h, size, n, si, now(h), out);
+        st = got ? retry_after_frees(h, size, n, si, out) : try_alloc(h, size, n, si, now(h), out);
         if (!got || !is_oom(st)) {
             if (got) pthread_mutex_unlock(&p->oom_run);
             return st;
@@ -249,9 +250,7 @@ static cuma_status run_oom_callbacks(cuma_heap *h, cuma_status st, size_t size, 
         int r = ((cuma_oom_fn)cbs[i].fn)(cbs[i].user, p, size, stream);
         pthread_mutex_lock(&h->lock);
         if (r != CUMA_OOM_RETRY) continue;
-        cuma_heap_release_idle(h, 0); /* what the callback freed may sit in a thread cache */
-        release_other_arenas(h);
-        st = try_alloc(h, size, n, si, now(h), out);
+        st = retry_after_frees(h, size, n, si, out);
         if (!is_oom(st)) break;
     }
     oom_frames = frame.up;

@@ -14,6 +14,7 @@
 #include "tcache.h"
 
 #include <pthread.h>
+#include <time.h>
 #include <stdatomic.h>
 
 #define CUMA_MAX_OOM_CALLBACKS 16
@@ -270,6 +271,9 @@ void cuma_fork_untrack(cuma_heap *h);
 /* The whole heap's figures (stats.c): every arena's in turn, one lock at a time (none held on
  * entry); without the ledger's and the driver's (cuma_get_stats adds those). */
 void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s);
+
+/* The moment `ns` from now on `clock`, for the timed waits of pthreads (release.c). */
+struct timespec cuma_deadline(clockid_t clock, uint64_t ns);
 
 /* The oom_dump setting (snapshot.c): after an allocation of `size` bytes failed for good (no
  * lock held; the thread's error message is the failure's, and stays so), writes the heap's

@@ -6,6 +6,15 @@
 
 #include <time.h>
 
+struct timespec cuma_deadline(clockid_t clock, uint64_t ns) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    uint64_t at = (uint64_t)ts.tv_nsec + ns;
+    ts.tv_sec += (time_t)(at / 1000000000ull);
+    ts.tv_nsec = (long)(at % 1000000000ull);
+    return ts;
+}
+
 /* Blocks idle in thread caches longer than tcache_age_ms go back. Walking every cache is not
  * free, so it runs only when something is due: after a walk, the oldest block left (or any
  * block pushed later, stamped later) is due no earlier than tc_due. */
@@ -237,11 +246,8 @@ void *cuma_heap_release_thread(void *arg) {
         if (h->ledger && wait_ns > CUMA_LEDGER_POLL_NS) wait_ns = CUMA_LEDGER_POLL_NS;
         if (watches_device(h) && wait_ns > WATERMARK_POLL_NS) wait_ns = WATERMARK_POLL_NS;
         {
-            struct timespec ts;
-            clock_gettime(CLOCK_MONOTONIC, &ts);
-            uint64_t ns = (uint64_t)ts.tv_nsec + wait_ns + 100000; /* a little late, never early */
-            ts.tv_sec += (time_t)(ns / 1000000000ull);
-            ts.tv_nsec = (long)(ns % 1000000000ull);
+            /* A little late, never early. */
+            struct timespec ts = cuma_deadline(CLOCK_MONOTONIC, wait_ns + 100000);
             woken = pthread_cond_timedwait(&h->wake, &h->lock, &ts) == 0;
         }
         uint64_t now = cuma_heap_now(h);
