@@ -1,16 +1,23 @@
 #include "error.h"
 
+#include "strbuf.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 
 /* One message per thread, so concurrent failures do not overwrite each other. */
 static _Thread_local char last_error[512];
 
+/* Every message passes through one escaping step: they quote settings, file names and lines of
+ * input, and a control byte in one of them (ESC]0;...BEL, ESC[2J) must not reach the terminal
+ * that prints the message. */
 cuma_status cuma_fail(cuma_status s, const char *fmt, ...) {
+    char raw[sizeof last_error];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    vsnprintf(raw, sizeof raw, fmt, ap);
     va_end(ap);
+    cuma_escape(raw, last_error, sizeof last_error);
     return s;
 }
 

@@ -5,7 +5,9 @@
 #include "cuma/cuma.h"
 
 /* Sets the calling thread's message (printf format) and returns `s`, so a failing path can
- * say `return cuma_fail(CUMA_ERR_INVALID, "size %zu overflows", n);`. */
+ * say `return cuma_fail(CUMA_ERR_INVALID, "size %zu overflows", n);`. Control bytes in the
+ * formatted text are escaped (\x1b for ESC; see cuma_strbuf_escaped), so a message may quote
+ * any input as it is. */
 cuma_status cuma_fail(cuma_status s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* Clears the calling thread's message. */
