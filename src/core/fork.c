@@ -13,7 +13,9 @@
  * registry lock, each heap's arena locks in arena order, its oom_lock and managed_lock, its
  * shared backend's lock, then the ledger's mapping list and the trace writers' locks (a heap
  * logs under its arena's lock). A child drops the trace logs it inherited (they are the
- * parent's files) and logs nothing. Nothing here runs with a heap lock
+ * parent's files) and logs nothing. No file is opened under any of these locks (a trace log is
+ * opened between two short holds of the writers' list lock, writer.c's claim), so a fork never
+ * waits for a slow open; the only system calls under them are a log's writes and its close. Nothing here runs with a heap lock
  * held; heap creation and destruction take fork_lock alone. A heap's oom_run (held while a
  * thread runs its OOM callbacks, which may take long, or fork) is not taken: it starts free in
  * the child, whose copy of the callbacks' thread does not exist.

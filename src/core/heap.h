@@ -105,6 +105,9 @@ struct cuma_heap {
      * was not told to use could not be joined (stats), "" otherwise; constant. */
     struct cuma_ledger *ledger;
     char ledger_error[160];
+    /* First arena only: why the `trace` log could not be opened (the heap runs without it; in
+     * the stats), "" otherwise; constant. */
+    char trace_error[512];
     uint64_t stats_due;     /* first arena's release thread only: next publication of its figures */
     uint64_t watermark_due; /* first arena's release thread only: next look at free memory */
     /* First arena only: held by the thread running the OOM callbacks (one at a time a heap);

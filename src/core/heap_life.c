@@ -188,12 +188,22 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     st = cuma_heap_join_ledger(h);
     if (st) goto fail_be;
     if (h->set.trace[0]) {
+        bool tcache = h->set.tcache;
         h->set.tcache = false; /* every call takes the lock: the log sees them all, in order */
         /* The stats name the file really written (a pattern's %p and %d filled in, or a
          * numbered name when the file was taken). */
         st = cuma_trace_writer_open(h->set.trace, h->set.device, h->set.trace, sizeof h->set.trace,
                                     &h->tw);
-        if (st) goto fail_be;
+        if (st == CUMA_ERR_CONFIG) goto fail_be;
+        if (st) {
+            /* A file that cannot or must not be written (a planted link, a FIFO, another
+             * user's file) costs the log, not the job: said on stderr and in the stats. */
+            snprintf(h->trace_error, sizeof h->trace_error, "%s", cuma_last_error());
+            fprintf(stderr, "cuma: %s; the heap runs without the log\n", h->trace_error);
+            h->set.trace[0] = 0;
+            h->set.tcache = tcache;
+            st = CUMA_OK;
+        }
     }
     if (h->set.sim_clock_manual && !strcmp(h->be->name, "sim"))
         cuma_simbe_set_clock(h->be, &h->manual_now); /* sim_lag_ms counts on the heap's time */

@@ -7,6 +7,7 @@
  * its own lock in turn, as cuma_heap_snapshot does. */
 #include "error.h"
 #include "heap.h"
+#include "safefile.h"
 #include "strbuf.h"
 #include "trace/writer.h"
 
@@ -224,12 +225,18 @@ void cuma_heap_oom_dump(cuma_heap *h, size_t size) {
     char *snap = st ? NULL : json_of(cuma_snapshot_json, h);
     const char *fail = st ? cuma_last_error() : !stats || !snap ? "no host memory" : NULL;
     FILE *f = NULL;
+    char refused[160] = "";
     if (!fail) {
-        /* Unique in the process too: two heaps may dump to one name at the same moment. */
-        static _Atomic unsigned seq;
-        snprintf(tmp, sizeof tmp, "%s.tmp%ld.%u", path, (long)getpid(), atomic_fetch_add(&seq, 1));
-        f = fopen(tmp, "w");
-        if (!f) fail = strerror(errno);
+        /* An unguessable name created exclusively beside the file (never a planted link or
+         * FIFO), whose target is absent or the user's own regular file (safefile.h). */
+        int fd = cuma_file_create_temp(path, tmp, sizeof tmp, refused, sizeof refused);
+        if (fd < 0)
+            fail = refused;
+        else if (!(f = fdopen(fd, "w"))) {
+            fail = "no host memory";
+            close(fd);
+            unlink(tmp);
+        }
     }
     if (f) {
         char quoted[2200];
@@ -247,11 +254,13 @@ void cuma_heap_oom_dump(cuma_heap *h, size_t size) {
             unlink(tmp);
         }
     }
+    char shown[600];
     if (fail)
         fprintf(stderr, "cuma: oom_dump %s: could not write what holds the memory: %s\n",
-                h->set.oom_dump, fail);
+                cuma_escape(fail == refused ? path : h->set.oom_dump, shown, sizeof shown), fail);
     else
-        fprintf(stderr, "cuma: out of memory: what holds the memory is in %s\n", path);
+        fprintf(stderr, "cuma: out of memory: what holds the memory is in %s\n",
+                cuma_escape(path, shown, sizeof shown));
     free(stats);
     free(snap);
     cuma_fail(CUMA_ERR_OOM, "%s", why); /* the failure's message again, whatever came between */

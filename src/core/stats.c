@@ -174,6 +174,11 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
         cuma_strbuf_json_string(&o, h->ledger_error);
         cuma_strbuf_put(&o, ",");
     }
+    if (h->trace_error[0]) {
+        cuma_strbuf_put(&o, "\"trace_error\":");
+        cuma_strbuf_json_string(&o, h->trace_error);
+        cuma_strbuf_put(&o, ",");
+    }
     cuma_strbuf_put(&o, "\"remap_keep\":%.4f,\"fragmentation\":%.6f,\"config\":{", s.remap_keep,
                     s.fragmentation);
     size_t room = cuma_strbuf_room(&o);

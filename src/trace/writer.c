@@ -3,6 +3,8 @@
 #include "writer.h"
 
 #include "core/error.h"
+#include "core/safefile.h"
+#include "core/strbuf.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -17,9 +19,11 @@
 #include <unistd.h>
 #include <zlib.h>
 
-/* Invariant: gz == NULL once closed (by cuma_trace_writer_close or at exit) or failed; the
- * writer is on the open list while gz != NULL. mu guards gz and failed; the list is
- * guarded by list_mu (taken before mu). */
+/* Invariant: gz == NULL while the writer is being started and once closed (by
+ * cuma_trace_writer_close or at exit) or failed; the writer is on the open list while fd >= 0
+ * (from the publication in claim, before gz exists, until closed). mu guards gz, failed and
+ * fd once gz exists; before that fd is written under list_mu; the fork handlers hold both. The
+ * list is guarded by list_mu (taken before mu). */
 struct cuma_trace_writer {
     pthread_mutex_t mu;
     gzFile gz;
@@ -27,7 +31,7 @@ struct cuma_trace_writer {
      * file offset are the parent's); NULL otherwise. */
     gzFile inherited;
     bool failed;
-    int fd;      /* gz's file, which holds the writer's flock on it (see claim) */
+    int fd;      /* gz's file (-1: none), which holds the writer's flock on it (see claim) */
     uint64_t t0; /* ns, monotonic, at open */
     char *path;
     cuma_trace_writer *next_open;
@@ -45,6 +49,8 @@ typedef struct claimed_path {
     char path[];
 } claimed_path;
 static claimed_path *claimed;
+/* Forks so far (counted by the prefork handler, under list_mu): see claim. */
+static unsigned forks;
 static bool nolock_said; /* the stderr line about a file system without locks: once */
 static pthread_once_t exit_once = PTHREAD_ONCE_INIT;
 
@@ -57,10 +63,12 @@ static uint64_t now_ns(void) {
 /* Closes the file; with mu held. */
 static void finish(cuma_trace_writer *w) {
     if (!w->gz) return;
+    char shown[2 * CUMA_TRACE_PATH_MAX];
     if (gzclose(w->gz) != Z_OK && !w->failed)
         fprintf(stderr, "cuma: trace %s: closing the log failed: the file may be incomplete\n",
-                w->path);
+                cuma_escape(w->path, shown, sizeof shown));
     w->gz = NULL;
+    w->fd = -1; /* gzclose closed it */
 }
 
 static void unlink_open(cuma_trace_writer *w) {
@@ -85,6 +93,7 @@ static void close_all_at_exit(void) {
 
 void cuma_trace_writer_prefork(void) {
     pthread_mutex_lock(&list_mu);
+    forks++;
     for (cuma_trace_writer *w = open_list; w; w = w->next_open) pthread_mutex_lock(&w->mu);
 }
 
@@ -92,12 +101,11 @@ void cuma_trace_writer_postfork(bool child) {
     for (cuma_trace_writer *w = open_list; w; w = w->next_open) {
         /* gzclose would write the parent's buffered lines and a trailer into the parent's file
          * through the shared offset: the child's copy of the stream is left, unwritten. */
-        if (child && w->gz) {
-            w->inherited = w->gz, w->gz = NULL;
-            /* The child's reference to the file would keep the parent's flock alive after the
-             * parent closed the log. The stream is never used again, so its descriptor goes. */
-            close(w->fd);
-        }
+        if (child && w->gz) w->inherited = w->gz, w->gz = NULL;
+        /* The child's reference to the file would keep the parent's flock alive after the
+         * parent closed the log. The stream is never used again, so its descriptor goes (also
+         * that of a writer the parent was still starting: its thread is not in the child). */
+        if (child && w->fd >= 0) close(w->fd), w->fd = -1;
         pthread_mutex_unlock(&w->mu);
     }
     if (child) open_list = NULL;
@@ -166,12 +174,46 @@ static bool is_claimed(const char *path) {
     return false;
 }
 
-/* Opens and truncates the log for name or, when another writer holds it (in this process or
- * another: each holds an exclusive flock on its file) or this process wrote it before, for the
- * first numbered name that is free. The lock is what keeps two jobs started with the same
- * CUMA_CONF (one process per GPU, or a heap per device) from interleaving two gzip streams in
- * one file. With list_mu held. Returns the descriptor (the name in path) or -1, errno set. */
-static int claim(const char *name, char *path, size_t len, bool *mine) {
+/* Adds path to the claimed names; with list_mu held. */
+static bool add_claim(const char *path) {
+    size_t n = strlen(path);
+    claimed_path *c = malloc(sizeof *c + n + 1);
+    if (!c) return false;
+    memcpy(c->path, path, n + 1);
+    c->next = claimed;
+    claimed = c;
+    return true;
+}
+
+/* Takes path off the claimed names (a claim whose open failed); with list_mu held. */
+static void drop_claim(const char *path) {
+    for (claimed_path **pp = &claimed; *pp; pp = &(*pp)->next)
+        if (!strcmp((*pp)->path, path)) {
+            claimed_path *c = *pp;
+            *pp = c->next;
+            free(c);
+            return;
+        }
+}
+
+void (*cuma_trace_writer_open_hook)(const char *path);
+
+/* Opens the log for name or, when another writer holds it (in this process or another: each
+ * holds an exclusive flock on its file) or this process wrote it before, for the first
+ * numbered name that is free, and puts w on the open list holding it (w->fd; the caller
+ * truncates the file and starts the stream). The lock is what keeps two jobs started with the
+ * same CUMA_CONF (one process per GPU, or a heap per device) from interleaving two gzip streams
+ * in one file.
+ *
+ * The open runs without list_mu, which the fork handlers take: opening a file may block (a slow
+ * or remote file system), and a fork meanwhile would wait for it. So a name is claimed under
+ * list_mu (no other writer of this process tries it), opened outside, and the writer published
+ * under list_mu again. A fork between the open and the publication leaves the child holding
+ * the file's open description, which would share the flock taken on it later and keep it after
+ * the parent closed its log: the fork count says so, and the file is opened afresh.
+ * Returns the descriptor (the name in path) or -1, errno set and the reason in why. */
+static int claim(cuma_trace_writer *w, const char *name, char *path, size_t len, bool *mine,
+                 char *why, size_t wlen) {
     *mine = false;
     for (unsigned k = 0; k < 1000; k++) {
         if (!k)
@@ -180,53 +222,85 @@ static int claim(const char *name, char *path, size_t len, bool *mine) {
             errno = ENAMETOOLONG;
             return -1;
         }
+        pthread_mutex_lock(&list_mu);
         if (is_claimed(path)) {
+            pthread_mutex_unlock(&list_mu);
             *mine |= !k;
             continue;
         }
-        int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
-        if (fd < 0) return -1;
+        if (!add_claim(path)) {
+            pthread_mutex_unlock(&list_mu);
+            errno = ENOMEM;
+            return -1;
+        }
+        bool say_nolock = false;
+        int fd = -1, e = 0;
+        for (int tries = 0;; tries++) {
+            unsigned gen = forks;
+            pthread_mutex_unlock(&list_mu);
+            if (cuma_trace_writer_open_hook) cuma_trace_writer_open_hook(path);
+            fd = cuma_file_open_log(path, why, wlen);
+            e = errno;
+            pthread_mutex_lock(&list_mu);
+            if (fd < 0 || gen == forks) break;
+            close(fd);
+            if (tries == 100) {
+                fd = -1, e = EAGAIN;
+                snprintf(why, wlen, "the process forked at every try to open it");
+                break;
+            }
+        }
+        if (fd < 0) {
+            drop_claim(path);
+            pthread_mutex_unlock(&list_mu);
+            errno = e;
+            return -1;
+        }
         if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
             if (errno == EWOULDBLOCK) {
+                drop_claim(path);
+                pthread_mutex_unlock(&list_mu);
                 close(fd);
                 continue;
             }
             /* A file system without locks (NFS mounted nolock, some cluster file systems):
              * the log is still wanted, but nothing keeps another process out of it. */
-            if (!nolock_said) {
-                nolock_said = true;
-                fprintf(stderr,
-                        "cuma: trace %s cannot be locked (%s): another process given the same "
-                        "name would write into it too; put %%p in the name\n",
-                        path, strerror(errno));
-            }
+            say_nolock = !nolock_said;
+            nolock_said = true;
+            e = errno;
         }
-        if (ftruncate(fd, 0) != 0 && errno != EINVAL) { /* EINVAL: not a regular file */
-            int e = errno;
-            close(fd);
-            errno = e;
-            return -1;
+        w->fd = fd;
+        w->next_open = open_list;
+        open_list = w;
+        pthread_mutex_unlock(&list_mu);
+        if (say_nolock) {
+            char shown[2 * CUMA_TRACE_PATH_MAX];
+            fprintf(stderr,
+                    "cuma: trace %s cannot be locked (%s): another process given the same "
+                    "name would write into it too; put %%p in the name\n",
+                    cuma_escape(path, shown, sizeof shown), strerror(e));
         }
-        size_t n = strlen(path);
-        claimed_path *c = malloc(sizeof *c + n + 1);
-        if (!c) {
-            close(fd);
-            errno = ENOMEM;
-            return -1;
-        }
-        memcpy(c->path, path, n + 1);
-        c->next = claimed;
-        claimed = c;
         return fd;
     }
     errno = EBUSY;
     return -1;
 }
 
+/* Undoes a claim whose file could not be started: off the open list, the name free again. */
+static void unclaim(cuma_trace_writer *w, const char *path, bool close_fd) {
+    pthread_mutex_lock(&list_mu);
+    unlink_open(w);
+    drop_claim(path);
+    int fd = w->fd;
+    w->fd = -1;
+    pthread_mutex_unlock(&list_mu);
+    if (fd >= 0 && close_fd) close(fd);
+}
+
 cuma_status cuma_trace_writer_open(const char *pattern, int device, char *opened, size_t len,
                                    cuma_trace_writer **out) {
     *out = NULL;
-    char name[CUMA_TRACE_PATH_MAX], path[CUMA_TRACE_PATH_MAX];
+    char name[CUMA_TRACE_PATH_MAX], path[CUMA_TRACE_PATH_MAX], why[160] = "";
     cuma_status st = cuma_path_expand("trace", pattern, device, name, sizeof name);
     if (st) return st;
     size_t n = strlen(name);
@@ -234,12 +308,11 @@ cuma_status cuma_trace_writer_open(const char *pattern, int device, char *opened
     cuma_trace_writer *w = calloc(1, sizeof *w);
     char *p = NULL;
     if (!w) return cuma_fail(CUMA_ERR_OOM, "trace %s: no host memory for the writer", name);
-    /* list_mu from the claim until the writer is on the open list: a fork meanwhile (which
-     * takes list_mu first) would leave the child holding the file, and its lock, unlisted. */
-    pthread_mutex_lock(&list_mu);
+    pthread_mutex_init(&w->mu, NULL);
+    w->fd = -1;
     errno = 0;
     bool mine;
-    int fd = claim(name, path, sizeof path, &mine);
+    int fd = claim(w, name, path, sizeof path, &mine, why, sizeof why);
     if (fd < 0) {
         int e = errno;
         if (e == EBUSY)
@@ -250,38 +323,51 @@ cuma_status cuma_trace_writer_open(const char *pattern, int device, char *opened
                            "shorten it, or put %%p in it",
                            name, CUMA_TRACE_PATH_MAX - 1);
         else
-            st = cuma_fail(CUMA_ERR_IO, "trace %s: cannot create the log: %s", name, strerror(e));
+            st = cuma_fail(CUMA_ERR_IO, "trace %s: cannot create the log: %s", path,
+                           why[0] ? why : strerror(e));
+        pthread_mutex_destroy(&w->mu);
+        free(w);
+        return st;
+    }
+    /* Published with the descriptor only: a fork from here on closes it in the child. The stream
+     * is started outside every lock (ftruncate may block), and handed over under w->mu. */
+    gzFile z = NULL;
+    if (ftruncate(fd, 0) != 0) {
+        st = cuma_fail(CUMA_ERR_IO, "trace %s: cannot truncate the log: %s", path, strerror(errno));
         goto fail;
     }
-    if (!(p = strdup(path)) || !(w->gz = gzdopen(fd, gz ? "wb1" : "wbT"))) {
-        close(fd);
+    /* The stream takes over fd (gzclose closes it); w->fd stays the same number, which a
+     * forked child closes. */
+    if (!(p = strdup(path)) || !(z = gzdopen(fd, gz ? "wb1" : "wbT"))) {
         st = cuma_fail(CUMA_ERR_OOM, "trace %s: no host memory for the writer", path);
         goto fail;
     }
-    w->fd = fd;
-    gzbuffer(w->gz, 1 << 18);
-    if (gzputs(w->gz, "Thread,Time,Action,Pointer,Size,Stream\n") <= 0) {
-        gzclose(w->gz);
+    gzbuffer(z, 1 << 18);
+    if (gzputs(z, "Thread,Time,Action,Pointer,Size,Stream\n") <= 0) {
         st = cuma_fail(CUMA_ERR_IO, "trace %s: cannot write the header", path);
         goto fail;
     }
-    if (strcmp(path, name))
-        fprintf(stderr, "cuma: trace %s %s: logging to %s\n", name,
+    if (strcmp(path, name)) {
+        char shown[2][2 * CUMA_TRACE_PATH_MAX];
+        fprintf(stderr, "cuma: trace %s %s: logging to %s\n",
+                cuma_escape(name, shown[0], sizeof shown[0]),
                 mine ? "is or was another heap's log in this process"
                      : "is being written by another process",
-                path);
-    pthread_mutex_init(&w->mu, NULL);
+                cuma_escape(path, shown[1], sizeof shown[1]));
+    }
     w->path = p;
     w->t0 = now_ns();
     if (opened) snprintf(opened, len, "%s", path);
     pthread_once(&exit_once, register_exit);
-    w->next_open = open_list;
-    open_list = w;
-    pthread_mutex_unlock(&list_mu);
+    pthread_mutex_lock(&w->mu);
+    w->gz = z;
+    pthread_mutex_unlock(&w->mu);
     *out = w;
     return CUMA_OK;
 fail:
-    pthread_mutex_unlock(&list_mu);
+    unclaim(w, path, !z);
+    if (z) gzclose(z);
+    pthread_mutex_destroy(&w->mu);
     free(w), free(p);
     return st;
 }
@@ -306,7 +392,9 @@ void cuma_trace_writer_event(cuma_trace_writer *w, cuma_trace_action action, uin
         if (gzwrite(w->gz, line, (unsigned)len) != len) {
             int e;
             const char *why = gzerror(w->gz, &e);
-            fprintf(stderr, "cuma: trace %s: write failed (%s): the log stops here\n", w->path,
+            char shown[2 * CUMA_TRACE_PATH_MAX];
+            fprintf(stderr, "cuma: trace %s: write failed (%s): the log stops here\n",
+                    cuma_escape(w->path, shown, sizeof shown),
                     e == Z_ERRNO ? strerror(errno) : why);
             w->failed = true;
             finish(w);

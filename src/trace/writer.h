@@ -32,10 +32,16 @@ cuma_status cuma_path_expand(const char *key, const char *pattern, int device, c
  * device): gzip-compressed when the name ends in ".gz", else plain text. Writes the header.
  * When another writer, in this process or another, has the file open, or this process wrote it
  * before, the log is the first free of NAME.1.csv.gz, NAME.2.csv.gz, ... (said on stderr). The
- * name used goes to opened (len bytes; NULL is fine). CUMA_ERR_IO names the file and the
- * cause; CUMA_ERR_CONFIG a bad pattern. */
+ * name used goes to opened (len bytes; NULL is fine). The file is opened as safefile.h says
+ * (never through a symlink, nothing but the user's own regular file, new ones 0600), and with
+ * no lock held that the fork handlers take. CUMA_ERR_IO names the file and the cause (a refused
+ * file says why); CUMA_ERR_CONFIG a bad pattern. */
 cuma_status cuma_trace_writer_open(const char *pattern, int device, char *opened, size_t len,
                                    cuma_trace_writer **out);
+
+/* Tests only: when set, called with the file name just before each open of a log, outside every
+ * lock the fork handlers take (so a test can hold an open as long as it likes). */
+extern void (*cuma_trace_writer_open_hook)(const char *path);
 
 /* One line: the action, the block's address (0 for a failed allocation), its size in bytes
  * and the stream, stamped with the time since the log was opened and the calling thread. A

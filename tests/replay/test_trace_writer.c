@@ -1,7 +1,8 @@
 /* The `trace` setting: a heap logs every allocation, failed allocation and free in RMM's CSV
  * format, plain or gzip, from several threads, and the reader (and so `cuma replay`) reads it
  * back: every free matched to its allocation with the same size, failures as `allocate
- * failure`, times in order. A path that cannot be created fails the heap's creation, naming it.
+ * failure`, times in order. A path that cannot be created costs the log, not the heap: its stats
+ * name the file and the cause.
  * A log is never written by two heaps or processes at once, nor overwritten by a later heap of
  * the same process (a numbered name instead); %p and %d name the process and the device.
  *
@@ -51,6 +52,12 @@ static void *churn(void *arg) {
         w->frees++;
     }
     return NULL;
+}
+
+static const char *stats_text(cuma_heap *h) {
+    static char buf[16384];
+    CHECK_OK(cuma_stats_json(h, buf, sizeof buf, NULL));
+    return buf;
 }
 
 static void run(const char *path) {
@@ -194,7 +201,7 @@ static void names(const char *dir) {
     log_one(a, 7000, got);
     CHECK(unlink(got) == 0); /* a new name each run */
 
-    /* A name too long to number: the second heap is refused, saying so (not overwriting). */
+    /* A name too long to number: the second heap gets no log, saying so (not overwriting). */
     char longname[256];
     int used = snprintf(longname, sizeof longname, "%s/", dir);
     CHECK(used > 0 && used < 200);
@@ -207,8 +214,10 @@ static void names(const char *dir) {
         snprintf(conf, sizeof conf, "backend:sim,capacity:1G,trace:%s", longname);
         cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
         cuma_heap *h2 = NULL;
-        CHECK_ST(cuma_heap_create(&cfg, &h2), CUMA_ERR_IO);
-        CHECK(h2 == NULL && strstr(cuma_last_error(), "a numbered name would be longer"));
+        CHECK_OK(cuma_heap_create(&cfg, &h2));
+        CHECK(strstr(stats_text(h2), "\"trace_error\":\"trace ") &&
+              strstr(stats_text(h2), "a numbered name would be longer"));
+        cuma_heap_destroy(h2);
     }
     log_one(a, 8000, longname);
     CHECK(unlink(longname) == 0);
@@ -237,12 +246,20 @@ int main(int argc, char **argv) {
     snprintf(path, sizeof path, "%s/trace_writer.csv.gz", argv[1]);
     run(path);
     names(argv[1]);
-    /* A log that cannot be created: the heap is not created, and the message names the file. */
+    /* A log that cannot be created: the heap works without it, and its stats name the file and
+     * the cause (tests/unit/test_setting_files.c: the files it refuses). */
     cuma_config bad = {.conf = "backend:sim,trace:/nonexistent-dir/x.csv",
                        .flags = CUMA_CONFIG_NO_ENV};
     cuma_heap *h = NULL;
-    CHECK_ST(cuma_heap_create(&bad, &h), CUMA_ERR_IO);
-    CHECK(h == NULL && strstr(cuma_last_error(), "/nonexistent-dir/x.csv"));
+    CHECK_OK(cuma_heap_create(&bad, &h));
+    const char *js = stats_text(h);
+    CHECK(strstr(js, "\"trace_error\":\"trace /nonexistent-dir/x.csv: cannot create the log: "
+                     "No such file or directory\""));
+    CHECK(strstr(js, "\"trace\":null")); /* no log */
+    void *p;
+    CHECK_OK(cuma_alloc(h, 4096, NULL, &p));
+    CHECK_OK(cuma_free(h, p, NULL));
+    cuma_heap_destroy(h);
     printf("test_trace_writer: all passed\n");
     return 0;
 }
