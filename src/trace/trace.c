@@ -214,7 +214,9 @@ static int take_char(span *f, char c) {
 
 /* HH:MM:SS:frac or HH:MM:SS.frac. The fraction is read as a decimal fraction of a second, so
  * the six digits RMM writes are microseconds and a shorter or longer fraction still means what
- * it says. Hours may exceed 24 (a long run). */
+ * it says. Hours may exceed 24 (a long run), up to CUMA_TRACE_MAX_HOURS: a larger one is a
+ * damaged line, and its microseconds would overflow what a replay integrates over time.
+ * Returns 0, -1 (malformed) or -2 (hours over the maximum). */
 static int parse_time(span f, uint64_t *us) {
     uint64_t h, m, s, frac;
     size_t fd;
@@ -225,8 +227,10 @@ static int parse_time(span f, uint64_t *us) {
     if (f.n == 0 || (f.p[0] != ':' && f.p[0] != '.')) return -1;
     f.p++, f.n--;
     if (take_digits(&f, 9, &frac, &fd) || f.n != 0) return -1;
+    if (h > CUMA_TRACE_MAX_HOURS) return -2;
     for (; fd < 6; fd++) frac *= 10;
     for (; fd > 6; fd--) frac /= 10;
+    /* At most 10^4 h = 3.6 * 10^13 us: far inside 64 bits. */
     *us = ((h * 60 + m) * 60 + s) * 1000000u + frac;
     return 0;
 }
@@ -265,6 +269,7 @@ typedef struct loader {
     size_t line; /* 1-based number of the line being parsed */
     cuma_trace_event *ev;
     size_t n, cap;
+    size_t max_events; /* n never exceeds it: the bound on the memory a load takes */
     size_t unmatched;
     ptrmap live;
 } loader;
@@ -275,8 +280,14 @@ static cuma_status bad_field(const loader *L, const char *what, span f) {
 }
 
 static cuma_status push(loader *L, const cuma_trace_event *e) {
+    if (L->n == L->max_events)
+        return cuma_fail(CUMA_ERR_LIMIT,
+                         "%s:%zu: more than %zu events, the reader's limit (%zu MiB of host "
+                         "memory); raise it if the trace is real (cuma replay --max-events N)",
+                         L->path, L->line, L->max_events, (L->max_events * sizeof *L->ev) >> 20);
     if (L->n == L->cap) {
         size_t cap = L->cap ? L->cap * 2 : 65536;
+        if (cap > L->max_events) cap = L->max_events; /* never more than the limit asks */
         cuma_trace_event *ev = realloc(L->ev, cap * sizeof *ev);
         if (!ev)
             return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory at line %zu", L->path, L->line);
@@ -301,8 +312,14 @@ static cuma_status parse_event(loader *L, const char *line, size_t len) {
     if (parse_dec(f[0], &thread)) return bad_field(L, "bad thread id", f[0]);
     /* Fold wide ids (some loggers print a pthread_t) so distinct threads stay distinct. */
     e.thread = (uint32_t)(thread > UINT32_MAX ? (thread >> 32) ^ thread : thread);
-    if (parse_time(f[1], &e.time_us))
-        return bad_field(L, "bad time, expected HH:MM:SS:micro", f[1]);
+    int t = parse_time(f[1], &e.time_us);
+    if (t == -2) {
+        char what[80];
+        snprintf(what, sizeof what, "bad time, more than the %u hours a log may span",
+                 CUMA_TRACE_MAX_HOURS);
+        return bad_field(L, what, f[1]);
+    }
+    if (t) return bad_field(L, "bad time, expected HH:MM:SS:micro", f[1]);
     if (parse_action(f[2], &e.action))
         return bad_field(L, "unknown action, expected allocate, free or allocate failure", f[2]);
     if (parse_ptr(f[3], &e.ptr))
@@ -400,9 +417,16 @@ static cuma_status read_all(loader *L, gzFile gz) {
 }
 
 cuma_status cuma_trace_load(const char *path, cuma_trace *out) {
+    return cuma_trace_load_max(path, CUMA_TRACE_MAX_EVENTS, out);
+}
+
+cuma_status cuma_trace_load_max(const char *path, size_t max_events, cuma_trace *out) {
     if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_trace_load: out is NULL");
     memset(out, 0, sizeof *out);
     if (!path) return cuma_fail(CUMA_ERR_INVALID, "cuma_trace_load: path is NULL");
+    if (!max_events || max_events > SIZE_MAX / 2 / sizeof(cuma_trace_event))
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_trace_load: max_events %zu is not from 1 to %zu",
+                         max_events, SIZE_MAX / 2 / sizeof(cuma_trace_event));
 
     /* open() first: errno after gzopen is not reliable, and the message must name the cause. */
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -414,7 +438,7 @@ cuma_status cuma_trace_load(const char *path, cuma_trace *out) {
     }
     gzbuffer(gz, 1 << 17); /* fewer, larger reads */
 
-    loader L = {.path = path};
+    loader L = {.path = path, .max_events = max_events};
     cuma_status st = CUMA_OK;
     if (map_init(&L.live, 1024) != 0) st = cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", path);
     if (st == CUMA_OK) st = read_all(&L, gz);

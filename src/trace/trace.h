@@ -50,12 +50,25 @@ typedef struct cuma_trace {
     size_t unmatched_frees; /* FREE events with match == -1 */
 } cuma_trace;
 
+/* The largest hour a Time field may have (over a year of logging); a larger one is malformed. */
+#define CUMA_TRACE_MAX_HOURS 9999u
+
+/* cuma_trace_load's limit on events: 16 Mi events, 768 MiB of events at most (the bundled
+ * PyTorch traces have 116 k to 207 k). A compressed file can expand a thousandfold, so the
+ * reader stops at a limit instead of at the host's memory. */
+#define CUMA_TRACE_MAX_EVENTS ((size_t)1 << 24)
+
 /* Reads a whole log into *out (which is overwritten; free it with cuma_trace_free).
  * CUMA_ERR_IO: the file cannot be opened or read (the message names the path and the cause).
- * CUMA_ERR_PARSE: an empty file, a missing header, or a malformed line; the message reads
- * "FILE:LINE: what is wrong (the offending text)".
- * CUMA_ERR_OOM: host memory ran out. On failure *out is left empty. */
+ * CUMA_ERR_PARSE: an empty file, a missing header, or a malformed line (a time over
+ * CUMA_TRACE_MAX_HOURS hours too); the message reads "FILE:LINE: what is wrong (the offending
+ * text)". CUMA_ERR_LIMIT: more than CUMA_TRACE_MAX_EVENTS events ("FILE:LINE: more than N
+ * events ..."). CUMA_ERR_OOM: host memory ran out. On failure *out is left empty. */
 cuma_status cuma_trace_load(const char *path, cuma_trace *out);
+
+/* cuma_trace_load with another limit on events (1 to SIZE_MAX / 96; CUMA_ERR_INVALID else). The
+ * memory a load takes is about 48 bytes an event, plus 16 a live allocation. */
+cuma_status cuma_trace_load_max(const char *path, size_t max_events, cuma_trace *out);
 
 /* Frees what cuma_trace_load allocated and empties *t. NULL and an empty trace are fine. */
 void cuma_trace_free(cuma_trace *t);

@@ -37,10 +37,14 @@ static int memfile(const void *data, size_t size, char *path, size_t plen) {
     return fd;
 }
 
+/* A gzip input of a few KiB may expand to millions of lines: the reader's limit keeps a run's
+ * memory small, and is itself checked (never more events; the limit is an error, named). */
+#define FUZZ_MAX_EVENTS 4096
+
 static cuma_status load_bytes(const void *data, size_t size, cuma_trace *t) {
     char path[64];
     int fd = memfile(data, size, path, sizeof path);
-    cuma_status st = cuma_trace_load(path, t);
+    cuma_status st = cuma_trace_load_max(path, FUZZ_MAX_EVENTS, t);
     if (st == CUMA_OK)
         FZ_CHECK(t->path && !strcmp(t->path, path), "path '%s' kept as '%s'", path,
                  t->path ? t->path : "(null)");
@@ -50,6 +54,11 @@ static cuma_status load_bytes(const void *data, size_t size, cuma_trace *t) {
 
 static void check_links(const cuma_trace *t) {
     size_t unmatched = 0;
+    FZ_CHECK(t->n <= FUZZ_MAX_EVENTS, "%zu events over the limit of %d", t->n, FUZZ_MAX_EVENTS);
+    for (size_t i = 0; i < t->n; i++)
+        FZ_CHECK(t->ev[i].time_us < (CUMA_TRACE_MAX_HOURS + 1ull) * 3600 * 1000000,
+                 "event %zu: time %llu us over %u hours", i, (unsigned long long)t->ev[i].time_us,
+                 CUMA_TRACE_MAX_HOURS);
     for (size_t i = 0; i < t->n; i++) {
         const cuma_trace_event *e = &t->ev[i];
         FZ_CHECK(e->action <= CUMA_TRACE_ALLOC_FAIL, "event %zu: action %u", i, e->action);
@@ -163,8 +172,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     cuma_trace t;
     cuma_status st = load_bytes(data, size, &t);
     if (st != CUMA_OK) {
-        FZ_CHECK(st == CUMA_ERR_PARSE || st == CUMA_ERR_IO, "load returned %d", (int)st);
+        FZ_CHECK(st == CUMA_ERR_PARSE || st == CUMA_ERR_IO || st == CUMA_ERR_LIMIT,
+                 "load returned %d", (int)st);
         FZ_CHECK(*cuma_last_error(), "failure without a message");
+        FZ_CHECK(st != CUMA_ERR_LIMIT || strstr(cuma_last_error(), "more than 4096 events"),
+                 "limit not named: %s", cuma_last_error());
+        for (const unsigned char *c = (const unsigned char *)cuma_last_error(); *c; c++)
+            FZ_CHECK(*c >= 0x20 && *c != 0x7f, "raw control byte 0x%02x in the message", *c);
         FZ_CHECK(!t.ev && !t.n && !t.path && !t.unmatched_frees, "failed load left a trace");
         return 0;
     }

@@ -167,6 +167,67 @@ static void check_random(const char *work) {
     free(path);
 }
 
+static void write_text(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    CHECK(f && fputs(text, f) >= 0);
+    if (f) fclose(f);
+}
+
+static void expect_fail(const char *path, size_t max, cuma_status want, const char *needles[]) {
+    cuma_trace t;
+    cuma_status st = max ? cuma_trace_load_max(path, max, &t) : cuma_trace_load(path, &t);
+    CHECK(st == want);
+    CHECK(t.ev == NULL && t.n == 0);
+    for (int i = 0; needles[i]; i++) {
+        if (!strstr(cuma_last_error(), needles[i]))
+            fprintf(stderr, "message lacks '%s'\n", needles[i]);
+        CHECK(strstr(cuma_last_error(), needles[i]));
+    }
+}
+
+#define HEADER "Thread,Time,Action,Pointer,Size,Stream\n"
+
+/* The bounds: hours up to CUMA_TRACE_MAX_HOURS (a 9-digit hour was read, and its microseconds
+ * overflowed a replay's time integrals), a limit on events (a small gzip expands to more lines
+ * than the host has memory for), control bytes quoted escaped. */
+static void check_bounds(const char *work) {
+    char *p = join(work, "bounds.csv");
+    write_text(p, HEADER "0,9999:59:59:999999,allocate,0x10,8,0\n");
+    cuma_trace t;
+    CHECK(cuma_trace_load(p, &t) == CUMA_OK && t.n == 1 &&
+          t.ev[0].time_us == ((9999ull * 60 + 59) * 60 + 59) * 1000000 + 999999);
+    cuma_trace_free(&t);
+    write_text(p, HEADER "0,00:00:01:000000,allocate,0x10,8,0\n"
+                         "0,123456789:00:00:000000,free,0x10,8,0\n");
+    expect_fail(p, 0, CUMA_ERR_PARSE,
+                (const char *[]){"bounds.csv:3: ", "9999 hours", "(123456789:00:00:000000)", NULL});
+    write_text(p, HEADER "0,999999999:59:59:999999999,allocate,0x10,8,0\n");
+    expect_fail(p, 0, CUMA_ERR_PARSE, (const char *[]){"bounds.csv:2: ", "9999 hours", NULL});
+    write_text(p, HEADER "0,10000:00:00:000000,allocate,0x10,8,0\n");
+    expect_fail(p, 0, CUMA_ERR_PARSE, (const char *[]){"bounds.csv:2: ", "9999 hours", NULL});
+    write_text(p, HEADER "0,00:00:01:000000,\x1b]0;owned\x07\x1b[2J,0x10,8,0\n");
+    expect_fail(p, 0, CUMA_ERR_PARSE, (const char *[]){"(\\x1b]0;owned\\x07\\x1b[2J)", NULL});
+    CHECK(!strchr(cuma_last_error(), '\x1b') && !strchr(cuma_last_error(), '\x07'));
+    free(p);
+
+    /* A gzip bomb, made here: 300 000 events in 37 KiB; a limit of 100 000 stops it at
+     * the line of the 100 001st event, naming the limit. */
+    p = join(work, "bomb.csv.gz");
+    gzFile z = gzopen(p, "wb9");
+    CHECK(z != NULL);
+    if (!z) return;
+    gzputs(z, HEADER);
+    for (int i = 0; i < 300000; i++) gzputs(z, "0,00:00:00:000001,allocate failure,0x0,8,0\n");
+    gzclose(z);
+    expect_fail(p, 100000, CUMA_ERR_LIMIT,
+                (const char *[]){"bomb.csv.gz:100002: ", "more than 100000 events", NULL});
+    CHECK(cuma_trace_load_max(p, 300000, &t) == CUMA_OK && t.n == 300000);
+    cuma_trace_free(&t);
+    CHECK(cuma_trace_load(p, &t) == CUMA_OK && t.n == 300000); /* the default is far above */
+    cuma_trace_free(&t);
+    free(p);
+}
+
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -234,6 +295,7 @@ int main(int argc, char **argv) {
     check_bad(data, "no_such_file.csv", CUMA_ERR_IO,
               (const char *[]){"no_such_file.csv", "No such file", NULL});
 
+    check_bounds(work);
     check_random(work);
     if (argc > 3) check_bundled(argv[3]);
 
