@@ -7,6 +7,8 @@
 #ifndef CUMA_TOOLS_CLI_H
 #define CUMA_TOOLS_CLI_H
 
+#include <stddef.h>
+
 #define CUMA_EXIT_OK    0
 #define CUMA_EXIT_FAIL  1
 #define CUMA_EXIT_USAGE 2
@@ -26,10 +28,17 @@ int cli_wants_help(int argc, char **argv, const char *usage);
 int cli_usage_error(const char *cmd, const char *usage, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* fprintf(stderr, ...) for every message that quotes a path, an argument or input: control bytes
+ * in the text are written escaped (\x1b; cuma_strbuf_escaped), line breaks as they are. */
+void cli_eprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* text escaped the same way, into buf (len bytes): for a name printed to stdout. */
+const char *cli_shown(const char *text, char *buf, size_t len);
+
 /* Kept here so `cuma help replay` and replay's own error path print the same text. */
 #define CUMA_REPLAY_USAGE                                                                          \
     "usage: cuma replay [--conf STR] [--scale K] [--policy NAME] [--json] [--timeline DIR]\n"      \
-    "                   TRACE...\n"                                                                \
+    "                   [--max-events N] TRACE...\n"                                               \
     "  Replays RMM CSV event logs (plain or .gz) on the simulated device, twice per trace:\n"      \
     "  once driving the heap's clock with the trace's timestamps to measure memory, once\n"        \
     "  without stats calls to time the alloc/free path.\n"                                         \
@@ -37,6 +46,8 @@ int cli_usage_error(const char *cmd, const char *usage, const char *fmt, ...)
     "  --policy NAME  shorthand for --conf policy:NAME\n"                                          \
     "  --scale K      multiply every size by the positive integer K (16 brings the bundled\n"      \
     "                 traces to GPU scale)\n"                                                      \
+    "  --max-events N refuse a trace of more than N events (default 16777216, about 768 MiB\n"     \
+    "                 of host memory; a small .gz can hold far more lines than memory)\n"          \
     "  --json         one JSON object per trace and line instead of the table\n"                   \
     "  --timeline DIR also write DIR/NAME.timeline.csv per trace (NAME: the file name without\n"   \
     "                 .gz/.csv): requested, reserved, cached and mapped bytes over trace time,\n"  \

@@ -68,7 +68,7 @@ static int cmd_help(int argc, char **argv) {
     }
     const subcommand *c = find(argv[1]);
     if (!c) {
-        fprintf(stderr, "cuma help: unknown subcommand '%s'\n\n", argv[1]);
+        cli_eprintf("cuma help: unknown subcommand '%s'\n\n", argv[1]);
         usage(stderr);
         return CUMA_EXIT_USAGE;
     }
@@ -95,12 +95,12 @@ static int print_config_table(void) {
     cuma_config_describe(NULL, 0, &needed); /* fails by design: it only reports the size */
     char *buf = malloc(needed + 1);
     if (!buf) {
-        fprintf(stderr, "cuma config: out of memory\n");
+        cli_eprintf("cuma config: out of memory\n");
         return CUMA_EXIT_FAIL;
     }
     cuma_status st = cuma_config_describe(buf, needed + 1, NULL);
     if (st != CUMA_OK) {
-        fprintf(stderr, "cuma config: %s\n", cuma_last_error());
+        cli_eprintf("cuma config: %s\n", cuma_last_error());
         free(buf);
         return CUMA_EXIT_FAIL;
     }
@@ -126,7 +126,7 @@ static int cmd_config(int argc, char **argv) {
     }
     if (cuma_config_check(check) != CUMA_OK) {
         /* The library's message already starts with where the string came from. */
-        fprintf(stderr, "cuma: %s\n", cuma_last_error());
+        cli_eprintf("cuma: %s\n", cuma_last_error());
         return CUMA_EXIT_USAGE;
     }
     printf("ok\n");
@@ -145,7 +145,7 @@ int main(int argc, char **argv) {
         name = "version";
     const subcommand *c = find(name);
     if (!c) {
-        fprintf(stderr, "cuma: unknown subcommand '%s'\n\n", argv[1]);
+        cli_eprintf("cuma: unknown subcommand '%s'\n\n", argv[1]);
         usage(stderr);
         return CUMA_EXIT_USAGE;
     }

@@ -463,10 +463,10 @@ static int read_all(const plot_args *a, char **cmp_files, tl_series *panels) {
         if (!found) {
             const char *st;
             size_t len = stem(cmp_files[c], &st);
-            fprintf(stderr,
-                    "cuma plot: --compare %s=%s: no timeline named %.*s to draw it on (a compared "
-                    "file is matched by its name: NAME.timeline.csv in another folder)\n",
-                    a->cmp[c].name, cmp_files[c], (int)len, st);
+            cli_eprintf(
+                "cuma plot: --compare %s=%s: no timeline named %.*s to draw it on (a compared "
+                "file is matched by its name: NAME.timeline.csv in another folder)\n",
+                a->cmp[c].name, cmp_files[c], (int)len, st);
             return CUMA_EXIT_USAGE;
         }
     }
@@ -476,14 +476,14 @@ static int read_all(const plot_args *a, char **cmp_files, tl_series *panels) {
 static int write_figure(const plot_args *a, const tl_series *panels) {
     FILE *f = a->out ? fopen(a->out, "w") : stdout;
     if (!f) {
-        fprintf(stderr, "cuma plot: cannot write %s: %s\n", a->out, strerror(errno));
+        cli_eprintf("cuma plot: cannot write %s: %s\n", a->out, strerror(errno));
         return CUMA_EXIT_USAGE;
     }
     draw_figure(f, a, panels);
     int bad = ferror(f);
     if (a->out ? fclose(f) != 0 : fflush(f) != 0) bad = 1;
     if (bad) {
-        fprintf(stderr, "cuma plot: error writing %s\n", a->out ? a->out : "stdout");
+        cli_eprintf("cuma plot: error writing %s\n", a->out ? a->out : "stdout");
         if (a->out) remove(a->out);
         return CUMA_EXIT_FAIL;
     }

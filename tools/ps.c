@@ -121,11 +121,11 @@ static void print_heap(const cuma_ledger_entry *e, int rates, const cuma_ledger_
 
 static void print_table(const ledger_view *v, int rates, const ledger_view *prev, double dt) {
     if (!v->nheaps) {
-        printf("ledger %s: no live heaps\n", v->path);
+        printf("ledger %s: no live heaps\n", cli_shown(v->path, (char[1024]){0}, 1024));
         return;
     }
-    printf("ledger %s: %zu heap%s on %zu device%s\n", v->path, v->nheaps, v->nheaps == 1 ? "" : "s",
-           v->ndevices, v->ndevices == 1 ? "" : "s");
+    printf("ledger %s: %zu heap%s on %zu device%s\n", cli_shown(v->path, (char[1024]){0}, 1024),
+           v->nheaps, v->nheaps == 1 ? "" : "s", v->ndevices, v->ndevices == 1 ? "" : "s");
     for (size_t k = 0; k < v->ndevices; k++) {
         const view_device *d = &v->devices[k];
         printf("\n");
@@ -189,7 +189,7 @@ int cuma_cmd_ps(int argc, char **argv) {
     if (r == -2) {
         rc = cli_usage_error("ps", CUMA_PS_USAGE, "%s", v.error);
     } else if (r) {
-        fprintf(stderr, "cuma ps: %s\n", v.error);
+        cli_eprintf("cuma ps: %s\n", v.error);
         rc = CUMA_EXIT_FAIL;
     } else if (o.json) {
         view_json(stdout, &v, NULL, NULL);
@@ -266,7 +266,7 @@ int cuma_cmd_top(int argc, char **argv) {
     }
     view_free(&prev);
     if (!rc && !ever_read) {
-        fprintf(stderr, "cuma top: the ledger could not be read at any refresh\n");
+        cli_eprintf("cuma top: the ledger could not be read at any refresh\n");
         rc = CUMA_EXIT_FAIL;
     }
     return rc;

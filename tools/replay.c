@@ -37,6 +37,7 @@ typedef struct options {
     uint64_t scale;
     int json;
     const char *timeline_dir; /* --timeline: where the .timeline.csv files go (NULL: none) */
+    uint64_t max_events;      /* --max-events: the reader's limit a trace */
 } options;
 
 /* What one trace's replay measured. Integrals are in byte-microseconds. */
@@ -160,12 +161,12 @@ static int make_heap(const char *conf, const char *path, cuma_heap **h) {
     cuma_config cfg = {.conf = conf, .flags = 0};
     cuma_status st = cuma_heap_create(&cfg, h);
     if (st == CUMA_OK) return CUMA_EXIT_OK;
-    fprintf(stderr, "cuma replay: %s: cannot create the heap: %s\n", path, cuma_last_error());
+    cli_eprintf("cuma replay: %s: cannot create the heap: %s\n", path, cuma_last_error());
     return st == CUMA_ERR_CONFIG ? CUMA_EXIT_USAGE : CUMA_EXIT_FAIL;
 }
 
 static int heap_error(const char *path, size_t i, const char *what) {
-    fprintf(stderr, "cuma replay: %s: event %zu: %s: %s\n", path, i, what, cuma_last_error());
+    cli_eprintf("cuma replay: %s: event %zu: %s: %s\n", path, i, what, cuma_last_error());
     return CUMA_EXIT_FAIL;
 }
 
@@ -279,8 +280,8 @@ static int measure(const cuma_trace *t, const char *conf, uint64_t scale, void *
         }
     }
     if (rc == CUMA_EXIT_OK && cuma_validate(h) != CUMA_OK) {
-        fprintf(stderr, "cuma replay: %s: heap check failed after the replay: %s\n", t->path,
-                cuma_last_error());
+        cli_eprintf("cuma replay: %s: heap check failed after the replay: %s\n", t->path,
+                    cuma_last_error());
         rc = CUMA_EXIT_FAIL;
     }
     cuma_heap_destroy(h);
@@ -322,8 +323,8 @@ static int time_ops(const cuma_trace *t, const char *conf, uint64_t scale, void 
     r->ops = ops;
     r->ns_per_op = ops ? elapsed / (double)ops : 0;
     if (bad) {
-        fprintf(stderr, "cuma replay: %s: %llu clock or free calls failed in the timing pass\n",
-                t->path, (unsigned long long)bad);
+        cli_eprintf("cuma replay: %s: %llu clock or free calls failed in the timing pass\n",
+                    t->path, (unsigned long long)bad);
         rc = CUMA_EXIT_FAIL;
     }
     return rc;
@@ -402,11 +403,10 @@ static void print_row(const result *r, int *header_done) {
            r->ns_per_op);
     /* Said on stderr so the table stays machine-readable by column. */
     if (r->unmatched_frees || r->skipped_failures || r->zero_allocs)
-        fprintf(stderr,
-                "cuma replay: %s: skipped %llu unmatched frees, %llu allocate failures, %llu "
-                "zero-size allocations\n",
-                base_name(r->path), (unsigned long long)r->unmatched_frees,
-                (unsigned long long)r->skipped_failures, (unsigned long long)r->zero_allocs);
+        cli_eprintf("cuma replay: %s: skipped %llu unmatched frees, %llu allocate failures, %llu "
+                    "zero-size allocations\n",
+                    base_name(r->path), (unsigned long long)r->unmatched_frees,
+                    (unsigned long long)r->skipped_failures, (unsigned long long)r->zero_allocs);
 }
 
 /* ---- driver ------------------------------------------------------------------------------ */
@@ -424,11 +424,11 @@ static int open_timeline(tl_writer *tl, const char *dir, const cuma_trace *t) {
 static int timeline_dir_ok(const char *dir) {
     struct stat st;
     if (stat(dir, &st) && mkdir(dir, 0777) && errno != EEXIST) {
-        fprintf(stderr, "cuma replay: --timeline: cannot make %s: %s\n", dir, strerror(errno));
+        cli_eprintf("cuma replay: --timeline: cannot make %s: %s\n", dir, strerror(errno));
         return 0;
     }
     if (stat(dir, &st) || !S_ISDIR(st.st_mode)) {
-        fprintf(stderr, "cuma replay: --timeline: %s is not a directory\n", dir);
+        cli_eprintf("cuma replay: --timeline: %s is not a directory\n", dir);
         return 0;
     }
     return 1;
@@ -436,14 +436,14 @@ static int timeline_dir_ok(const char *dir) {
 
 static int replay_one(const char *path, const char *conf, const options *o, int *header_done) {
     cuma_trace t;
-    if (cuma_trace_load(path, &t) != CUMA_OK) {
-        fprintf(stderr, "cuma replay: %s\n", cuma_last_error());
+    if (cuma_trace_load_max(path, (size_t)o->max_events, &t) != CUMA_OK) {
+        cli_eprintf("cuma replay: %s\n", cuma_last_error());
         return CUMA_EXIT_USAGE;
     }
     /* One slot per event, indexed like the trace, so matching a free costs one load. */
     void **ptrs = calloc(t.n ? t.n : 1, sizeof *ptrs);
     if (!ptrs) {
-        fprintf(stderr, "cuma replay: %s: out of memory\n", path);
+        cli_eprintf("cuma replay: %s: out of memory\n", path);
         cuma_trace_free(&t);
         return CUMA_EXIT_FAIL;
     }
@@ -477,6 +477,9 @@ static int add_policy(options *o, const char *name) {
     return append_conf(&o->user_conf, piece) ? CUMA_EXIT_FAIL : CUMA_EXIT_OK;
 }
 
+/* The largest --max-events: 2^32 events, 192 GiB of them (the reader takes up to SIZE_MAX / 96). */
+#define MAX_EVENTS_CAP (1ull << 32)
+
 static int parse_scale(const char *s, uint64_t *out) {
     char *end;
     if (*s < '0' || *s > '9') return -1;
@@ -507,6 +510,11 @@ static int parse_args(int argc, char **argv, options *o, char **traces, int *ntr
             if (!*v)
                 rc = cli_usage_error("replay", CUMA_REPLAY_USAGE, "--timeline wants a directory");
             o->timeline_dir = v;
+        } else if ((v = cli_option(argc, argv, &i, "--max-events", &missing)) != NULL) {
+            if (parse_scale(v, &o->max_events) || o->max_events > MAX_EVENTS_CAP)
+                rc = cli_usage_error("replay", CUMA_REPLAY_USAGE,
+                                     "--max-events wants an integer from 1 to %llu, not '%s'",
+                                     (unsigned long long)MAX_EVENTS_CAP, v);
         } else if ((v = cli_option(argc, argv, &i, "--scale", &missing)) != NULL) {
             if (parse_scale(v, &o->scale))
                 rc = cli_usage_error("replay", CUMA_REPLAY_USAGE,
@@ -524,17 +532,17 @@ static int parse_args(int argc, char **argv, options *o, char **traces, int *ntr
 
 int cuma_cmd_replay(int argc, char **argv) {
     if (cli_wants_help(argc, argv, CUMA_REPLAY_USAGE)) return CUMA_EXIT_OK;
-    options o = {.scale = 1};
+    options o = {.scale = 1, .max_events = CUMA_TRACE_MAX_EVENTS};
     int ntraces = 0;
     char **traces = malloc((size_t)argc * sizeof *traces), *conf = NULL;
     int rc = traces ? parse_args(argc, argv, &o, traces, &ntraces) : CUMA_EXIT_FAIL;
     if (rc == CUMA_EXIT_OK &&
         (append_conf(&conf, BASE_CONF) || (o.user_conf && append_conf(&conf, o.user_conf))))
         rc = CUMA_EXIT_FAIL;
-    if (!traces || rc == CUMA_EXIT_FAIL) fprintf(stderr, "cuma replay: out of memory\n");
+    if (!traces || rc == CUMA_EXIT_FAIL) cli_eprintf("cuma replay: out of memory\n");
     /* Check the settings once, before any trace is read, so a typo costs nothing. */
     if (rc == CUMA_EXIT_OK && cuma_config_check(conf) != CUMA_OK) {
-        fprintf(stderr, "cuma replay: bad settings (--conf, --policy): %s\n", cuma_last_error());
+        cli_eprintf("cuma replay: bad settings (--conf, --policy): %s\n", cuma_last_error());
         rc = CUMA_EXIT_USAGE;
     }
     if (rc == CUMA_EXIT_OK && o.timeline_dir && !timeline_dir_ok(o.timeline_dir))

@@ -134,16 +134,16 @@ static void print_text(const ledger_view *v, const unsigned char *keep, int filt
     size_t shown = 0;
     for (size_t i = 0; i < v->nheaps; i++) shown += keep[i];
     if (!v->nheaps && !filtered) {
-        printf("ledger %s: no live heaps\n", v->path);
+        printf("ledger %s: no live heaps\n", cli_shown(v->path, (char[1024]){0}, 1024));
         return;
     }
     if (!shown) return; /* only PIDs without heaps: their errors say it all */
     if (filtered)
-        printf("ledger %s: %zu of its %zu heap%s\n", v->path, shown, v->nheaps,
-               v->nheaps == 1 ? "" : "s");
+        printf("ledger %s: %zu of its %zu heap%s\n", cli_shown(v->path, (char[1024]){0}, 1024),
+               shown, v->nheaps, v->nheaps == 1 ? "" : "s");
     else
-        printf("ledger %s: %zu heap%s on %zu device%s\n", v->path, v->nheaps,
-               v->nheaps == 1 ? "" : "s", v->ndevices, v->ndevices == 1 ? "" : "s");
+        printf("ledger %s: %zu heap%s on %zu device%s\n", cli_shown(v->path, (char[1024]){0}, 1024),
+               v->nheaps, v->nheaps == 1 ? "" : "s", v->ndevices, v->ndevices == 1 ? "" : "s");
     for (size_t i = 0; i < v->nheaps; i++) {
         if (!keep[i]) continue;
         putchar('\n');
@@ -191,9 +191,9 @@ static int parse_pid(const char *s, int *pid) {
 /* Why `pid` has no heap here: gone, or alive without one in this ledger. */
 static void report_missing(int pid, const char *path) {
     if (kill(pid, 0) && errno == ESRCH)
-        fprintf(stderr, "cuma stats: pid %d is not running\n", pid);
+        cli_eprintf("cuma stats: pid %d is not running\n", pid);
     else
-        fprintf(stderr, "cuma stats: pid %d has no heap in ledger %s\n", pid, path);
+        cli_eprintf("cuma stats: pid %d has no heap in ledger %s\n", pid, path);
 }
 
 int cuma_cmd_stats(int argc, char **argv) {
@@ -202,7 +202,7 @@ int cuma_cmd_stats(int argc, char **argv) {
     int json = 0, npids = 0, options_done = 0;
     int *pids = calloc((size_t)argc, sizeof *pids);
     if (!pids) {
-        fprintf(stderr, "cuma stats: out of memory\n");
+        cli_eprintf("cuma stats: out of memory\n");
         return CUMA_EXIT_FAIL;
     }
     for (int i = 1; i < argc; i++) {
@@ -235,10 +235,10 @@ int cuma_cmd_stats(int argc, char **argv) {
     if (r == -2) {
         rc = cli_usage_error("stats", CUMA_STATS_USAGE, "%s", v.error);
     } else if (r) {
-        fprintf(stderr, "cuma stats: %s\n", v.error);
+        cli_eprintf("cuma stats: %s\n", v.error);
         rc = CUMA_EXIT_FAIL;
     } else if (!(keep = calloc(v.nheaps ? v.nheaps : 1, 1))) {
-        fprintf(stderr, "cuma stats: out of memory\n");
+        cli_eprintf("cuma stats: out of memory\n");
         rc = CUMA_EXIT_FAIL;
     } else {
         for (size_t i = 0; i < v.nheaps; i++) {

@@ -43,13 +43,13 @@ int tl_open(tl_writer *w, const char *dir, const char *trace_path, uint64_t t0_u
     size_t need = strlen(dir) + len + sizeof "/.timeline.csv";
     w->path = malloc(need);
     if (!w->path) {
-        fprintf(stderr, "cuma replay: %s: out of memory\n", trace_path);
+        cli_eprintf("cuma replay: %s: out of memory\n", trace_path);
         return -1;
     }
     snprintf(w->path, need, "%s/%.*s.timeline.csv", dir, (int)len, base);
     w->f = fopen(w->path, "w");
     if (!w->f) {
-        fprintf(stderr, "cuma replay: --timeline: cannot write %s: %s\n", w->path, strerror(errno));
+        cli_eprintf("cuma replay: --timeline: cannot write %s: %s\n", w->path, strerror(errno));
         free(w->path);
         w->path = NULL;
         return -1;
@@ -117,7 +117,7 @@ int tl_close(tl_writer *w, int ok) {
     w->f = NULL;
     int rc = 0;
     if (ok && bad) {
-        fprintf(stderr, "cuma replay: --timeline: error writing %s\n", w->path);
+        cli_eprintf("cuma replay: --timeline: error writing %s\n", w->path);
         rc = -1;
     }
     if (!ok || bad) remove(w->path); /* no half-written timeline to be plotted later */
@@ -171,11 +171,11 @@ static int split(char *line, char *f[5]) {
 static int read_error(const char *prog, const char *path, size_t line, const char *fmt,
                       const char *what, const char *text) {
     if (line)
-        fprintf(stderr, "%s: %s:%zu: ", prog, path, line);
+        cli_eprintf("%s: %s:%zu: ", prog, path, line);
     else
-        fprintf(stderr, "%s: %s: ", prog, path);
-    fprintf(stderr, fmt, what);
-    if (text) fprintf(stderr, " ('%.40s')", text);
+        cli_eprintf("%s: %s: ", prog, path);
+    cli_eprintf(fmt, what);
+    if (text) cli_eprintf(" ('%.40s')", text);
     fputc('\n', stderr);
     return CUMA_EXIT_USAGE;
 }
@@ -218,7 +218,7 @@ static int read_rows(const char *prog, FILE *f, tl_series *out) {
                     size_t more = alloc ? 2 * alloc : 1024;
                     tl_row *rows = realloc(out->rows, more * sizeof *rows);
                     if (!rows) {
-                        fprintf(stderr, "%s: %s: out of memory\n", prog, path);
+                        cli_eprintf("%s: %s: out of memory\n", prog, path);
                         rc = CUMA_EXIT_FAIL;
                         break;
                     }
@@ -241,7 +241,7 @@ int tl_read(const char *prog, const char *path, tl_series *out) {
     memset(out, 0, sizeof *out);
     out->path = strdup(path);
     if (!out->path) {
-        fprintf(stderr, "%s: %s: out of memory\n", prog, path);
+        cli_eprintf("%s: %s: out of memory\n", prog, path);
         return CUMA_EXIT_FAIL;
     }
     FILE *f = fopen(path, "r");

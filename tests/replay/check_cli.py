@@ -72,6 +72,23 @@ def bad_input(cuma, data):
           out_has=['"trace":"valid.csv"'], err_has=["bad_time.csv:3:"])
     check(cuma, "option after the trace", ["replay", valid, "--json"], 0,
           out_has=['"trace":"valid.csv"'])
+    # --max-events: the reader's limit, named with the line where it stopped (valid.csv has 9).
+    check(cuma, "max events", ["replay", "--max-events", "4", valid], 2,
+          err_has=["valid.csv:", "more than 4 events", "--max-events"])
+    check(cuma, "max events enough", ["replay", "--json", "--max-events", "9", valid], 0,
+          out_has=['"events":9'])
+    check(cuma, "bad max events", ["replay", "--max-events", "0", valid], 2,
+          err_has=["--max-events wants an integer", "usage:"])
+    # Control bytes in an argument or a setting are echoed escaped, never raw.
+    esc = "\x1b]0;owned\x07\x1b[2J"
+    for what, args in (("escaped option", ["replay", "--frobnicate" + esc, valid]),
+                       ("escaped setting", ["replay", "--conf", "policy:" + esc, valid]),
+                       ("escaped trace name", ["replay", os.path.join(data, esc + ".csv")])):
+        got = run(cuma, *args)
+        expect(what, args, got, 2, err_has=["\\x1b]0;owned\\x07\\x1b[2J"])
+        if "\x1b" in got[2] or "\x07" in got[2]:
+            failures.append(what)
+            print("     a raw control byte on stderr: %r" % got[2][-300:])
     # And the good one alone works, with the skipped events accounted for.
     check(cuma, "valid trace", ["replay", "--json", valid], 0,
           out_has=['"events":9', '"unmatched_frees":1', '"trace_alloc_failures":1',
