@@ -15,6 +15,8 @@
  */
 #include "preload.h"
 
+#include "core/strbuf.h"
+
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -35,8 +37,10 @@ void cuma_preload_report(const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
-    /* One fprintf, so that lines from threads reporting at once do not interleave. */
-    fprintf(stderr, "cuma preload: %s\n", line);
+    /* One fprintf, so that lines from threads reporting at once do not interleave; a setting
+     * or a name quoted in the line reaches the terminal escaped. */
+    char shown[4 * sizeof line];
+    fprintf(stderr, "cuma preload: %s\n", cuma_escape(line, shown, sizeof shown));
 }
 
 /* Pointers to functions and to objects have one representation on every platform that has
