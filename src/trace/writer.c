@@ -20,10 +20,11 @@
 #include <zlib.h>
 
 /* Invariant: gz == NULL while the writer is being started and once closed (by
- * cuma_trace_writer_close or at exit) or failed; the writer is on the open list while fd >= 0
- * (from the publication in claim, before gz exists, until closed). mu guards gz, failed and
- * fd once gz exists; before that fd is written under list_mu; the fork handlers hold both. The
- * list is guarded by list_mu (taken before mu). */
+ * cuma_trace_writer_close or at exit) or failed. The writer is on the open list from its
+ * publication in claim (with fd, before gz exists) until cuma_trace_writer_close, exit or a
+ * fork (in the child). fd is gz's descriptor (while starting, the claimed file's), -1 once
+ * closed. mu guards gz, failed and fd once gz exists; before that fd is written under list_mu;
+ * the fork handlers hold both. The list is guarded by list_mu (taken before mu). */
 struct cuma_trace_writer {
     pthread_mutex_t mu;
     gzFile gz;
