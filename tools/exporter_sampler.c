@@ -8,7 +8,7 @@
  * every scrape read the ledger itself). Requests that come while a read runs share the next. */
 #include "exporter.h"
 
-#include <errno.h>
+#include <assert.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -77,6 +77,7 @@ uint64_t exp_sampler_ask(exp_sampler *s) {
         pthread_cond_signal(&s->cv);
     }
     uint64_t want = s->asked;
+    assert(s->done <= s->started && s->started <= s->asked && s->started - s->done <= 1);
     pthread_mutex_unlock(&s->mu);
     return want;
 }

@@ -17,6 +17,7 @@
 #include "cli.h"
 #include "exporter.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -56,6 +57,15 @@ typedef struct conn {
     exp_snapshot *body; /* a scrape's figures, after out */
     size_t body_off;
 } conn;
+
+/* The invariants above (debug builds check them at every round). */
+static inline int conn_valid(const conn *c) {
+    if ((c->fd >= 0) != (c->state != C_FREE)) return 0;
+    if ((c->in != NULL) != (c->state == C_READING) || c->in_len > REQUEST_MAX) return 0;
+    if (c->state != C_WRITING) return !c->out && !c->body;
+    return c->out && c->out_off <= c->out_len && (!c->body || c->body_off <= c->body->len) &&
+           (c->body_off == 0 || c->out_off == c->out_len);
+}
 
 typedef struct server {
     conn *conns;
@@ -343,6 +353,7 @@ int exp_serve(int lfd, int wake_fd, exp_sampler *s, const exp_server_conf *conf,
         slot_of[n++] = -2;
         for (int i = 0; i < sv.nconns; i++) {
             conn *c = &sv.conns[i];
+            assert(conn_valid(c));
             if (c->state == C_FREE) continue;
             if (now >= c->deadline_ms) {
                 if (c->state == C_WAITING) {

@@ -171,7 +171,7 @@ def probes(port, made, what, limit, count=6, gap=0.5):
         if check(st == 200, "%s: answered within %.0f s (%.3f s)" % (w, limit, took),
                  (st, body[:200] if st is None else "")):
             times.append(took)
-            check_metrics(body, made, w, errors=None)
+            check_metrics(body, made, w)
         time.sleep(gap)
     report(what, times)
     return times
