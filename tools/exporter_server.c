@@ -35,6 +35,7 @@
 #define WRITE_TIMEOUT_MS 10000 /* for the client to take the answer */
 #define ACCEPT_BATCH     16    /* accepts per round, so that reading and writing go on */
 #define EVICT_GRACE_MS   250   /* a new connection is not pushed out before this age */
+#define SEND_BUFFER      65536 /* the kernel's buffer for an answer, per connection (see below) */
 #define SPARE_FDS        32    /* descriptors kept for the rest (stdio, the ledger, the pipe) */
 #define PAUSE_MS         100   /* accepting rests this long when descriptors or memory run out */
 
@@ -285,6 +286,11 @@ static void accept_some(server *sv, int lfd) {
             if (errno != EAGAIN && errno != EWOULDBLOCK) sv->paused_until_ms = now + PAUSE_MS;
             return;
         }
+        /* A fixed send buffer: what a client that does not read costs the kernel stays small
+         * (by default it grows to megabytes), and the rest of its answer is the snapshot that
+         * every answer of that read shares. */
+        int sndbuf = SEND_BUFFER;
+        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
         char *in = malloc(REQUEST_MAX + 1);
         if (!in) {
             close(fd);

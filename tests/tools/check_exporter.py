@@ -2,7 +2,7 @@
 """Checks that `cuma exporter` keeps answering scrapes when clients misbehave and when the
 ledger cannot be read.
 
-usage: check_exporter.py --cuma BIN --fixture BIN [--probe-limit S] [--only slow|stuck]
+usage: check_exporter.py --cuma BIN --fixture BIN [--probe-limit S] [--only slow|stuck|reader]
 
 1. Slow clients: 200 clients on loopback hold connections to the exporter, half of them idle,
    half sending a request head a byte every 0.25 s that never ends; each reconnects 0.1 s after
@@ -14,6 +14,8 @@ usage: check_exporter.py --cuma BIN --fixture BIN [--probe-limit S] [--only slow
    answered, from the last good read, marked stale (cuma_ledger_up 0, cuma_ledger_stale 1,
    every figure as before); a request for another path meanwhile too. Once the holder is
    killed the figures are fresh again, without its slot.
+3. A slow reader: an answer larger than the sockets' buffers, taken slowly, arrives whole, and
+   a probe meanwhile is answered.
 
 Why a probe must be answered within 5 s (--probe-limit), and why that is no speed test: the
 server it replaces had 32 connection slots and closed a connection only after 10 s. The 200
@@ -286,24 +288,72 @@ def check_stuck_ledger(cuma, fixture, name, limit):
         stop_fixture(sim)
 
 
+def check_slow_reader(cuma, fixture, name, limit):
+    """An answer larger than the sockets' buffers (ledger_fixture many), to a client with a
+    small receive buffer that first takes none of it and then takes it slowly: the server
+    writes it in parts as the client reads, answers a probe meanwhile, and the client gets all
+    of it. (The server before this one wrote in parts too: this guards the new write path.)"""
+    f, made = start_fixture(fixture, name, "many")
+    p = None
+    try:
+        p, port = start_exporter(cuma, name)
+        slow = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.settimeout(limit)
+        slow.connect(("127.0.0.1", port))
+        slow.sendall(REQUEST)
+        time.sleep(0.5)  # the server has written what the buffers take, and waits
+        st, body, took = probe(port, limit)
+        if check(st == 200, "slow reader: a probe meanwhile is answered (%.3f s)" % took,
+                 body[:200] if st is None else ""):
+            check(len(body) > 65536, "slow reader: the answer is larger than 64 KiB", len(body))
+            check_metrics(body, made, "slow reader, the probe")
+        data = b""
+        try:
+            while True:
+                chunk = slow.recv(1024)
+                if not chunk:
+                    break
+                data += chunk
+                time.sleep(0.0005)
+        except OSError as e:
+            check(False, "slow reader: takes its answer", "%s after %d bytes" % (e, len(data)))
+        slow.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"\r\nContent-Length: (\d+)", head)
+        if check(head.startswith(b"HTTP/1.1 200 ") and length is not None and
+                 int(length.group(1)) == len(body),
+                 "slow reader: all of the answer", (head[:200], len(body))):
+            check_metrics(body.decode("utf-8"), made, "slow reader")
+        stop_exporter(p, "slow reader")
+        p = None
+    finally:
+        if p is not None:
+            p.kill()
+            p.wait()
+        stop_fixture(f)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cuma", required=True)
     ap.add_argument("--fixture", required=True)
     ap.add_argument("--probe-limit", type=float, default=5.0,
                     help="seconds a probe may take (see above; more, to measure an old build)")
-    ap.add_argument("--only", choices=("slow", "stuck"), help="run one of the two checks")
+    ap.add_argument("--only", choices=("slow", "stuck", "reader"), help="run one of the checks")
     a = ap.parse_args()
     base = "exporter-test-%d" % os.getpid()
-    names = (base + "-slow", base + "-stuck")
+    names = (base + "-slow", base + "-stuck", base + "-big")
     for n in names:
         if os.path.exists(shm_path(n)):
             os.remove(shm_path(n))
     try:
-        if a.only != "stuck":
+        if a.only in (None, "slow"):
             check_slow_clients(a.cuma, a.fixture, names[0], a.probe_limit)
-        if a.only != "slow":
+        if a.only in (None, "stuck"):
             check_stuck_ledger(a.cuma, a.fixture, names[1], a.probe_limit)
+        if a.only in (None, "reader"):
+            check_slow_reader(a.cuma, a.fixture, names[2], a.probe_limit)
     finally:
         for n in names:
             if os.path.exists(shm_path(n)):
