@@ -101,14 +101,19 @@ const char *cli_shown(const char *text, char *buf, size_t len);
 #define CUMA_EXPORTER_DEFAULT_PORT 9840
 
 #define CUMA_EXPORTER_USAGE                                                                        \
-    "usage: cuma exporter [--ledger NAME] [--port PORT] [--bind ADDR] [--once]\n"                  \
+    "usage: cuma exporter [--ledger NAME] [--port PORT] [--bind ADDR] [--connections N]\n"         \
+    "                     [--once]\n"                                                              \
     "  Prometheus metrics of the ledger's heaps and devices (text format 0.0.4) over HTTP:\n"      \
     "  GET /metrics; every other path is 404. It keeps serving while the ledger cannot be read\n"  \
-    "  (cuma_ledger_up 0), e.g. before the first heap has made it.\n"                              \
-    "  --ledger NAME  as for cuma ps\n"                                                            \
-    "  --port PORT    TCP port (default 9840; 0: any free port, printed on stderr)\n"              \
-    "  --bind ADDR    numeric IPv4 or IPv6 address to listen on (default 127.0.0.1)\n"             \
-    "  --once         print the metrics to stdout and exit (node-exporter's textfile collector)\n"
+    "  (cuma_ledger_up 0), e.g. before the first heap has made it, and while its lock is held\n"   \
+    "  (the last good figures, with cuma_ledger_stale 1).\n"                                       \
+    "  --ledger NAME    as for cuma ps\n"                                                          \
+    "  --port PORT      TCP port (default 9840; 0: any free port, printed on stderr)\n"            \
+    "  --bind ADDR      numeric IPv4 or IPv6 address to listen on (default 127.0.0.1)\n"           \
+    "  --connections N  open connections at once (default 1024; when all are taken the one\n"      \
+    "                   that has been sending its request the longest is closed)\n"                \
+    "  --once           print the metrics to stdout and exit (node-exporter's textfile\n"          \
+    "                   collector)\n"
 
 int cuma_cmd_replay(int argc, char **argv);
 int cuma_cmd_plot(int argc, char **argv);

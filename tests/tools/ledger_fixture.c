@@ -25,6 +25,17 @@
  *                             Y (process "raw_y"): priority 1, 16M reserved and requested,
  *                                waiting for 12M (one pressure request that nobody answers)
  *
+ *   ledger_fixture NAME hold  one slot on a made-up device "GPU-cuma-fixture-hold" (64M): process
+ *                             "holder", priority 0, 4M reserved and requested; on the line
+ *                             "hold" it takes the ledger's lock, prints "held" and stops itself
+ *                             (SIGSTOP) holding it, as a process stopped in the middle of a
+ *                             ledger call (Ctrl-Z, a debugger) does; the test kills it, and the
+ *                             next reader finds the lock's holder dead and takes it over
+ *   ledger_fixture NAME many  MANY_SLOTS slots on a made-up device "GPU-cuma-fixture-many"
+ *                             (64M): process "many", priorities 0 to MANY_SLOTS - 1 (128), 256K
+ *                             reserved and requested each, for an answer larger than a
+ *                             socket's buffers
+ *
  * Once every figure is in the ledger it prints one JSON object per heap (what it made, as the
  * heap's own stats say for sim heaps, whose objects also carry "stats": the allocator figures
  * of its cuma_get_stats under the ledger's names, once its release thread has published them)
@@ -39,6 +50,7 @@
 
 #include <inttypes.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/prctl.h>
@@ -334,11 +346,68 @@ static int run_raw(void) {
     _exit(0); /* slots left as a killed process leaves them; the waiting thread dies too */
 }
 
+/* The one place that holds the ledger's lock on purpose (the ledger's own test hook). */
+static void hold_ledger_lock(cuma_ledger *l) {
+    CHECK_OK(cuma_ledger_test_hold_lock(l));
+}
+
+static int run_hold(void) {
+    CHECK(prctl(PR_SET_NAME, "holder", 0, 0, 0) == 0);
+    cuma_ledger_join_info in = {
+        .name = ledger_name, .device = "GPU-cuma-fixture-hold", .capacity = 64 * MB, .priority = 0};
+    cuma_ledger *l;
+    CHECK_OK(cuma_ledger_join(&in, &l));
+    CHECK_OK(cuma_ledger_admit(l, 4 * MB));
+    cuma_ledger_publish(l, 0, 4 * MB, 0);
+    cuma_ledger_entry e;
+    cuma_ledger_self(l, &e);
+    print_entry(&e, NULL);
+    printf("ready\n");
+    fflush(stdout);
+    char line[64];
+    while (fgets(line, sizeof line, stdin)) {
+        if (strcmp(line, "hold\n")) continue;
+        hold_ledger_lock(l);
+        printf("held\n");
+        fflush(stdout);
+        raise(SIGSTOP); /* until killed: the lock stays held */
+    }
+    _exit(0);
+}
+
+#define MANY_SLOTS 128
+
+static int run_many(void) {
+    CHECK(prctl(PR_SET_NAME, "many", 0, 0, 0) == 0);
+    for (int i = 0; i < MANY_SLOTS; i++) {
+        cuma_ledger_join_info in = {.name = ledger_name,
+                                    .device = "GPU-cuma-fixture-many",
+                                    .capacity = 64 * MB,
+                                    .priority = i};
+        cuma_ledger *l;
+        CHECK_OK(cuma_ledger_join(&in, &l));
+        CHECK_OK(cuma_ledger_admit(l, MB / 4));
+        cuma_ledger_publish(l, 0, MB / 4, 0);
+        cuma_ledger_entry e;
+        cuma_ledger_self(l, &e);
+        print_entry(&e, NULL);
+    }
+    printf("ready\n");
+    fflush(stdout);
+    char line[64];
+    while (fgets(line, sizeof line, stdin)) {
+    }
+    _exit(0); /* slots left as a killed process leaves them */
+}
+
 int main(int argc, char **argv) {
-    if (argc != 3 || (strcmp(argv[2], "sim") && strcmp(argv[2], "raw"))) {
-        fprintf(stderr, "usage: ledger_fixture LEDGER_NAME sim|raw\n");
+    if (argc != 3 || (strcmp(argv[2], "sim") && strcmp(argv[2], "raw") && strcmp(argv[2], "hold") &&
+                      strcmp(argv[2], "many"))) {
+        fprintf(stderr, "usage: ledger_fixture LEDGER_NAME sim|raw|hold|many\n");
         return 2;
     }
     ledger_name = argv[1];
+    if (!strcmp(argv[2], "hold")) return run_hold();
+    if (!strcmp(argv[2], "many")) return run_many();
     return !strcmp(argv[2], "sim") ? run_sim() : run_raw();
 }
