@@ -96,3 +96,9 @@ fuzz:
 ci-builds:
 	@scripts/deps.sh test
 	@scripts/ci-builds.sh
+
+# The Python package as pip installs it: a clean clone into a fresh venv, tests on the copy.
+.PHONY: pip-check
+pip-check:
+	@scripts/deps.sh test
+	@scripts/pip-check.sh
