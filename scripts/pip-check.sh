@@ -71,7 +71,7 @@ assert pkg.startswith(os.path.realpath(venv)) or pkg.startswith(venv), "cuma imp
 assert os.path.dirname(lib) == pkg, "library not the bundled one: " + lib
 assert ver == cmake_ver, "metadata version %s, CMakeLists.txt says %s" % (ver, cmake_ver)
 PY
-"$tmp/v/bin/pip" show cuma | grep -q '^Version: ' || fail "pip show cuma"
+"$tmp/v/bin/pip" show cuma >"$tmp/show" && grep '^Version: ' "$tmp/show" >/dev/null || fail "pip show cuma"
 
 step "python tests against the installed copy"
 cp -r "$tmp/src/python/tests" "$tmp/elsewhere/tests"
