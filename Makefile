@@ -102,3 +102,9 @@ ci-builds:
 pip-check:
 	@scripts/deps.sh test
 	@scripts/pip-check.sh
+
+# The Dockerfile: built where a container builder works, else linted and its build stage run here.
+.PHONY: docker-check
+docker-check:
+	@scripts/deps.sh build
+	@scripts/docker-check.sh
