@@ -108,3 +108,9 @@ pip-check:
 docker-check:
 	@scripts/deps.sh build
 	@scripts/docker-check.sh
+
+# The Kubernetes kit (deploy/): rendered and validated offline.
+.PHONY: deploy-check
+deploy-check:
+	@scripts/deps.sh deploy
+	@scripts/deploy-check.sh
