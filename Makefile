@@ -114,3 +114,9 @@ docker-check:
 deploy-check:
 	@scripts/deps.sh deploy
 	@scripts/deploy-check.sh
+
+# The autoscaling signal end to end: jobs, exporters and a real Prometheus on loopback.
+.PHONY: autoscale-check
+autoscale-check: build
+	@scripts/deps.sh deploy
+	@python3 tests/deploy/test_autoscale_signal.py $(BUILD)
