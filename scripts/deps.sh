@@ -14,7 +14,7 @@ esac
 # npm are taken as they are where the commands exist (a machine may have them from elsewhere);
 # only where one is missing is Debian's package asked for.
 if [ "$what" = deploy ]; then
-  pkgs+=(prometheus curl)
+  pkgs+=(prometheus python3-yaml)
   command -v kubectl >/dev/null || pkgs+=(kubernetes-client)
   command -v node >/dev/null || pkgs+=(nodejs)
   command -v npm >/dev/null || pkgs+=(npm)
