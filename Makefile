@@ -119,4 +119,4 @@ deploy-check:
 .PHONY: autoscale-check
 autoscale-check: build
 	@scripts/deps.sh deploy
-	@python3 tests/deploy/test_autoscale_signal.py $(BUILD)
+	@/usr/bin/python3 tests/deploy/test_autoscale_signal.py $(BUILD)
