@@ -4,6 +4,8 @@ JOBS ?= $(shell nproc)
 BUILD ?= build
 TRACES := $(wildcard tests/data/*.csv.gz)
 CMAKE_FLAGS ?=
+# Development and test builds treat warnings as errors; a plain cmake build (users, packagers) does not.
+DEV_FLAGS := -DCUMA_WERROR=ON
 
 .PHONY: all build run test test-unit test-asan test-tsan test-python bench format install clean
 
@@ -11,7 +13,7 @@ all: build
 
 build:
 	@scripts/deps.sh build
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS) >/dev/null
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(DEV_FLAGS) $(CMAKE_FLAGS) >/dev/null
 	cmake --build $(BUILD) -j$(JOBS)
 
 # The main job: replay the bundled PyTorch traces on the simulated device (sizes x16, GPU
@@ -27,12 +29,12 @@ test-unit: build
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 
 test-asan:
-	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUMA_SANITIZE=address >/dev/null
+	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUMA_SANITIZE=address $(DEV_FLAGS) >/dev/null
 	cmake --build build-asan -j$(JOBS)
 	cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 CUMA_STRESS_OPS=400000 ctest --output-on-failure -j$(JOBS) -E 'replay_(goals|buddy)'
 
 test-tsan:
-	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUMA_SANITIZE=thread >/dev/null
+	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUMA_SANITIZE=thread $(DEV_FLAGS) >/dev/null
 	cmake --build build-tsan -j$(JOBS) --target test_stress test_tcache test_default_heap test_arena test_fork test_trace_writer test_ledger test_ledger_stress test_heap
 	# test_fork_cases is left out: its children start threads (a default heap's release thread),
 	# which ThreadSanitizer does not support after a multi-threaded fork.
@@ -77,7 +79,7 @@ FUZZ_TARGETS ?= fuzz_config fuzz_trace fuzz_heap fuzz_ledger_file
 .PHONY: fuzz
 fuzz:
 	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-		-DCUMA_SANITIZE=address -DCUMA_FUZZ=ON >/dev/null
+		-DCUMA_SANITIZE=address -DCUMA_FUZZ=ON $(DEV_FLAGS) >/dev/null
 	cmake --build $(FUZZ_BUILD) -j$(JOBS) --target $(FUZZ_TARGETS)
 	@failed=; for t in $(FUZZ_TARGETS); do \
 		mkdir -p $(FUZZ_BUILD)/corpus/$$t $(FUZZ_BUILD)/crashes/$$t; \
@@ -88,3 +90,33 @@ fuzz:
 			$(FUZZ_BUILD)/corpus/$$t tests/fuzz/corpus/$$t || failed="$$failed $$t"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "fuzz: findings in$$failed (see $(FUZZ_BUILD)/crashes)"; exit 1; fi
+
+# The packagers' and other compilers' builds, warnings as errors: gcc Release, clang RelWithDebInfo.
+.PHONY: ci-builds
+ci-builds:
+	@scripts/deps.sh test
+	@scripts/ci-builds.sh
+
+# The Python package as pip installs it: a clean clone into a fresh venv, tests on the copy.
+.PHONY: pip-check
+pip-check:
+	@scripts/deps.sh test
+	@scripts/pip-check.sh
+
+# The Dockerfile: built where a container builder works, else linted and its build stage run here.
+.PHONY: docker-check
+docker-check:
+	@scripts/deps.sh build
+	@scripts/docker-check.sh
+
+# The Kubernetes kit (deploy/): rendered and validated offline.
+.PHONY: deploy-check
+deploy-check:
+	@scripts/deps.sh deploy
+	@scripts/deploy-check.sh
+
+# The autoscaling signal end to end: jobs, exporters and a real Prometheus on loopback.
+.PHONY: autoscale-check
+autoscale-check: build
+	@scripts/deps.sh deploy
+	@/usr/bin/python3 tests/deploy/test_autoscale_signal.py $(BUILD)

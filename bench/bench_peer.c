@@ -82,7 +82,7 @@ static bool try_dir(const char *dir, size_t dlen, const char *file, char *out) {
 static bool find_lib(int pi, char *out) {
     const char *env = getenv(lib_env[pi]);
     if (env && *env) return realpath(env, out) && !access(out, R_OK);
-    static const char *const fixed[] = {"/usr/lib/" MULTIARCH, "/usr/lib64", "/usr/local/lib",
+    static const char *const fixed[] = {("/usr/lib/" MULTIARCH), "/usr/lib64", "/usr/local/lib",
                                         "/usr/lib"};
     Dl_info di;
     if (dladdr((void *)fopen, &di) && di.dli_fname && strrchr(di.dli_fname, '/')) {

@@ -22,7 +22,7 @@ import os
 import threading
 import warnings
 
-from . import _lib
+from . import _alloc_conf, _lib
 from .heap import _apply_default_conf, _device_arg
 
 __all__ = [
@@ -83,7 +83,12 @@ def enable(conf=None):
     PyTorch has no CUDA or no CUDAPluggableAllocator (PyTorch < 2.0, CPU-only builds), when
     CUDA memory was already allocated, or when the default heap is on the simulated device
     (its addresses are not device memory: PyTorch's kernels would fault on them).
-    Calling it again with the same (or no) settings does nothing. Returns the allocator."""
+    Calling it again with the same (or no) settings does nothing. Returns the allocator.
+
+    PYTORCH_CUDA_ALLOC_CONF is read: options with a cuma equivalent become cuma settings
+    (``per_process_memory_fraction`` -> ``memory_fraction``; ``expandable_segments`` is what cuma
+    always does), the rest are ignored with a RuntimeWarning that says why; ``conf`` and
+    CUMA_CONF win over translated settings. The table is in cuma/_alloc_conf.py."""
     global _allocator, _conf_at_enable, _hooks
     torch = _import_torch()
     with _lock:
@@ -117,7 +122,9 @@ def enable(conf=None):
                     "cuma.torch.enable(): PyTorch already allocated %d bytes of CUDA memory with its own "
                     "allocator; call enable() before the first CUDA tensor is created" % used
                 )
-        _apply_default_conf(conf, "cuma.torch.enable()")
+        # PYTORCH_CUDA_ALLOC_CONF: its options with a cuma equivalent join the settings, the
+        # others are warned about (_alloc_conf.py has the table).
+        _apply_default_conf(_alloc_conf.apply(os.environ, conf), "cuma.torch.enable()")
         # Create device 0's heap now: a settings error or a missing CUDA backend shows up
         # here, as a Python exception, rather than as a NULL from malloc deep inside PyTorch.
         from .heap import default_heap

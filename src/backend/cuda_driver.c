@@ -28,7 +28,9 @@ typedef struct loaded {
     cuma_status status;
     int have_error_names; /* api.GetErrorName/String resolved */
     void *lib;            /* the handle, kept while the status is CUMA_OK */
-    char error[400];
+    /* Room for the longest message whole: "CUDA driver " + path (255) + ": cuInit(0) failed: " +
+     * the driver's text (199), so a failure is never reported cut short. */
+    char error[512];
     char path[256];
 } loaded;
 

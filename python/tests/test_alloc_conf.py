@@ -1,0 +1,95 @@
+"""PYTORCH_CUDA_ALLOC_CONF under cuma.torch.enable(): options with a cuma equivalent become cuma
+settings, the others warn. enable() runs against a stand-in for a CUDA build of PyTorch; the
+default heap is simulated here, so enable() stops at its refusal of the simulated device, after
+the settings were applied, which is what these tests look at."""
+
+import os
+import sys
+import types
+import warnings
+
+import pytest
+
+import cuma
+from cuma import _alloc_conf
+
+
+def test_translate_maps_what_has_an_equivalent():
+    settings, notes = _alloc_conf.translate(
+        "expandable_segments:True, per_process_memory_fraction:0.5,backend:native,pinned_num_register_threads:8"
+    )
+    assert settings == ["memory_fraction:0.5"]
+    assert notes == []
+
+
+@pytest.mark.parametrize(
+    "option, says",
+    [
+        ("garbage_collection_threshold:0.8", "release_delay_ms"),
+        ("max_split_size_mb:128", "do not fragment"),
+        ("roundup_power2_divisions:4", "round sizes"),
+        ("backend:cudaMallocAsync", "stream-ordered"),
+        ("per_process_memory_fraction:1.5", "not a fraction"),
+        ("no_such_option:1", "not an option cuma knows"),
+    ],
+)
+def test_translate_says_why_an_option_is_ignored(option, says):
+    settings, notes = _alloc_conf.translate(option)
+    assert settings == []
+    assert len(notes) == 1 and says in notes[0] and option.split(":")[0] in notes[0]
+
+
+def test_the_callers_settings_win():
+    assert _alloc_conf.merge(["memory_fraction:0.5"], "limit:1G") == "memory_fraction:0.5,limit:1G"
+    assert _alloc_conf.merge(["memory_fraction:0.5"], "memory_fraction:0.25,limit:1G") == "memory_fraction:0.25,limit:1G"
+    assert _alloc_conf.merge([], None) is None
+
+
+def _stand_in_torch(monkeypatch):
+    memory = types.SimpleNamespace(CUDAPluggableAllocator=object, change_current_allocator=lambda a: None)
+    torch = types.ModuleType("torch")
+    torch.__version__ = "2.11.0+stand-in"
+    torch.version = types.SimpleNamespace(cuda="13.0", hip=None)
+    torch.cuda = types.SimpleNamespace(memory=memory, is_initialized=lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+
+
+def _isolate_cuma_conf(monkeypatch):
+    # enable() writes CUMA_CONF itself: recorded here so that monkeypatch removes it afterwards.
+    monkeypatch.setenv("CUMA_CONF", "")
+    monkeypatch.delenv("CUMA_CONF")
+
+
+def test_enable_applies_the_translated_settings_and_warns(monkeypatch):
+    _stand_in_torch(monkeypatch)
+    _isolate_cuma_conf(monkeypatch)
+    monkeypatch.setenv(
+        "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,per_process_memory_fraction:0.5,max_split_size_mb:64"
+    )
+    with pytest.warns(RuntimeWarning, match="max_split_size_mb is not needed") as rec:
+        with pytest.raises(RuntimeError, match="simulated device"):
+            cuma.torch.enable("backend:sim,capacity:1G")
+    assert len([w for w in rec if issubclass(w.category, RuntimeWarning)]) == 1
+    assert os.environ["CUMA_CONF"] == "memory_fraction:0.5,backend:sim,capacity:1G"
+    assert cuma.default_heap(0).stats()["limit_bytes"] == 512 << 20
+
+
+def test_enable_keeps_cuma_conf_settings_over_translated_ones(monkeypatch):
+    _stand_in_torch(monkeypatch)
+    _isolate_cuma_conf(monkeypatch)
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:1G,memory_fraction:0.25")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "per_process_memory_fraction:0.5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing here deserves a warning
+        with pytest.raises(RuntimeError, match="simulated device"):
+            cuma.torch.enable()
+    assert cuma.default_heap(0).stats()["limit_bytes"] == 256 << 20
+
+
+def test_enable_without_the_variable_changes_nothing(monkeypatch):
+    _stand_in_torch(monkeypatch)
+    _isolate_cuma_conf(monkeypatch)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    with pytest.raises(RuntimeError, match="simulated device"):
+        cuma.torch.enable("backend:sim,capacity:1G")
+    assert os.environ["CUMA_CONF"] == "backend:sim,capacity:1G"
