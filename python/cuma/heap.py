@@ -4,12 +4,14 @@ Pointers are plain ints (device addresses); streams are ints (a cudaStream_t's v
 the default stream), None, or an object with a ``cuda_stream`` (torch.cuda.Stream) or ``ptr``
 (cupy) attribute holding one.
 
-Thread safety: every method may be called from any thread at any time, concurrently, like
-the C API, except :meth:`Heap.close`, which must not race with other calls on the same heap.
+Thread safety: every method may be called from any thread at any time, concurrently, and
+:meth:`Heap.close` too: it refuses new calls (HeapClosedError), waits for the calls under way
+and only then destroys the C heap, which must not race with any other call on it (cuma.h).
 ctypes releases the GIL during each C call, so threads allocate in parallel.
 """
 
 import _thread
+import functools
 import json
 import numbers
 import operator
@@ -21,6 +23,7 @@ import warnings
 import ctypes
 
 from . import _lib
+from .errors import CumaError, HeapClosedError
 
 __all__ = [
     "Heap",
@@ -266,6 +269,108 @@ def _interrupt_main_later(main_ident, wait_s=5.0):
     _thread.interrupt_main()
 
 
+# --- the use count that lets close() race with other calls ---
+
+
+class _Guard:
+    """Counts the calls under way on one heap, so that close() can wait for them: the C heap
+    must not be destroyed while a call is inside it (a freed heap read by another thread
+    crashed the interpreter, 7 of 10 runs).
+
+    Invariants (under _cv): _state goes OPEN -> CLOSING -> CLOSED, or back from CLOSING to
+    OPEN when the closing thread is interrupted while it waits; _uses >= 0 counts the calls
+    between enter() and exit(), and no call enters unless the state is OPEN, so _uses only
+    falls once CLOSING is set. _tls.depth is the calling thread's own calls (a callback
+    inside an allocation is a call inside a call), so that a close() from one of them, which
+    would wait for itself, is refused instead."""
+
+    OPEN, CLOSING, CLOSED = 0, 1, 2
+
+    __slots__ = ("_cv", "_uses", "_state", "_tls")
+
+    def __init__(self):
+        self._cv = threading.Condition(threading.Lock())
+        self._uses = 0
+        self._state = _Guard.OPEN
+        self._tls = threading.local()
+
+    @property
+    def open(self):
+        return self._state == _Guard.OPEN
+
+    def try_enter(self):
+        """Counts a call in; False (counting nothing) once close() has begun."""
+        with self._cv:
+            if self._state != _Guard.OPEN:
+                return False
+            self._uses += 1
+        self._tls.depth = getattr(self._tls, "depth", 0) + 1
+        return True
+
+    def enter(self, what):
+        if not self.try_enter():
+            raise HeapClosedError("%s: the heap is closed (Heap.close() was called)" % what)
+
+    def exit(self):
+        self._tls.depth -= 1
+        with self._cv:
+            self._uses -= 1
+            if not self._uses:
+                self._cv.notify_all()
+
+    def begin_close(self):
+        """Refuses new calls and waits for those under way. True: the caller destroys the heap,
+        then calls end_close(); False: another close() did (or does) it, and it is done."""
+        if getattr(self._tls, "depth", 0):
+            raise CumaError(
+                "Heap.close() was called from inside a call on the same heap (an OOM or pressure "
+                "callback of it): it would wait for that call, which waits for the callback; close "
+                "the heap after the call has returned"
+            )
+        with self._cv:
+            while True:
+                if self._state == _Guard.CLOSED:
+                    return False
+                if self._state == _Guard.OPEN:
+                    break
+                self._cv.wait()  # another thread is closing it: done when it is
+            self._state = _Guard.CLOSING
+            try:
+                while self._uses:
+                    self._cv.wait()
+            except BaseException:  # Ctrl-C while waiting: the heap stays open, as it was
+                self._state = _Guard.OPEN
+                self._cv.notify_all()
+                raise
+            return True
+
+    def reopen(self):
+        """Undoes a begin_close() whose destruction did not happen."""
+        with self._cv:
+            self._state = _Guard.OPEN
+            self._cv.notify_all()
+
+    def end_close(self):
+        with self._cv:
+            self._state = _Guard.CLOSED
+            self._cv.notify_all()
+
+
+def _in_use(method):
+    """Runs a Heap method as one use of the heap (see _Guard)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        g = self._guard
+        g.enter("Heap.%s" % method.__name__)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            g.exit()
+
+    return call
+
+
 class Heap:
     """A cuma heap for one device.
 
@@ -296,6 +401,7 @@ class Heap:
         self._h = None
         self._owned = owned
         self.device = device
+        self._guard = _Guard()
         self._cb_lock = threading.Lock()
         self._callbacks = {}  # id -> (ctypes function, cell holding the Python callable)
         self._retired = []  # ctypes functions of removed callbacks (see remove_oom)
@@ -317,29 +423,42 @@ class Heap:
 
     @property
     def closed(self):
-        return self._h is None
+        return not self._guard.open
 
     def _handle(self):
         if self._h is None:
-            raise ValueError("the heap is closed")
+            raise HeapClosedError("the heap is closed (Heap.close() was called)")
         return self._h
 
     def close(self):
         """Destroys the heap: every page goes back to the device; pointers from it become
-        invalid. Idempotent. Must not race with other calls on the heap.
+        invalid. Idempotent.
+
+        Safe while other threads use the heap: from the moment close() begins, every new call
+        on it raises HeapClosedError (a ValueError); close() waits for the calls already under
+        way (an allocation that waits for OOM callbacks or for other heaps in the ledger can
+        take up to pressure_timeout_ms and a second more), then destroys it. Called from inside
+        a call on the same heap (one of its OOM or pressure callbacks), it would wait for
+        itself: it raises CumaError instead and leaves the heap open.
 
         Does nothing for a default heap: it is shared with everything else in the process and
         lives until :func:`shutdown_default_heaps` (its OOM callbacks stay registered)."""
         if not self._owned:
             return
-        h, self._h = self._h, None
-        if h is not None:
-            _lib.lib().cuma_heap_destroy(h)
-        with self._cb_lock:
-            _drop_callbacks(self)
+        if not self._guard.begin_close():
+            return
+        try:
+            h, self._h = self._h, None
+            if h is not None:
+                _lib.lib().cuma_heap_destroy(h)
+            with self._cb_lock:
+                _drop_callbacks(self)
+        finally:
+            self._guard.end_close()
 
     def __enter__(self):
-        self._handle()
+        if not self._guard.open:
+            raise HeapClosedError("with Heap: the heap is closed (Heap.close() was called)")
         return self
 
     def __exit__(self, *exc):
@@ -348,19 +467,20 @@ class Heap:
 
     def __del__(self):
         try:
-            if getattr(self, "_owned", False) and self._h is not None:
+            if getattr(self, "_owned", False) and getattr(self, "_h", None) is not None:
                 self.close()
         except Exception:
             pass  # interpreter shutdown: the library may be gone already
 
     def __repr__(self):
-        if self._h is None:
+        if self._h is None or not self._guard.open:
             return "<cuma.Heap closed>"
         kind = "default heap" if not self._owned else "heap"
         return "<cuma.Heap %s of device %d at %#x>" % (kind, self.device, self._h)
 
     # --- allocation ---
 
+    @_in_use
     def alloc(self, size, stream=0):
         """Allocates ``size`` bytes usable on ``stream``; returns the device address (int).
 
@@ -398,6 +518,7 @@ class Heap:
             warnings.warn("cuma OOM callback raised %r (allocation succeeded anyway)" % (e,), RuntimeWarning, 2)
         return out.value
 
+    @_in_use
     def free(self, ptr, stream=0):
         """Frees a pointer from :meth:`alloc`. ``stream`` is the stream the memory was last
         used on (0/None: the allocation's stream). None or 0 is a no-op. A pointer the heap
@@ -409,6 +530,7 @@ class Heap:
             return
         _lib.check(_lib.lib().cuma_free(h, ptr, stream))
 
+    @_in_use
     def record_stream(self, ptr, stream):
         """Notes that ``stream`` also uses the allocation at ``ptr``: its memory is not reused
         until the work issued on ``stream`` up to the free has completed."""
@@ -418,6 +540,7 @@ class Heap:
         stream = _stream_arg(stream)
         _lib.check(_lib.lib().cuma_record_stream(self._handle(), ptr, stream))
 
+    @_in_use
     def block_size(self, ptr):
         """The rounded size the heap reserved for the live allocation at ``ptr``."""
         ptr = _ptr_arg(ptr)
@@ -429,16 +552,19 @@ class Heap:
 
     # --- release policy and limits ---
 
+    @_in_use
     def trim(self, keep_bytes=0):
         """Returns cached memory to the device until at most ``keep_bytes`` of cached pages
         remain (0: the whole cache, like torch.cuda.empty_cache())."""
         keep_bytes = _u64_arg(keep_bytes, "keep_bytes")
         _lib.check(_lib.lib().cuma_trim(self._handle(), keep_bytes))
 
+    @_in_use
     def poll(self):
         """Runs the time-based release policy now (idle pages past release_delay_ms go back)."""
         _lib.check(_lib.lib().cuma_poll(self._handle()))
 
+    @_in_use
     def next_release(self):
         """When the release policy will next give memory back (ns on the heap's clock), or
         None when nothing is waiting."""
@@ -446,11 +572,13 @@ class Heap:
         _lib.check(_lib.lib().cuma_next_release(self._handle(), ctypes.byref(out)))
         return None if out.value == (1 << 64) - 1 else out.value
 
+    @_in_use
     def set_limit(self, nbytes):
         """Sets the hard limit on reserved bytes (0 or None: no limit beyond the device)."""
         nbytes = 0 if nbytes is None else _u64_arg(nbytes, "nbytes")
         _lib.check(_lib.lib().cuma_set_limit(self._handle(), nbytes))
 
+    @_in_use
     def set_memory_fraction(self, fraction):
         """Sets the limit as a fraction of the device's memory, in (0, 1]."""
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
@@ -461,12 +589,14 @@ class Heap:
 
     # --- observation ---
 
+    @_in_use
     def stats(self):
         """Counters, gauges, backend and configuration as a dict (cuma_stats_json)."""
         h = self._handle()
         lib = _lib.lib()
         return json.loads(_lib.read_json_text(lambda buf, n, needed: lib.cuma_stats_json(h, buf, n, needed)))
 
+    @_in_use
     def snapshot(self):
         """What holds the heap's memory now, as a dict (cuma_snapshot_json): "live" blocks
         (count, bytes, requested, "by_size" power-of-two buckets and the 32 "largest" with
@@ -477,16 +607,19 @@ class Heap:
         lib = _lib.lib()
         return json.loads(_lib.read_json_text(lambda buf, n, needed: lib.cuma_snapshot_json(h, buf, n, needed)))
 
+    @_in_use
     def reset_peaks(self):
         """Resets the peak_* gauges to the current values."""
         _lib.check(_lib.lib().cuma_reset_peaks(self._handle()))
 
+    @_in_use
     def validate(self):
         """Checks every invariant of the heap; raises CorruptionError naming a broken one."""
         _lib.check(_lib.lib().cuma_validate(self._handle()))
 
     # --- out of memory ---
 
+    @_in_use
     def on_oom(self, callback):
         """Registers ``callback(size, stream)`` to run when an allocation of ``size`` bytes
         failed even after the cache was released; callbacks run in registration order.
@@ -551,6 +684,7 @@ class Heap:
             self._callbacks[cb_id.value] = (fn, cell)
         return cb_id.value
 
+    @_in_use
     def remove_oom(self, callback_id):
         """Removes a callback registered by :meth:`on_oom` (by the id it returned). The
         callable (and whatever it holds) is released at once."""
@@ -561,6 +695,7 @@ class Heap:
 
     # --- other processes (the cross-process ledger) ---
 
+    @_in_use
     def on_pressure(self, callback):
         """Registers ``callback(nbytes)`` to run when a heap of higher priority on the same
         device (in the ledger: settings ``ledger``, ``priority``, ``guarantee``) needs
@@ -577,10 +712,16 @@ class Heap:
         h = self._handle()
         _install_unraisablehook()
         cell = [callback]  # emptied by remove_pressure (see on_oom)
+        guard = self._guard  # not self (see on_oom)
 
         def trampoline(user, heap, nbytes):
             cb = cell[0]
             if cb is None:
+                return
+            # A use of the heap like any call: close() waits for it, and a close() from inside
+            # the callback is refused rather than destroying the heap under its release thread.
+            # Once close() has begun, the request is dropped: the heap gives everything back.
+            if not guard.try_enter():
                 return
             try:
                 cb(int(nbytes))
@@ -588,6 +729,8 @@ class Heap:
                 warnings.warn("cuma pressure callback %r raised %r" % (cb, e), RuntimeWarning)
             except BaseException as e:  # never let an exception unwind through C
                 _deliver_fatal(e, "cuma pressure callback %r" % (cb,))
+            finally:
+                guard.exit()
 
         _TRAMPOLINES.add(trampoline.__code__)
         fn = _lib.PRESSURE_CALLBACK(trampoline)
@@ -597,6 +740,7 @@ class Heap:
             self._callbacks[("pressure", cb_id.value)] = (fn, cell)
         return cb_id.value
 
+    @_in_use
     def remove_pressure(self, callback_id):
         """Removes a callback registered by :meth:`on_pressure` (by the id it returned). The
         callable (and whatever it holds) is released at once."""
@@ -607,20 +751,24 @@ class Heap:
 
     # --- simulated device controls (backend:sim only; UnsupportedError elsewhere) ---
 
+    @_in_use
     def sim_set_time(self, ns):
         """Sets the simulated clock (needs sim_clock:manual)."""
         _lib.check(_lib.lib().cuma_sim_set_time(self._handle(), _u64_arg(ns, "ns")))
 
+    @_in_use
     def sim_time(self):
         """The heap's clock in nanoseconds (any backend)."""
         out = ctypes.c_uint64()
         _lib.check(_lib.lib().cuma_sim_get_time(self._handle(), ctypes.byref(out)))
         return out.value
 
+    @_in_use
     def sim_hold_stream(self, stream):
         """Holds a simulated stream busy: work recorded on it stays incomplete."""
         _lib.check(_lib.lib().cuma_sim_hold_stream(self._handle(), _stream_arg(stream)))
 
+    @_in_use
     def sim_release_stream(self, stream):
         """Completes everything recorded on a held simulated stream."""
         _lib.check(_lib.lib().cuma_sim_release_stream(self._handle(), _stream_arg(stream)))
@@ -759,14 +907,29 @@ def shutdown_default_heaps():
     """Destroys every default heap (their memory goes back to the device). For tests and an
     orderly shutdown only: nothing may use a default heap concurrently or afterwards through
     old pointers, and PyTorch must not be using cuma any more. The next use creates fresh
-    heaps (reading CUMA_CONF again)."""
+    heaps (reading CUMA_CONF again). Calls under way through this package's wrappers
+    (:func:`default_heap`'s Heap) are waited for, and later ones raise HeapClosedError; called
+    from inside one (an OOM callback of a default heap), it raises CumaError instead."""
     with _defaults_lock:
-        _lib.lib().cuma_default_heaps_shutdown()
-        for w in _defaults.values():
-            w._h = None
-            with w._cb_lock:
-                _drop_callbacks(w)
-        _defaults.clear()
+        closing = []
+        try:
+            for w in _defaults.values():
+                if w._guard.begin_close():
+                    closing.append(w)
+        except BaseException:  # refused (or interrupted): the heaps stay as they were
+            for w in closing:
+                w._guard.reopen()
+            raise
+        try:
+            _lib.lib().cuma_default_heaps_shutdown()
+            for w in closing:
+                w._h = None
+                with w._cb_lock:
+                    _drop_callbacks(w)
+            _defaults.clear()
+        finally:
+            for w in closing:
+                w._guard.end_close()
 
 
 def _apply_default_conf(conf, who, device=0):
