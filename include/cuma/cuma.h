@@ -72,8 +72,11 @@ typedef struct cuma_heap cuma_heap;
 /* Heap creation settings. A zero-initialised struct means defaults.
  * Settings are applied in this order, later ones winning: built-in defaults, the CUMA_CONF
  * environment variable (unless CUMA_CONFIG_NO_ENV is set), then `conf`.
- * `conf` uses the CUMA_CONF grammar: "key:value,key:value"; sizes take K/M/G/T suffixes
- * (powers of 1024). `cuma config` or cuma_config_describe() lists every key. */
+ * `conf` uses the CUMA_CONF grammar: "key:value,key:value"; sizes are decimal with an optional
+ * fraction and K/M/G/T suffix (powers of 1024, optionally followed by B or iB) and must come to
+ * a whole number of bytes ("1.5G"); integers are decimal digits; fractions are decimal ("0.05",
+ * "1e-3"). Hex, inf, nan, a '+' sign and exponents in sizes are refused, naming the key.
+ * `cuma config` or cuma_config_describe() lists every key. */
 typedef struct cuma_config {
     const char *conf; /* settings string; NULL = none */
     unsigned flags;   /* CUMA_CONFIG_* */

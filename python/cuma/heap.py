@@ -23,7 +23,7 @@ import warnings
 import ctypes
 
 from . import _lib
-from .errors import CumaError, HeapClosedError
+from .errors import ConfigError, CumaError, HeapClosedError
 
 __all__ = [
     "Heap",
@@ -48,6 +48,19 @@ OOM_RETRY = 1
 
 
 # --- argument checks: bad Python arguments fail here, with Python exceptions, before C ---
+
+
+def _c_string(value, name, error=ValueError):
+    """A str for a C ``const char *`` parameter, as bytes. A NUL inside would end the string
+    there for C, which would read "limit:1M\0junk" as "limit:1M" without a word: refused,
+    naming the argument (``error`` is the exception class)."""
+    data = value.encode()
+    at = data.find(b"\0")
+    if at >= 0:
+        raise error(
+            "%s contains a NUL character (at byte %d), where C would cut it short: %r" % (name, at, value)
+        )
+    return data
 
 
 def _int_arg(value, name, minimum=0):
@@ -392,7 +405,8 @@ class Heap:
         device = _device_arg(device)
         self._init_common(device, owned=True)
         lib = _lib.lib()
-        cfg = _lib.Config(conf.encode() if conf is not None else None, 0 if use_env else 1, device)
+        conf_bytes = _c_string(conf, "Heap: conf", ConfigError) if conf is not None else None
+        cfg = _lib.Config(conf_bytes, 0 if use_env else 1, device)
         handle = ctypes.c_void_p()
         _lib.check(lib.cuma_heap_create(ctypes.byref(cfg), ctypes.byref(handle)))
         self._h = handle.value
@@ -868,7 +882,7 @@ def ledger(name=None):
     if name is not None and not isinstance(name, str):
         raise TypeError("name must be a str or None, not %s" % type(name).__name__)
     lib = _lib.lib()
-    arg = name.encode() if name is not None else None
+    arg = _c_string(name, "ledger: name") if name is not None else None
     n = ctypes.c_size_t()
     cap = 64
     while True:
@@ -894,7 +908,7 @@ def ledger_path(name=None):
     if name is not None and not isinstance(name, str):
         raise TypeError("name must be a str or None, not %s" % type(name).__name__)
     buf = ctypes.create_string_buffer(256)
-    _lib.check(_lib.lib().cuma_ledger_path(name.encode() if name else None, buf, 256))
+    _lib.check(_lib.lib().cuma_ledger_path(_c_string(name, "ledger_path: name") if name else None, buf, 256))
     return buf.value.decode()
 
 
@@ -940,6 +954,7 @@ def _apply_default_conf(conf, who, device=0):
         return
     if not isinstance(conf, str):
         raise TypeError("%s: conf must be a str like 'limit:8G', not %s" % (who, type(conf).__name__))
+    _c_string(conf, "%s: conf" % who, ConfigError)
     check_config(conf)
     with _conf_lock:
         current = os.environ.get("CUMA_CONF")
@@ -962,7 +977,7 @@ def check_config(conf):
     """Checks a settings string without creating a heap; raises ConfigError naming the key."""
     if not isinstance(conf, str):
         raise TypeError("conf must be a str, not %s" % type(conf).__name__)
-    _lib.check(_lib.lib().cuma_config_check(conf.encode()))
+    _lib.check(_lib.lib().cuma_config_check(_c_string(conf, "check_config: conf", ConfigError)))
 
 
 class ConfigKey(tuple):
