@@ -101,6 +101,14 @@ cuma_status cuma_default_heap(int device, cuma_heap **out);
 /* Destroys every default heap (tests; a framework's shutdown). */
 void cuma_default_heaps_shutdown(void);
 
+/* Makes `conf` (the CUMA_CONF grammar, at most 4000 bytes) the settings of the default heaps
+ * created from now on, in place of CUMA_CONF; NULL goes back to CUMA_CONF. Nothing else
+ * changes: heaps that exist keep theirs, cuma_heap_create still reads CUMA_CONF, and the
+ * environment (so child processes) is left as it is. Checked (CUMA_ERR_CONFIG names the key)
+ * and copied. Thread-safe. The Python package's set_memory_limit/set_memory_growth and
+ * CudaMemoryAllocator(conf) use it. */
+cuma_status cuma_default_settings_set(const char *conf);
+
 /* Creates a heap. cfg may be NULL: defaults, then CUMA_CONF. When no settings string names a
  * backend, the heap takes backend:auto (vmm, else segment) and, where no CUDA driver can be
  * loaded, the simulated device instead (the stats JSON says "backend_fallback":true). A named

@@ -815,16 +815,36 @@ def _drop_callbacks(heap):
 
 _defaults_lock = threading.Lock()
 _defaults = {}  # device -> Heap wrapper; keeps module-level OOM callbacks alive
-# Held from "do default heaps exist, and with which CUMA_CONF?" until the heap made from the
+# Held from "do default heaps exist, and with which settings?" until the heap made from the
 # settings exists, so that two threads asking for different settings cannot both pass the
 # check (the one that comes second gets the RuntimeError). Taken before _defaults_lock.
 _conf_lock = threading.Lock()
+# The settings this package gave the default heaps (cuma_default_settings_set) in place of
+# CUMA_CONF, or None: CUMA_CONF. Written under _conf_lock. The environment is never written:
+# it would change every Heap(...) made later in the process, and its children.
+_default_settings = None
+
+
+def _default_conf():
+    """The settings string default heaps are created from now (None: none)."""
+    return _default_settings if _default_settings is not None else os.environ.get("CUMA_CONF")
+
+
+def _set_default_settings(conf):
+    """Makes ``conf`` the settings of default heaps created from now on, in place of CUMA_CONF
+    (None: CUMA_CONF again). The caller holds _conf_lock."""
+    global _default_settings
+    arg = None if conf is None else _c_string(conf, "default heap settings", ConfigError)
+    _lib.check(_lib.lib().cuma_default_settings_set(arg))
+    _default_settings = conf
 
 
 def default_heap(device=0):
-    """The process-wide heap of ``device``, created on first use from CUMA_CONF (backend:auto
-    when CUMA_CONF names none, falling back to the simulated device without a CUDA driver;
-    the stats' "backend" says which). The same heap PyTorch uses after cuma.torch.enable()."""
+    """The process-wide heap of ``device``, created on first use from CUMA_CONF, or from the
+    settings given through cuma (set_memory_limit, set_memory_growth, CudaMemoryAllocator(conf),
+    cuma.torch.enable(conf)), which replace CUMA_CONF for the default heaps only (backend:auto
+    when they name none, falling back to the simulated device without a CUDA driver; the stats'
+    "backend" says which). The same heap PyTorch uses after cuma.torch.enable()."""
     device = _device_arg(device)
     with _defaults_lock:
         w = _defaults.get(device)
@@ -921,7 +941,7 @@ def shutdown_default_heaps():
     """Destroys every default heap (their memory goes back to the device). For tests and an
     orderly shutdown only: nothing may use a default heap concurrently or afterwards through
     old pointers, and PyTorch must not be using cuma any more. The next use creates fresh
-    heaps (reading CUMA_CONF again). Calls under way through this package's wrappers
+    heaps (from CUMA_CONF, or the settings given through cuma, as it is then). Calls under way through this package's wrappers
     (:func:`default_heap`'s Heap) are waited for, and later ones raise HeapClosedError; called
     from inside one (an OOM callback of a default heap), it raises CumaError instead."""
     with _defaults_lock:
@@ -947,7 +967,8 @@ def shutdown_default_heaps():
 
 
 def _apply_default_conf(conf, who, device=0):
-    """Makes ``conf`` the CUMA_CONF of the default heaps and creates ``device``'s default
+    """Makes ``conf`` the settings of the default heaps, in place of CUMA_CONF (which stays as
+    it is for every other heap and for child processes), and creates ``device``'s default
     heap from it; refuses (with a RuntimeError) when default heaps exist already and the
     settings differ, since they would silently not apply to them."""
     if conf is None:
@@ -957,15 +978,15 @@ def _apply_default_conf(conf, who, device=0):
     _c_string(conf, "%s: conf" % who, ConfigError)
     check_config(conf)
     with _conf_lock:
-        current = os.environ.get("CUMA_CONF")
+        current = _default_conf()
         if current != conf:
             if _created_default_heaps():
                 raise RuntimeError(
-                    "%s: the default heaps already exist (created with CUMA_CONF=%r), so %r would not "
+                    "%s: the default heaps already exist (created with settings %r), so %r would not "
                     "apply to them; pass the settings before the first allocation, or call "
                     "cuma.shutdown_default_heaps() first" % (who, current, conf)
                 )
-            os.environ["CUMA_CONF"] = conf
+            _set_default_settings(conf)
         # Made before the lock is let go: from here on, other settings see a heap and fail.
         default_heap(device)
 
@@ -1035,17 +1056,15 @@ def _format_conf(d):
     return ",".join("%s:%s" % (k, v) for k, v in d.items())
 
 
-def _update_env_conf(updates, removals=()):
-    """Merges key changes into CUMA_CONF (checked before it is set); returns the new string."""
-    d = _parse_conf(os.environ.get("CUMA_CONF"))
+def _update_default_conf(updates, removals=()):
+    """Merges key changes into the default heaps' settings (CUMA_CONF until settings were
+    given), checked before they are set; returns the new string. The caller holds _conf_lock."""
+    d = _parse_conf(_default_conf())
     for k in removals:
         d.pop(k, None)
     d.update(updates)
     conf = _format_conf(d)
     check_config(conf)
-    if conf:
-        os.environ["CUMA_CONF"] = conf
-    else:
-        os.environ.pop("CUMA_CONF", None)
+    _set_default_settings(conf)
     return conf
 
