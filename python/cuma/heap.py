@@ -292,8 +292,9 @@ class _Guard:
 
     Invariants (under _cv): _state goes OPEN -> CLOSING -> CLOSED, or back from CLOSING to
     OPEN when the closing thread is interrupted while it waits; _uses >= 0 counts the calls
-    between enter() and exit(), and no call enters unless the state is OPEN, so _uses only
-    falls once CLOSING is set. _tls.depth is the calling thread's own calls (a callback
+    between enter() and exit(), and no call enters unless the state is OPEN or the thread is
+    inside a call already (which holds _uses above zero), so once CLOSING is set _uses falls
+    to zero and stays there. _tls.depth is the calling thread's own calls (a callback
     inside an allocation is a call inside a call), so that a close() from one of them, which
     would wait for itself, is refused instead."""
 
@@ -312,12 +313,15 @@ class _Guard:
         return self._state == _Guard.OPEN
 
     def try_enter(self):
-        """Counts a call in; False (counting nothing) once close() has begun."""
+        """Counts a call in; False (counting nothing) once close() has begun, except for a call
+        made inside one under way on the same thread (an OOM callback freeing memory of the
+        heap): that one cannot outlive the outer call, which the heap is not destroyed under."""
+        depth = getattr(self._tls, "depth", 0)
         with self._cv:
-            if self._state != _Guard.OPEN:
+            if self._state != _Guard.OPEN and not depth:
                 return False
             self._uses += 1
-        self._tls.depth = getattr(self._tls, "depth", 0) + 1
+        self._tls.depth = depth + 1
         return True
 
     def enter(self, what):
