@@ -290,23 +290,27 @@ class _Guard:
     must not be destroyed while a call is inside it (a freed heap read by another thread
     crashed the interpreter, 7 of 10 runs).
 
-    Invariants (under _cv): _state goes OPEN -> CLOSING -> CLOSED, or back from CLOSING to
-    OPEN when the closing thread is interrupted while it waits; _uses >= 0 counts the calls
-    between enter() and exit(), and no call enters unless the state is OPEN or the thread is
-    inside a call already (which holds _uses above zero), so once CLOSING is set _uses falls
-    to zero and stays there. _tls.depth is the calling thread's own calls (a callback
-    inside an allocation is a call inside a call), so that a close() from one of them, which
-    would wait for itself, is refused instead."""
+    _inside holds the thread id of every call under way, once per call (a callback inside an
+    allocation is a call inside a call): list.append and list.remove are atomic, so the calls'
+    path takes no lock (a lock and a thread-local depth doubled the cost of alloc+free). A
+    thread found in it is inside a call on the heap: its close() would wait for itself and is
+    refused instead.
+
+    Invariants: _state (written under _cv) goes OPEN -> CLOSING -> CLOSED, or back from
+    CLOSING to OPEN when the closing thread is interrupted while it waits. A call adds its id
+    first and reads _state after, so once CLOSING is set every new call sees it: one whose
+    thread has no call under way takes its id out again and is refused, one whose thread has
+    one goes on (it cannot outlive that outer call). So _inside empties and stays empty, and
+    close() waits for that; a call that leaves while _state is not OPEN wakes it."""
 
     OPEN, CLOSING, CLOSED = 0, 1, 2
 
-    __slots__ = ("_cv", "_uses", "_state", "_tls")
+    __slots__ = ("_inside", "_state", "_cv")
 
     def __init__(self):
-        self._cv = threading.Condition(threading.Lock())
-        self._uses = 0
+        self._inside = []
         self._state = _Guard.OPEN
-        self._tls = threading.local()
+        self._cv = threading.Condition(threading.Lock())
 
     @property
     def open(self):
@@ -316,29 +320,27 @@ class _Guard:
         """Counts a call in; False (counting nothing) once close() has begun, except for a call
         made inside one under way on the same thread (an OOM callback freeing memory of the
         heap): that one cannot outlive the outer call, which the heap is not destroyed under."""
-        depth = getattr(self._tls, "depth", 0)
-        with self._cv:
-            if self._state != _Guard.OPEN and not depth:
-                return False
-            self._uses += 1
-        self._tls.depth = depth + 1
+        me = _thread.get_ident()
+        inside = self._inside
+        inside.append(me)
+        if self._state and inside.count(me) == 1:
+            self._leave(me)
+            return False
         return True
 
-    def enter(self, what):
-        if not self.try_enter():
-            raise HeapClosedError("%s: the heap is closed (Heap.close() was called)" % what)
-
     def exit(self):
-        self._tls.depth -= 1
-        with self._cv:
-            self._uses -= 1
-            if not self._uses:
-                self._cv.notify_all()
+        self._leave(_thread.get_ident())
+
+    def _leave(self, me):
+        self._inside.remove(me)
+        if self._state:
+            with self._cv:
+                self._cv.notify_all()  # close() waits for the last one
 
     def begin_close(self):
         """Refuses new calls and waits for those under way. True: the caller destroys the heap,
         then calls end_close(); False: another close() did (or does) it, and it is done."""
-        if getattr(self._tls, "depth", 0):
+        if _thread.get_ident() in self._inside:
             raise CumaError(
                 "Heap.close() was called from inside a call on the same heap (an OOM or pressure "
                 "callback of it): it would wait for that call, which waits for the callback; close "
@@ -353,7 +355,7 @@ class _Guard:
                 self._cv.wait()  # another thread is closing it: done when it is
             self._state = _Guard.CLOSING
             try:
-                while self._uses:
+                while self._inside:
                     self._cv.wait()
             except BaseException:  # Ctrl-C while waiting: the heap stays open, as it was
                 self._state = _Guard.OPEN
@@ -376,10 +378,13 @@ class _Guard:
 def _in_use(method):
     """Runs a Heap method as one use of the heap (see _Guard)."""
 
+    what = "Heap.%s" % method.__name__
+
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         g = self._guard
-        g.enter("Heap.%s" % method.__name__)
+        if not g.try_enter():
+            raise HeapClosedError("%s: the heap is closed (Heap.close() was called)" % what)
         try:
             return method(self, *args, **kwargs)
         finally:
