@@ -11,7 +11,6 @@ ctypes releases the GIL during each C call, so threads allocate in parallel.
 """
 
 import _thread
-import functools
 import json
 import numbers
 import operator
@@ -23,7 +22,19 @@ import warnings
 import ctypes
 
 from . import _lib
-from .errors import ConfigError, CumaError, HeapClosedError
+from ._args import (  # noqa: F401  (re-exported: allocator.py and torch.py import them from here)
+    MAX_DEVICES,
+    _c_string,
+    _callback_id_arg,
+    _device_arg,
+    _int_arg,
+    _ptr_arg,
+    _size_arg,
+    _stream_arg,
+    _u64_arg,
+)
+from ._guard import _Guard, _in_use
+from .errors import ConfigError, HeapClosedError
 
 __all__ = [
     "Heap",
@@ -42,96 +53,8 @@ __all__ = [
     "MAX_DEVICES",
 ]
 
-MAX_DEVICES = 64  # default heaps exist for device ordinals 0..63 (src/shim/default_heap.h)
 OOM_PASS = 0
 OOM_RETRY = 1
-
-
-# --- argument checks: bad Python arguments fail here, with Python exceptions, before C ---
-
-
-def _c_string(value, name, error=ValueError):
-    """A str for a C ``const char *`` parameter, as bytes. A NUL inside would end the string
-    there for C, which would read "limit:1M\0junk" as "limit:1M" without a word: refused,
-    naming the argument (``error`` is the exception class)."""
-    data = value.encode()
-    at = data.find(b"\0")
-    if at >= 0:
-        raise error(
-            "%s contains a NUL character (at byte %d), where C would cut it short: %r" % (name, at, value)
-        )
-    return data
-
-
-def _int_arg(value, name, minimum=0):
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError("%s must be an int, not %s" % (name, type(value).__name__))
-    v = operator.index(value)
-    if v < minimum:
-        raise ValueError("%s must be >= %d, got %d" % (name, minimum, v))
-    return v
-
-
-def _u64_arg(value, name):
-    """A byte count or time for a uint64_t/size_t parameter: ctypes would silently wrap a
-    value of 2**64 or more to its low 64 bits."""
-    v = _int_arg(value, name, 0)
-    if v >= 1 << 64:
-        raise ValueError("%s %d does not fit in 64 bits" % (name, v))
-    return v
-
-
-def _callback_id_arg(value):
-    """A callback id (a C int): ctypes would wrap 2**32 + id to id and remove another
-    callback than the one named."""
-    v = _int_arg(value, "callback_id", 0)
-    if v >= 1 << 31:
-        raise ValueError("callback_id %d is not an id from on_oom/on_pressure" % v)
-    return v
-
-
-def _size_arg(size, name="size"):
-    v = _int_arg(size, name, 0)
-    if v == 0:
-        raise ValueError("%s must be > 0, got 0" % name)
-    if v >= 1 << 64:
-        raise ValueError("%s %d does not fit in 64 bits" % (name, v))
-    return v
-
-
-def _ptr_arg(ptr):
-    if ptr is None:
-        return None
-    v = _int_arg(ptr, "ptr", 0)
-    if v >= 1 << 64:
-        raise ValueError("ptr %#x does not fit in 64 bits" % v)
-    return v or None
-
-
-def _stream_arg(stream):
-    """A stream argument as the integer value of the handle (None for the default stream)."""
-    if stream is None:
-        return None
-    for attr in ("cuda_stream", "ptr"):
-        if not isinstance(stream, (int,)) and hasattr(stream, attr):
-            stream = getattr(stream, attr)
-            break
-    if isinstance(stream, bool) or not hasattr(stream, "__index__"):
-        raise TypeError(
-            "stream must be an int handle, None, or an object with a cuda_stream/ptr attribute, not %s"
-            % type(stream).__name__
-        )
-    v = operator.index(stream)
-    if v < 0 or v >= 1 << 64:
-        raise ValueError("stream handle %d is not a valid pointer value" % v)
-    return v or None
-
-
-def _device_arg(device):
-    v = _int_arg(device, "device", 0)
-    if v >= MAX_DEVICES:
-        raise ValueError("device must be in 0..%d, got %d" % (MAX_DEVICES - 1, v))
-    return v
 
 
 def _wants_retry(result):
@@ -280,117 +203,6 @@ def _interrupt_main_later(main_ident, wait_s=5.0):
             break
         time.sleep(0.001)
     _thread.interrupt_main()
-
-
-# --- the use count that lets close() race with other calls ---
-
-
-class _Guard:
-    """Counts the calls under way on one heap, so that close() can wait for them: the C heap
-    must not be destroyed while a call is inside it (a freed heap read by another thread
-    crashed the interpreter, 7 of 10 runs).
-
-    _inside holds the thread id of every call under way, once per call (a callback inside an
-    allocation is a call inside a call): list.append and list.remove are atomic, so the calls'
-    path takes no lock (a lock and a thread-local depth doubled the cost of alloc+free). A
-    thread found in it is inside a call on the heap: its close() would wait for itself and is
-    refused instead.
-
-    Invariants: _state (written under _cv) goes OPEN -> CLOSING -> CLOSED, or back from
-    CLOSING to OPEN when the closing thread is interrupted while it waits. A call adds its id
-    first and reads _state after, so once CLOSING is set every new call sees it: one whose
-    thread has no call under way takes its id out again and is refused, one whose thread has
-    one goes on (it cannot outlive that outer call). So _inside empties and stays empty, and
-    close() waits for that; a call that leaves while _state is not OPEN wakes it."""
-
-    OPEN, CLOSING, CLOSED = 0, 1, 2
-
-    __slots__ = ("_inside", "_state", "_cv")
-
-    def __init__(self):
-        self._inside = []
-        self._state = _Guard.OPEN
-        self._cv = threading.Condition(threading.Lock())
-
-    @property
-    def open(self):
-        return self._state == _Guard.OPEN
-
-    def try_enter(self):
-        """Counts a call in; False (counting nothing) once close() has begun, except for a call
-        made inside one under way on the same thread (an OOM callback freeing memory of the
-        heap): that one cannot outlive the outer call, which the heap is not destroyed under."""
-        me = _thread.get_ident()
-        inside = self._inside
-        inside.append(me)
-        if self._state and inside.count(me) == 1:
-            self._leave(me)
-            return False
-        return True
-
-    def exit(self):
-        self._leave(_thread.get_ident())
-
-    def _leave(self, me):
-        self._inside.remove(me)
-        if self._state:
-            with self._cv:
-                self._cv.notify_all()  # close() waits for the last one
-
-    def begin_close(self):
-        """Refuses new calls and waits for those under way. True: the caller destroys the heap,
-        then calls end_close(); False: another close() did (or does) it, and it is done."""
-        if _thread.get_ident() in self._inside:
-            raise CumaError(
-                "Heap.close() was called from inside a call on the same heap (an OOM or pressure "
-                "callback of it): it would wait for that call, which waits for the callback; close "
-                "the heap after the call has returned"
-            )
-        with self._cv:
-            while True:
-                if self._state == _Guard.CLOSED:
-                    return False
-                if self._state == _Guard.OPEN:
-                    break
-                self._cv.wait()  # another thread is closing it: done when it is
-            self._state = _Guard.CLOSING
-            try:
-                while self._inside:
-                    self._cv.wait()
-            except BaseException:  # Ctrl-C while waiting: the heap stays open, as it was
-                self._state = _Guard.OPEN
-                self._cv.notify_all()
-                raise
-            return True
-
-    def reopen(self):
-        """Undoes a begin_close() whose destruction did not happen."""
-        with self._cv:
-            self._state = _Guard.OPEN
-            self._cv.notify_all()
-
-    def end_close(self):
-        with self._cv:
-            self._state = _Guard.CLOSED
-            self._cv.notify_all()
-
-
-def _in_use(method):
-    """Runs a Heap method as one use of the heap (see _Guard)."""
-
-    what = "Heap.%s" % method.__name__
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        g = self._guard
-        if not g.try_enter():
-            raise HeapClosedError("%s: the heap is closed (Heap.close() was called)" % what)
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            g.exit()
-
-    return call
 
 
 class Heap:
