@@ -195,9 +195,9 @@ cuma_status cuma_default_settings_set(const char *conf) {
             return cuma_fail(CUMA_ERR_CONFIG,
                              "cuma_default_settings_set: settings string longer than %d bytes",
                              SETTINGS_MAX);
-        cuma_settings check;
-        cuma_settings_default(&check);
-        cuma_status st = cuma_settings_parse(&check, conf, "default heap settings");
+        /* The whole of the heaps' settings (CUMA_CONF is not read under them): checked as
+         * cuma_config_check checks a string, so that a bad one fails here, not at first use. */
+        cuma_status st = cuma_config_check(conf);
         if (st) return st;
     }
     pthread_once(&fork_once, watch_forks);

@@ -127,6 +127,8 @@ static void test_default_settings(void) {
     /* Checked, naming the key; a refused string changes nothing. */
     CHECK_ST(cuma_default_settings_set("limit:lots"), CUMA_ERR_CONFIG);
     CHECK(strstr(cuma_last_error(), "limit") && strstr(cuma_last_error(), "lots"));
+    CHECK_ST(cuma_default_settings_set("growth:off"), CUMA_ERR_CONFIG); /* checked whole */
+    CHECK(strstr(cuma_last_error(), "preallocate"));
     char *longconf = malloc(4002);
     CHECK(longconf);
     memset(longconf, ',', 4001);
