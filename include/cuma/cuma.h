@@ -72,8 +72,11 @@ typedef struct cuma_heap cuma_heap;
 /* Heap creation settings. A zero-initialised struct means defaults.
  * Settings are applied in this order, later ones winning: built-in defaults, the CUMA_CONF
  * environment variable (unless CUMA_CONFIG_NO_ENV is set), then `conf`.
- * `conf` uses the CUMA_CONF grammar: "key:value,key:value"; sizes take K/M/G/T suffixes
- * (powers of 1024). `cuma config` or cuma_config_describe() lists every key. */
+ * `conf` uses the CUMA_CONF grammar: "key:value,key:value"; sizes are decimal with an optional
+ * fraction and K/M/G/T suffix (powers of 1024, optionally followed by B or iB) and must come to
+ * a whole number of bytes ("1.5G"); integers are decimal digits; fractions are decimal ("0.05",
+ * "1e-3"). Hex, inf, nan, a '+' sign and exponents in sizes are refused, naming the key.
+ * `cuma config` or cuma_config_describe() lists every key. */
 typedef struct cuma_config {
     const char *conf; /* settings string; NULL = none */
     unsigned flags;   /* CUMA_CONFIG_* */
@@ -97,6 +100,14 @@ cuma_status cuma_default_heap(int device, cuma_heap **out);
 
 /* Destroys every default heap (tests; a framework's shutdown). */
 void cuma_default_heaps_shutdown(void);
+
+/* Makes `conf` (the CUMA_CONF grammar, at most 4000 bytes) the settings of the default heaps
+ * created from now on, in place of CUMA_CONF; NULL goes back to CUMA_CONF. Nothing else
+ * changes: heaps that exist keep theirs, cuma_heap_create still reads CUMA_CONF, and the
+ * environment (so child processes) is left as it is. Checked (CUMA_ERR_CONFIG names the key)
+ * and copied. Thread-safe. The Python package's set_memory_limit/set_memory_growth and
+ * CudaMemoryAllocator(conf) use it. */
+cuma_status cuma_default_settings_set(const char *conf);
 
 /* Creates a heap. cfg may be NULL: defaults, then CUMA_CONF. When no settings string names a
  * backend, the heap takes backend:auto (vmm, else segment) and, where no CUDA driver can be

@@ -25,6 +25,7 @@ from .errors import (
     CorruptionError,
     CumaError,
     CumaIOError,
+    HeapClosedError,
     InvalidArgumentError,
     LibraryNotFoundError,
     LimitExceededError,
@@ -91,6 +92,7 @@ __all__ = [
     "UnsupportedError",
     "CorruptionError",
     "CumaIOError",
+    "HeapClosedError",
     "ParseError",
     "LibraryNotFoundError",
 ]

@@ -140,6 +140,7 @@ def _prototype(lib):
         "cuma_config_check": (st, [c.c_char_p]),
         "cuma_default_heap": (st, [c.c_int, c.POINTER(vp)]),
         "cuma_default_heaps_shutdown": (None, []),
+        "cuma_default_settings_set": (st, [c.c_char_p]),
         "cuma_heap_create": (st, [c.POINTER(Config), c.POINTER(vp)]),
         "cuma_heap_destroy": (None, [vp]),
         "cuma_alloc": (st, [vp, sz, vp, c.POINTER(vp)]),

@@ -1,10 +1,9 @@
 """TensorFlow's vocabulary for the default heaps: set_memory_growth and set_memory_limit,
-written as CUMA_CONF settings for heaps created from now on (and, for the limit, set on the
-heaps that exist). Re-exported by :mod:`cuma.adaptive`. cuma.heap is imported only when one
-is called.
+written into the default heaps' settings for heaps created from now on (and, for the limit,
+set on the heaps that exist). Those settings start from CUMA_CONF and replace it for the
+default heaps only: CUMA_CONF itself, every Heap(...) and child processes are left as they are.
+Re-exported by :mod:`cuma.adaptive`. cuma.heap is imported only when one is called.
 """
-
-import os
 
 
 def set_memory_growth(enabled):
@@ -14,7 +13,7 @@ def set_memory_growth(enabled):
     the heap maps its whole allowance at creation and never grows (growth:off with
     preallocate = the limit), which needs a size: call :func:`set_memory_limit` first.
     Like TensorFlow, it cannot change heaps that already exist: RuntimeError."""
-    from .heap import _conf_lock, _created_default_heaps, _parse_conf, _update_env_conf
+    from .heap import _conf_lock, _created_default_heaps, _default_conf, _parse_conf, _update_default_conf
 
     if not isinstance(enabled, bool):
         raise TypeError("enabled must be True or False, not %r" % (enabled,))
@@ -25,25 +24,25 @@ def set_memory_growth(enabled):
                 "the first allocation"
             )
         if enabled:
-            _update_env_conf({"growth": "on"}, removals=("preallocate",))
+            _update_default_conf({"growth": "on"}, removals=("preallocate",))
             return
-        limit = _parse_conf(os.environ.get("CUMA_CONF")).get("limit")
+        limit = _parse_conf(_default_conf()).get("limit")
         if not limit or limit.lower() in ("none", "unlimited"):
             raise ValueError(
                 "set_memory_growth(False) needs the amount to preallocate: call set_memory_limit(bytes) first"
             )
-        _update_env_conf({"growth": "off", "preallocate": limit})
+        _update_default_conf({"growth": "off", "preallocate": limit})
 
 
 def set_memory_limit(nbytes, device=None):
     """TensorFlow's ``memory_limit``: a hard limit on the memory a default heap holds.
 
-    ``device=None``: becomes CUMA_CONF's ``limit`` for heaps created from now on and is set
-    on every default heap that exists (cuma_set_limit; cache beyond it goes back at once,
+    ``device=None``: becomes the ``limit`` of default heaps created from now on (not of any
+    Heap(...), nor CUMA_CONF) and is set on every default heap that exists (cuma_set_limit; cache beyond it goes back at once,
     live memory stays until freed). With a device: that device's heap only (created if
     needed). ``nbytes`` None or 0 removes the limit. With growth off, the preallocated
     amount follows the limit."""
-    from .heap import _conf_lock, _created_default_heaps, _parse_conf, _update_env_conf, default_heap
+    from .heap import _conf_lock, _created_default_heaps, _default_conf, _parse_conf, _update_default_conf, default_heap
 
     if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)):
         raise TypeError("nbytes must be an int or None, not %s" % type(nbytes).__name__)
@@ -55,11 +54,11 @@ def set_memory_limit(nbytes, device=None):
         return
     with _conf_lock:  # a heap created meanwhile gets either the new limit or set_limit
         updates = {"limit": str(nbytes) if nbytes else "none"}
-        if _parse_conf(os.environ.get("CUMA_CONF")).get("growth", "on").lower() in ("off", "false", "0", "no"):
+        if _parse_conf(_default_conf()).get("growth", "on").lower() in ("off", "false", "0", "no"):
             if not nbytes:
                 raise ValueError("set_memory_limit(None): growth is off, which needs a size to preallocate")
             updates["preallocate"] = str(nbytes)
         existing = _created_default_heaps()
-        _update_env_conf(updates)
+        _update_default_conf(updates)
         for d in existing:
             default_heap(d).set_limit(nbytes)

@@ -10,9 +10,11 @@ class CudaMemoryAllocator:
     after :func:`cuma.torch.enable`, so memory handed to other libraries (CuPy, custom
     kernels) and PyTorch's tensors share one pool and one limit.
 
-    ``conf`` (optional) becomes CUMA_CONF for default heaps not created yet; it is applied at
-    the first allocation (or install()) and refused with RuntimeError if default heaps
-    already exist with other settings. Thread-safe like the heaps."""
+    ``conf`` (optional) becomes the settings of default heaps not created yet, in place of
+    CUMA_CONF (the environment is not changed: Heap(...) and child processes still read
+    CUMA_CONF); it is applied at the first allocation (or install()) and refused with
+    RuntimeError if default heaps already exist with other settings. Thread-safe like the
+    heaps."""
 
     def __init__(self, conf=None):
         if conf is not None and not isinstance(conf, str):

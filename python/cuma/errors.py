@@ -21,6 +21,7 @@ __all__ = [
     "CumaIOError",
     "ParseError",
     "LibraryNotFoundError",
+    "HeapClosedError",
     "error_for_status",
 ]
 
@@ -102,6 +103,12 @@ class ParseError(CumaError, ValueError):
     """CUMA_ERR_PARSE: malformed input (trace line, JSON)."""
 
     status = 11
+
+
+class HeapClosedError(CumaError, ValueError):
+    """A call on a :class:`cuma.Heap` after (or while) :meth:`cuma.Heap.close` closed it, or
+    on a default heap after :func:`cuma.shutdown_default_heaps`. A ValueError, as a call on a
+    closed file is."""
 
 
 class LibraryNotFoundError(CumaError):

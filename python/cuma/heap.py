@@ -4,8 +4,9 @@ Pointers are plain ints (device addresses); streams are ints (a cudaStream_t's v
 the default stream), None, or an object with a ``cuda_stream`` (torch.cuda.Stream) or ``ptr``
 (cupy) attribute holding one.
 
-Thread safety: every method may be called from any thread at any time, concurrently, like
-the C API, except :meth:`Heap.close`, which must not race with other calls on the same heap.
+Thread safety: every method may be called from any thread at any time, concurrently, and
+:meth:`Heap.close` too: it refuses new calls (HeapClosedError), waits for the calls under way
+and only then destroys the C heap, which must not race with any other call on it (cuma.h).
 ctypes releases the GIL during each C call, so threads allocate in parallel.
 """
 
@@ -21,6 +22,19 @@ import warnings
 import ctypes
 
 from . import _lib
+from ._args import (  # noqa: F401  (re-exported: allocator.py and torch.py import them from here)
+    MAX_DEVICES,
+    _c_string,
+    _callback_id_arg,
+    _device_arg,
+    _int_arg,
+    _ptr_arg,
+    _size_arg,
+    _stream_arg,
+    _u64_arg,
+)
+from ._guard import _Guard, _in_use
+from .errors import ConfigError, HeapClosedError
 
 __all__ = [
     "Heap",
@@ -39,83 +53,8 @@ __all__ = [
     "MAX_DEVICES",
 ]
 
-MAX_DEVICES = 64  # default heaps exist for device ordinals 0..63 (src/shim/default_heap.h)
 OOM_PASS = 0
 OOM_RETRY = 1
-
-
-# --- argument checks: bad Python arguments fail here, with Python exceptions, before C ---
-
-
-def _int_arg(value, name, minimum=0):
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError("%s must be an int, not %s" % (name, type(value).__name__))
-    v = operator.index(value)
-    if v < minimum:
-        raise ValueError("%s must be >= %d, got %d" % (name, minimum, v))
-    return v
-
-
-def _u64_arg(value, name):
-    """A byte count or time for a uint64_t/size_t parameter: ctypes would silently wrap a
-    value of 2**64 or more to its low 64 bits."""
-    v = _int_arg(value, name, 0)
-    if v >= 1 << 64:
-        raise ValueError("%s %d does not fit in 64 bits" % (name, v))
-    return v
-
-
-def _callback_id_arg(value):
-    """A callback id (a C int): ctypes would wrap 2**32 + id to id and remove another
-    callback than the one named."""
-    v = _int_arg(value, "callback_id", 0)
-    if v >= 1 << 31:
-        raise ValueError("callback_id %d is not an id from on_oom/on_pressure" % v)
-    return v
-
-
-def _size_arg(size, name="size"):
-    v = _int_arg(size, name, 0)
-    if v == 0:
-        raise ValueError("%s must be > 0, got 0" % name)
-    if v >= 1 << 64:
-        raise ValueError("%s %d does not fit in 64 bits" % (name, v))
-    return v
-
-
-def _ptr_arg(ptr):
-    if ptr is None:
-        return None
-    v = _int_arg(ptr, "ptr", 0)
-    if v >= 1 << 64:
-        raise ValueError("ptr %#x does not fit in 64 bits" % v)
-    return v or None
-
-
-def _stream_arg(stream):
-    """A stream argument as the integer value of the handle (None for the default stream)."""
-    if stream is None:
-        return None
-    for attr in ("cuda_stream", "ptr"):
-        if not isinstance(stream, (int,)) and hasattr(stream, attr):
-            stream = getattr(stream, attr)
-            break
-    if isinstance(stream, bool) or not hasattr(stream, "__index__"):
-        raise TypeError(
-            "stream must be an int handle, None, or an object with a cuda_stream/ptr attribute, not %s"
-            % type(stream).__name__
-        )
-    v = operator.index(stream)
-    if v < 0 or v >= 1 << 64:
-        raise ValueError("stream handle %d is not a valid pointer value" % v)
-    return v or None
-
-
-def _device_arg(device):
-    v = _int_arg(device, "device", 0)
-    if v >= MAX_DEVICES:
-        raise ValueError("device must be in 0..%d, got %d" % (MAX_DEVICES - 1, v))
-    return v
 
 
 def _wants_retry(result):
@@ -287,7 +226,8 @@ class Heap:
         device = _device_arg(device)
         self._init_common(device, owned=True)
         lib = _lib.lib()
-        cfg = _lib.Config(conf.encode() if conf is not None else None, 0 if use_env else 1, device)
+        conf_bytes = _c_string(conf, "Heap: conf", ConfigError) if conf is not None else None
+        cfg = _lib.Config(conf_bytes, 0 if use_env else 1, device)
         handle = ctypes.c_void_p()
         _lib.check(lib.cuma_heap_create(ctypes.byref(cfg), ctypes.byref(handle)))
         self._h = handle.value
@@ -296,6 +236,7 @@ class Heap:
         self._h = None
         self._owned = owned
         self.device = device
+        self._guard = _Guard()
         self._cb_lock = threading.Lock()
         self._callbacks = {}  # id -> (ctypes function, cell holding the Python callable)
         self._retired = []  # ctypes functions of removed callbacks (see remove_oom)
@@ -317,29 +258,42 @@ class Heap:
 
     @property
     def closed(self):
-        return self._h is None
+        return not self._guard.open
 
     def _handle(self):
         if self._h is None:
-            raise ValueError("the heap is closed")
+            raise HeapClosedError("the heap is closed (Heap.close() was called)")
         return self._h
 
     def close(self):
         """Destroys the heap: every page goes back to the device; pointers from it become
-        invalid. Idempotent. Must not race with other calls on the heap.
+        invalid. Idempotent.
+
+        Safe while other threads use the heap: from the moment close() begins, every new call
+        on it raises HeapClosedError (a ValueError); close() waits for the calls already under
+        way (an allocation that waits for OOM callbacks or for other heaps in the ledger can
+        take up to pressure_timeout_ms and a second more), then destroys it. Called from inside
+        a call on the same heap (one of its OOM or pressure callbacks), it would wait for
+        itself: it raises CumaError instead and leaves the heap open.
 
         Does nothing for a default heap: it is shared with everything else in the process and
         lives until :func:`shutdown_default_heaps` (its OOM callbacks stay registered)."""
         if not self._owned:
             return
-        h, self._h = self._h, None
-        if h is not None:
-            _lib.lib().cuma_heap_destroy(h)
-        with self._cb_lock:
-            _drop_callbacks(self)
+        if not self._guard.begin_close():
+            return
+        try:
+            h, self._h = self._h, None
+            if h is not None:
+                _lib.lib().cuma_heap_destroy(h)
+            with self._cb_lock:
+                _drop_callbacks(self)
+        finally:
+            self._guard.end_close()
 
     def __enter__(self):
-        self._handle()
+        if not self._guard.open:
+            raise HeapClosedError("with Heap: the heap is closed (Heap.close() was called)")
         return self
 
     def __exit__(self, *exc):
@@ -348,19 +302,20 @@ class Heap:
 
     def __del__(self):
         try:
-            if getattr(self, "_owned", False) and self._h is not None:
+            if getattr(self, "_owned", False) and getattr(self, "_h", None) is not None:
                 self.close()
         except Exception:
             pass  # interpreter shutdown: the library may be gone already
 
     def __repr__(self):
-        if self._h is None:
+        if self._h is None or not self._guard.open:
             return "<cuma.Heap closed>"
         kind = "default heap" if not self._owned else "heap"
         return "<cuma.Heap %s of device %d at %#x>" % (kind, self.device, self._h)
 
     # --- allocation ---
 
+    @_in_use
     def alloc(self, size, stream=0):
         """Allocates ``size`` bytes usable on ``stream``; returns the device address (int).
 
@@ -398,6 +353,7 @@ class Heap:
             warnings.warn("cuma OOM callback raised %r (allocation succeeded anyway)" % (e,), RuntimeWarning, 2)
         return out.value
 
+    @_in_use
     def free(self, ptr, stream=0):
         """Frees a pointer from :meth:`alloc`. ``stream`` is the stream the memory was last
         used on (0/None: the allocation's stream). None or 0 is a no-op. A pointer the heap
@@ -409,6 +365,7 @@ class Heap:
             return
         _lib.check(_lib.lib().cuma_free(h, ptr, stream))
 
+    @_in_use
     def record_stream(self, ptr, stream):
         """Notes that ``stream`` also uses the allocation at ``ptr``: its memory is not reused
         until the work issued on ``stream`` up to the free has completed."""
@@ -418,6 +375,7 @@ class Heap:
         stream = _stream_arg(stream)
         _lib.check(_lib.lib().cuma_record_stream(self._handle(), ptr, stream))
 
+    @_in_use
     def block_size(self, ptr):
         """The rounded size the heap reserved for the live allocation at ``ptr``."""
         ptr = _ptr_arg(ptr)
@@ -429,16 +387,19 @@ class Heap:
 
     # --- release policy and limits ---
 
+    @_in_use
     def trim(self, keep_bytes=0):
         """Returns cached memory to the device until at most ``keep_bytes`` of cached pages
         remain (0: the whole cache, like torch.cuda.empty_cache())."""
         keep_bytes = _u64_arg(keep_bytes, "keep_bytes")
         _lib.check(_lib.lib().cuma_trim(self._handle(), keep_bytes))
 
+    @_in_use
     def poll(self):
         """Runs the time-based release policy now (idle pages past release_delay_ms go back)."""
         _lib.check(_lib.lib().cuma_poll(self._handle()))
 
+    @_in_use
     def next_release(self):
         """When the release policy will next give memory back (ns on the heap's clock), or
         None when nothing is waiting."""
@@ -446,11 +407,13 @@ class Heap:
         _lib.check(_lib.lib().cuma_next_release(self._handle(), ctypes.byref(out)))
         return None if out.value == (1 << 64) - 1 else out.value
 
+    @_in_use
     def set_limit(self, nbytes):
         """Sets the hard limit on reserved bytes (0 or None: no limit beyond the device)."""
         nbytes = 0 if nbytes is None else _u64_arg(nbytes, "nbytes")
         _lib.check(_lib.lib().cuma_set_limit(self._handle(), nbytes))
 
+    @_in_use
     def set_memory_fraction(self, fraction):
         """Sets the limit as a fraction of the device's memory, in (0, 1]."""
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
@@ -461,12 +424,14 @@ class Heap:
 
     # --- observation ---
 
+    @_in_use
     def stats(self):
         """Counters, gauges, backend and configuration as a dict (cuma_stats_json)."""
         h = self._handle()
         lib = _lib.lib()
         return json.loads(_lib.read_json_text(lambda buf, n, needed: lib.cuma_stats_json(h, buf, n, needed)))
 
+    @_in_use
     def snapshot(self):
         """What holds the heap's memory now, as a dict (cuma_snapshot_json): "live" blocks
         (count, bytes, requested, "by_size" power-of-two buckets and the 32 "largest" with
@@ -477,16 +442,19 @@ class Heap:
         lib = _lib.lib()
         return json.loads(_lib.read_json_text(lambda buf, n, needed: lib.cuma_snapshot_json(h, buf, n, needed)))
 
+    @_in_use
     def reset_peaks(self):
         """Resets the peak_* gauges to the current values."""
         _lib.check(_lib.lib().cuma_reset_peaks(self._handle()))
 
+    @_in_use
     def validate(self):
         """Checks every invariant of the heap; raises CorruptionError naming a broken one."""
         _lib.check(_lib.lib().cuma_validate(self._handle()))
 
     # --- out of memory ---
 
+    @_in_use
     def on_oom(self, callback):
         """Registers ``callback(size, stream)`` to run when an allocation of ``size`` bytes
         failed even after the cache was released; callbacks run in registration order.
@@ -551,6 +519,7 @@ class Heap:
             self._callbacks[cb_id.value] = (fn, cell)
         return cb_id.value
 
+    @_in_use
     def remove_oom(self, callback_id):
         """Removes a callback registered by :meth:`on_oom` (by the id it returned). The
         callable (and whatever it holds) is released at once."""
@@ -561,6 +530,7 @@ class Heap:
 
     # --- other processes (the cross-process ledger) ---
 
+    @_in_use
     def on_pressure(self, callback):
         """Registers ``callback(nbytes)`` to run when a heap of higher priority on the same
         device (in the ledger: settings ``ledger``, ``priority``, ``guarantee``) needs
@@ -577,10 +547,16 @@ class Heap:
         h = self._handle()
         _install_unraisablehook()
         cell = [callback]  # emptied by remove_pressure (see on_oom)
+        guard = self._guard  # not self (see on_oom)
 
         def trampoline(user, heap, nbytes):
             cb = cell[0]
             if cb is None:
+                return
+            # A use of the heap like any call: close() waits for it, and a close() from inside
+            # the callback is refused rather than destroying the heap under its release thread.
+            # Once close() has begun, the request is dropped: the heap gives everything back.
+            if not guard.try_enter():
                 return
             try:
                 cb(int(nbytes))
@@ -588,6 +564,8 @@ class Heap:
                 warnings.warn("cuma pressure callback %r raised %r" % (cb, e), RuntimeWarning)
             except BaseException as e:  # never let an exception unwind through C
                 _deliver_fatal(e, "cuma pressure callback %r" % (cb,))
+            finally:
+                guard.exit()
 
         _TRAMPOLINES.add(trampoline.__code__)
         fn = _lib.PRESSURE_CALLBACK(trampoline)
@@ -597,6 +575,7 @@ class Heap:
             self._callbacks[("pressure", cb_id.value)] = (fn, cell)
         return cb_id.value
 
+    @_in_use
     def remove_pressure(self, callback_id):
         """Removes a callback registered by :meth:`on_pressure` (by the id it returned). The
         callable (and whatever it holds) is released at once."""
@@ -607,20 +586,24 @@ class Heap:
 
     # --- simulated device controls (backend:sim only; UnsupportedError elsewhere) ---
 
+    @_in_use
     def sim_set_time(self, ns):
         """Sets the simulated clock (needs sim_clock:manual)."""
         _lib.check(_lib.lib().cuma_sim_set_time(self._handle(), _u64_arg(ns, "ns")))
 
+    @_in_use
     def sim_time(self):
         """The heap's clock in nanoseconds (any backend)."""
         out = ctypes.c_uint64()
         _lib.check(_lib.lib().cuma_sim_get_time(self._handle(), ctypes.byref(out)))
         return out.value
 
+    @_in_use
     def sim_hold_stream(self, stream):
         """Holds a simulated stream busy: work recorded on it stays incomplete."""
         _lib.check(_lib.lib().cuma_sim_hold_stream(self._handle(), _stream_arg(stream)))
 
+    @_in_use
     def sim_release_stream(self, stream):
         """Completes everything recorded on a held simulated stream."""
         _lib.check(_lib.lib().cuma_sim_release_stream(self._handle(), _stream_arg(stream)))
@@ -653,16 +636,36 @@ def _drop_callbacks(heap):
 
 _defaults_lock = threading.Lock()
 _defaults = {}  # device -> Heap wrapper; keeps module-level OOM callbacks alive
-# Held from "do default heaps exist, and with which CUMA_CONF?" until the heap made from the
+# Held from "do default heaps exist, and with which settings?" until the heap made from the
 # settings exists, so that two threads asking for different settings cannot both pass the
 # check (the one that comes second gets the RuntimeError). Taken before _defaults_lock.
 _conf_lock = threading.Lock()
+# The settings this package gave the default heaps (cuma_default_settings_set) in place of
+# CUMA_CONF, or None: CUMA_CONF. Written under _conf_lock. The environment is never written:
+# it would change every Heap(...) made later in the process, and its children.
+_default_settings = None
+
+
+def _default_conf():
+    """The settings string default heaps are created from now (None: none)."""
+    return _default_settings if _default_settings is not None else os.environ.get("CUMA_CONF")
+
+
+def _set_default_settings(conf):
+    """Makes ``conf`` the settings of default heaps created from now on, in place of CUMA_CONF
+    (None: CUMA_CONF again). The caller holds _conf_lock."""
+    global _default_settings
+    arg = None if conf is None else _c_string(conf, "default heap settings", ConfigError)
+    _lib.check(_lib.lib().cuma_default_settings_set(arg))
+    _default_settings = conf
 
 
 def default_heap(device=0):
-    """The process-wide heap of ``device``, created on first use from CUMA_CONF (backend:auto
-    when CUMA_CONF names none, falling back to the simulated device without a CUDA driver;
-    the stats' "backend" says which). The same heap PyTorch uses after cuma.torch.enable()."""
+    """The process-wide heap of ``device``, created on first use from CUMA_CONF, or from the
+    settings given through cuma (set_memory_limit, set_memory_growth, CudaMemoryAllocator(conf),
+    cuma.torch.enable(conf)), which replace CUMA_CONF for the default heaps only (backend:auto
+    when they name none, falling back to the simulated device without a CUDA driver; the stats'
+    "backend" says which). The same heap PyTorch uses after cuma.torch.enable()."""
     device = _device_arg(device)
     with _defaults_lock:
         w = _defaults.get(device)
@@ -720,7 +723,7 @@ def ledger(name=None):
     if name is not None and not isinstance(name, str):
         raise TypeError("name must be a str or None, not %s" % type(name).__name__)
     lib = _lib.lib()
-    arg = name.encode() if name is not None else None
+    arg = _c_string(name, "ledger: name") if name is not None else None
     n = ctypes.c_size_t()
     cap = 64
     while True:
@@ -746,7 +749,7 @@ def ledger_path(name=None):
     if name is not None and not isinstance(name, str):
         raise TypeError("name must be a str or None, not %s" % type(name).__name__)
     buf = ctypes.create_string_buffer(256)
-    _lib.check(_lib.lib().cuma_ledger_path(name.encode() if name else None, buf, 256))
+    _lib.check(_lib.lib().cuma_ledger_path(_c_string(name, "ledger_path: name") if name else None, buf, 256))
     return buf.value.decode()
 
 
@@ -759,35 +762,52 @@ def shutdown_default_heaps():
     """Destroys every default heap (their memory goes back to the device). For tests and an
     orderly shutdown only: nothing may use a default heap concurrently or afterwards through
     old pointers, and PyTorch must not be using cuma any more. The next use creates fresh
-    heaps (reading CUMA_CONF again)."""
+    heaps (from CUMA_CONF, or the settings given through cuma, as it is then). Calls under way through this package's wrappers
+    (:func:`default_heap`'s Heap) are waited for, and later ones raise HeapClosedError; called
+    from inside one (an OOM callback of a default heap), it raises CumaError instead."""
     with _defaults_lock:
-        _lib.lib().cuma_default_heaps_shutdown()
-        for w in _defaults.values():
-            w._h = None
-            with w._cb_lock:
-                _drop_callbacks(w)
-        _defaults.clear()
+        closing = []
+        try:
+            for w in _defaults.values():
+                if w._guard.begin_close():
+                    closing.append(w)
+        except BaseException:  # refused (or interrupted): the heaps stay as they were
+            for w in closing:
+                w._guard.reopen()
+            raise
+        try:
+            _lib.lib().cuma_default_heaps_shutdown()
+            for w in closing:
+                w._h = None
+                with w._cb_lock:
+                    _drop_callbacks(w)
+            _defaults.clear()
+        finally:
+            for w in closing:
+                w._guard.end_close()
 
 
 def _apply_default_conf(conf, who, device=0):
-    """Makes ``conf`` the CUMA_CONF of the default heaps and creates ``device``'s default
+    """Makes ``conf`` the settings of the default heaps, in place of CUMA_CONF (which stays as
+    it is for every other heap and for child processes), and creates ``device``'s default
     heap from it; refuses (with a RuntimeError) when default heaps exist already and the
     settings differ, since they would silently not apply to them."""
     if conf is None:
         return
     if not isinstance(conf, str):
         raise TypeError("%s: conf must be a str like 'limit:8G', not %s" % (who, type(conf).__name__))
+    _c_string(conf, "%s: conf" % who, ConfigError)
     check_config(conf)
     with _conf_lock:
-        current = os.environ.get("CUMA_CONF")
+        current = _default_conf()
         if current != conf:
             if _created_default_heaps():
                 raise RuntimeError(
-                    "%s: the default heaps already exist (created with CUMA_CONF=%r), so %r would not "
+                    "%s: the default heaps already exist (created with settings %r), so %r would not "
                     "apply to them; pass the settings before the first allocation, or call "
                     "cuma.shutdown_default_heaps() first" % (who, current, conf)
                 )
-            os.environ["CUMA_CONF"] = conf
+            _set_default_settings(conf)
         # Made before the lock is let go: from here on, other settings see a heap and fail.
         default_heap(device)
 
@@ -799,7 +819,7 @@ def check_config(conf):
     """Checks a settings string without creating a heap; raises ConfigError naming the key."""
     if not isinstance(conf, str):
         raise TypeError("conf must be a str, not %s" % type(conf).__name__)
-    _lib.check(_lib.lib().cuma_config_check(conf.encode()))
+    _lib.check(_lib.lib().cuma_config_check(_c_string(conf, "check_config: conf", ConfigError)))
 
 
 class ConfigKey(tuple):
@@ -857,17 +877,15 @@ def _format_conf(d):
     return ",".join("%s:%s" % (k, v) for k, v in d.items())
 
 
-def _update_env_conf(updates, removals=()):
-    """Merges key changes into CUMA_CONF (checked before it is set); returns the new string."""
-    d = _parse_conf(os.environ.get("CUMA_CONF"))
+def _update_default_conf(updates, removals=()):
+    """Merges key changes into the default heaps' settings (CUMA_CONF until settings were
+    given), checked before they are set; returns the new string. The caller holds _conf_lock."""
+    d = _parse_conf(_default_conf())
     for k in removals:
         d.pop(k, None)
     d.update(updates)
     conf = _format_conf(d)
     check_config(conf)
-    if conf:
-        os.environ["CUMA_CONF"] = conf
-    else:
-        os.environ.pop("CUMA_CONF", None)
+    _set_default_settings(conf)
     return conf
 

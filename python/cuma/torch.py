@@ -73,8 +73,9 @@ def wired_hooks():
 def enable(conf=None):
     """Makes cuma PyTorch's CUDA allocator for this process.
 
-    ``conf`` (optional) becomes CUMA_CONF, the settings of the default heaps, which are
-    created on first use. Must be called before CUDA is initialised (the first CUDA tensor,
+    ``conf`` (optional) becomes the settings of the default heaps, which are created on first
+    use, in place of CUMA_CONF (the environment is not changed: other heaps and child processes
+    still read CUMA_CONF). Must be called before CUDA is initialised (the first CUDA tensor,
     but also torch.cuda.set_device(), current_device() or get_device_name() initialise it):
     PyTorch refuses to swap an initialised allocator. An allocation cuma cannot serve raises a
     RuntimeError whose text starts with "CUDA out of memory." and gives cuma's reason (PyTorch

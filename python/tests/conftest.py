@@ -1,18 +1,27 @@
-"""Shared fixtures: every test starts with no default heaps and no CUMA_CONF, and leaves none
-behind, since the default heaps are process-wide and read CUMA_CONF when created."""
+"""Shared fixtures: every test starts with no default heaps, no CUMA_CONF and no settings given
+to the default heaps, and leaves none behind, since the default heaps are process-wide and read
+those when created."""
 
 import pytest
 
 import cuma
+import cuma.heap
 from cuma import _lib
+
+
+def _forget_default_settings():
+    with cuma.heap._conf_lock:
+        cuma.heap._set_default_settings(None)
 
 
 @pytest.fixture(autouse=True)
 def fresh_default_heaps(monkeypatch):
     monkeypatch.delenv("CUMA_CONF", raising=False)
     cuma.shutdown_default_heaps()
+    _forget_default_settings()
     yield
     cuma.shutdown_default_heaps()
+    _forget_default_settings()
 
 
 @pytest.fixture

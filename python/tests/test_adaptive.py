@@ -348,8 +348,9 @@ def test_set_memory_limit_and_growth(monkeypatch):
         adaptive.set_memory_growth(False)
     adaptive.set_memory_limit(64 << 20)
     adaptive.set_memory_growth(False)
-    conf = os.environ["CUMA_CONF"]
+    conf = cuma.heap._default_conf()
     assert "growth:off" in conf and "preallocate:%d" % (64 << 20) in conf and "capacity:256M" in conf
+    assert os.environ["CUMA_CONF"] == "backend:sim,capacity:256M"  # the environment is left alone
     s = cuma.default_heap(0).stats()
     assert s["limit_bytes"] == 64 << 20 and s["reserved_bytes"] == 64 << 20  # preallocated
     with pytest.raises(RuntimeError, match="already exist"):
@@ -358,9 +359,9 @@ def test_set_memory_limit_and_growth(monkeypatch):
     assert cuma.default_heap(0).stats()["limit_bytes"] == 32 << 20
     cuma.shutdown_default_heaps()
     adaptive.set_memory_growth(True)
-    assert "preallocate" not in os.environ["CUMA_CONF"]
+    assert "preallocate" not in cuma.heap._default_conf()
     adaptive.set_memory_limit(None)
-    assert "limit:none" in os.environ["CUMA_CONF"]
+    assert "limit:none" in cuma.heap._default_conf()
     adaptive.set_memory_limit(16 << 20, device=1)
     assert cuma.default_heap(1).stats()["limit_bytes"] == 16 << 20
     with pytest.raises(TypeError):

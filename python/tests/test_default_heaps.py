@@ -341,3 +341,47 @@ def test_package_exports_what_it_documents():
     with pytest.raises(TypeError, match="name must be a str or None, not int"):
         cuma.ledger_path(5)
     assert cuma.ledger_path("x").endswith("-x") and cuma.ledger_path() != cuma.ledger_path("x")
+
+
+def test_memory_settings_act_on_the_default_heaps_only(monkeypatch):
+    """set_memory_limit / set_memory_growth wrote CUMA_CONF, so a later, unrelated
+    Heap("...,limit:100M") in the process (and every child) got the default heaps' limit too
+    and failed at "limit of 50 pages reached" (issue 13)."""
+    import os
+    import subprocess
+    import sys
+
+    from cuma import adaptive
+
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:1G")
+    adaptive.set_memory_limit(64 << 20)
+    adaptive.set_memory_growth(False)
+    assert os.environ["CUMA_CONF"] == "backend:sim,capacity:1G"
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('CUMA_CONF'))"],
+                           stdout=subprocess.PIPE, universal_newlines=True, check=True)
+    assert child.stdout.strip() == "backend:sim,capacity:1G"
+    with cuma.Heap("backend:sim,capacity:1G,limit:100M") as h:  # CUMA_CONF, then its own
+        c = h.stats()
+        assert c["limit_bytes"] == 100 * MB and c["config"]["growth"] is True
+        p = h.alloc(90 * MB)  # over the default heaps' 64M
+        h.free(p)
+    d = cuma.default_heap(0).stats()
+    assert d["limit_bytes"] == 64 * MB and d["reserved_bytes"] == 64 * MB  # preallocated
+    assert d["device_total_bytes"] == 1 << 30  # CUMA_CONF's other keys still apply
+    with pytest.raises(cuma.LimitExceededError):
+        cuma.default_heap(0).alloc(100 * MB)
+    cuma.shutdown_default_heaps()  # recreated with the same settings
+    assert cuma.default_heap(1).stats()["limit_bytes"] == 64 * MB
+    assert os.environ["CUMA_CONF"] == "backend:sim,capacity:1G"
+
+
+def test_allocator_conf_leaves_cuma_conf_alone(monkeypatch):
+    import os
+
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:1G,limit:16M")
+    a = cuma.CudaMemoryAllocator("backend:sim,capacity:128M")  # replaces CUMA_CONF, as before
+    a.free(a.allocate(MB))
+    assert a.stats()["config"]["capacity"] == 128 * MB and a.stats()["config"]["limit"] is None
+    assert os.environ["CUMA_CONF"] == "backend:sim,capacity:1G,limit:16M"
+    with cuma.Heap() as h:
+        assert h.stats()["limit_bytes"] == 16 * MB

@@ -161,43 +161,128 @@ static const key_desc keys[] = {
 
 #define NKEYS (sizeof keys / sizeof keys[0])
 
+/* The number grammars are written out rather than left to strtod/strtoull, which also take
+ * what no setting documents and a user rarely means: hex ("0x1p30", "0x10"), "inf", "nan",
+ * exponents in byte counts, a leading '+' or whitespace, and (strtoull) a '-' that wraps. */
+
+static bool all_digits(const char *p, const char *end) {
+    if (p == end) return false;
+    for (; p < end; p++)
+        if (*p < '0' || *p > '9') return false;
+    return true;
+}
+
+/* A size: DIGITS[.DIGITS][K|M|G|T[B|iB]] (suffixes in any case, powers of 1024), a whole
+ * number of bytes below 2^64 - 1 (the largest value means "unlimited" inside). Computed in
+ * integers: a double would round 9007199254740993 to its neighbour. */
 bool cuma_parse_size(const char *text, uint64_t *out) {
-    if (!text || !*text || *text == '-') return false;
-    errno = 0;
-    char *end;
-    double v = strtod(text, &end);
-    if (end == text || errno || !isfinite(v) || v < 0) return false;
-    double mul = 1;
+    if (!text) return false;
+    const char *p = text, *int_end = p;
+    while (*int_end >= '0' && *int_end <= '9') int_end++;
+    if (int_end == p) return false;
+    const char *frac = int_end, *frac_end = int_end;
+    if (*frac == '.') {
+        frac++;
+        frac_end = frac;
+        while (*frac_end >= '0' && *frac_end <= '9') frac_end++;
+        if (frac_end == frac) return false;
+    }
+    const char *end = frac_end;
+    unsigned shift = 0;
     switch (toupper((unsigned char)*end)) {
     case 0:
         break;
     case 'K':
-        mul = 1024.0;
-        end++;
+        shift = 10;
         break;
     case 'M':
-        mul = 1048576.0;
-        end++;
+        shift = 20;
         break;
     case 'G':
-        mul = 1073741824.0;
-        end++;
+        shift = 30;
         break;
     case 'T':
-        mul = 1099511627776.0;
-        end++;
+        shift = 40;
         break;
     default:
         return false;
     }
-    if (toupper((unsigned char)*end) == 'B' ||
-        (*end == 'i' && toupper((unsigned char)end[1]) == 'B'))
-        end += *end == 'i' ? 2 : 1;
+    if (shift) {
+        end++;
+        if (toupper((unsigned char)*end) == 'B' ||
+            (*end == 'i' && toupper((unsigned char)end[1]) == 'B'))
+            end += *end == 'i' ? 2 : 1;
+    }
     if (*end) return false;
-    v *= mul;
-    if (v >= 18446744073709551615.0) return false;
-    if (v != floor(v)) return false;
-    *out = (uint64_t)v;
+    uint64_t whole = 0;
+    for (const char *q = p; q < int_end; q++) {
+        unsigned d = (unsigned)(*q - '0');
+        if (whole > (UINT64_MAX - d) / 10) return false;
+        whole = whole * 10 + d;
+    }
+    /* The fraction's bytes: f / 10^k * 2^shift, whole only when 5^k divides f and what is
+     * left of 2^k divides the rest. Trailing zeros change nothing; over 19 digits is no size. */
+    uint64_t frac_bytes = 0;
+    if (frac != frac_end) {
+        while (frac_end > frac && frac_end[-1] == '0') frac_end--;
+        unsigned k = (unsigned)(frac_end - frac);
+        if (k > 19) return false;
+        uint64_t f = 0;
+        for (const char *q = frac; q < frac_end; q++) f = f * 10 + (uint64_t)(*q - '0');
+        for (unsigned i = 0; i < k; i++) {
+            if (f % 5) return false;
+            f /= 5;
+        }
+        /* f < 2^k now, k <= 19, shift <= 40: no overflow. */
+        if (k <= shift) {
+            frac_bytes = f << (shift - k);
+        } else {
+            if (f & ((1ull << (k - shift)) - 1)) return false;
+            frac_bytes = f >> (k - shift);
+        }
+    }
+    if (shift && whole > (UINT64_MAX >> shift)) return false;
+    uint64_t v = whole << shift;
+    if (v > UINT64_MAX - 1 - frac_bytes) return false; /* UINT64_MAX is CUMA_UNLIMITED */
+    *out = v + frac_bytes;
+    return true;
+}
+
+/* An integer: [-]DIGITS in decimal (the '-' only where negatives are allowed), in [lo, hi]. */
+static bool parse_int(const char *v, long long lo, long long hi, long long *out) {
+    const char *digits = v + (*v == '-' && lo < 0);
+    if (!all_digits(digits, digits + strlen(digits))) return false;
+    errno = 0;
+    char *end;
+    long long x = strtoll(v, &end, 10);
+    if (*end || errno || x < lo || x > hi) return false;
+    *out = x;
+    return true;
+}
+
+/* A fraction: decimal digits with an optional point and an optional decimal exponent
+ * ("0.05", ".5", "1", "1e-3"), no sign, no hex, no inf or nan, in [0, 1]. */
+static bool parse_fraction(const char *v, double *out) {
+    const char *p = v;
+    size_t mantissa_digits = 0;
+    while (*p >= '0' && *p <= '9') p++, mantissa_digits++;
+    if (*p == '.') {
+        p++;
+        while (*p >= '0' && *p <= '9') p++, mantissa_digits++;
+    }
+    if (!mantissa_digits) return false;
+    if (*p == 'e' || *p == 'E') {
+        p++;
+        if (*p == '-' || *p == '+') p++;
+        const char *e = p;
+        while (*p >= '0' && *p <= '9') p++;
+        if (p == e) return false;
+    }
+    if (*p) return false;
+    char *end;
+    double x = strtod(v, &end);
+    if (*end || !isfinite(x) || x < 0 || x > 1) return false;
+    *out = x;
     return true;
 }
 
@@ -270,18 +355,15 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
             *(int64_t *)field = -1, ok = true;
             break;
         }
-        char *end;
-        errno = 0;
-        long long x = strtoll(v, &end, 10);
+        long long x;
         /* Kept in nanoseconds as int64: at most about 106 days. */
-        ok = end != v && !*end && !errno && x >= 0 && x <= INT64_MAX / 1000000;
+        ok = parse_int(v, 0, INT64_MAX / 1000000, &x);
         if (ok) *(int64_t *)field = x;
         break;
     }
     case K_FRACTION: {
-        char *end;
-        double x = strtod(v, &end);
-        ok = end != v && !*end && isfinite(x) && x >= 0 && x <= 1;
+        double x;
+        ok = parse_fraction(v, &x);
         if (ok) *(double *)field = x;
         break;
     }
@@ -291,10 +373,8 @@ static cuma_status set_value(cuma_settings *s, const key_desc *d, const char *v,
     case K_INT:
     case K_PRIO: {
         long lo = d->kind == K_PRIO ? -1000 : 0, hi = d->kind == K_PRIO ? 1000 : 1023;
-        char *end;
-        errno = 0;
-        long x = strtol(v, &end, 10);
-        ok = end != v && !*end && !errno && x >= lo && x <= hi;
+        long long x;
+        ok = parse_int(v, lo, hi, &x);
         if (ok) *(int *)field = (int)x;
         break;
     }

@@ -30,6 +30,28 @@
 static _Atomic(cuma_heap *) heaps[CUMA_MAX_DEFAULT_HEAPS];
 static pthread_mutex_t create_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* cuma_default_settings_set's string: the default heaps' settings in place of CUMA_CONF while
+ * settings_given. Under settings_lock, a lock of its own that is held only to copy the string,
+ * so that cuma_default_heap_load_driver (which must take no lock that a dlopen could wait on)
+ * can read it too. The longest string leaves room for the backend and device added to it. */
+#define SETTINGS_MAX 4000
+static pthread_mutex_t settings_lock = PTHREAD_MUTEX_INITIALIZER;
+static char settings[SETTINGS_MAX + 1];
+static bool settings_given;
+
+static pthread_once_t fork_once;
+static void watch_forks(void);
+
+/* The settings string the default heaps read now (copied into buf), or NULL for CUMA_CONF. */
+static const char *given_settings(char buf[SETTINGS_MAX + 1]) {
+    pthread_once(&fork_once, watch_forks);
+    pthread_mutex_lock(&settings_lock);
+    bool given = settings_given;
+    if (given) memcpy(buf, settings, sizeof settings);
+    pthread_mutex_unlock(&settings_lock);
+    return given ? buf : NULL;
+}
+
 /* The name the stats show for a default heap that fell back from backend:auto to the
  * simulated device. It starts with "sim" so that tools keying on the backend still see a
  * simulated device, and says why, so that nobody mistakes it for a GPU. */
@@ -55,12 +77,14 @@ static bool names_backend(const char *conf) {
 /* Creates the heap of `device`. Called with create_lock held. */
 static cuma_status create_default(int device, cuma_heap **out) {
     /* The ordinal goes into the settings string as well as cfg.device: the string is applied
-     * after CUMA_CONF, so a "device:N" in CUMA_CONF cannot send every default heap to one
-     * device. */
-    char conf[64];
-    bool auto_backend = !names_backend(getenv("CUMA_CONF"));
-    snprintf(conf, sizeof conf, "%sdevice:%d", auto_backend ? "backend:auto," : "", device);
-    cuma_config cfg = {.conf = conf, .flags = 0, .device = device};
+     * after CUMA_CONF (or the given settings), so a "device:N" there cannot send every default
+     * heap to one device. */
+    char given_buf[SETTINGS_MAX + 1], conf[SETTINGS_MAX + 64];
+    const char *given = given_settings(given_buf);
+    bool auto_backend = !names_backend(given ? given : getenv("CUMA_CONF"));
+    snprintf(conf, sizeof conf, "%s%s%sdevice:%d", auto_backend ? "backend:auto," : "",
+             given ? given : "", given ? "," : "", device);
+    cuma_config cfg = {.conf = conf, .flags = given ? CUMA_CONFIG_NO_ENV : 0, .device = device};
     cuma_status st = cuma_heap_create(&cfg, out);
     if (st != CUMA_ERR_NO_DEVICE || !auto_backend) return st;
     if (device != 0) {
@@ -85,7 +109,8 @@ static cuma_status create_default(int device, cuma_heap **out) {
      * fallback is visible in the stats' "backend" field rather than silent. */
     char why[256];
     snprintf(why, sizeof why, "%s", cuma_last_error());
-    snprintf(conf, sizeof conf, "backend:sim,device:%d", device);
+    snprintf(conf, sizeof conf, "backend:sim,%s%sdevice:%d", given ? given : "", given ? "," : "",
+             device);
     st = cuma_heap_create(&cfg, out);
     if (st) {
         /* Both failed: report the sim's reason, which is the actionable one (the settings),
@@ -111,6 +136,7 @@ static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 static void child_after_fork(void) {
     pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
     memcpy(&create_lock, &fresh, sizeof fresh);
+    memcpy(&settings_lock, &fresh, sizeof fresh);
 }
 
 static void watch_forks(void) {
@@ -125,8 +151,11 @@ static void lock_create(void) {
 void cuma_default_heap_load_driver(void) {
 #ifdef CUMA_HAVE_CUDA
     /* Loading takes no lock of cuma's; a failure is the heap creation's to report. */
+    char given_buf[SETTINGS_MAX + 1];
+    const char *given = given_settings(given_buf);
+    cuma_config cfg = {.conf = given, .flags = given ? CUMA_CONFIG_NO_ENV : 0, .device = 0};
     cuma_settings set;
-    bool sim = cuma_settings_from_config(&set, NULL) == CUMA_OK && set.backend_named &&
+    bool sim = cuma_settings_from_config(&set, &cfg) == CUMA_OK && set.backend_named &&
                !strcmp(set.backend, "sim");
     const cuma_cuda_api *api;
     if (!sim && cuma_cuda_load(&api)) cuma_clear_error();
@@ -158,6 +187,25 @@ cuma_status cuma_default_heap(int device, cuma_heap **out) {
     pthread_mutex_unlock(&create_lock);
     *out = h;
     return st;
+}
+
+cuma_status cuma_default_settings_set(const char *conf) {
+    if (conf) {
+        if (strlen(conf) > SETTINGS_MAX)
+            return cuma_fail(CUMA_ERR_CONFIG,
+                             "cuma_default_settings_set: settings string longer than %d bytes",
+                             SETTINGS_MAX);
+        /* The whole of the heaps' settings (CUMA_CONF is not read under them): checked as
+         * cuma_config_check checks a string, so that a bad one fails here, not at first use. */
+        cuma_status st = cuma_config_check(conf);
+        if (st) return st;
+    }
+    pthread_once(&fork_once, watch_forks);
+    pthread_mutex_lock(&settings_lock);
+    settings_given = conf != NULL;
+    snprintf(settings, sizeof settings, "%s", conf ? conf : "");
+    pthread_mutex_unlock(&settings_lock);
+    return CUMA_OK;
 }
 
 cuma_heap *cuma_default_heap_peek(int device) {

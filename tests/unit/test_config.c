@@ -176,10 +176,21 @@ static void test_sizes(void) {
     CHECK(size_of("2MiB") == 2 * MB && size_of("2MB") == 2 * MB && size_of("2mb") == 2 * MB);
     CHECK(size_of("4KiB") == 4 * KB && size_of("1GiB") == GB && size_of("1TiB") == TB);
     CHECK(size_of("16383T") == 16383 * TB);
-    static const char *bad[] = {"",    "-1",  "-0",    "-1G", "1.3",   "1.1K",  "2X",
-                                "K",   "G",   "2KK",   "2 M", "2Mi",   "2MiBs", "abc",
-                                "nan", "inf", "1e400", "16E", "2MBB",  "0.1",   "20000000T",
-                                " ",   "2M ", "2iB",   "1.5", "-1.5G", "1G1",   "--1"};
+    /* Exact in integers, where a double would round. */
+    CHECK(size_of("9007199254740993") == 9007199254740993ull);
+    CHECK(size_of("18446744073709551614") == UINT64_MAX - 1);
+    CHECK(size_of("0.0009765625K") == 1 && size_of("1.50G") == 3 * GB / 2);
+    CHECK(size_of("007M") == 7 * MB && size_of("16777215.5T") == 16777215 * TB + TB / 2);
+    static const char *bad[] = {
+        "", "-1", "-0", "-1G", "1.3", "1.1K", "2X", "K", "G", "2KK", "2 M", "2Mi", "2MiBs", "abc",
+        "nan", "inf", "1e400", "16E", "2MBB", "0.1", "20000000T", " ", "2M ", "2iB", "1.5", "-1.5G",
+        "1G1", "--1",
+        /* What strtod/strtoull take that no size means: hex (floats
+         * too), exponents, a sign, whitespace, a wrapped negative,
+         * values past 64 bits or at the "unlimited" marker. */
+        "0x1p30", "0X1P30", "0x10", "0x10M", "1e3", "1E3K", "+1M", " 1M", "\t1M", "1.", ".5G",
+        "1.M", "infinity", "NAN", "18446744073709551615", "18446744073709551616",
+        "99999999999999999999999", "16777216T", "0.00000000000000000001G", "1.3T"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         uint64_t v = 777;
         if (cuma_parse_size(bad[i], &v)) {
@@ -199,6 +210,11 @@ static void test_sizes(void) {
     CHECK(s.segment_size == 3 * MB);
     CHECK_OK(cuma_settings_parse(&s, "capacity:2T,virtual_size:8T,preallocate:0", "test"));
     CHECK(s.capacity == 2 * TB && s.virtual_size == 8 * TB && s.preallocate == 0);
+    /* The other numbers' documented forms still read. */
+    CHECK_OK(cuma_settings_parse(&s, "page_call_budget:1e-3,memory_fraction:.5,priority:-5", "t"));
+    CHECK(s.page_call_budget == 1e-3 && s.memory_fraction == 0.5 && s.priority == -5);
+    CHECK_OK(cuma_settings_parse(&s, "remap_threshold:1,release_delay_ms:007,arenas:2", "t"));
+    CHECK(s.remap_threshold == 1 && s.release_delay_ms == 7 && s.arenas == 2);
 }
 
 /* Parses conf onto defaults, expects CUMA_ERR_CONFIG and a message holding every `want`. */
@@ -261,6 +277,24 @@ static void test_bad_values(void) {
     bad_conf("preallocate:none", "preallocate", "none"); /* none only where the table allows it */
     bad_conf("capacity:never", "capacity", "never");
     bad_conf("policy:tlsf:buddy", "policy", "tlsf:buddy");
+    /* Numbers strtod/strtol would take and no key documents (issue 13). */
+    bad_conf("limit:0x1p30", "limit", "0x1p30");
+    bad_conf("capacity:0x40000000", "capacity", "0x40000000");
+    bad_conf("capacity:1e9", "capacity", "1e9");
+    bad_conf("limit:+1G", "limit", "+1G");
+    bad_conf("memory_fraction:0x0.8p0", "memory_fraction", "0x0.8p0");
+    bad_conf("memory_fraction:+0.5", "memory_fraction", "+0.5");
+    bad_conf("memory_fraction:inf", "memory_fraction", "inf");
+    bad_conf("remap_threshold:1e", "remap_threshold", "1e");
+    bad_conf("release_delay_ms:+5", "release_delay_ms", "+5");
+    bad_conf("release_delay_ms:0x10", "release_delay_ms", "0x10");
+    bad_conf("release_delay_ms:-0", "release_delay_ms", "-0");
+    bad_conf("release_delay_ms:99999999999999999999", "release_delay_ms", "99999999999999999999");
+    bad_conf("device:+1", "device", "+1");
+    bad_conf("arenas:0x2", "arenas", "0x2");
+    bad_conf("priority:+5", "priority", "+5");
+    bad_conf("priority:--1", "priority", "--1");
+    bad_conf("priority:-", "priority", "-");
     /* The name list is in the message of a bad name. */
     bad_conf("policy:x", "tlsf|bestfit|buddy", NULL);
     /* A bad item after good ones still fails, and names the bad one. */

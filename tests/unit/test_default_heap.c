@@ -100,10 +100,67 @@ static void test_entry_point_edges(void) {
     cuma_default_heaps_shutdown();
 }
 
+/* cuma_default_settings_set: the default heaps' settings without touching CUMA_CONF, so that
+ * a heap made with cuma_heap_create keeps what CUMA_CONF says (issue 13: a limit meant for the
+ * default heaps made an unrelated heap fail at 50 pages). */
+static void test_default_settings(void) {
+    setenv("CUMA_CONF", "backend:sim,capacity:256M", 1);
+    cuma_default_heaps_shutdown();
+    CHECK_OK(cuma_default_settings_set("backend:sim,capacity:128M,limit:8M"));
+    CHECK(!strcmp(getenv("CUMA_CONF"), "backend:sim,capacity:256M")); /* left as it was */
+    cuma_heap *d, *d2, *own;
+    cuma_stats s;
+    CHECK_OK(cuma_default_heap(0, &d));
+    CHECK_OK(cuma_get_stats(d, &s));
+    CHECK(s.limit_bytes == 8 << 20 && s.device_total_bytes == 128 << 20);
+    CHECK_OK(cuma_default_heap(2, &d2)); /* every device's, with its own ordinal */
+    CHECK_OK(cuma_get_stats(d2, &s));
+    CHECK(s.limit_bytes == 8 << 20 && d2 != d);
+    cuma_config cfg = {.conf = "limit:100M"};
+    CHECK_OK(cuma_heap_create(&cfg, &own)); /* CUMA_CONF, then its own settings: no 8M */
+    CHECK_OK(cuma_get_stats(own, &s));
+    CHECK(s.limit_bytes == 100 << 20 && s.device_total_bytes == 256 << 20);
+    void *p;
+    CHECK_OK(cuma_alloc(own, 64 << 20, NULL, &p));
+    CHECK_OK(cuma_free(own, p, NULL));
+    cuma_heap_destroy(own);
+    /* Checked, naming the key; a refused string changes nothing. */
+    CHECK_ST(cuma_default_settings_set("limit:lots"), CUMA_ERR_CONFIG);
+    CHECK(strstr(cuma_last_error(), "limit") && strstr(cuma_last_error(), "lots"));
+    CHECK_ST(cuma_default_settings_set("growth:off"), CUMA_ERR_CONFIG); /* checked whole */
+    CHECK(strstr(cuma_last_error(), "preallocate"));
+    char *longconf = malloc(4002);
+    CHECK(longconf);
+    memset(longconf, ',', 4001);
+    longconf[4001] = 0;
+    CHECK_ST(cuma_default_settings_set(longconf), CUMA_ERR_CONFIG);
+    free(longconf);
+    cuma_default_heaps_shutdown();
+    CHECK_OK(cuma_default_heap(0, &d));
+    CHECK_OK(cuma_get_stats(d, &s));
+    CHECK(s.limit_bytes == 8 << 20); /* still the given settings */
+    /* No backend named: backend:auto, or the sim fallback, with the given settings either way. */
+    cuma_default_heaps_shutdown();
+    CHECK_OK(cuma_default_settings_set("limit:4M"));
+    CHECK_OK(cuma_default_heap(0, &d));
+    CHECK_OK(cuma_get_stats(d, &s));
+    CHECK(s.limit_bytes == 4 << 20);
+    /* NULL: CUMA_CONF again, for heaps created from then on. */
+    CHECK_OK(cuma_default_settings_set(NULL));
+    CHECK_OK(cuma_get_stats(d, &s));
+    CHECK(s.limit_bytes == 4 << 20); /* an existing heap keeps its settings */
+    cuma_default_heaps_shutdown();
+    CHECK_OK(cuma_default_heap(0, &d));
+    CHECK_OK(cuma_get_stats(d, &s));
+    CHECK(s.limit_bytes == 256 << 20 && s.device_total_bytes == 256 << 20);
+    cuma_default_heaps_shutdown();
+}
+
 int main(void) {
     test_first_use_race();
     test_fallback_is_visible();
     test_entry_point_edges();
+    test_default_settings();
     unsetenv("CUMA_CONF");
     printf("test_default_heap: ok\n");
     return 0;
