@@ -530,7 +530,10 @@ bool cuma_ledger_asked(cuma_ledger *l, bool *cache, uint64_t *shrink, bool *fres
         /* A heap under its guarantee is owed the memory, whatever its priority. */
         bool under = add_sat(atomic_load(&o->reserved), w) <= o->guarantee;
         if (o->priority >= me->priority || under) c = true;
-        if (o->priority > me->priority || under) want = add_sat(want, w);
+        /* Only what the requester still lacks: memory free now, or given since it asked (this
+         * heap's cache first), is not asked of the callbacks. */
+        uint64_t room = room_of(m, o), lack = w > room ? w - room : 0;
+        if (o->priority > me->priority || under) want = add_sat(want, lack);
     }
     uint64_t res = atomic_load(&me->reserved), cached = atomic_load(&me->cached);
     uint64_t used = res > cached ? res - cached : 0;

@@ -187,6 +187,46 @@ static void test_priority_shrink(void) {
     cuma_heap_destroy(v.h);
 }
 
+static void count_cb(void *user, cuma_heap *heap, uint64_t bytes) {
+    (void)heap, (void)bytes;
+    atomic_fetch_add((_Atomic int *)user, 1);
+}
+
+/* Cache first: a heap of low priority whose idle cache covers a request gives that and is not
+ * asked to free memory in use (its pressure callback ran for a 90M request that its 100M of idle
+ * cache covered). */
+static void test_cache_first(void) {
+    char conf[256];
+    snprintf(conf, sizeof conf,
+             "backend:sim,capacity:256M,ledger:%s,release_delay_ms:100000,tcache:off,arenas:1,"
+             "priority:-1",
+             ledger_name);
+    cuma_heap *low = heap_make(conf);
+    _Atomic int calls = 0;
+    CHECK_OK(cuma_add_pressure_callback(low, count_cb, &calls, NULL));
+    void *idle, *used, *p;
+    CHECK_OK(cuma_alloc(low, 100 * MB, NULL, &used)); /* in use, beyond its (no) guarantee */
+    CHECK_OK(cuma_alloc(low, 100 * MB, NULL, &idle));
+    CHECK_OK(cuma_free(low, idle, NULL));
+    wait_cached(getpid(), heap_slot(low), 100 * MB);
+    snprintf(conf, sizeof conf,
+             "backend:sim,capacity:256M,ledger:%s,release_delay_ms:100000,tcache:off,arenas:1,"
+             "priority:5,pressure_timeout_ms:3000",
+             ledger_name);
+    cuma_heap *hi = heap_make(conf);
+    CHECK_OK(cuma_alloc(hi, 90 * MB, NULL, &p)); /* 56M free + 34M of low's cache */
+    usleep(50000); /* a late callback would run within the release thread's next polls */
+    cuma_stats sl = heap_stats(low);
+    fprintf(stderr, "cache first: %d callbacks, %llu bytes given\n", atomic_load(&calls),
+            (unsigned long long)sl.pressure_given_bytes);
+    CHECK(atomic_load(&calls) == 0 && sl.pressure_callbacks == 0);
+    CHECK(sl.pressure_given_bytes >= 34 * MB && sl.requested_bytes == 100 * MB);
+    CHECK_OK(cuma_free(hi, p, NULL));
+    CHECK_OK(cuma_free(low, used, NULL));
+    cuma_heap_destroy(hi);
+    cuma_heap_destroy(low);
+}
+
 /* Guarantees add up to the device at most; a heap takes nothing of another's guarantee, and a
  * heap under its guarantee gets memory back from a heap of higher priority. */
 static void test_guarantees(void) {
@@ -655,6 +695,7 @@ int main(int argc, char **argv) {
     test_admission_and_cache();
     test_priority_shrink();
     test_guarantees();
+    test_cache_first();
     if (forks) {
         test_processes();
         test_stale_request();
