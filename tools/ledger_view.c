@@ -5,8 +5,9 @@
 #include "cli.h"
 
 #include <errno.h>
-#include <signal.h>
 #include <inttypes.h>
+#include <signal.h>
+#include <stdbool.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +60,23 @@ static int group(ledger_view *v) {
     return 0;
 }
 
+/* The ledger's path is a symbolic link (cuma never makes one, and opens it without following
+ * it): say where it leads, so that a dangling one is not taken for "no ledger". */
+static void describe_link(ledger_view *v) {
+    char target[256];
+    ssize_t n = readlink(v->path, target, sizeof target - 1);
+    if (n < 0) n = 0;
+    target[n] = 0;
+    char clean[256];
+    view_clean(target, clean, sizeof clean);
+    struct stat sb;
+    bool dangling = stat(v->path, &sb) != 0;
+    snprintf(v->error, sizeof v->error,
+             "ledger %s is a symbolic link to '%s'%s, not a ledger (cuma opens no link there: "
+             "remove it)",
+             v->path, clean, dangling ? ", which does not exist" : "");
+}
+
 int view_read(ledger_view *v, const char *name) {
     memset(v, 0, sizeof *v);
     if (cuma_ledger_path(name, v->path, sizeof v->path) != CUMA_OK) {
@@ -75,8 +93,10 @@ int view_read(ledger_view *v, const char *name) {
         v->heaps = e;
         if (cuma_ledger_snapshot(name, v->heaps, max, &n) != CUMA_OK) {
             struct stat sb;
-            v->missing = stat(v->path, &sb) != 0 && errno == ENOENT;
-            if (v->missing)
+            v->missing = lstat(v->path, &sb) != 0 && errno == ENOENT;
+            if (!v->missing && S_ISLNK(sb.st_mode))
+                describe_link(v);
+            else if (v->missing)
                 snprintf(v->error, sizeof v->error,
                          "no ledger at %s: no cuma heap has run as this user (uid %u)%s", v->path,
                          (unsigned)geteuid(), name && strcmp(name, "on") ? " in this ledger" : "");
