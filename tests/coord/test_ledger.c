@@ -83,6 +83,15 @@ static int heap_slot(cuma_heap *h) {
     return atoi(p + 7);
 }
 
+/* The stats' count of growths admitted without the ledger's lock. */
+static uint64_t stale_admissions(cuma_heap *h) {
+    char js[8192];
+    CHECK_OK(cuma_stats_json(h, js, sizeof js, NULL));
+    const char *p = strstr(js, "\"stale_admissions\":");
+    CHECK(p);
+    return strtoull(p + strlen("\"stale_admissions\":"), NULL, 10);
+}
+
 static const cuma_ledger_entry *find_pid(const cuma_ledger_entry *e, size_t n, int pid) {
     for (size_t i = 0; i < n; i++)
         if (e[i].pid == pid) return &e[i];
@@ -367,16 +376,30 @@ static void test_processes(void) {
     CHECK_OK(cuma_free(h, p, NULL));
     CHECK_OK(cuma_trim(h, 0));
 
-    /* Stopped holding the lock: the others give up after a bounded wait, with a message that
-     * says why, instead of hanging (with their arena locks held); once it is gone, all is well. */
+    /* Stopped holding the lock (the lock's generation stands still): after a bounded wait the
+     * others go on in stale mode, admitting against an unlocked read, counted in the stats;
+     * a heap still joins; no allocation fails for the lock (it failed every growth after 2 s).
+     * Once the holder is gone, the lock is taken again. */
     c = child_holding("", 8, false, LOCK_STOP);
     CHECK(waitpid(c, &wst, WUNTRACED) == c && WIFSTOPPED(wst));
     uint64_t t1 = now_ms();
-    CHECK_ST(cuma_alloc(h, 48 * MB, NULL, &p), CUMA_ERR_BACKEND);
-    CHECK(strstr(cuma_last_error(), "lock has been held"));
-    CHECK(now_ms() - t1 >= 1900 && now_ms() - t1 < 10000);
+    CHECK_OK(cuma_alloc(h, 32 * MB, NULL, &p));
+    fprintf(stderr, "stopped lock holder: the first allocation went on after %llu ms\n",
+            (unsigned long long)(now_ms() - t1));
+    CHECK(stale_admissions(h) >= 1);
+    cuma_heap *late = ledger_heap(""); /* joins without the lock */
+    void *lp;
+    CHECK_OK(cuma_alloc(late, 8 * MB, NULL, &lp));
+    CHECK(stale_admissions(late) >= 1);
+    CHECK(live(e, 8) == 3); /* the tools read the ledger as it is */
+    CHECK_OK(cuma_free(late, lp, NULL));
+    cuma_heap_destroy(late);
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_OK(cuma_trim(h, 0));
     reap_child(c);
+    uint64_t before = stale_admissions(h);
     CHECK_OK(cuma_alloc(h, 48 * MB, NULL, &p));
+    CHECK(stale_admissions(h) == before); /* the lock again */
     n = live(e, 8);
     CHECK(n == 1 && e[0].pid == getpid());
     CHECK_OK(cuma_validate(h));
@@ -400,9 +423,14 @@ static void test_bad_files(void) {
     CHECK_ST(cuma_heap_create(&cfg, &x), CUMA_ERR_IO);
     CHECK(strstr(cuma_last_error(), "mode 0600") && strstr(cuma_last_error(), path));
     CHECK(fchmod(fd, 0600) == 0);
-    /* Too small, then the right size with another layout's version. */
-    CHECK(ftruncate(fd, 16) == 0);
+    /* Too small and not empty (a file of zeros is one whose maker died: made again), then the
+     * right size with another layout's version. */
+    CHECK(write(fd, "not a ledger, no", 16) == 16);
     CHECK_ST(cuma_heap_create(&cfg, &x), CUMA_ERR_CORRUPT);
+    {
+        struct stat sb;
+        CHECK(fstat(fd, &sb) == 0 && sb.st_size == 16); /* left as it was */
+    }
     cuma_heap *good = ledger_heap("");
     size_t size;
     {

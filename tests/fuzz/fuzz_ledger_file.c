@@ -63,7 +63,7 @@ static void spoil_header(ledger_shm *m, fz_reader *r) {
         m->slot_size = v == sizeof(ledger_slot) ? v + 1 : v;
         break;
     case 4:
-        m->mutex_size = v == sizeof(pthread_mutex_t) ? v + 1 : v;
+        m->header_size = v == sizeof(ledger_shm) ? v + 1 : v;
         break;
     default:
         m->size = v == LEDGER_BYTES ? v + 1ull : v;
@@ -147,7 +147,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         memcpy(m->slot, data + r.at, k < room ? k : room);
     } else {
         if (rest) memcpy(map, data + r.at, rest < fsize ? rest : fsize);
-        if (fsize >= sizeof(ledger_shm)) cuma_ledger_init_lock(m);
     }
     if (group) FZ_CHECK(!fchmod(fd, 0640), "chmod");
 
