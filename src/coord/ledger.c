@@ -44,7 +44,7 @@ struct cuma_ledger {
      * damaged; problem: the last damage seen (under f->mu), said once on stderr. */
     _Atomic uint64_t stale, damaged;
     _Atomic bool said_stale, said_damaged;
-    char problem[200];
+    char problem[320];
 };
 
 /* Whether the calling process is the one that joined (a heap inherited through fork is not: its

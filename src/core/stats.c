@@ -165,7 +165,7 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
         cuma_strbuf_put(&o, "\"ledger\":{\"path\":");
         cuma_strbuf_json_string(&o, cuma_ledger_where(h->ledger));
         uint64_t stale, damaged;
-        char problem[200];
+        char problem[320];
         cuma_ledger_health(h->ledger, &stale, &damaged, problem, sizeof problem);
         cuma_strbuf_put(&o,
                         ",\"slot\":%u,\"priority\":%d,\"guarantee\":%llu,\"stale_admissions\":%llu,"
