@@ -79,10 +79,12 @@ static void describe_link(ledger_view *v) {
 
 int view_read(ledger_view *v, const char *name) {
     memset(v, 0, sizeof *v);
-    if (cuma_ledger_path(name, v->path, sizeof v->path) != CUMA_OK) {
+    cuma_status pst = cuma_ledger_path(name, v->path, sizeof v->path);
+    if (pst != CUMA_OK) {
         snprintf(v->error, sizeof v->error, "%s", cuma_last_error());
-        return -2;
+        return pst == CUMA_ERR_CONFIG ? -2 : -1; /* a bad name, or a squatted one */
     }
+    (void)cuma_ledger_notice(name, v->notice, sizeof v->notice);
     size_t max = FIRST_GUESS, n = 0;
     for (;;) {
         cuma_ledger_entry *e = realloc(v->heaps, max * sizeof *e);
@@ -155,6 +157,10 @@ void view_json(FILE *f, const ledger_view *v, const unsigned char *keep,
     for (size_t i = 0; i < v->nheaps; i++) shown += !keep || keep[i];
     fprintf(f, "{\"ledger\":");
     view_json_string(f, v->path);
+    if (v->notice[0]) {
+        fprintf(f, ",\"notice\":");
+        view_json_string(f, v->notice);
+    }
     fprintf(f, ",\"uid\":%u,\"heaps\":%zu,\"devices\":[", (unsigned)geteuid(), shown);
     int first_device = 1;
     for (size_t k = 0; k < v->ndevices; k++) {
@@ -250,7 +256,7 @@ void view_clean(const char *in, char *out, size_t len) {
 }
 
 void view_json_string(FILE *f, const char *s) {
-    char clean[256];
+    char clean[512];
     view_clean(s, clean, sizeof clean);
     fputc('"', f);
     for (const char *p = clean; *p; p++) {

@@ -38,7 +38,7 @@ struct cuma_ledger {
     pid_t owner; /* the process that joined: a child made by fork has no slot of its own */
     uint64_t seen_seq;
     bool active;
-    char path[96];
+    char path[160];
     ledger_slot mine; /* the slot as this heap has it (under f->mu), written whole to the file */
     /* Growths admitted without the lock (its holder stuck), and denied because the file was
      * damaged; problem: the last damage seen (under f->mu), said once on stderr. */
@@ -675,6 +675,10 @@ void cuma_ledger_self(cuma_ledger *l, cuma_ledger_entry *out) {
 
 const char *cuma_ledger_where(const cuma_ledger *l) {
     return l->path;
+}
+
+const char *cuma_ledger_note(const cuma_ledger *l) {
+    return l->f->note;
 }
 
 void cuma_ledger_health(cuma_ledger *l, uint64_t *stale, uint64_t *damaged, char *problem,

@@ -79,6 +79,9 @@ void cuma_ledger_gave(cuma_ledger *l, uint64_t bytes, uint64_t calls);
 void cuma_ledger_self(cuma_ledger *l, cuma_ledger_entry *out);
 /* The ledger's path. */
 const char *cuma_ledger_where(const cuma_ledger *l);
+/* Why the ledger is not where its name would put it (another user squats /dev/shm's name: see
+ * cuma_ledger_notice), or "". */
+const char *cuma_ledger_note(const cuma_ledger *l);
 /* What went wrong with the ledger for this heap: growths admitted in stale mode (the lock's
  * holder did not run), growths denied because the file was damaged (truncated, header written
  * over), and the last damage seen ("" when none; into problem, len bytes). */

@@ -121,14 +121,72 @@ static cuma_status check_owner(const struct stat *sb, long gid, const char *path
                      (unsigned)geteuid());
 }
 
-cuma_status cuma_ledger_path(const char *name, char *buf, size_t len) {
-    char n[72]; /* "/cuma-UID-" and a name of 48 at most */
-    if (!buf || !len) return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_path: no buffer");
-    cuma_status st = shm_name(name, n, sizeof n, NULL);
+/* Where the ledger of that name is: /dev/shm<n>, unless another user holds that name there (in
+ * the sticky /dev/shm anyone may make any name first). A user's ledger then moves to the same
+ * name in /run/user/UID, where that is the user's private directory, and note says so; a
+ * group's ledger (which its members must find in one place) or a user's without such a
+ * directory fails with CUMA_ERR_IO naming the squatter. Either is said once on stderr. *gid: as
+ * shm_name's; n (72 bytes) gets the shm name. */
+static cuma_status locate(const char *name, char *path, size_t plen, long *gid, char *n, char *note,
+                          size_t nlen) {
+    static _Atomic bool said;
+    if (nlen) note[0] = 0;
+    cuma_status st = shm_name(name, n, 72, gid);
     if (st) return st;
-    if ((size_t)snprintf(buf, len, "/dev/shm%s", n) >= len)
-        return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_path: buffer of %zu bytes too small", len);
+    if ((size_t)snprintf(path, plen, "/dev/shm%s", n) >= plen)
+        return cuma_fail(CUMA_ERR_INVALID, "ledger path: buffer of %zu bytes too small", plen);
+    struct stat sb;
+    if (lstat(path, &sb)) return CUMA_OK; /* nothing there yet */
+    bool squat =
+        *gid < 0 ? sb.st_uid != geteuid() : sb.st_uid != geteuid() && sb.st_gid != (gid_t)*gid;
+    if (!squat) return CUMA_OK;
+    char msg[256];
+    snprintf(msg, sizeof msg,
+             "ledger %s is squatted: %s there belongs to uid %u (group %u, mode %03o), not to "
+             "this user (uid %u)%s",
+             path,
+             S_ISLNK(sb.st_mode)   ? "a symbolic link"
+             : S_ISREG(sb.st_mode) ? "a file"
+                                   : "a node",
+             (unsigned)sb.st_uid, (unsigned)sb.st_gid, (unsigned)(sb.st_mode & 07777),
+             (unsigned)geteuid(), *gid >= 0 ? " nor to the group" : "");
+    char dir[64];
+    snprintf(dir, sizeof dir, "/run/user/%u", (unsigned)geteuid());
+    struct stat db;
+    bool private_dir = *gid < 0 && !lstat(dir, &db) && S_ISDIR(db.st_mode) &&
+                       db.st_uid == geteuid() && !(db.st_mode & 077);
+    if (!private_dir) {
+        if (!atomic_exchange(&said, true))
+            fprintf(stderr, "cuma: %s; no private place to move to (%s)\n", msg,
+                    *gid >= 0 ? "a group's ledger stays in /dev/shm" : dir);
+        return cuma_fail(CUMA_ERR_IO,
+                         "%s: remove it (as root) or name another ledger (ledger:NAME)%s", msg,
+                         *gid >= 0 ? "" : "; with a private /run/user/UID cuma moves there");
+    }
+    char fallback[160];
+    if ((size_t)snprintf(fallback, sizeof fallback, "%s%s", dir, n) >= plen)
+        return cuma_fail(CUMA_ERR_INVALID, "ledger path: buffer of %zu bytes too small", plen);
+    snprintf(path, plen, "%s", fallback);
+    if (nlen) snprintf(note, nlen, "%s; this user's ledger is %s instead", msg, fallback);
+    if (!atomic_exchange(&said, true))
+        fprintf(stderr, "cuma: %s; this user's ledger is %s instead\n", msg, fallback);
     return CUMA_OK;
+}
+
+cuma_status cuma_ledger_path(const char *name, char *buf, size_t len) {
+    char n[72];
+    long gid;
+    if (!buf || !len) return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_path: no buffer");
+    return locate(name, buf, len, &gid, n, NULL, 0);
+}
+
+cuma_status cuma_ledger_notice(const char *name, char *buf, size_t len) {
+    char n[72], path[160];
+    long gid;
+    if (!buf || !len) return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_notice: no buffer");
+    cuma_status st = locate(name, path, sizeof path, &gid, n, buf, len);
+    if (st) snprintf(buf, len, "%s", cuma_last_error());
+    return st;
 }
 
 /* ---- the file ------------------------------------------------------------------------------- */
@@ -376,9 +434,8 @@ static cuma_status init_file(ledger_file *f) {
 static cuma_status open_ledger(const char *name, bool create, ledger_file *f) {
     char n[72]; /* "/cuma-UID-" and a name of 48 at most */
     long gid;
-    cuma_status st = shm_name(name, n, sizeof n, &gid);
+    cuma_status st = locate(name, f->path, sizeof f->path, &gid, n, f->note, sizeof f->note);
     if (st) return st;
-    snprintf(f->path, sizeof f->path, "/dev/shm%s", n);
     const char *path = f->path;
     if (gid >= 0 && !in_group((gid_t)gid))
         return cuma_fail(CUMA_ERR_IO,
@@ -469,7 +526,7 @@ void cuma_ledger_postfork(void) {
 }
 
 cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_file **out) {
-    char path[96];
+    char path[160];
     cuma_status st = cuma_ledger_path(name, path, sizeof path);
     if (st) return st;
     pthread_mutex_lock(&files_lock);

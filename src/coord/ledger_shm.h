@@ -125,7 +125,8 @@ static inline uint64_t cuma_ledger_now_ns(void) {
  * the file can break it. OFD locks belong to the open file, so mu makes one thread of the process
  * at a time its holder, and a forked child (which shares the open file) opens its own. */
 typedef struct ledger_file {
-    char path[96];
+    char path[160];
+    char note[384]; /* why the ledger is not where it would be ("" when it is) */
     int fd;
     pid_t pid; /* the process that opened it: a child of fork does not use it */
     uint64_t ino;

@@ -176,6 +176,10 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
             cuma_strbuf_json_string(&o, problem);
         else
             cuma_strbuf_put(&o, "null");
+        if (*cuma_ledger_note(h->ledger)) {
+            cuma_strbuf_put(&o, ",\"notice\":");
+            cuma_strbuf_json_string(&o, cuma_ledger_note(h->ledger));
+        }
         cuma_strbuf_put(&o, "},");
     } else {
         cuma_strbuf_put(&o, "\"ledger\":null,");

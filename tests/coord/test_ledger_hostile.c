@@ -7,6 +7,8 @@
  * - the magic zeroed under a live heap: a new joiner is refused and the slots stay (a joiner
  *   wiped the file);
  * - garbage over the bytes that held the lock (an in-file mutex before): heaps go on;
+ * - another user's file at the ledger's name, or at a group ledger's temporary name: not used,
+ *   said; the ledger moves to /run/user/UID;
  * - 300 processes joining at once on this machine: every creation succeeds (3 to 81 failed
  *   with "lock has been held").
  * The heaps live in children, so that a crash is seen as a child's signal. */
@@ -14,7 +16,9 @@
 #include "coord/ledger_shm.h"
 #include "cuma/ledger.h"
 
+#include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -185,6 +189,96 @@ static void test_garbage_lock(void) {
     unlink(path);
 }
 
+/* Makes `file` as uid/gid 65534 (nobody) in a child: another user's squat. False when this
+ * process may not switch users (not root). */
+static bool plant_as_nobody(const char *file) {
+    if (geteuid() != 0) return false;
+    pid_t c = fork();
+    CHECK(c >= 0);
+    if (c == 0) {
+        if (setresgid(65534, 65534, 65534) || setresuid(65534, 65534, 65534)) _exit(1);
+        int fd = open(file, O_RDWR | O_CREAT | O_EXCL, 0600);
+        _exit(fd >= 0 ? 0 : 2);
+    }
+    int wst;
+    CHECK(waitpid(c, &wst, 0) == c && WIFEXITED(wst) && WEXITSTATUS(wst) == 0);
+    return true;
+}
+
+/* Another user made the ledger's name in /dev/shm first: a heap of this user does not use that
+ * file; it moves to /run/user/UID (made here for the test where the system has none) and says
+ * so in its stats and in the notice the tools print; without such a directory, a named ledger
+ * fails naming the squatter (it failed with "belongs to uid 65534", and ledger:auto went
+ * without a ledger, saying so in one stats field only). */
+static void test_squatted(void) {
+    unlink(path);
+    if (!plant_as_nobody(path)) {
+        fprintf(stderr, "squatted: not root, left out\n");
+        return;
+    }
+    char dir[64];
+    snprintf(dir, sizeof dir, "/run/user/%u", (unsigned)geteuid());
+    bool made_dir = false;
+    struct stat sb;
+    if (stat(dir, &sb)) {
+        CHECK(mkdir("/run/user", 0755) == 0 || errno == EEXIST);
+        CHECK(mkdir(dir, 0700) == 0);
+        made_dir = true;
+    }
+    char moved[160], note[512];
+    CHECK_OK(cuma_ledger_path(name, moved, sizeof moved));
+    CHECK(!strncmp(moved, dir, strlen(dir)));
+    CHECK_OK(cuma_ledger_notice(name, note, sizeof note));
+    CHECK(strstr(note, "squatted") && strstr(note, "uid 65534") && strstr(note, moved));
+    cuma_heap *h = heap_in_ledger();
+    CHECK(h);
+    char js[8192];
+    CHECK_OK(cuma_stats_json(h, js, sizeof js, NULL));
+    CHECK(strstr(js, moved) && strstr(js, "\"notice\":\"ledger ") && strstr(js, "squatted"));
+    size_t n;
+    CHECK_OK(cuma_ledger_snapshot(name, NULL, 0, &n));
+    CHECK(n == 1);
+    CHECK(stat(path, &sb) == 0 && sb.st_size == 0); /* the squatter's file is untouched */
+    cuma_heap_destroy(h);
+    unlink(moved);
+    if (made_dir) {
+        CHECK(rmdir(dir) == 0);
+        /* Nowhere to move: refused, naming the squatter. */
+        CHECK(!heap_in_ledger());
+        CHECK(strstr(cuma_last_error(), "squatted") && strstr(cuma_last_error(), "uid 65534"));
+    }
+    unlink(path);
+}
+
+/* A group ledger is made under a temporary name, then linked: names planted where the old
+ * predictable temporary names were (.cuma-new-PID-SEQ) do not stop it (it failed with "File
+ * exists"). */
+static void test_group_temp(void) {
+    struct group *gr = getgrgid(getegid());
+    if (!gr || geteuid() != 0) {
+        fprintf(stderr, "group temp: not root or no group name, left out\n");
+        return;
+    }
+    char planted[4][96];
+    for (int i = 0; i < 4; i++) {
+        snprintf(planted[i], sizeof planted[i], "/dev/shm/.cuma-new-%d-%d", (int)getpid(), i);
+        unlink(planted[i]);
+        CHECK(plant_as_nobody(planted[i]));
+    }
+    char gname[160], gpath[160];
+    snprintf(gname, sizeof gname, "@%s+tmp-%d", gr->gr_name, (int)getpid());
+    CHECK_OK(cuma_ledger_path(gname, gpath, sizeof gpath));
+    unlink(gpath);
+    char conf[256];
+    snprintf(conf, sizeof conf, "backend:sim,capacity:64M,ledger:%s,tcache:off", gname);
+    cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+    cuma_heap *h = NULL;
+    CHECK_OK(cuma_heap_create(&cfg, &h));
+    cuma_heap_destroy(h);
+    unlink(gpath);
+    for (int i = 0; i < 4; i++) unlink(planted[i]);
+}
+
 /* NPROC processes, released at once, each make a heap in the ledger, grow it and leave. */
 #define NPROC 300
 static void test_crowd(void) {
@@ -231,11 +325,22 @@ static void test_crowd(void) {
     unlink(path);
 }
 
+static pid_t main_pid;
+
+/* A failed check leaves no file behind (a child's failure is the parent's to see). */
+static void on_abort(int sig) {
+    if (getpid() == main_pid) unlink(path);
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
 /* usage: test_ledger_hostile [TEST]: one of truncated, slot_count, zeroed_magic, garbage_lock,
- * crowd; all without one. */
+ * squatted, group_temp, crowd; all without one. */
 int main(int argc, char **argv) {
     snprintf(name, sizeof name, "hostile-%d", (int)getpid());
     CHECK_OK(cuma_ledger_path(name, path, sizeof path));
+    main_pid = getpid();
+    signal(SIGABRT, on_abort);
     static const struct {
         const char *name;
         void (*fn)(void);
@@ -243,6 +348,8 @@ int main(int argc, char **argv) {
                  {"slot_count", test_slot_count},
                  {"zeroed_magic", test_zeroed_magic},
                  {"garbage_lock", test_garbage_lock},
+                 {"squatted", test_squatted},
+                 {"group_temp", test_group_temp},
                  {"crowd", test_crowd}};
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
         if (argc < 2 || !strcmp(argv[1], tests[i].name)) tests[i].fn();
