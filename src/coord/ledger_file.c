@@ -507,6 +507,14 @@ static void close_file(ledger_file *f) {
 static pthread_mutex_t files_lock = PTHREAD_MUTEX_INITIALIZER;
 static ledger_file *files;
 
+/* The last file closed while its lock was found stuck: a process that reads a ledger now and
+ * then (the exporter, top) opens it afresh each time, and would otherwise wait LEDGER_STALL_MS
+ * at every read while the same holder stays stopped. Under files_lock. */
+static struct {
+    char path[160];
+    uint64_t ino, gen;
+} last_stuck;
+
 /* The inode the ledger's path leads to now (0 when none). */
 static uint64_t current_ino(const char *path) {
     struct stat sb;
@@ -549,6 +557,10 @@ cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_file **out
         if ((st = open_ledger(name, create, f))) {
             close_file(f);
         } else {
+            if (last_stuck.ino == f->ino && !strcmp(last_stuck.path, f->path)) {
+                f->stuck = true;
+                f->stuck_gen = last_stuck.gen;
+            }
             f->refs = 1;
             f->next = files;
             files = f;
@@ -565,6 +577,17 @@ void cuma_ledger_release_file(ledger_file *f) {
         if (*pp != f) continue;
         if (!--f->refs) {
             *pp = f->next;
+            pthread_mutex_lock(&f->mu);
+            bool stuck = f->stuck;
+            uint64_t gen = f->stuck_gen;
+            pthread_mutex_unlock(&f->mu);
+            if (stuck) {
+                snprintf(last_stuck.path, sizeof last_stuck.path, "%s", f->path);
+                last_stuck.ino = f->ino;
+                last_stuck.gen = gen;
+            } else if (last_stuck.ino == f->ino && !strcmp(last_stuck.path, f->path)) {
+                last_stuck.ino = 0;
+            }
             close_file(f);
         }
         break;
