@@ -158,11 +158,10 @@ static unsigned reap(ledger_file *f) {
 }
 
 /* Reads the file into the image (f->mu held) and lays this heap's own slot over its place. A
- * damaged file is counted and said once. */
+ * damaged file is kept in l->problem and said once. */
 static cuma_status refresh(cuma_ledger *l) {
     cuma_status st = cuma_ledger_read(l->f);
     if (st) {
-        atomic_fetch_add(&l->damaged, 1);
         snprintf(l->problem, sizeof l->problem, "%s", cuma_last_error());
         if (!atomic_exchange(&l->said_damaged, true))
             fprintf(stderr, "cuma: %s; this heap's growth is denied until it is whole again\n",
@@ -270,6 +269,7 @@ cuma_status cuma_ledger_admit(cuma_ledger *l, uint64_t bytes) {
     ledger_file *f = l->f;
     bool locked = cuma_ledger_lock(f);
     if (refresh(l)) {
+        atomic_fetch_add(&l->damaged, 1);
         cuma_ledger_unlock(f);
         return cuma_fail(CUMA_ERR_OOM, "device %s: growth denied: %s", l->mine.device, l->problem);
     }
