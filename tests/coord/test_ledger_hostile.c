@@ -325,6 +325,66 @@ static void test_crowd(void) {
     unlink(path);
 }
 
+/* NALIVE processes, released at once, join and stay until all have joined: each join then
+ * reclaims among up to NALIVE live slots under the lock (a /proc read each), so the lock is
+ * held for milliseconds and waited for long; every join must still succeed. */
+#define NALIVE 250
+static void test_crowd_alive(void) {
+    unlink(path);
+    int go[2], joined[2], leave[2];
+    CHECK(pipe(go) == 0 && pipe(joined) == 0 && pipe(leave) == 0);
+    pid_t kids[NALIVE];
+    for (int i = 0; i < NALIVE; i++) {
+        kids[i] = fork();
+        CHECK(kids[i] >= 0);
+        if (kids[i] == 0) {
+            close(go[1]);
+            close(joined[0]);
+            close(leave[1]);
+            char c = 1;
+            (void)!read(go[0], &c, 1);
+            char conf[256];
+            snprintf(conf, sizeof conf, "backend:sim,capacity:64G,ledger:%s,tcache:off,arenas:1",
+                     name);
+            cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+            cuma_heap *h = NULL;
+            int rc = 0;
+            void *p = NULL;
+            if (cuma_heap_create(&cfg, &h)) {
+                fprintf(stderr, "crowd %d: %s\n", i, cuma_last_error());
+                rc = 1;
+            } else if (cuma_alloc(h, 4 * MB, NULL, &p)) {
+                fprintf(stderr, "crowd %d: alloc: %s\n", i, cuma_last_error());
+                rc = 3;
+            }
+            c = (char)rc;
+            (void)!write(joined[1], &c, 1);
+            (void)!read(leave[0], &c, 1); /* EOF: leave */
+            if (h) cuma_heap_destroy(h);
+            _exit(rc);
+        }
+    }
+    close(go[0]);
+    close(joined[1]);
+    close(leave[0]);
+    close(go[1]); /* all go */
+    int got = 0;
+    char c;
+    while (got < NALIVE && read(joined[0], &c, 1) == 1) got++;
+    close(leave[1]);
+    int failed = 0;
+    for (int i = 0; i < NALIVE; i++) {
+        int wst;
+        CHECK(waitpid(kids[i], &wst, 0) == kids[i]);
+        failed += !WIFEXITED(wst) || WEXITSTATUS(wst) != 0;
+    }
+    close(joined[0]);
+    fprintf(stderr, "crowd staying: %d processes, %d joined and said so, %d failed\n", NALIVE, got,
+            failed);
+    CHECK(failed == 0 && got == NALIVE);
+    unlink(path);
+}
+
 static pid_t main_pid;
 
 /* A failed check leaves no file behind (a child's failure is the parent's to see). */
@@ -335,7 +395,7 @@ static void on_abort(int sig) {
 }
 
 /* usage: test_ledger_hostile [TEST]: one of truncated, slot_count, zeroed_magic, garbage_lock,
- * squatted, group_temp, crowd; all without one. */
+ * squatted, group_temp, crowd, crowd_alive; all without one. */
 int main(int argc, char **argv) {
     snprintf(name, sizeof name, "hostile-%d", (int)getpid());
     CHECK_OK(cuma_ledger_path(name, path, sizeof path));
@@ -350,7 +410,8 @@ int main(int argc, char **argv) {
                  {"garbage_lock", test_garbage_lock},
                  {"squatted", test_squatted},
                  {"group_temp", test_group_temp},
-                 {"crowd", test_crowd}};
+                 {"crowd", test_crowd},
+                 {"crowd_alive", test_crowd_alive}};
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
         if (argc < 2 || !strcmp(argv[1], tests[i].name)) tests[i].fn();
     printf("test_ledger_hostile: ok\n");
