@@ -5,8 +5,9 @@
 #include "cli.h"
 
 #include <errno.h>
-#include <signal.h>
 #include <inttypes.h>
+#include <signal.h>
+#include <stdbool.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,12 +60,31 @@ static int group(ledger_view *v) {
     return 0;
 }
 
+/* The ledger's path is a symbolic link (cuma never makes one, and opens it without following
+ * it): say where it leads, so that a dangling one is not taken for "no ledger". */
+static void describe_link(ledger_view *v) {
+    char target[256];
+    ssize_t n = readlink(v->path, target, sizeof target - 1);
+    if (n < 0) n = 0;
+    target[n] = 0;
+    char clean[256];
+    view_clean(target, clean, sizeof clean);
+    struct stat sb;
+    bool dangling = stat(v->path, &sb) != 0;
+    snprintf(v->error, sizeof v->error,
+             "ledger %s is a symbolic link to '%s'%s, not a ledger (cuma opens no link there: "
+             "remove it)",
+             v->path, clean, dangling ? ", which does not exist" : "");
+}
+
 int view_read(ledger_view *v, const char *name) {
     memset(v, 0, sizeof *v);
-    if (cuma_ledger_path(name, v->path, sizeof v->path) != CUMA_OK) {
+    cuma_status pst = cuma_ledger_path(name, v->path, sizeof v->path);
+    if (pst != CUMA_OK) {
         snprintf(v->error, sizeof v->error, "%s", cuma_last_error());
-        return -2;
+        return pst == CUMA_ERR_CONFIG ? -2 : -1; /* a bad name, or a squatted one */
     }
+    (void)cuma_ledger_notice(name, v->notice, sizeof v->notice);
     size_t max = FIRST_GUESS, n = 0;
     for (;;) {
         cuma_ledger_entry *e = realloc(v->heaps, max * sizeof *e);
@@ -75,8 +95,10 @@ int view_read(ledger_view *v, const char *name) {
         v->heaps = e;
         if (cuma_ledger_snapshot(name, v->heaps, max, &n) != CUMA_OK) {
             struct stat sb;
-            v->missing = stat(v->path, &sb) != 0 && errno == ENOENT;
-            if (v->missing)
+            v->missing = lstat(v->path, &sb) != 0 && errno == ENOENT;
+            if (!v->missing && S_ISLNK(sb.st_mode))
+                describe_link(v);
+            else if (v->missing)
                 snprintf(v->error, sizeof v->error,
                          "no ledger at %s: no cuma heap has run as this user (uid %u)%s", v->path,
                          (unsigned)geteuid(), name && strcmp(name, "on") ? " in this ledger" : "");
@@ -135,6 +157,10 @@ void view_json(FILE *f, const ledger_view *v, const unsigned char *keep,
     for (size_t i = 0; i < v->nheaps; i++) shown += !keep || keep[i];
     fprintf(f, "{\"ledger\":");
     view_json_string(f, v->path);
+    if (v->notice[0]) {
+        fprintf(f, ",\"notice\":");
+        view_json_string(f, v->notice);
+    }
     fprintf(f, ",\"uid\":%u,\"heaps\":%zu,\"devices\":[", (unsigned)geteuid(), shown);
     int first_device = 1;
     for (size_t k = 0; k < v->ndevices; k++) {
@@ -230,7 +256,7 @@ void view_clean(const char *in, char *out, size_t len) {
 }
 
 void view_json_string(FILE *f, const char *s) {
-    char clean[256];
+    char clean[512];
     view_clean(s, clean, sizeof clean);
     fputc('"', f);
     for (const char *p = clean; *p; p++) {

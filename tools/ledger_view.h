@@ -29,8 +29,9 @@ typedef struct ledger_view {
     size_t nheaps;
     view_device *devices;
     size_t ndevices;
-    int missing;     /* the read failed because the file does not exist */
-    char error[512]; /* why the read failed */
+    char notice[384]; /* why the ledger is not in /dev/shm (squatted there), or "" */
+    int missing;      /* the read failed because the file does not exist */
+    char error[512];  /* why the read failed */
 } ledger_view;
 
 /* Reads ledger `name` (NULL: the user's default). 0, or -1 with v->error (and v->missing when

@@ -70,8 +70,15 @@ typedef struct cuma_ledger_entry {
  * message. */
 cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_t max, size_t *n);
 
-/* The shared-memory path of a ledger (for messages and tools), into buf (NUL-terminated). */
+/* The path of a ledger (for messages and tools), into buf (NUL-terminated): /dev/shm/cuma-UID
+ * [-NAME] (a group's: /dev/shm/cuma-gGID[-NAME]), or, where another user squats that name in
+ * /dev/shm, the same name in /run/user/UID when that is the user's private directory. The
+ * squatter's file is never used. CUMA_ERR_IO when a squatted name has nowhere else to go. */
 cuma_status cuma_ledger_path(const char *name, char *buf, size_t len);
+
+/* Why the ledger of that name is not in /dev/shm (a squatter, and where it is instead), or ""
+ * into buf; on CUMA_ERR_IO (a squatted name with nowhere to go), the error. */
+cuma_status cuma_ledger_notice(const char *name, char *buf, size_t len);
 
 /* Pressure callback: another heap on the device (of higher priority, or under its guarantee)
  * needs `bytes` that this heap holds in use beyond its guarantee. Called from the heap's

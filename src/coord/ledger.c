@@ -1,12 +1,15 @@
 /* The cross-process ledger: a file in POSIX shared memory, one per user, with a slot per heap
- * (its file and layout: ledger_file.c, ledger_shm.h); what heaps do in it.
+ * (its file, layout and lock: ledger_file.c, ledger_shm.h); what heaps do in it.
  *
- * Why it is built this way (lessons from HAMi-core's shared region):
- * - Initialisation is serialised by flock on the file, which the kernel drops when a process
- *   dies: a process killed while creating the ledger leaves no half-made header that blocks the
- *   others (the next opener sees no magic and initialises it), and nothing spins.
- * - The lock is a robust, process-shared mutex: a process killed while holding it hands the next
- *   locker EOWNERDEAD, which reclaims dead slots and goes on.
+ * Why it is built this way (lessons from HAMi-core's shared region, and from members that write
+ * nonsense into it):
+ * - The file is read with pread into a private image and written with pwrite, never mapped: a
+ *   process that truncates it or writes garbage over it makes reads short or wrong, which are
+ *   checked (growth is denied and the heap says so once), never a SIGBUS or a broken mutex.
+ * - The lock is an OFD lock, which the kernel drops when its holder dies. A waiter waits as long
+ *   as the lock changes hands (contention never fails anything); a holder that stops (Ctrl-Z,
+ *   a debugger) turns the others to stale mode after LEDGER_STALL_MS: growth is admitted
+ *   against an unlocked read of the file, counted and said once, and never fails for the lock.
  * - A slot is reclaimed when its process is gone or its pid was reused (start time differs).
  * - Usage is never a running total that can wrap: each heap counts its own bytes in its slot
  *   (it only ever gives back what it was given), and totals are summed when needed.
@@ -30,12 +33,18 @@
 /* A heap's handle: its mapping and slot. seen_seq and active belong to the thread that polls
  * cuma_ledger_asked (the heap's release thread); the rest is constant. */
 struct cuma_ledger {
-    ledger_shm *shm;
+    ledger_file *f;
     unsigned slot;
     pid_t owner; /* the process that joined: a child made by fork has no slot of its own */
     uint64_t seen_seq;
     bool active;
-    char path[96];
+    char path[160];
+    ledger_slot mine; /* the slot as this heap has it (under f->mu), written whole to the file */
+    /* Growths admitted without the lock (its holder stuck), and denied because the file was
+     * damaged; problem: the last damage seen (under f->mu), said once on stderr. */
+    _Atomic uint64_t stale, damaged;
+    _Atomic bool said_stale, said_damaged;
+    char problem[320];
 };
 
 /* Whether the calling process is the one that joined (a heap inherited through fork is not: its
@@ -125,59 +134,58 @@ static void clear_slot(ledger_slot *s) {
     atomic_store(&s->stats_ns, 0);
 }
 
-/* Frees the slots of dead processes (lock held). A dead requester's want goes with its slot. */
-static unsigned reap(ledger_shm *m) {
+/* Frees the slots of dead processes (the ledger lock held, f->img fresh). A dead requester's
+ * want goes with its slot. */
+static unsigned reap(ledger_file *f) {
+    ledger_shm *m = f->img;
     unsigned n = 0;
-    for (unsigned i = 0; i < m->nslots; i++) {
+    bool seq = false;
+    for (unsigned i = 0; i < LEDGER_SLOTS; i++) {
         ledger_slot *s = &m->slot[i];
         if (atomic_load(&s->state) != 1 || alive(s)) continue;
-        if (atomic_load(&s->want)) atomic_fetch_add(&m->seq, 1);
+        if (atomic_load(&s->want)) seq = true;
         clear_slot(s);
+        memset(s, 0, sizeof *s);
+        (void)cuma_ledger_write_slot(f, i, s);
+        cuma_clear_error();
         n++;
+    }
+    if (seq) {
+        atomic_fetch_add(&m->seq, 1);
+        cuma_ledger_write_seq(f);
     }
     return n;
 }
 
-/* How long a lock is waited for. It is held for microseconds; a holder stopped (Ctrl-Z, a
- * debugger) would otherwise stall every heap of the user while they hold their arena locks. */
-#define LEDGER_LOCK_WAIT_S 2
-
-static cuma_status lock(ledger_shm *m, const char *path) {
-    /* trylock, then short sleeps: the lock is held for microseconds and rarely contended, and
-     * unlike timedlock, trylock's EOWNERDEAD is understood by thread checkers too (after a
-     * timedlock that returned it, they saw the unlock as one of a free mutex). */
-    int r = pthread_mutex_trylock(&m->lock);
-    if (r == EBUSY) {
-        uint64_t give_up = cuma_ledger_now_ns() + LEDGER_LOCK_WAIT_S * 1000000000ull;
-        long nap = 20000;
-        while ((r = pthread_mutex_trylock(&m->lock)) == EBUSY) {
-            if (cuma_ledger_now_ns() >= give_up) {
-                r = ETIMEDOUT;
-                break;
-            }
-            struct timespec ts = {0, nap};
-            nanosleep(&ts, NULL);
-            if (nap < 1000000) nap *= 2;
-        }
+/* Reads the file into the image (f->mu held) and lays this heap's own slot over its place. A
+ * damaged file is kept in l->problem and said once. */
+static cuma_status refresh(cuma_ledger *l) {
+    cuma_status st = cuma_ledger_read(l->f);
+    if (st) {
+        snprintf(l->problem, sizeof l->problem, "%s", cuma_last_error());
+        if (!atomic_exchange(&l->said_damaged, true))
+            fprintf(stderr, "cuma: %s; this heap's growth is denied until it is whole again\n",
+                    l->problem);
+        return st;
     }
-    if (r == EOWNERDEAD) {
-        /* Its holder died: every change under the lock is a single store, so the ledger is
-         * whole; the dead process's slot goes. */
-        pthread_mutex_consistent(&m->lock);
-        reap(m);
-        r = 0;
-    }
-    if (r == ETIMEDOUT)
-        return cuma_fail(CUMA_ERR_BACKEND,
-                         "ledger %s: its lock has been held for over %d s (a process stopped while "
-                         "holding it?)",
-                         path, LEDGER_LOCK_WAIT_S);
-    if (r) return cuma_fail(CUMA_ERR_BACKEND, "ledger %s: its lock failed (%s)", path, strerror(r));
+    if (getpid() == l->owner) memcpy(&l->f->img->slot[l->slot], &l->mine, sizeof l->mine);
     return CUMA_OK;
 }
 
-static void unlock(ledger_shm *m) {
-    pthread_mutex_unlock(&m->lock);
+/* A growth admitted in stale mode. */
+static void note_stale(cuma_ledger *l) {
+    atomic_fetch_add(&l->stale, 1);
+    if (!atomic_exchange(&l->said_stale, true))
+        fprintf(stderr,
+                "cuma: ledger %s: its lock has not changed hands for %d ms (a process holding it "
+                "is stopped?): growth is admitted against an unlocked read of the ledger "
+                "(ledger_stale_admissions in the stats counts it)\n",
+                l->path, LEDGER_STALL_MS);
+}
+
+/* Writes this heap's slot (f->mu held). */
+static void write_mine(cuma_ledger *l) {
+    if (cuma_ledger_write_slot(l->f, l->slot, &l->mine)) cuma_clear_error();
 }
 
 /* ---- admission --------------------------------------------------------------------------------
@@ -209,7 +217,7 @@ static uint64_t want_of(const ledger_slot *o, uint64_t now) {
 static void claims(const ledger_shm *m, const ledger_slot *me, uint64_t *held, uint64_t *higher) {
     *held = *higher = 0;
     uint64_t now = cuma_ledger_now_ns();
-    for (unsigned i = 0; i < m->nslots; i++) {
+    for (unsigned i = 0; i < LEDGER_SLOTS; i++) {
         const ledger_slot *o = &m->slot[i];
         if (!same_device(me, o)) continue;
         *held = add_sat(*held, max64(atomic_load(&o->reserved), o->guarantee));
@@ -239,70 +247,86 @@ static bool fits(const ledger_shm *m, const ledger_slot *me, uint64_t bytes) {
 }
 
 static ledger_slot *my_slot(cuma_ledger *l) {
-    return &l->shm->slot[l->slot];
+    return &l->f->img->slot[l->slot];
 }
 
 uint64_t cuma_ledger_room(cuma_ledger *l) {
-    ledger_slot *me = my_slot(l);
-    if (!owned(l) || lock(l->shm, l->path)) {
-        cuma_clear_error();
-        return 0;
-    }
-    uint64_t room = room_of(l->shm, me);
-    unlock(l->shm);
+    if (!owned(l)) return 0;
+    cuma_ledger_lock(l->f);
+    uint64_t room = refresh(l) ? 0 : room_of(l->f->img, my_slot(l));
+    cuma_ledger_unlock(l->f);
+    cuma_clear_error();
     return room;
 }
 
 cuma_status cuma_ledger_admit(cuma_ledger *l, uint64_t bytes) {
-    ledger_slot *me = my_slot(l);
     if (!owned(l))
         return cuma_fail(
             CUMA_ERR_UNSUPPORTED,
             "ledger %s: this heap came through fork from process %d, whose slot it is; "
             "a child process makes heaps of its own",
             l->path, (int)l->owner);
-    cuma_status st = lock(l->shm, l->path);
-    if (st) return st;
-    bool ok = fits(l->shm, me, bytes);
-    if (!ok && reap(l->shm)) ok = fits(l->shm, me, bytes);
+    ledger_file *f = l->f;
+    bool locked = cuma_ledger_lock(f);
+    if (refresh(l)) {
+        atomic_fetch_add(&l->damaged, 1);
+        cuma_ledger_unlock(f);
+        return cuma_fail(CUMA_ERR_OOM, "device %s: growth denied: %s", l->mine.device, l->problem);
+    }
+    ledger_slot *me = my_slot(l);
+    bool ok = fits(f->img, me, bytes);
+    if (!ok && locked && reap(f)) ok = fits(f->img, me, bytes);
     uint64_t held = 0, higher = 0;
     if (ok) {
         uint64_t r = atomic_fetch_add(&me->reserved, bytes) + bytes;
         if (r > atomic_load(&me->peak)) atomic_store(&me->peak, r);
+        if (!locked) note_stale(l);
     } else {
-        claims(l->shm, me, &held, &higher);
+        claims(f->img, me, &held, &higher);
         atomic_fetch_add(&me->denials, 1);
     }
-    unlock(l->shm);
+    memcpy(&l->mine, me, sizeof l->mine);
+    write_mine(l);
+    uint64_t reserved = atomic_load(&me->reserved);
+    cuma_ledger_unlock(f);
     if (ok) return CUMA_OK;
     return cuma_fail(CUMA_ERR_OOM,
                      "device %s is taken (ledger %s): other heaps hold or are guaranteed %" PRIu64
                      " bytes and heaps of higher priority wait for %" PRIu64
                      "; this one holds %" PRIu64 " of %" PRIu64 " and asked for %" PRIu64 " more",
-                     me->device, l->path, held, higher, atomic_load(&me->reserved), me->capacity,
-                     bytes);
+                     l->mine.device, l->path, held, higher, reserved, l->mine.capacity, bytes);
 }
 
+/* The owner's changes of its own slot need no ledger lock: f->mu orders them with the
+ * process's other writers of the slot, and nobody else writes a live slot. */
 void cuma_ledger_unadmit(cuma_ledger *l, uint64_t bytes) {
     if (!owned(l)) return;
-    ledger_slot *me = my_slot(l);
-    uint64_t r = atomic_load(&me->reserved);
+    pthread_mutex_lock(&l->f->mu);
+    uint64_t r = atomic_load(&l->mine.reserved);
     /* Only ever what was admitted; never below zero, whatever a caller does. */
-    while (!atomic_compare_exchange_weak(&me->reserved, &r, r > bytes ? r - bytes : 0)) {
-    }
+    atomic_store(&l->mine.reserved, r > bytes ? r - bytes : 0);
+    write_mine(l);
+    pthread_mutex_unlock(&l->f->mu);
 }
 
 void cuma_ledger_set_limit(cuma_ledger *l, uint64_t limit) {
-    if (owned(l)) atomic_store(&my_slot(l)->limit, limit);
+    if (!owned(l)) return;
+    pthread_mutex_lock(&l->f->mu);
+    atomic_store(&l->mine.limit, limit);
+    write_mine(l);
+    pthread_mutex_unlock(&l->f->mu);
 }
 
 void cuma_ledger_publish(cuma_ledger *l, uint64_t cached, uint64_t requested, unsigned answers) {
     if (!owned(l)) return;
-    ledger_slot *me = my_slot(l);
+    pthread_mutex_lock(&l->f->mu);
+    ledger_slot *me = &l->mine;
     atomic_store_explicit(&me->answers, answers, memory_order_relaxed);
     atomic_store_explicit(&me->cached, cached, memory_order_relaxed);
     atomic_store_explicit(&me->requested, requested, memory_order_relaxed);
     atomic_store_explicit(&me->published_ns, cuma_ledger_now_ns(), memory_order_relaxed);
+    write_mine(l);
+    pthread_mutex_unlock(&l->f->mu);
 }
 
 /* Where each of a slot's allocator figures comes from (a uint64_t of cuma_stats) and goes to (one
@@ -338,7 +362,8 @@ _Static_assert(LEDGER_ST_FRAG_PPM + 1 == LEDGER_ST_N, "fragmentation is the last
 
 void cuma_ledger_publish_stats(cuma_ledger *l, const cuma_stats *s) {
     if (!owned(l)) return;
-    ledger_slot *me = my_slot(l);
+    pthread_mutex_lock(&l->f->mu);
+    ledger_slot *me = &l->mine;
     for (unsigned i = 0; i < LEDGER_ST_FRAG_PPM; i++)
         atomic_store_explicit(&me->stat[i],
                               *(const uint64_t *)((const char *)s + stat_fields[i].from),
@@ -347,6 +372,8 @@ void cuma_ledger_publish_stats(cuma_ledger *l, const cuma_stats *s) {
     atomic_store_explicit(&me->stat[LEDGER_ST_FRAG_PPM], (uint64_t)(frag * 1e6 + 0.5),
                           memory_order_relaxed);
     atomic_store_explicit(&me->stats_ns, cuma_ledger_now_ns(), memory_order_release);
+    write_mine(l);
+    pthread_mutex_unlock(&l->f->mu);
 }
 
 /* ---- joining -------------------------------------------------------------------------------- */
@@ -364,40 +391,33 @@ cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out)
     *out = NULL;
     cuma_ledger *l = calloc(1, sizeof *l);
     if (!l) return cuma_fail(CUMA_ERR_OOM, "no host memory for a ledger handle");
-    cuma_status st = cuma_ledger_acquire(in->name, true, &l->shm, l->path, sizeof l->path);
+    cuma_status st = cuma_ledger_acquire(in->name, true, &l->f);
     if (st) {
         free(l);
         return st;
     }
-    ledger_shm *m = l->shm;
-    st = lock(m, l->path);
-    if (st) goto fail;
-    reap(m);
+    ledger_file *f = l->f;
+    snprintf(l->path, sizeof l->path, "%s", f->path);
+    /* Contention only makes this wait; a holder that does not run makes it join without the
+     * lock (the guarantee check then races with other such joins: said once). */
+    bool locked = cuma_ledger_lock(f);
+    st = cuma_ledger_read(f);
+    if (st) goto fail_unlock;
+    if (locked) reap(f);
     uint64_t guaranteed = 0;
-    unsigned free_slot = m->nslots;
-    for (unsigned i = 0; i < m->nslots; i++) {
-        ledger_slot *o = &m->slot[i];
-        if (atomic_load(&o->state) != 1) {
-            if (free_slot == m->nslots) free_slot = i;
-        } else if (!strncmp(o->device, in->device, sizeof o->device)) {
+    for (unsigned i = 0; i < LEDGER_SLOTS; i++) {
+        ledger_slot *o = &f->img->slot[i];
+        if (atomic_load(&o->state) == 1 && !strncmp(o->device, in->device, sizeof o->device))
             guaranteed = add_sat(guaranteed, o->guarantee);
-        }
     }
     if (in->guarantee && add_sat(guaranteed, in->guarantee) > in->capacity) {
-        unlock(m);
         st = cuma_fail(CUMA_ERR_LIMIT,
                        "guarantee: %" PRIu64 " bytes asked on device %s, but other heaps are "
                        "guaranteed %" PRIu64 " of its %" PRIu64 " (ledger %s)",
                        in->guarantee, in->device, guaranteed, in->capacity, l->path);
-        goto fail;
+        goto fail_unlock;
     }
-    if (free_slot == m->nslots) {
-        unlock(m);
-        st = cuma_fail(CUMA_ERR_LIMIT, "ledger %s: all %u slots are taken by live heaps", l->path,
-                       m->nslots);
-        goto fail;
-    }
-    ledger_slot *s = &m->slot[free_slot];
+    ledger_slot *s = &l->mine;
     clear_slot(s);
     s->pid = (int32_t)getpid();
     s->start = proc_start(s->pid, NULL);
@@ -410,28 +430,55 @@ cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out)
     s->guarantee = in->guarantee;
     atomic_store(&s->limit, in->limit);
     atomic_store(&s->published_ns, cuma_ledger_now_ns());
-    atomic_store_explicit(&s->state, 1, memory_order_release);
-    l->slot = free_slot;
+    atomic_store(&s->state, 1);
+    /* Each free slot in turn, under its claim lock: a joiner in stale mode may take one at the
+     * same time. */
+    unsigned slot = LEDGER_SLOTS;
+    for (unsigned i = 0; i < LEDGER_SLOTS && slot == LEDGER_SLOTS; i++) {
+        if (atomic_load(&f->img->slot[i].state) == 1) continue;
+        if (!cuma_ledger_claim_slot(f, i, s)) slot = i;
+        cuma_clear_error();
+    }
+    if (slot == LEDGER_SLOTS) {
+        st = cuma_fail(CUMA_ERR_LIMIT, "ledger %s: all %u slots are taken by live heaps", l->path,
+                       LEDGER_SLOTS);
+        goto fail_unlock;
+    }
+    if (!locked)
+        fprintf(stderr,
+                "cuma: ledger %s: its lock has not changed hands for %d ms (a process holding it "
+                "is stopped?): this heap joined without it\n",
+                l->path, LEDGER_STALL_MS);
+    l->slot = slot;
     l->owner = getpid();
-    l->seen_seq = atomic_load(&m->seq);
-    unlock(m);
+    l->seen_seq = atomic_load(&f->img->seq);
+    memcpy(&f->img->slot[slot], s, sizeof *s);
+    cuma_ledger_unlock(f);
     *out = l;
     return CUMA_OK;
-fail:
-    cuma_ledger_release_map(l->shm);
+fail_unlock:
+    cuma_ledger_unlock(f);
+    cuma_ledger_release_file(f);
     free(l);
     return st;
 }
 
 void cuma_ledger_leave(cuma_ledger *l) {
     if (!l) return;
-    if (owned(l) && !lock(l->shm, l->path)) {
-        ledger_slot *me = my_slot(l);
-        if (atomic_load(&me->want)) atomic_fetch_add(&l->shm->seq, 1);
-        clear_slot(me);
-        unlock(l->shm);
+    if (owned(l)) {
+        bool locked = cuma_ledger_lock(l->f);
+        bool want = atomic_load(&l->mine.want) != 0;
+        memset(&l->mine, 0, sizeof l->mine);
+        write_mine(l);
+        /* A withdrawn request wakes the heaps that answer it (in stale mode it expires). */
+        if (want && locked && !cuma_ledger_read(l->f)) {
+            atomic_fetch_add(&l->f->img->seq, 1);
+            cuma_ledger_write_seq(l->f);
+        }
+        cuma_clear_error();
+        cuma_ledger_unlock(l->f);
     }
-    cuma_ledger_release_map(l->shm);
+    cuma_ledger_release_file(l->f);
     free(l);
 }
 
@@ -444,7 +491,7 @@ static uint64_t could_have(const ledger_shm *m, const ledger_slot *me, uint64_t 
     uint64_t held, higher, g = 0;
     claims(m, me, &held, &higher);
     bool under = add_sat(atomic_load(&me->reserved), bytes) <= me->guarantee;
-    for (unsigned i = 0; i < m->nslots; i++) {
+    for (unsigned i = 0; i < LEDGER_SLOTS; i++) {
         const ledger_slot *o = &m->slot[i];
         if (!same_device(me, o)) continue;
         unsigned answers = atomic_load(&o->answers);
@@ -467,62 +514,90 @@ static void sleep_ms(int ms) {
     }
 }
 
+/* Posts (want > 0) or withdraws the heap's request (ledger lock held, image fresh). */
+static void post(cuma_ledger *l, uint64_t want, uint64_t until) {
+    atomic_store(&l->mine.want_until, until);
+    atomic_store(&l->mine.want, want);
+    if (want) atomic_fetch_add(&l->mine.asks, 1);
+    write_mine(l);
+    atomic_fetch_add(&l->f->img->seq, 1);
+    cuma_ledger_write_seq(l->f);
+}
+
 cuma_status cuma_ledger_reclaim(cuma_ledger *l, uint64_t bytes, int64_t timeout_ms,
                                 uint64_t (*device_free)(void *), void *ctx) {
-    ledger_shm *m = l->shm;
-    ledger_slot *me = my_slot(l);
     if (!owned(l))
         return cuma_fail(CUMA_ERR_OOM, "ledger %s: a heap inherited through fork", l->path);
-    cuma_status st = lock(m, l->path);
-    if (st) return st;
-    reap(m);
-    uint64_t could = could_have(m, me, bytes);
+    ledger_file *f = l->f;
+    /* A request is posted under the lock only: in stale mode nobody could be sure to see it. */
+    if (!cuma_ledger_lock(f)) {
+        cuma_ledger_unlock(f);
+        return cuma_fail(CUMA_ERR_OOM,
+                         "device %s (ledger %s): no pressure request posted: the ledger's lock "
+                         "has not changed hands for %d ms (a process holding it is stopped?)",
+                         l->mine.device, l->path, LEDGER_STALL_MS);
+    }
+    if (refresh(l)) {
+        cuma_ledger_unlock(f);
+        return cuma_fail(CUMA_ERR_OOM, "device %s: no pressure request posted: %s", l->mine.device,
+                         l->problem);
+    }
+    reap(f);
+    uint64_t could = could_have(f->img, my_slot(l), bytes);
     if (could < bytes || timeout_ms <= 0) {
-        unlock(m);
+        cuma_ledger_unlock(f);
         return cuma_fail(CUMA_ERR_OOM,
                          "device %s (ledger %s): the other heaps could give %" PRIu64
                          " bytes at most, %" PRIu64 " needed",
-                         me->device, l->path, could, bytes);
+                         l->mine.device, l->path, could, bytes);
     }
     uint64_t deadline = cuma_ledger_now_ns() + (uint64_t)timeout_ms * 1000000ull;
     /* The request outlives the wait a little (the last recheck), not more. */
-    atomic_store(&me->want_until, deadline + 50000000ull);
-    atomic_store(&me->want, bytes);
-    atomic_fetch_add(&me->asks, 1);
-    atomic_fetch_add(&m->seq, 1);
-    unlock(m);
+    post(l, bytes, deadline + 50000000ull);
+    cuma_ledger_unlock(f);
     bool ok = false;
     for (;;) {
         sleep_ms(1);
-        if (lock(m, l->path)) break;
-        ok = fits(m, me, bytes);
-        unlock(m);
+        cuma_ledger_lock(f); /* stale or not: a read is what is needed */
+        ok = !refresh(l) && fits(f->img, my_slot(l), bytes);
+        cuma_ledger_unlock(f);
         if (ok && device_free) ok = device_free(ctx) >= bytes;
         if (ok || cuma_ledger_now_ns() >= deadline) break;
     }
-    if (!lock(m, l->path)) {
-        atomic_store(&me->want, 0);
-        atomic_fetch_add(&m->seq, 1);
-        unlock(m);
+    bool locked = cuma_ledger_lock(f);
+    if (locked && !refresh(l)) {
+        post(l, 0, 0);
+    } else {
+        atomic_store(&l->mine.want, 0); /* withdrawn; the others see it expire */
+        write_mine(l);
     }
+    cuma_ledger_unlock(f);
+    cuma_clear_error();
     if (ok) return CUMA_OK;
     return cuma_fail(CUMA_ERR_OOM,
                      "device %s (ledger %s): %" PRIu64 " bytes asked of the other heaps, not "
                      "given within %" PRId64 " ms",
-                     me->device, l->path, bytes, timeout_ms);
+                     l->mine.device, l->path, bytes, timeout_ms);
 }
 
 bool cuma_ledger_asked(cuma_ledger *l, bool *cache, uint64_t *shrink, bool *fresh) {
-    ledger_shm *m = l->shm;
     if (!owned(l)) return false;
-    uint64_t seq = atomic_load_explicit(&m->seq, memory_order_acquire);
+    ledger_file *f = l->f;
+    uint64_t seq = cuma_ledger_read_seq(f);
     if (seq == l->seen_seq && !l->active) return false;
+    pthread_mutex_lock(&f->mu);
+    if (refresh(l)) {
+        pthread_mutex_unlock(&f->mu);
+        cuma_clear_error();
+        return false;
+    }
+    const ledger_shm *m = f->img;
     *fresh = seq != l->seen_seq;
     l->seen_seq = seq;
     const ledger_slot *me = my_slot(l);
     bool c = false;
     uint64_t want = 0, now = cuma_ledger_now_ns();
-    for (unsigned i = 0; i < m->nslots; i++) {
+    for (unsigned i = 0; i < LEDGER_SLOTS; i++) {
         const ledger_slot *o = &m->slot[i];
         if (!same_device(me, o)) continue;
         uint64_t w = want_of(o, now);
@@ -530,11 +605,15 @@ bool cuma_ledger_asked(cuma_ledger *l, bool *cache, uint64_t *shrink, bool *fres
         /* A heap under its guarantee is owed the memory, whatever its priority. */
         bool under = add_sat(atomic_load(&o->reserved), w) <= o->guarantee;
         if (o->priority >= me->priority || under) c = true;
-        if (o->priority > me->priority || under) want = add_sat(want, w);
+        /* Only what the requester still lacks: memory free now, or given since it asked (this
+         * heap's cache first), is not asked of the callbacks. */
+        uint64_t room = room_of(m, o), lack = w > room ? w - room : 0;
+        if (o->priority > me->priority || under) want = add_sat(want, lack);
     }
     uint64_t res = atomic_load(&me->reserved), cached = atomic_load(&me->cached);
+    pthread_mutex_unlock(&f->mu);
     uint64_t used = res > cached ? res - cached : 0;
-    uint64_t over = used > me->guarantee ? used - me->guarantee : 0;
+    uint64_t over = used > l->mine.guarantee ? used - l->mine.guarantee : 0;
     *cache = c;
     *shrink = want < over ? want : over;
     l->active = c || want;
@@ -543,9 +622,12 @@ bool cuma_ledger_asked(cuma_ledger *l, bool *cache, uint64_t *shrink, bool *fres
 
 void cuma_ledger_gave(cuma_ledger *l, uint64_t bytes, uint64_t calls) {
     if (!owned(l)) return;
-    ledger_slot *me = my_slot(l);
+    pthread_mutex_lock(&l->f->mu);
+    ledger_slot *me = &l->mine;
     if (bytes) atomic_fetch_add(&me->given, bytes);
     if (calls) atomic_fetch_add(&me->calls, calls);
+    write_mine(l);
+    pthread_mutex_unlock(&l->f->mu);
 }
 
 /* ---- reading -------------------------------------------------------------------------------- */
@@ -586,11 +668,27 @@ static void entry_of(const ledger_slot *s, unsigned i, uint64_t now, cuma_ledger
 }
 
 void cuma_ledger_self(cuma_ledger *l, cuma_ledger_entry *out) {
-    entry_of(my_slot(l), l->slot, cuma_ledger_now_ns(), out);
+    pthread_mutex_lock(&l->f->mu);
+    entry_of(&l->mine, l->slot, cuma_ledger_now_ns(), out);
+    pthread_mutex_unlock(&l->f->mu);
 }
 
 const char *cuma_ledger_where(const cuma_ledger *l) {
     return l->path;
+}
+
+const char *cuma_ledger_note(const cuma_ledger *l) {
+    return l->f->note;
+}
+
+void cuma_ledger_health(cuma_ledger *l, uint64_t *stale, uint64_t *damaged, char *problem,
+                        size_t len) {
+    *stale = atomic_load(&l->stale);
+    *damaged = atomic_load(&l->damaged);
+    if (!len) return;
+    pthread_mutex_lock(&l->f->mu);
+    snprintf(problem, len, "%s", *damaged ? l->problem : "");
+    pthread_mutex_unlock(&l->f->mu);
 }
 
 cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_t max, size_t *n) {
@@ -598,23 +696,24 @@ cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_
     if (!n || (max && !out))
         return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_snapshot: %s is NULL", n ? "out" : "n");
     *n = 0;
-    ledger_shm *m;
-    char path[96];
-    cuma_status st = cuma_ledger_acquire(name, false, &m, path, sizeof path);
+    ledger_file *f;
+    cuma_status st = cuma_ledger_acquire(name, false, &f);
     if (st) return st;
-    st = lock(m, path);
+    /* A holder that does not run: the file as it is, the dead left for later. */
+    bool locked = cuma_ledger_lock(f);
+    st = cuma_ledger_read(f);
     if (!st) {
-        reap(m);
+        if (locked) reap(f);
         uint64_t now = cuma_ledger_now_ns();
-        for (unsigned i = 0; i < m->nslots; i++) {
-            const ledger_slot *s = &m->slot[i];
+        for (unsigned i = 0; i < LEDGER_SLOTS; i++) {
+            const ledger_slot *s = &f->img->slot[i];
             if (atomic_load(&s->state) != 1) continue;
             if (*n < max) entry_of(s, i, now, &out[*n]);
             (*n)++;
         }
-        unlock(m);
     }
-    cuma_ledger_release_map(m);
+    cuma_ledger_unlock(f);
+    cuma_ledger_release_file(f);
     return st;
 }
 
@@ -626,29 +725,38 @@ void cuma_ledger_test_layout(size_t *header, size_t *slot, size_t *device, size_
 }
 
 cuma_status cuma_ledger_test_hold_lock(cuma_ledger *l) {
-    return lock(l->shm, l->path);
+    bool ok = cuma_ledger_lock(l->f);
+    /* Held against the other processes; this one's next lock and unlock end it. */
+    l->f->locked = false;
+    pthread_mutex_unlock(&l->f->mu);
+    return ok ? CUMA_OK : cuma_fail(CUMA_ERR_BACKEND, "ledger %s: lock not taken", l->path);
 }
 
 cuma_status cuma_ledger_validate(cuma_ledger *l, uint64_t held) {
-    ledger_shm *m = l->shm;
-    if (atomic_load(&m->magic) != LEDGER_MAGIC || cuma_ledger_check_header(m, l->path))
-        return cuma_fail(CUMA_ERR_CORRUPT, "ledger %s: header changed under the heap", l->path);
+    pthread_mutex_lock(&l->f->mu);
+    cuma_status st = cuma_ledger_read(l->f);
+    ledger_slot file;
+    memcpy(&file, &l->f->img->slot[l->slot], sizeof file);
+    ledger_slot me;
+    memcpy(&me, &l->mine, sizeof me);
+    pthread_mutex_unlock(&l->f->mu);
+    if (st) return cuma_fail(CUMA_ERR_CORRUPT, "ledger %s: %s", l->path, cuma_last_error());
     /* A heap that came through fork has no slot to compare with: the slot is its parent's. */
     if (!owned(l)) return CUMA_OK;
-    const ledger_slot *me = my_slot(l);
-    if (atomic_load(&me->state) != 1 || me->pid != (int32_t)getpid())
+    if (atomic_load(&file.state) != 1 || file.pid != (int32_t)getpid())
         return cuma_fail(CUMA_ERR_CORRUPT,
-                         "ledger %s: slot %u is no longer this heap's (state %u, pid %d)", l->path,
-                         l->slot, (unsigned)atomic_load(&me->state), me->pid);
-    uint64_t r = atomic_load(&me->reserved);
+                         "ledger %s: slot %u is no longer this heap's in the file (state %u, pid "
+                         "%d)",
+                         l->path, l->slot, (unsigned)atomic_load(&file.state), file.pid);
+    uint64_t r = atomic_load(&me.reserved);
     if (r != held)
         return cuma_fail(CUMA_ERR_CORRUPT,
                          "ledger %s: slot %u says the heap holds %" PRIu64
                          " bytes, the heap %" PRIu64,
                          l->path, l->slot, r, held);
-    if (r > me->capacity)
+    if (r > me.capacity)
         return cuma_fail(CUMA_ERR_CORRUPT,
                          "ledger %s: slot %u holds %" PRIu64 " bytes of a %" PRIu64 "-byte device",
-                         l->path, l->slot, r, me->capacity);
+                         l->path, l->slot, r, me.capacity);
     return CUMA_OK;
 }

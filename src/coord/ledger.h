@@ -7,6 +7,7 @@
 #include "cuma/ledger.h"
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 typedef struct cuma_ledger cuma_ledger;
@@ -78,6 +79,14 @@ void cuma_ledger_gave(cuma_ledger *l, uint64_t bytes, uint64_t calls);
 void cuma_ledger_self(cuma_ledger *l, cuma_ledger_entry *out);
 /* The ledger's path. */
 const char *cuma_ledger_where(const cuma_ledger *l);
+/* Why the ledger is not where its name would put it (another user squats /dev/shm's name: see
+ * cuma_ledger_notice), or "". */
+const char *cuma_ledger_note(const cuma_ledger *l);
+/* What went wrong with the ledger for this heap: growths admitted in stale mode (the lock's
+ * holder did not run), growths denied because the file was damaged (truncated, header written
+ * over), and the last damage seen ("" when none; into problem, len bytes). */
+void cuma_ledger_health(cuma_ledger *l, uint64_t *stale, uint64_t *damaged, char *problem,
+                        size_t len);
 
 /* Around fork (src/core/fork.c): the list of the process's ledger mappings is held across it, so
  * that the child does not inherit it half-changed or locked by a thread it does not have. */
@@ -88,7 +97,9 @@ void cuma_ledger_postfork(void);
  * 4-byte pid and its 8-byte start time: field 22 of /proc/PID/stat) and where in a slot its
  * device's name (64 bytes) and its PID namespace (8 bytes, 0 = unknown) are. */
 void cuma_ledger_test_layout(size_t *header, size_t *slot, size_t *device, size_t *pidns);
-/* Tests: takes the ledger's lock and never gives it back (a process that dies holding it). */
+/* Tests and tools' fixtures: takes the ledger's lock and keeps it against the other processes
+ * (a process that then dies, or stops, holding it); this process's next ledger call that takes
+ * the lock gives it back. */
 cuma_status cuma_ledger_test_hold_lock(cuma_ledger *l);
 
 /* Checks the slot against what the heap says it holds (bytes admitted) and the ledger's

@@ -1,5 +1,11 @@
 /* The ledger's file (internal to src/coord): its layout, shared by ledger.c (what heaps do in
- * it) and ledger_file.c (naming, creating, checking and mapping it). */
+ * it) and ledger_file.c (naming, creating, checking, locking and reading it).
+ *
+ * The file is never mapped: every process reads it with pread into a private image and writes
+ * its own slots (and, under the lock, the header's counters) with pwrite. Whatever another
+ * process writes into the file, or however it truncates it, a read is at worst short or full of
+ * nonsense, which is checked; a mapping would have died of SIGBUS on a truncated file, and an
+ * in-file mutex could be broken by any garbage written over it. */
 #ifndef CUMA_COORD_LEDGER_SHM_H
 #define CUMA_COORD_LEDGER_SHM_H
 
@@ -13,7 +19,7 @@
 #include <time.h>
 
 #define LEDGER_MAGIC   0x3152474c414d5543ull /* "CUMALGR1" */
-#define LEDGER_VERSION 2u
+#define LEDGER_VERSION 3u                    /* 3: no in-file mutex, a lock generation */
 #define LEDGER_SLOTS   256u
 
 /* The allocator figures of a slot's stat[] (cuma_ledger_entry's of the same names); fragmentation
@@ -43,12 +49,14 @@ enum {
     LEDGER_ST_N
 };
 
-/* One heap. state, pid, start, priority, process, device, backend, capacity and guarantee are
- * written under the ledger lock while the slot is taken (state last, release) and constant until it
- * is freed. reserved grows under the lock (admission reads every slot's under it) and shrinks
- * without it (a heap gives back only what it was given, so it cannot wrap). The rest is the
- * owner's, written without the lock, read by anyone. Invariant: state is 0 (free, all zero)
- * or 1 (live); a live slot's reserved <= capacity. */
+/* One heap. Its owner keeps the slot in its handle and writes it whole into the file whenever
+ * it changes (the handle's copy is the truth for the owner: what others write over it is
+ * overwritten). A slot is taken (state 1) by a process holding the ledger lock or the slot's
+ * claim lock (ledger_file.c); reserved grows under the ledger lock (admission reads every slot
+ * under it) except in stale mode, and shrinks without it. A dead process's slot is cleared under
+ * the ledger lock. Invariant (of a slot this build wrote): state is 0 (free, all zero) or 1
+ * (live); a live slot's reserved <= capacity. Slots read from the file are trusted for nothing:
+ * sums saturate, strings are cut. */
 typedef struct ledger_slot {
     _Atomic uint32_t state;
     int32_t pid;
@@ -77,16 +85,18 @@ typedef struct ledger_slot {
     uint64_t spare[6];
 } ledger_slot;
 
-/* The shared file. The header is written once, under flock, before magic is set (release);
+/* The shared file. The header is written once, under the ledger lock, when the file is made;
  * version, slot count and sizes say which layout it has, so that another build of cuma refuses
  * a ledger it would misread. `seq` changes (under the lock) whenever a pressure request is posted
- * or withdrawn: answering heaps poll it. */
+ * or withdrawn: answering heaps poll it with an 8-byte pread. `lockgen` grows each time the lock
+ * is taken: a waiter that sees it move knows the lock changes hands (contention, wait on), one
+ * that does not for LEDGER_STALL_MS knows its holder is stuck (stale mode). */
 typedef struct ledger_shm {
     _Atomic uint64_t magic;
     uint32_t version, nslots;
-    uint32_t slot_size, mutex_size;
+    uint32_t slot_size, header_size;
     uint64_t size;
-    pthread_mutex_t lock;
+    _Atomic uint64_t lockgen;
     _Atomic uint64_t seq;
     uint64_t spare[16];
     ledger_slot slot[];
@@ -103,18 +113,63 @@ static inline uint64_t cuma_ledger_now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* Maps the ledger of that name (`ledger` setting; NULL, "on" or "auto": the user's), creating
- * and initialising it where `create`; the process's mappings are shared by its heaps and
- * counted. path (plen bytes) gets its /dev/shm path. CUMA_ERR_IO (missing, another user's or
- * not private), CUMA_ERR_CORRUPT (another layout), CUMA_ERR_CONFIG (a bad name). */
-cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_shm **out, char *path,
-                                size_t plen);
-/* Drops one use of a mapping cuma_ledger_acquire gave (unmapped with its last). */
-void cuma_ledger_release_map(ledger_shm *shm);
-/* Writes the header of this build's layout (the slots are left as they are), its robust
- * process-shared lock, then the magic (release). The fuzzer writes headers this way too. */
+/* How long a waiter for the ledger lock waits without seeing it change hands before it deems
+ * the holder stuck (stopped, or a process that scribbled over lockgen), and how long at most
+ * whatever it sees. */
+#define LEDGER_STALL_MS    2000
+#define LEDGER_LOCK_CAP_MS 30000
+
+/* The process's one open ledger file per ledger (shared by its heaps and snapshots). fd, path,
+ * ino and pid are constant; img and locked are under mu. The ledger lock is an OFD lock on the
+ * file's byte 0 (F_OFD_SETLK): the kernel drops it when its holder dies, and nothing written into
+ * the file can break it. OFD locks belong to the open file, so mu makes one thread of the process
+ * at a time its holder, and a forked child (which shares the open file) opens its own. */
+typedef struct ledger_file {
+    char path[160];
+    char note[384]; /* why the ledger is not where it would be ("" when it is) */
+    int fd;
+    pid_t pid; /* the process that opened it: a child of fork does not use it */
+    uint64_t ino;
+    unsigned refs; /* under the list's lock */
+    pthread_mutex_t mu;
+    ledger_shm *img; /* LEDGER_BYTES: the file as last read */
+    bool locked;     /* this process holds the ledger lock */
+    /* The last wait found the lock stuck with lockgen stuck_gen: until it moves, no waiting. */
+    bool stuck;
+    uint64_t stuck_gen;
+    struct ledger_file *next;
+} ledger_file;
+
+/* Opens the ledger of that name (`ledger` setting; NULL, "on" or "auto": the user's), creating
+ * and initialising it where `create`; the process's files are shared by its heaps and counted.
+ * CUMA_ERR_IO (missing, another user's, not private, not a regular file), CUMA_ERR_CORRUPT
+ * (another layout, or damaged), CUMA_ERR_CONFIG (a bad name). */
+cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_file **out);
+/* Drops one use of a file cuma_ledger_acquire gave (closed with its last). */
+void cuma_ledger_release_file(ledger_file *f);
+
+/* Takes f->mu, then the ledger lock: true once held; false (mu held, the lock not) when its
+ * holder is stuck (see LEDGER_STALL_MS): the caller goes on in stale mode. */
+bool cuma_ledger_lock(ledger_file *f);
+/* Gives the ledger lock back (if held), then mu. */
+void cuma_ledger_unlock(ledger_file *f);
+/* Reads the file into f->img (mu held) and checks its header: CUMA_ERR_CORRUPT naming what is
+ * wrong (short: truncated; magic, version, sizes). */
+cuma_status cuma_ledger_read(ledger_file *f);
+/* Writes slot i (mu held). */
+cuma_status cuma_ledger_write_slot(ledger_file *f, unsigned i, const ledger_slot *s);
+/* Writes f->img->seq (ledger lock held). */
+void cuma_ledger_write_seq(ledger_file *f);
+/* The file's seq now, without a lock (UINT64_MAX when it cannot be read). */
+uint64_t cuma_ledger_read_seq(ledger_file *f);
+/* Claims free slot i of the file without the ledger lock (stale mode): under the slot's claim
+ * lock, reads it again and writes s there if it is still free. CUMA_OK, or CUMA_ERR_LIMIT when
+ * it was taken meanwhile (or its claim lock is held). */
+cuma_status cuma_ledger_claim_slot(ledger_file *f, unsigned i, const ledger_slot *s);
+
+/* Writes the header of this build's layout into m (the slots are left as they are), magic
+ * last. The fuzzer writes headers this way too. */
 void cuma_ledger_init_header(ledger_shm *m);
-void cuma_ledger_init_lock(ledger_shm *m);
 /* CUMA_OK when the header is this build's layout, else CUMA_ERR_CORRUPT naming both. */
 cuma_status cuma_ledger_check_header(const ledger_shm *m, const char *path);
 

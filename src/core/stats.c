@@ -164,8 +164,23 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
         cuma_ledger_self(h->ledger, &e);
         cuma_strbuf_put(&o, "\"ledger\":{\"path\":");
         cuma_strbuf_json_string(&o, cuma_ledger_where(h->ledger));
-        cuma_strbuf_put(&o, ",\"slot\":%u,\"priority\":%d,\"guarantee\":%llu},", e.slot, e.priority,
-                        (unsigned long long)e.guarantee);
+        uint64_t stale, damaged;
+        char problem[320];
+        cuma_ledger_health(h->ledger, &stale, &damaged, problem, sizeof problem);
+        cuma_strbuf_put(&o,
+                        ",\"slot\":%u,\"priority\":%d,\"guarantee\":%llu,\"stale_admissions\":%llu,"
+                        "\"damaged_denials\":%llu,\"problem\":",
+                        e.slot, e.priority, (unsigned long long)e.guarantee,
+                        (unsigned long long)stale, (unsigned long long)damaged);
+        if (problem[0])
+            cuma_strbuf_json_string(&o, problem);
+        else
+            cuma_strbuf_put(&o, "null");
+        if (*cuma_ledger_note(h->ledger)) {
+            cuma_strbuf_put(&o, ",\"notice\":");
+            cuma_strbuf_json_string(&o, cuma_ledger_note(h->ledger));
+        }
+        cuma_strbuf_put(&o, "},");
     } else {
         cuma_strbuf_put(&o, "\"ledger\":null,");
     }

@@ -9,9 +9,17 @@
  *   over the slots from the first one on; bit 2 then spoils one header field.
  * Bit 1 makes the file readable by the group, which the ledger must refuse. Bits 6-7 choose how
  * many entries the caller has room for.
+ * - live (bit 3 set, bit 0 clear): the ledger is made by two heaps joining it (this process's
+ *   handles), and the rest of the input is a script: the heaps' calls (admit, give back,
+ *   publish, ask, reclaim, validate, snapshot) between which a second writer changes the file
+ *   under them: truncates it (into the header, the slots, to nothing), writes bytes anywhere,
+ *   restores its size or a valid header.
  *
- * The header's robust mutex is kept valid in every file large enough to hold it: a process that
- * scribbles over the lock itself can stall every heap of the user, which no check can prevent.
+ * Invariants checked in live mode: nothing crashes or hangs (no SIGBUS on a truncated file, no
+ * loop over a slot count the writer chose); an admission is CUMA_OK or CUMA_ERR_OOM with a
+ * message; a heap's own figures (cuma_ledger_self) stay what it did, whatever the file says;
+ * a snapshot fails with a message or counts at most LEDGER_SLOTS heaps; validate fails only
+ * with CUMA_ERR_CORRUPT.
  *
  * Invariants checked:
  * - the snapshot returns CUMA_OK, or an error with a message; CUMA_ERR_IO for a file others can
@@ -25,6 +33,8 @@
  */
 #include "fuzz.h"
 
+#include "coord/ledger.h"
+#include "core/error.h"
 #include "coord/ledger_shm.h"
 #include "cuma/ledger.h"
 
@@ -63,7 +73,7 @@ static void spoil_header(ledger_shm *m, fz_reader *r) {
         m->slot_size = v == sizeof(ledger_slot) ? v + 1 : v;
         break;
     case 4:
-        m->mutex_size = v == sizeof(pthread_mutex_t) ? v + 1 : v;
+        m->header_size = v == sizeof(ledger_shm) ? v + 1 : v;
         break;
     default:
         m->size = v == LEDGER_BYTES ? v + 1ull : v;
@@ -114,10 +124,115 @@ static void check_entries(const ledger_shm *m, const ledger_slot *before,
     }
 }
 
+#define LIVE_OPS 64
+
+static cuma_ledger *live_join(int priority) {
+    cuma_ledger_join_info in = {.name = name,
+                                .device = "fuzz-device",
+                                .backend = "sim",
+                                .capacity = 1ull << 30,
+                                .priority = priority};
+    cuma_ledger *l = NULL;
+    cuma_status st = cuma_ledger_join(&in, &l);
+    FZ_CHECK(st == CUMA_OK || *cuma_last_error(), "join failed (%d) without a message", (int)st);
+    return st ? NULL : l;
+}
+
+/* Two heaps, and a second writer changing the file between their calls. */
+static void run_live(fz_reader *r) {
+    cuma_ledger *h[2] = {live_join(0), live_join(1)};
+    FZ_CHECK(h[0] && h[1], "joining a fresh ledger failed: %s", cuma_last_error());
+    uint64_t held[2] = {0, 0};
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    FZ_CHECK(fd >= 0, "open %s", path);
+    for (int op = 0; op < LIVE_OPS && fz_more(r); op++) {
+        uint8_t code = fz_u8(r);
+        unsigned k = code >> 7;
+        uint32_t v = fz_u32(r);
+        switch (code % 12) {
+        case 0: /* the writer truncates: to v within the layout, or a little past it */
+            FZ_CHECK(!ftruncate(fd, (off_t)(v % (LEDGER_BYTES + 64))), "ftruncate");
+            break;
+        case 1: { /* the writer writes up to 16 input bytes at v */
+            uint8_t buf[16];
+            size_t n = fz_u8(r) % 17;
+            for (size_t i = 0; i < n; i++) buf[i] = fz_u8(r);
+            if (n) FZ_CHECK(pwrite(fd, buf, n, (off_t)(v % LEDGER_BYTES)) == (ssize_t)n, "pwrite");
+            break;
+        }
+        case 2: /* the writer gives the file its size back (zeros where it was cut) */
+            FZ_CHECK(!ftruncate(fd, (off_t)LEDGER_BYTES), "ftruncate");
+            break;
+        case 3: { /* the writer writes a valid header */
+            ledger_shm hd;
+            memset(&hd, 0, sizeof hd);
+            cuma_ledger_init_header(&hd);
+            FZ_CHECK(pwrite(fd, &hd, sizeof hd, 0) == (ssize_t)sizeof hd, "pwrite header");
+            break;
+        }
+        case 4: { /* admit */
+            uint64_t bytes = (uint64_t)(v % 512) << 20;
+            cuma_status st = cuma_ledger_admit(h[k], bytes);
+            FZ_CHECK(st == CUMA_OK || (st == CUMA_ERR_OOM && *cuma_last_error()),
+                     "admit of %llu gave %d", (unsigned long long)bytes, (int)st);
+            if (!st) held[k] += bytes;
+            break;
+        }
+        case 5: { /* give back */
+            uint64_t bytes = held[k] ? (v % (held[k] + 1)) : 0;
+            cuma_ledger_unadmit(h[k], bytes);
+            held[k] -= bytes;
+            break;
+        }
+        case 6:
+            cuma_ledger_publish(h[k], v, v / 2, v & 3);
+            break;
+        case 7: {
+            bool cache, fresh;
+            uint64_t shrink;
+            (void)cuma_ledger_asked(h[k], &cache, &shrink, &fresh);
+            break;
+        }
+        case 8:
+            (void)cuma_ledger_reclaim(h[k], (uint64_t)(v % 64) << 20, 0, NULL, NULL);
+            break;
+        case 9: {
+            cuma_status st = cuma_ledger_validate(h[k], held[k]);
+            FZ_CHECK(st == CUMA_OK || st == CUMA_ERR_CORRUPT, "validate gave %d", (int)st);
+            break;
+        }
+        case 10: {
+            cuma_ledger_entry e[4];
+            size_t n = SIZE_MAX;
+            cuma_status st = cuma_ledger_snapshot(name, e, 4, &n);
+            FZ_CHECK(st ? (*cuma_last_error() && n == 0) : n <= LEDGER_SLOTS,
+                     "snapshot gave %d with %zu heaps", (int)st, n);
+            break;
+        }
+        default:
+            (void)cuma_ledger_room(h[k]);
+        }
+        cuma_clear_error();
+        cuma_ledger_entry self;
+        cuma_ledger_self(h[k], &self);
+        FZ_CHECK(self.reserved == held[k], "heap %u holds %llu, its slot says %llu", k,
+                 (unsigned long long)held[k], (unsigned long long)self.reserved);
+    }
+    close(fd);
+    cuma_ledger_leave(h[0]);
+    cuma_ledger_leave(h[1]);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     init_once();
     fz_reader r = {data, size, 0};
     uint8_t how = fz_u8(&r);
+    if ((how & 9) == 8) {
+        unlink(path);
+        run_live(&r);
+        unlink(path);
+        return 0;
+    }
     bool slots = how & 1, spoil = slots && (how & 4), group = how & 2;
     static const size_t maxes[4] = {0, 1, 3, LEDGER_SLOTS};
     size_t max = maxes[how >> 6];
@@ -147,7 +262,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         memcpy(m->slot, data + r.at, k < room ? k : room);
     } else {
         if (rest) memcpy(map, data + r.at, rest < fsize ? rest : fsize);
-        if (fsize >= sizeof(ledger_shm)) cuma_ledger_init_lock(m);
     }
     if (group) FZ_CHECK(!fchmod(fd, 0640), "chmod");
 

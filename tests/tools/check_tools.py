@@ -653,6 +653,21 @@ def check_missing(cuma, name):
           "cuma ps reads the user's ledger", (rc, out[:200], err))
 
 
+def check_link(cuma, name):
+    """A dangling symbolic link at the ledger's path is reported as one, not as no ledger."""
+    path = shm_path(name)
+    os.symlink("/nonexistent/cuma-ledger-target", path)
+    try:
+        for args in (["ps"], ["ps", "--json"]):
+            rc, out, err = run([cuma] + args + ["--ledger", name])
+            check(rc == 1 and "symbolic link" in err and "does not exist" in err
+                  and "/nonexistent/cuma-ledger-target" in err
+                  and "no cuma heap has run" not in err,
+                  "dangling link: cuma %s says what is there" % " ".join(args), (rc, out, err))
+    finally:
+        os.remove(path)
+
+
 def check_options(cuma):
     for args in (["ps", "--ledger", "a/b"], ["ps", "--frob"], ["ps", "--ledger"],
                  ["top", "-d", "0"], ["top", "-d", "x"], ["top", "-n", "0"],
@@ -700,6 +715,7 @@ def main():
     try:
         check_options(a.cuma)
         check_missing(a.cuma, missing)
+        check_link(a.cuma, missing)
         sim, made_sim = start_fixture(a.fixture, name, "sim")
         fixtures.append(sim)
         raw, made_raw = start_fixture(a.fixture, name, "raw")
