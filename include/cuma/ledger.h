@@ -70,6 +70,27 @@ typedef struct cuma_ledger_entry {
  * message. */
 cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_t max, size_t *n);
 
+/* How a snapshot was read (cuma_ledger_snapshot_info). */
+#define CUMA_LEDGER_READ_UNLOCKED 1u /* without the ledger lock: see below */
+typedef struct cuma_ledger_read_info {
+    unsigned flags; /* CUMA_LEDGER_READ_* */
+    /* With CUMA_LEDGER_READ_UNLOCKED: how long this process has seen the lock not change
+     * hands, a lower bound on how long its holder has been stuck; else 0. */
+    uint64_t stuck_ns;
+} cuma_ledger_read_info;
+
+/* cuma_ledger_snapshot, and how it was read into *info (may be NULL; zeros unless CUMA_OK
+ * and read so). A snapshot is read under
+ * the ledger lock. When a process holds that lock and does not run (stopped: Ctrl-Z, a
+ * debugger), the read waits for it 2 s at most, then reads the file without the lock and
+ * returns CUMA_OK with CUMA_LEDGER_READ_UNLOCKED: the figures are current, but not
+ * guaranteed consistent (a heap may be halfway through an update that the lock orders), and
+ * dead processes' slots are not reclaimed (they may still show). Until the lock changes hands,
+ * later reads in this process do not wait again (they are unlocked at once). Tools must say
+ * so, not present such a read as a normal one or as a failure. */
+cuma_status cuma_ledger_snapshot_info(const char *name, cuma_ledger_entry *out, size_t max,
+                                      size_t *n, cuma_ledger_read_info *info);
+
 /* The path of a ledger (for messages and tools), into buf (NUL-terminated): /dev/shm/cuma-UID
  * [-NAME] (a group's: /dev/shm/cuma-gGID[-NAME]), or, where another user squats that name in
  * /dev/shm, the same name in /run/user/UID when that is the user's private directory. The

@@ -692,15 +692,27 @@ void cuma_ledger_health(cuma_ledger *l, uint64_t *stale, uint64_t *damaged, char
 }
 
 cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_t max, size_t *n) {
+    return cuma_ledger_snapshot_info(name, out, max, n, NULL);
+}
+
+cuma_status cuma_ledger_snapshot_info(const char *name, cuma_ledger_entry *out, size_t max,
+                                      size_t *n, cuma_ledger_read_info *info) {
     cuma_clear_error();
+    if (info) *info = (cuma_ledger_read_info){0};
     if (!n || (max && !out))
         return cuma_fail(CUMA_ERR_INVALID, "cuma_ledger_snapshot: %s is NULL", n ? "out" : "n");
     *n = 0;
     ledger_file *f;
     cuma_status st = cuma_ledger_acquire(name, false, &f);
     if (st) return st;
-    /* A holder that does not run: the file as it is, the dead left for later. */
+    /* A holder that does not run: the file as it is, the dead left for later, and the caller
+     * told so (its figures may be halfway through an update). */
     bool locked = cuma_ledger_lock(f);
+    if (!locked && info) {
+        uint64_t now = cuma_ledger_now_ns();
+        info->flags |= CUMA_LEDGER_READ_UNLOCKED;
+        info->stuck_ns = now > f->stuck_since ? now - f->stuck_since : 0;
+    }
     st = cuma_ledger_read(f);
     if (!st) {
         if (locked) reap(f);

@@ -292,13 +292,15 @@ static uint64_t read_gen(int fd) {
 }
 
 /* Takes the lock on byte `at` (mu held): true once held; false when it did not change hands
- * for LEDGER_STALL_MS (lockgen still), or LEDGER_LOCK_CAP_MS went by, or locks fail. The lock
- * is held for microseconds: short naps, growing to a millisecond, keep hundreds of waiters from
- * taking the CPU its holder needs. */
-static bool lock_byte(int fd, off_t at) {
+ * for LEDGER_STALL_MS (lockgen still), or LEDGER_LOCK_CAP_MS went by, or locks fail; *moved_ms
+ * then gets when it was last seen changing hands (or the wait began). The lock is held for
+ * microseconds: short naps, growing to a millisecond, keep hundreds of waiters from taking the
+ * CPU its holder needs. */
+static bool lock_byte(int fd, off_t at, uint64_t *moved_ms) {
     int r = ofd_lock(fd, F_WRLCK, at);
     if (!r) return true;
     uint64_t start = now_ms(), moved = start, gen = read_gen(fd);
+    *moved_ms = start;
     long nap = 20000;
     while (r == EAGAIN || r == EACCES) {
         uint64_t now = now_ms();
@@ -308,6 +310,7 @@ static bool lock_byte(int fd, off_t at) {
         if (nap < 1000000) nap *= 2;
         uint64_t g = read_gen(fd);
         if (g != gen) gen = g, moved = now_ms();
+        *moved_ms = moved;
         r = ofd_lock(fd, F_WRLCK, at);
     }
     return !r;
@@ -317,11 +320,13 @@ bool cuma_ledger_lock(ledger_file *f) {
     pthread_mutex_lock(&f->mu);
     /* Found stuck before, and nobody has taken the lock since: one try, no second wait (every
      * page of an allocation would wait LEDGER_STALL_MS again). */
+    uint64_t moved_ms = 0;
     if (f->stuck && read_gen(f->fd) == f->stuck_gen) {
         if (ofd_lock(f->fd, F_WRLCK, 0)) return false;
-    } else if (!lock_byte(f->fd, 0)) {
+    } else if (!lock_byte(f->fd, 0, &moved_ms)) {
         f->stuck = true;
         f->stuck_gen = read_gen(f->fd);
+        f->stuck_since = moved_ms * 1000000u;
         return false;
     }
     f->stuck = false;
@@ -512,7 +517,7 @@ static ledger_file *files;
  * at every read while the same holder stays stopped. Under files_lock. */
 static struct {
     char path[160];
-    uint64_t ino, gen;
+    uint64_t ino, gen, since;
 } last_stuck;
 
 /* The inode the ledger's path leads to now (0 when none). */
@@ -560,6 +565,7 @@ cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_file **out
             if (last_stuck.ino == f->ino && !strcmp(last_stuck.path, f->path)) {
                 f->stuck = true;
                 f->stuck_gen = last_stuck.gen;
+                f->stuck_since = last_stuck.since;
             }
             f->refs = 1;
             f->next = files;
@@ -579,12 +585,13 @@ void cuma_ledger_release_file(ledger_file *f) {
             *pp = f->next;
             pthread_mutex_lock(&f->mu);
             bool stuck = f->stuck;
-            uint64_t gen = f->stuck_gen;
+            uint64_t gen = f->stuck_gen, since = f->stuck_since;
             pthread_mutex_unlock(&f->mu);
             if (stuck) {
                 snprintf(last_stuck.path, sizeof last_stuck.path, "%s", f->path);
                 last_stuck.ino = f->ino;
                 last_stuck.gen = gen;
+                last_stuck.since = since;
             } else if (last_stuck.ino == f->ino && !strcmp(last_stuck.path, f->path)) {
                 last_stuck.ino = 0;
             }

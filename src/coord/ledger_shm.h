@@ -134,9 +134,11 @@ typedef struct ledger_file {
     pthread_mutex_t mu;
     ledger_shm *img; /* LEDGER_BYTES: the file as last read */
     bool locked;     /* this process holds the ledger lock */
-    /* The last wait found the lock stuck with lockgen stuck_gen: until it moves, no waiting. */
+    /* The last wait found the lock stuck with lockgen stuck_gen: until it moves, no waiting.
+     * stuck_since: CLOCK_MONOTONIC ns when this process last saw the lock change hands (or
+     * began to wait for it), for how long it has been stuck. Under mu. */
     bool stuck;
-    uint64_t stuck_gen;
+    uint64_t stuck_gen, stuck_since;
     struct ledger_file *next;
 } ledger_file;
 
@@ -149,7 +151,8 @@ cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_file **out
 void cuma_ledger_release_file(ledger_file *f);
 
 /* Takes f->mu, then the ledger lock: true once held; false (mu held, the lock not) when its
- * holder is stuck (see LEDGER_STALL_MS): the caller goes on in stale mode. */
+ * holder is stuck (see LEDGER_STALL_MS; f->stuck is then set, f->stuck_since says since when):
+ * the caller goes on in stale mode. */
 bool cuma_ledger_lock(ledger_file *f);
 /* Gives the ledger lock back (if held), then mu. */
 void cuma_ledger_unlock(ledger_file *f);

@@ -380,6 +380,9 @@ static void test_processes(void) {
      * others go on in stale mode, admitting against an unlocked read, counted in the stats;
      * a heap still joins; no allocation fails for the lock (it failed every growth after 2 s).
      * Once the holder is gone, the lock is taken again. */
+    cuma_ledger_read_info info;
+    CHECK_OK(cuma_ledger_snapshot_info(ledger_name, e, 8, &n, &info));
+    CHECK(info.flags == 0 && info.stuck_ns == 0); /* under the lock */
     c = child_holding("", 8, false, LOCK_STOP);
     CHECK(waitpid(c, &wst, WUNTRACED) == c && WIFSTOPPED(wst));
     uint64_t t1 = now_ms();
@@ -392,6 +395,14 @@ static void test_processes(void) {
     CHECK_OK(cuma_alloc(late, 8 * MB, NULL, &lp));
     CHECK(stale_admissions(late) >= 1);
     CHECK(live(e, 8) == 3); /* the tools read the ledger as it is */
+    /* ...and are told it was read without the lock, and for how long it has stood still: at
+     * least the allocation's wait of LEDGER_STALL_MS (2 s). */
+    CHECK_OK(cuma_ledger_snapshot_info(ledger_name, e, 8, &n, &info));
+    CHECK(n == 3 && (info.flags & CUMA_LEDGER_READ_UNLOCKED));
+    CHECK(info.stuck_ns >= 2000000000u);
+    uint64_t stuck_before = info.stuck_ns;
+    CHECK_OK(cuma_ledger_snapshot_info(ledger_name, e, 8, &n, &info));
+    CHECK((info.flags & CUMA_LEDGER_READ_UNLOCKED) && info.stuck_ns >= stuck_before);
     CHECK_OK(cuma_free(late, lp, NULL));
     cuma_heap_destroy(late);
     CHECK_OK(cuma_free(h, p, NULL));
@@ -400,8 +411,9 @@ static void test_processes(void) {
     uint64_t before = stale_admissions(h);
     CHECK_OK(cuma_alloc(h, 48 * MB, NULL, &p));
     CHECK(stale_admissions(h) == before); /* the lock again */
-    n = live(e, 8);
+    CHECK_OK(cuma_ledger_snapshot_info(ledger_name, e, 8, &n, &info));
     CHECK(n == 1 && e[0].pid == getpid());
+    CHECK(info.flags == 0 && info.stuck_ns == 0); /* locked again, the holder's slot reclaimed */
     CHECK_OK(cuma_validate(h));
     CHECK_OK(cuma_free(h, p, NULL));
     cuma_heap_destroy(h);
