@@ -223,21 +223,36 @@ void exp_render_figures(exp_buf *b, const ledger_view *v) {
                1, stats_age_s, 3);
 }
 
-void exp_render_head(exp_buf *b, int up, uint64_t errors, int stale, double age_s) {
+void exp_render_head(exp_buf *b, int up, uint64_t errors, int stale, const exp_snapshot *snap,
+                     uint64_t now_ms) {
     family(b, "cuma_ledger_up", "gauge",
            "Whether the ledger was read for this scrape (0: the read failed or took over "
-           "0.5 s).");
+           "0.5 s; a read without the lock, see cuma_ledger_unlocked, is one).");
     exp_printf(b, "cuma_ledger_up %d\n", up);
     family(b, "cuma_exporter_scrape_errors_total", "counter",
            "Reads of the ledger that failed (scrapes that come together share one read).");
     exp_printf(b, "cuma_exporter_scrape_errors_total %" PRIu64 "\n", errors);
     family(b, "cuma_ledger_stale", "gauge",
            "1 when the figures below are the last good read's, this scrape's having failed or "
-           "taken too long (e.g. a process stopped holding the ledger's lock).");
+           "taken too long (e.g. the first read after a process stopped holding the ledger's "
+           "lock, which waits 2 s for it).");
     exp_printf(b, "cuma_ledger_stale %d\n", stale);
     family(b, "cuma_ledger_snapshot_age_seconds", "gauge",
            "Time since the read the figures below come from began (no sample: no figures).");
-    if (age_s >= 0) exp_printf(b, "cuma_ledger_snapshot_age_seconds %.3f\n", age_s);
+    if (snap)
+        exp_printf(b, "cuma_ledger_snapshot_age_seconds %.3f\n",
+                   (double)(now_ms - (now_ms < snap->started_ms ? now_ms : snap->started_ms)) /
+                       1e3);
+    family(b, "cuma_ledger_unlocked", "gauge",
+           "1 when the figures below were read without the ledger's lock, which a stopped "
+           "process holds: current, but not guaranteed consistent (dead processes' heaps may "
+           "still show).");
+    exp_printf(b, "cuma_ledger_unlocked %d\n", snap && snap->unlocked);
+    family(b, "cuma_ledger_lock_stuck_seconds", "gauge",
+           "How long the ledger's lock had not changed hands when the figures below were read "
+           "without it (at least; no sample: read under the lock).");
+    if (snap && snap->unlocked)
+        exp_printf(b, "cuma_ledger_lock_stuck_seconds %.3f\n", snap->stuck_s);
 }
 
 exp_snapshot *exp_snapshot_ref(exp_snapshot *s) {
@@ -258,12 +273,20 @@ int exp_read(const char *ledger, int *was_up, exp_snapshot **out, int *missing) 
     uint64_t started = exp_now_ms();
     ledger_view v;
     int up = view_read(&v, ledger) == 0;
-    if (up != *was_up) {
+    int state = up ? 1 + v.unlocked : 0;
+    if (state != *was_up) {
         if (!up)
             fprintf(stderr, "cuma exporter: %s\n", v.error);
+        else if (state == 2)
+            fprintf(stderr,
+                    "cuma exporter: ledger %s read without its lock, which a process holds and "
+                    "does not run (stopped?): cuma_ledger_unlocked 1\n",
+                    v.path);
+        else if (*was_up == 2)
+            fprintf(stderr, "cuma exporter: ledger %s read under its lock again\n", v.path);
         else if (*was_up == 0)
             fprintf(stderr, "cuma exporter: ledger %s readable again\n", v.path);
-        *was_up = up;
+        *was_up = state;
     }
     if (!up) {
         *missing = v.missing;
@@ -282,6 +305,8 @@ int exp_read(const char *ledger, int *was_up, exp_snapshot **out, int *missing) 
     }
     atomic_init(&s->refs, 1);
     s->started_ms = started;
+    s->unlocked = state == 2;
+    s->stuck_s = (double)v.stuck_ns * 1e-9;
     s->text = b.p;
     s->len = b.len;
     *out = s;
@@ -332,7 +357,7 @@ static int print_once(const char *ledger) {
     exp_snapshot *s;
     int up = exp_read(ledger, &was_up, &s, &missing);
     exp_buf b = {0};
-    exp_render_head(&b, up, !up, 0, up ? 0.0 : -1.0);
+    exp_render_head(&b, up, !up, 0, s, s ? s->started_ms : 0);
     int rc = b.oom ? CUMA_EXIT_FAIL : CUMA_EXIT_OK;
     if (!b.oom && (fwrite(b.p, 1, b.len, stdout) != b.len ||
                    (s && fwrite(s->text, 1, s->len, stdout) != s->len) || fflush(stdout)))

@@ -31,6 +31,8 @@ void exp_printf(exp_buf *b, const char *fmt, ...) __attribute__((format(printf, 
 typedef struct exp_snapshot {
     atomic_uint refs;
     uint64_t started_ms; /* CLOCK_MONOTONIC when the read began: the figures are this old */
+    int unlocked;        /* read without the ledger's lock (its holder does not run) */
+    double stuck_s;      /* then: how long the lock had stood still */
     char *text;
     size_t len;
 } exp_snapshot;
@@ -42,8 +44,10 @@ void exp_snapshot_release(exp_snapshot *s);
 void exp_render_figures(exp_buf *b, const ledger_view *v);
 
 /* Renders the head families: cuma_ledger_up, the failed reads, whether the figures that follow
- * are stale and their age (age_s < 0: there are none). */
-void exp_render_head(exp_buf *b, int up, uint64_t errors, int stale, double age_s);
+ * are stale, their age, and whether they were read without the lock (snap's; snap NULL: there
+ * are none). now_ms: the answer's time. */
+void exp_render_head(exp_buf *b, int up, uint64_t errors, int stale, const exp_snapshot *snap,
+                     uint64_t now_ms);
 
 uint64_t exp_now_ms(void);
 
@@ -62,7 +66,7 @@ typedef struct exp_sampler {
     uint64_t errors;    /* (mu) reads that failed */
     exp_snapshot *good; /* (mu) the last successful read (NULL: none, or the ledger went) */
     int stop;           /* (mu) the thread ends */
-    int was_up;         /* the thread's only: -1, or whether the previous read succeeded */
+    int was_up;         /* the thread's only: exp_read's *was_up */
     pthread_t thread;
 } exp_sampler;
 
@@ -75,8 +79,9 @@ void exp_sampler_stop(exp_sampler *s);
 uint64_t exp_sampler_ask(exp_sampler *s);
 
 /* Reads the ledger once, here (--once, and the sampler's thread). Reports a change of
- * readability on stderr (*was_up: -1 at first). 1 and *out set (a new snapshot, one ref) on
- * success; 0 on failure, with *missing set when the ledger does not exist. */
+ * readability on stderr (*was_up: -1 at first, 0 after a failed read, 1 after a read, 2 after
+ * one without the lock). 1 and *out set (a new snapshot, one ref) on success, also without
+ * the lock; 0 on failure, with *missing set when the ledger does not exist. */
 int exp_read(const char *ledger, int *was_up, exp_snapshot **out, int *missing);
 
 /* The server's settings; zero = defaults. */

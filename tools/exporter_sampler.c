@@ -1,7 +1,9 @@
 /* The exporter's reader of the ledger: one thread that reads it when the server asks and keeps
- * the last good read's rendering. A read waits for the ledger's lock, which a process stopped
- * while holding it (Ctrl-Z, a debugger) keeps for as long as it is stopped: only this thread
- * waits then; the server answers from the last good read and says it is stale.
+ * the last good read's rendering. A read waits for the ledger's lock; when a process stopped
+ * while holding it (Ctrl-Z, a debugger), the first read waits 2 s before it reads without the
+ * lock (the next ones do not wait, until the lock moves): only this thread waits then; the
+ * server answers from the last good read and says it is stale, and the unlocked reads that
+ * follow are served fresh, marked unlocked.
  *
  * Reads are asked for, not timed: the exporter costs nothing between scrapes, and an answer
  * waits for a read that began after its request came (the figures are as fresh as before, when

@@ -141,9 +141,7 @@ static void answer_scrape(conn *c, exp_sampler *s, uint64_t now) {
     exp_snapshot *snap = exp_snapshot_ref(s->good);
     pthread_mutex_unlock(&s->mu);
     exp_buf h = {0};
-    exp_render_head(&h, up, errors, snap && !up,
-                    snap ? (double)(now - (now < snap->started_ms ? now : snap->started_ms)) / 1e3
-                         : -1.0);
+    exp_render_head(&h, up, errors, snap && !up, snap, now);
     if (h.oom) {
         free(h.p);
         exp_snapshot_release(snap);

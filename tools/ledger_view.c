@@ -93,7 +93,8 @@ int view_read(ledger_view *v, const char *name) {
             return -1;
         }
         v->heaps = e;
-        if (cuma_ledger_snapshot(name, v->heaps, max, &n) != CUMA_OK) {
+        cuma_ledger_read_info info;
+        if (cuma_ledger_snapshot_info(name, v->heaps, max, &n, &info) != CUMA_OK) {
             struct stat sb;
             v->missing = lstat(v->path, &sb) != 0 && errno == ENOENT;
             if (!v->missing && S_ISLNK(sb.st_mode))
@@ -106,6 +107,8 @@ int view_read(ledger_view *v, const char *name) {
                 snprintf(v->error, sizeof v->error, "%s", cuma_last_error());
             return -1;
         }
+        v->unlocked = (info.flags & CUMA_LEDGER_READ_UNLOCKED) != 0;
+        v->stuck_ns = info.stuck_ns;
         if (n <= max) break;
         max = n + FIRST_GUESS;
     }
@@ -124,6 +127,16 @@ void view_free(ledger_view *v) {
     v->heaps = NULL;
     v->devices = NULL;
     v->nheaps = v->ndevices = 0;
+}
+
+void view_print_warnings(FILE *f, const ledger_view *v) {
+    if (v->notice[0]) fprintf(f, "warning: %s\n", v->notice);
+    if (v->unlocked)
+        fprintf(f,
+                "warning: read without the ledger's lock, which a process holds and does not run "
+                "(stopped?) for %.1f s or more: the figures are current but may be inconsistent, "
+                "and dead processes' heaps may still show\n",
+                (double)v->stuck_ns * 1e-9);
 }
 
 uint64_t view_in_use(const cuma_ledger_entry *e) {
@@ -161,6 +174,8 @@ void view_json(FILE *f, const ledger_view *v, const unsigned char *keep,
         fprintf(f, ",\"notice\":");
         view_json_string(f, v->notice);
     }
+    fprintf(f, ",\"unlocked\":%s", v->unlocked ? "true" : "false");
+    if (v->unlocked) fprintf(f, ",\"lock_stuck_ns\":%" PRIu64, v->stuck_ns);
     fprintf(f, ",\"uid\":%u,\"heaps\":%zu,\"devices\":[", (unsigned)geteuid(), shown);
     int first_device = 1;
     for (size_t k = 0; k < v->ndevices; k++) {

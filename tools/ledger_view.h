@@ -30,8 +30,13 @@ typedef struct ledger_view {
     view_device *devices;
     size_t ndevices;
     char notice[384]; /* why the ledger is not in /dev/shm (squatted there), or "" */
-    int missing;      /* the read failed because the file does not exist */
-    char error[512];  /* why the read failed */
+    /* Read without the ledger's lock, which a process holds and does not run (stopped?): the
+     * figures are current but not guaranteed consistent, dead processes' slots not reclaimed.
+     * stuck_ns: how long the lock had stood still then (cuma_ledger_read_info). */
+    int unlocked;
+    uint64_t stuck_ns;
+    int missing;     /* the read failed because the file does not exist */
+    char error[512]; /* why the read failed */
 } ledger_view;
 
 /* Reads ledger `name` (NULL: the user's default). 0, or -1 with v->error (and v->missing when
@@ -40,6 +45,10 @@ typedef struct ledger_view {
 int view_read(ledger_view *v, const char *name);
 void view_free(ledger_view *v);
 
+/* The warning lines ps, top and stats print above their table: the notice, and that the read
+ * was made without the lock. */
+void view_print_warnings(FILE *f, const ledger_view *v);
+
 /* reserved - cached, never below zero (cached is published later than reserved changes). */
 uint64_t view_in_use(const cuma_ledger_entry *e);
 
@@ -47,7 +56,8 @@ uint64_t view_in_use(const cuma_ledger_entry *e);
  * fields from page_size on); until then they are zeros that mean nothing. */
 int view_has_stats(const cuma_ledger_entry *e);
 
-/* The JSON document of `cuma ps --json`: the ledger, and per device its totals (over all its
+/* The JSON document of `cuma ps --json`: the ledger (its notice, whether it was read without
+ * the lock: "unlocked", and then "lock_stuck_ns"), and per device its totals (over all its
  * heaps) and the heaps for which keep[i] is set (keep NULL: all; a device none of whose heaps is
  * kept is left out). `extra` (may be NULL) appends fields to each heap's object, each preceded
  * by a comma. */

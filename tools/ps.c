@@ -120,7 +120,7 @@ static void print_heap(const cuma_ledger_entry *e, int rates, const cuma_ledger_
 }
 
 static void print_table(const ledger_view *v, int rates, const ledger_view *prev, double dt) {
-    if (v->notice[0]) printf("warning: %s\n", v->notice);
+    view_print_warnings(stdout, v);
     if (!v->nheaps) {
         printf("ledger %s: no live heaps\n", cli_shown(v->path, (char[1024]){0}, 1024));
         return;

@@ -133,6 +133,7 @@ static void print_block(const cuma_ledger_entry *e) {
 static void print_text(const ledger_view *v, const unsigned char *keep, int filtered) {
     size_t shown = 0;
     for (size_t i = 0; i < v->nheaps; i++) shown += keep[i];
+    view_print_warnings(stdout, v);
     if (!v->nheaps && !filtered) {
         printf("ledger %s: no live heaps\n", cli_shown(v->path, (char[1024]){0}, 1024));
         return;

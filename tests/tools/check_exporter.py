@@ -10,10 +10,14 @@ usage: check_exporter.py --cuma BIN --fixture BIN [--probe-limit S] [--only slow
    fixture's heaps (ledger_fixture raw). Then the same with --connections 64: the slots run out
    and each probe gets in by pushing out the client that has been sending its head the longest.
 2. A stuck ledger: a fixture process (ledger_fixture hold) takes the ledger's lock and stops
-   itself (SIGSTOP) holding it. Scrapes, one after another and several at once, must still be
-   answered, from the last good read, marked stale (cuma_ledger_up 0, cuma_ledger_stale 1,
-   every figure as before); a request for another path meanwhile too. Once the holder is
-   killed the figures are fresh again, without its slot.
+   itself (SIGSTOP) holding it. The first read then waits 2 s for the lock before it reads
+   without it: the scrapes meanwhile are answered from the last good read, marked stale
+   (cuma_ledger_up 0, cuma_ledger_stale 1, every figure as before). Then, one after another
+   and several at once, they are fresh and say they were read without the lock
+   (cuma_ledger_up 1, cuma_ledger_unlocked 1, cuma_ledger_lock_stuck_seconds >= 2 and
+   growing); a request for another path meanwhile is answered too. `cuma ps` (text and
+   --json), `cuma stats` and `cuma top` print a warning line ("unlocked": true). Once the holder
+   is killed the figures are fresh and read under the lock again, without its slot.
 3. A slow reader: an answer larger than the sockets' buffers, taken slowly, arrives whole, and
    a probe meanwhile is answered.
 
@@ -29,6 +33,7 @@ Every process and thread this starts is stopped at the end; the shared-memory fi
 are removed. Standard library only.
 """
 import argparse
+import json
 import os
 import re
 import selectors
@@ -38,8 +43,8 @@ import sys
 import threading
 import time
 
-from check_tools import check_metrics, start_exporter, stop_exporter
-from ledger_checks import check, failures, shm_path, start_fixture, stop_fixture
+from check_tools import check_metrics, parse_exposition, start_exporter, stop_exporter
+from ledger_checks import check, failures, run, shm_path, start_fixture, stop_fixture
 
 N_SLOW = 200
 # Fewer slots than slow clients: every probe must take one from them. A new connection is not
@@ -200,16 +205,63 @@ def check_slow_clients(cuma, fixture, name, limit):
         stop_fixture(f)
 
 
-def scrape_stale(port, made, what, limit):
+def scrape_one(port, made, what, limit, **want):
+    """A scrape that must be answered within limit seconds, with every figure of made and the
+    head families as want says (check_metrics); its samples by family (None if unanswered)."""
     st, body, took = probe(port, limit)
     if not check(st == 200, "%s: answered within %.0f s (%.3f s)" % (what, limit, took),
                  body[:200] if st is None else ""):
         return None, took
-    get = check_metrics(body, made, what, errors=None, up=0, stale=1)
-    return get, took
+    return check_metrics(body, made, what, **want), took
+
+
+def sample(get, fam):
+    vals = [v for _, v in (get or {}).get(fam, [])]
+    return vals[0] if len(vals) == 1 else None
+
+
+# The ledger's wait for a lock that does not change hands (LEDGER_STALL_MS), after which it
+# reads without the lock.
+STALL_S = 2.0
+
+
+def check_stuck_views(cuma, name, made):
+    """cuma ps, ps --json, stats and top while the lock's holder is stopped: each its own
+    process, whose first read waits STALL_S and then reads without the lock, which each says in
+    a warning line ("unlocked" in the JSON), with every heap as made."""
+    warning = "warning: read without the ledger's lock, which a process holds and does not run"
+    rc, out, err = run([cuma, "ps", "--ledger", name])
+    check(rc == 0 and out.startswith(warning) and
+          ("ledger %s: %d heaps" % (shm_path(name), len(made))) in out,
+          "stuck ledger: cuma ps warns that it read without the lock, and shows the heaps",
+          (rc, out[:400], err))
+    rc, out, err = run([cuma, "ps", "--ledger", name, "--json"])
+    try:
+        doc = json.loads(out) if rc == 0 else {}
+    except ValueError as e:
+        doc = {"error": str(e)}
+    check(rc == 0 and doc.get("unlocked") is True and doc.get("heaps") == len(made) and
+          doc.get("lock_stuck_ns", 0) >= STALL_S * 1e9,
+          "stuck ledger: cuma ps --json says \"unlocked\": true, lock_stuck_ns >= %.0f s" %
+          STALL_S, (rc, {k: doc.get(k) for k in ("unlocked", "lock_stuck_ns", "heaps")}, err))
+    rc, out, err = run([cuma, "stats", "--ledger", name])
+    check(rc == 0 and out.startswith(warning), "stuck ledger: cuma stats warns too",
+          (rc, out[:400], err))
+    # Two refreshes: the second one's read does not wait (the stuck lock is remembered), and is
+    # as unlocked as the first.
+    rc, out, err = run([cuma, "top", "--ledger", name, "-n", "2", "-d", "0.1"])
+    frames = out.split("cuma top - ")[1:]
+    check(rc == 0 and len(frames) == 2 and all(warning in f for f in frames),
+          "stuck ledger: each cuma top refresh warns", (rc, out[:400], err))
 
 
 def check_stuck_ledger(cuma, fixture, name, limit):
+    """A holder stopped with the ledger's lock. The first read after it stopped waits STALL_S
+    for the lock, so the scrapes meanwhile are answered from the read before, stale (up 0,
+    stale 1, read under the lock: unlocked 0, no read failed); then the ledger reads without the
+    lock, at once from then on: fresh figures (the holder's slot too: it lives), up 1,
+    unlocked 1, the lock's stuck time at least STALL_S and growing. Once the holder is killed:
+    fresh, under the lock again, its slot gone."""
     sim, made_sim = start_fixture(fixture, name, "sim")
     holder, made_hold = None, []
     p = None
@@ -217,24 +269,60 @@ def check_stuck_ledger(cuma, fixture, name, limit):
         holder, made_hold = start_fixture(fixture, name, "hold")
         made = made_sim + made_hold
         p, port = start_exporter(cuma, name)
-        st, body, _ = probe(port, limit)
-        if check(st == 200, "stuck ledger, before: a scrape", body[:200]):
-            check_metrics(body, made, "stuck ledger, before")
+        get, _ = scrape_one(port, made, "stuck ledger, before", limit)
         holder.stdin.write(b"hold\n")
         holder.stdin.flush()
         check(holder.lines.line(30) == "held\n", "stuck ledger: the fixture holds the lock")
         _, status = os.waitpid(holder.pid, os.WUNTRACED)
         check(os.WIFSTOPPED(status), "stuck ledger: the holder is stopped", status)
 
-        times, ages = [], []
+        # While the first read waits: stale. Each scrape waits 0.5 s at most, the read STALL_S:
+        # the first scrape is stale whatever the machine's speed, and a fresh one comes within
+        # 5 * STALL_S of scrapes (a bound, not a timing). A scrape whose read is still due when
+        # the first one ends is served that one, stale and unlocked: after the others.
+        t0 = time.monotonic()
+        stale, first_fresh, n = [], None, 0
+        while first_fresh is None and time.monotonic() - t0 < 5 * STALL_S:
+            n += 1
+            st, body, took = probe(port, limit)
+            w = "stuck ledger, scrape %d" % n
+            if not check(st == 200, "%s: answered within %.0f s (%.3f s)" % (w, limit, took),
+                         body[:200] if st is None else ""):
+                break
+            parsed = parse_exposition(body, w)
+            if parsed.get(("cuma_ledger_up", frozenset())) == 1.0:
+                first_fresh = (w, body)
+                break
+            u = 1 if parsed.get(("cuma_ledger_unlocked", frozenset())) == 1.0 else 0
+            get = check_metrics(body, made, w + " (the first read waits: stale)", up=0,
+                                stale=1, unlocked=u)
+            stale.append((u, sample(get, "cuma_ledger_snapshot_age_seconds")))
+        check(len(stale) >= 1 and stale[0][0] == 0 and
+              [u for u, _ in stale] == sorted(u for u, _ in stale),
+              "stuck ledger: the first scrape(s) stale, from the read under the lock, while the "
+              "read waits (%d)" % len(stale), stale)
+        # Those figures are of the read before the lock was taken: they age.
+        ages = [a for u, a in stale if u == 0]
+        check(all(a is not None for a in ages) and all(a < b for a, b in zip(ages, ages[1:])),
+              "stuck ledger: the stale figures' age grows", ages)
+        stuck = []
+        if check(first_fresh is not None, "stuck ledger: a fresh scrape within %.0f s" %
+                 (5 * STALL_S), n):
+            get = check_metrics(first_fresh[1], made, first_fresh[0] + " (unlocked)",
+                                unlocked=1)
+            stuck.append(sample(get, "cuma_ledger_lock_stuck_seconds"))
+        # The next reads do not wait: fresh and unlocked, one after another and several at once.
+        times = []
         for i in range(3):
-            get, took = scrape_stale(port, made, "stuck ledger, scrape %d" % (i + 1), limit)
+            time.sleep(0.05)
+            get, took = scrape_one(port, made, "stuck ledger, unlocked scrape %d" % (i + 1),
+                                   limit, unlocked=1)
             if get:
                 times.append(took)
-                ages += [v for _, v in get.get("cuma_ledger_snapshot_age_seconds", [])]
-        # The figures are those of the read before the lock was taken: they age.
-        check(len(ages) == 3 and ages[0] < ages[1] < ages[2],
-              "stuck ledger: the figures' age grows", ages)
+                stuck.append(sample(get, "cuma_ledger_lock_stuck_seconds"))
+        check(len(stuck) == 4 and all(s is not None for s in stuck) and stuck[0] >= STALL_S and
+              all(a < b for a, b in zip(stuck, stuck[1:])),
+              "stuck ledger: the lock's stuck time is at least %.0f s and grows" % STALL_S, stuck)
 
         # Several at once, and a request that needs no read: all answered. The threads only
         # ask; the answers are checked here, in order.
@@ -258,26 +346,17 @@ def check_stuck_ledger(cuma, fixture, name, limit):
             if check(st == 200, "%s: answered within %.0f s (%.3f s)" % (w, limit, took),
                      body[:200] if st is None else ""):
                 times.append(took)
-                check_metrics(body, made, w, errors=None, up=0, stale=1)
-        report("stuck ledger", times)
+                check_metrics(body, made, w, unlocked=1)
+        report("stuck ledger, unlocked", times)
 
-        # The reads that fail are counted: each waits out the ledger's lock wait (2 s).
-        errors = 0
-        for _ in range(40):
-            get, _ = scrape_stale(port, made, "stuck ledger, until a read failed", limit)
-            errors = max([v for _, v in (get or {}).get("cuma_exporter_scrape_errors_total", [])]
-                         or [0])
-            if errors >= 1:
-                break
-        check(errors >= 1, "stuck ledger: failed reads are counted", errors)
+        check_stuck_views(cuma, name, made)
 
         holder.kill()
         holder.wait()
         holder = None
-        st, body, _ = probe(port, limit)
-        if check(st == 200, "stuck ledger, holder killed: a scrape", body[:200]):
-            # Fresh: up, not stale, and the dead holder's slot is gone.
-            check_metrics(body, made_sim, "stuck ledger, holder killed", errors=errors)
+        # Fresh, under the lock (its holder is gone), and the dead holder's slot reclaimed; no
+        # read ever failed.
+        scrape_one(port, made_sim, "stuck ledger, holder killed", limit)
         stop_exporter(p, "stuck ledger")
         p = None
     finally:

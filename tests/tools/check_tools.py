@@ -102,6 +102,8 @@ def check_ps_json(cuma, name, made):
         return
     check(doc.get("ledger") == shm_path(name), "ps --json names the ledger", doc.get("ledger"))
     check(doc.get("heaps") == len(made), "ps --json counts %d heaps" % len(made), doc.get("heaps"))
+    check(doc.get("unlocked") is False and "lock_stuck_ns" not in doc,
+          "ps --json: read under the ledger's lock", (doc.get("unlocked"), doc.get("lock_stuck_ns")))
     devices = doc.get("devices", [])
     names = [d["device"] for d in devices]
     want_totals = device_totals(made)
@@ -305,10 +307,12 @@ def heap_id(h):
     return (h["pid"], h["device"], h["priority"], h["process"])
 
 
-def check_metrics(text, made, what, errors=0, up=1, stale=0):
-    """The figures of the heaps in made, every one. up and stale: what cuma_ledger_up and
-    cuma_ledger_stale must say (stale figures are the last good read's: the same figures).
-    errors None: any number of failed reads. Returns the samples by family."""
+def check_metrics(text, made, what, errors=0, up=1, stale=0, unlocked=0):
+    """The figures of the heaps in made, every one. up, stale and unlocked: what
+    cuma_ledger_up, cuma_ledger_stale and cuma_ledger_unlocked must say (stale figures are the
+    last good read's: the same figures; unlocked ones were read without the ledger's lock and
+    have cuma_ledger_lock_stuck_seconds, the others none). errors None: any number of failed
+    reads. Returns the samples by family."""
     types = {}
     samples = parse_exposition(text, what, types)
     get = {}
@@ -330,6 +334,15 @@ def check_metrics(text, made, what, errors=0, up=1, stale=0):
     check(types.get("cuma_ledger_snapshot_age_seconds") == "gauge" and age is not None and
           len(age) == 1 and age[0][0] == {} and age[0][1] >= 0 and (stale or age[0][1] < 5),
           "%s: cuma_ledger_snapshot_age_seconds" % what, age)
+    check(get.get("cuma_ledger_unlocked") == [({}, float(unlocked))] and
+          types.get("cuma_ledger_unlocked") == "gauge",
+          "%s: cuma_ledger_unlocked %d" % (what, unlocked), get.get("cuma_ledger_unlocked"))
+    stuck = get.get("cuma_ledger_lock_stuck_seconds")
+    check(types.get("cuma_ledger_lock_stuck_seconds") == "gauge" and
+          (stuck is not None and len(stuck) == 1 and stuck[0][0] == {} and stuck[0][1] >= 0
+           if unlocked else stuck is None),
+          "%s: cuma_ledger_lock_stuck_seconds %s" % (what, "sampled" if unlocked else "absent"),
+          stuck)
     # backend: the heap's own name of its backend; empty for the raw slots, which name none.
     backend = {heap_id(h): h["stats"]["backend"] if "stats" in h else "" for h in made}
     for fam, field in sorted(HEAP_METRICS.items()):
