@@ -90,8 +90,8 @@ cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed);
 cuma_status cuma_config_check(const char *conf);
 
 /* The process-wide heap of a device, created on first use from CUMA_CONF with that device
- * ordinal (backend:auto when CUMA_CONF names no backend and a CUDA driver is present, else the
- * simulated device). The framework entry points (PyTorch, LD_PRELOAD) use these. Thread-safe;
+ * ordinal (backend:auto when CUMA_CONF names no backend; without a CUDA driver
+ * CUMA_ERR_NO_DEVICE, as for cuma_heap_create, unless CUMA_CONF asks for the simulated device). The framework entry points (PyTorch, LD_PRELOAD) use these. Thread-safe;
  * the heap lives until cuma_default_heaps_shutdown() or process exit. */
 cuma_status cuma_default_heap(int device, cuma_heap **out);
 
@@ -99,9 +99,12 @@ cuma_status cuma_default_heap(int device, cuma_heap **out);
 void cuma_default_heaps_shutdown(void);
 
 /* Creates a heap. cfg may be NULL: defaults, then CUMA_CONF. When no settings string names a
- * backend, the heap takes backend:auto (vmm, else segment) and, where no CUDA driver can be
- * loaded, the simulated device instead (the stats JSON says "backend_fallback":true). A named
- * backend is that backend or an error (CUMA_ERR_NO_DEVICE without a driver). */
+ * backend, the heap takes backend:auto (vmm, else segment). Where no CUDA driver can be used,
+ * every CUDA backend (auto included) is CUMA_ERR_NO_DEVICE, with cuma_last_error() naming the
+ * driver's reason and the settings that give the simulated device: backend:sim, or
+ * backend_fallback:sim, which runs the heap on it only where no driver can be used (the stats
+ * JSON then says "backend_fallback":true). A device ordinal a working driver does not have is
+ * CUMA_ERR_NO_DEVICE whatever the fallback. */
 cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out);
 
 /* Destroys a heap: every page goes back to the device and the virtual range is freed. Live

@@ -661,8 +661,8 @@ _conf_lock = threading.Lock()
 
 def default_heap(device=0):
     """The process-wide heap of ``device``, created on first use from CUMA_CONF (backend:auto
-    when CUMA_CONF names none, falling back to the simulated device without a CUDA driver;
-    the stats' "backend" says which). The same heap PyTorch uses after cuma.torch.enable()."""
+    when CUMA_CONF names none; without a CUDA driver NoDeviceError unless CUMA_CONF says
+    backend:sim or backend_fallback:sim, and the stats' "backend_fallback" says so). The same heap PyTorch uses after cuma.torch.enable()."""
     device = _device_arg(device)
     with _defaults_lock:
         w = _defaults.get(device)

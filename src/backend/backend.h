@@ -78,8 +78,15 @@ struct cuma_backend {
     cuma_backend *inner; /* a wrapper's (locked, ledger): the backend it calls; else NULL */
 };
 
-/* Creates the backend the settings name ("auto" picks the best available). */
+/* Creates the backend the settings name ("auto" picks the best available). Where no CUDA driver
+ * can be used, a CUDA backend is CUMA_ERR_NO_DEVICE, with a message that names the driver's
+ * reason and the settings that give the simulated device. */
 cuma_status cuma_backend_create(const cuma_settings *s, cuma_backend **out);
+
+/* cuma_backend_create, except that where no CUDA driver can be used and s->backend_fallback is
+ * "sim", it is the simulated device, with *fell_back set (a heap's creation). */
+cuma_status cuma_backend_create_or_fallback(const cuma_settings *s, cuma_backend **out,
+                                            bool *fell_back);
 
 cuma_status cuma_sim_backend_create(const cuma_settings *s, cuma_backend **out);
 

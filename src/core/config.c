@@ -45,7 +45,13 @@ static const key_desc keys[] = {
     {"backend", K_NAME, F(backend), "auto", "sim|vmm|segment|managed|auto",
      "device backend: auto (vmm on a GPU with virtual memory management, else segment), vmm "
      "(CUDA virtual memory), segment (cuMemAlloc), managed (cuMemAllocManaged), sim (simulated "
-     "device). Left unnamed, auto falls back to sim when no CUDA driver can be loaded"},
+     "device). Without a usable CUDA driver the CUDA backends (auto included) fail with "
+     "CUMA_ERR_NO_DEVICE, unless backend_fallback:sim"},
+    {"backend_fallback", K_NAME, F(backend_fallback), "none", "none|sim",
+     "what a CUDA backend (auto included) does where no CUDA driver can be used (none installed, "
+     "cuInit fails, a libcuma built without them): none = fail with CUMA_ERR_NO_DEVICE; sim = run "
+     "on the simulated device, whose pointers are not GPU memory (the stats say "
+     "\"backend_fallback\":true). A missing device ordinal on a working driver is always an error"},
     {"policy", K_NAME, F(policy), "tlsf", "tlsf|bestfit|buddy",
      "placement in the virtual range: tlsf (good fit, O(1)), bestfit (alias of tlsf), buddy "
      "(power-of-two buddy system)"},

@@ -85,7 +85,7 @@ struct cuma_heap {
     cuma_policy *pol;
     cuma_streams streams;
     bool vmm;              /* page mode (pages) or segment mode (segs); constant */
-    bool backend_fallback; /* no backend named, no driver: on the simulated device; constant */
+    bool backend_fallback; /* backend_fallback:sim, no driver: on the simulated device; constant */
     struct cuma_trace_writer *tw; /* first arena's: the `trace` log, or NULL; constant */
     cuma_pages pages;
     cuma_segs segs;

@@ -176,15 +176,11 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     if (!h) return cuma_fail(CUMA_ERR_OOM, "no host memory for a heap");
     cuma_status st = cuma_settings_from_config(&h->set, cfg);
     if (st) goto fail_free;
-    st = cuma_backend_create(&h->set, &h->be);
-    if (st == CUMA_ERR_NO_DEVICE && !h->set.backend_named) {
-        /* No backend named and no CUDA driver: the simulated device, said in the stats
-         * ("backend_fallback"). A named backend gets exactly that backend or the error. */
-        snprintf(h->set.backend, sizeof h->set.backend, "sim");
-        h->backend_fallback = true;
-        st = cuma_backend_create(&h->set, &h->be);
-    }
+    st = cuma_backend_create_or_fallback(&h->set, &h->be, &h->backend_fallback);
     if (st) goto fail_free;
+    /* backend_fallback:sim and no driver: the settings say the backend the heap runs on, and
+     * the stats' "backend_fallback" why. */
+    if (h->backend_fallback) snprintf(h->set.backend, sizeof h->set.backend, "sim");
     st = cuma_heap_join_ledger(h);
     if (st) goto fail_be;
     if (h->set.trace[0]) {

@@ -572,6 +572,10 @@ static void test_bad_device(void) {
     cuma_heap *h = NULL;
     CHECK_ST(cuma_heap_create(&cfg, &h), CUMA_ERR_NO_DEVICE);
     CHECK(h == NULL && strstr(cuma_last_error(), "device 7"));
+    /* The simulated fallback is for a missing driver, never for a missing device. */
+    cfg.conf = "backend_fallback:sim";
+    CHECK_ST(cuma_heap_create(&cfg, &h), CUMA_ERR_NO_DEVICE);
+    CHECK(h == NULL && strstr(cuma_last_error(), "device 7"));
     check_no_driver_objects();
 }
 
@@ -602,8 +606,25 @@ static void run_nodriver(const char *why) {
         CHECK(strstr(cuma_last_error(), why));
         fprintf(stderr, "backend:%s without a driver: %s\n", names[i], cuma_last_error());
     }
+    /* Nor does the default backend fall back unasked; the message says what to set. */
+    cuma_config cfg = {.conf = "capacity:64M", .flags = CUMA_CONFIG_NO_ENV};
+    cuma_heap *h = (cuma_heap *)1;
+    CHECK_ST(cuma_heap_create(&cfg, &h), CUMA_ERR_NO_DEVICE);
+    CHECK(h == NULL && strstr(cuma_last_error(), why));
+    CHECK(strstr(cuma_last_error(), "backend:sim") &&
+          strstr(cuma_last_error(), "backend_fallback:sim"));
+    /* Asked for, every CUDA backend falls back to the simulated device, visibly. */
+    for (int i = 0; i < 4; i++) {
+        char conf[96];
+        snprintf(conf, sizeof conf, "backend:%s,backend_fallback:sim,capacity:64M", names[i]);
+        h = heap_make(conf);
+        char json[8192];
+        CHECK_OK(cuma_stats_json(h, json, sizeof json, NULL));
+        CHECK(strstr(json, "\"backend\":\"sim\"") && strstr(json, "\"backend_fallback\":true"));
+        cuma_heap_destroy(h);
+    }
     /* The sim needs no driver. */
-    cuma_heap *h = heap_make("backend:sim,capacity:64M");
+    h = heap_make("backend:sim,capacity:64M");
     cuma_heap_destroy(h);
 }
 
