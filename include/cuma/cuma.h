@@ -91,8 +91,9 @@ cuma_status cuma_config_check(const char *conf);
 
 /* The process-wide heap of a device, created on first use from CUMA_CONF with that device
  * ordinal (backend:auto when CUMA_CONF names no backend; without a CUDA driver
- * CUMA_ERR_NO_DEVICE, as for cuma_heap_create, unless CUMA_CONF asks for the simulated device). The framework entry points (PyTorch, LD_PRELOAD) use these. Thread-safe;
- * the heap lives until cuma_default_heaps_shutdown() or process exit. */
+ * CUMA_ERR_NO_DEVICE, as for cuma_heap_create, unless CUMA_CONF asks for the simulated device). The
+ * framework entry points (PyTorch, LD_PRELOAD) use these. Thread-safe; the heap lives until
+ * cuma_default_heaps_shutdown() or process exit. */
 cuma_status cuma_default_heap(int device, cuma_heap **out);
 
 /* Destroys every default heap (tests; a framework's shutdown). */
@@ -143,7 +144,8 @@ cuma_status cuma_poll(cuma_heap *heap);
  * when nothing is waiting. A program without a release thread can call cuma_poll then. */
 cuma_status cuma_next_release(cuma_heap *heap, uint64_t *ns);
 
-/* Sets the hard limit on reserved bytes (0 = no limit beyond the device). */
+/* Sets the hard limit on reserved bytes (0 = no limit beyond the device). Capped at the device
+ * size, except on backend:managed, whose managed memory oversubscribes up to any limit set. */
 cuma_status cuma_set_limit(cuma_heap *heap, uint64_t bytes);
 
 /* Sets the limit as a fraction of the device's total memory, in (0, 1]. */
@@ -167,7 +169,8 @@ typedef struct cuma_stats {
     uint64_t cached_bytes;       /* idle pages kept for reuse */
     uint64_t managed_bytes;      /* live allocations served from managed memory */
     uint64_t virtual_bytes;      /* size of the reserved virtual ranges (one per arena) */
-    uint64_t limit_bytes;        /* effective limit on reserved bytes (device size if none) */
+    uint64_t limit_bytes;        /* effective limit on reserved bytes (device size if none; more
+                                  * only on backend:managed) */
     uint64_t device_total_bytes; /* device memory as the backend reports it */
     uint64_t device_free_bytes;
     uint64_t page_size;

@@ -29,6 +29,10 @@
  * heap (a simulated device without host backing: addresses and pages are only bookkeeping).
  * Without it the child's heap refuses to work: its memory is the parent's (src/core/fork.c). */
 #define CUMA_CAP_FORK_PRIVATE 32u
+/* Its memory may exceed the device's (managed memory, which the driver pages between host and
+ * device): a limit the settings give above the device size holds, and the ledger does not count
+ * it as device memory that other heaps could have. */
+#define CUMA_CAP_OVERSUBSCRIBE 64u
 
 typedef struct cuma_backend cuma_backend;
 

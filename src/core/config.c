@@ -60,7 +60,8 @@ static const key_desc keys[] = {
      "physical page size: the sim's page; on backend:vmm the device's recommended granularity, "
      "or this value when it is a larger multiple of it"},
     {"limit", K_SIZE_OR_NONE, F(limit), "none", NULL,
-     "hard limit on reserved (physical) bytes; none = the device size"},
+     "hard limit on reserved (physical) bytes; none = the device size; at most the device size, "
+     "except on backend:managed, whose managed memory oversubscribes up to this limit"},
     {"memory_fraction", K_FRACTION, F(memory_fraction), "0", NULL,
      "limit as a fraction of device memory (0 = none); the smaller of limit and this wins"},
     {"max_cached", K_SIZE_OR_NONE, F(max_cached), "none", NULL,

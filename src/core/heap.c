@@ -333,7 +333,9 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
     /* A request the range (or the device) could never hold is out of memory, as PyTorch's
      * allocator says of one larger than the GPU: callers that recover from OOM (a smaller
      * batch) recover from it too, and managed memory may still serve it. */
-    uint64_t room = h->vmm ? h->va_size : h->be->capacity;
+    uint64_t room = h->vmm                             ? h->va_size
+                    : h->limit_bytes > h->be->capacity ? h->limit_bytes /* oversubscribed */
+                                                       : h->be->capacity;
     cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
     if (tc && !tried && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
     cuma_arena_lock(heap, h);

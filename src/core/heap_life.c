@@ -15,8 +15,13 @@ static uint64_t round_pow2(uint64_t x) {
 }
 
 void cuma_heap_refresh_limit(cuma_heap *h) {
+    /* The device size, or a smaller limit; on managed memory (backend:managed) any limit the user
+     * sets, since oversubscription is what it is for. Without one it stays the device size: past
+     * it every page is paged over the bus, and a program that did not ask for that is better
+     * told it is out of memory than slowed down many times over. */
     uint64_t lim = h->be->capacity;
-    if (h->set.limit != CUMA_UNLIMITED && h->set.limit < lim) lim = h->set.limit;
+    bool over = h->be->caps & CUMA_CAP_OVERSUBSCRIBE;
+    if (h->set.limit != CUMA_UNLIMITED && (over || h->set.limit < lim)) lim = h->set.limit;
     if (h->set.memory_fraction > 0) {
         uint64_t f = (uint64_t)(h->set.memory_fraction * (double)h->be->capacity);
         if (f < lim) lim = f;
