@@ -165,12 +165,14 @@ typedef struct cuma_stats {
     uint64_t peak_allocated_bytes;
     uint64_t reserved_bytes; /* physical memory held from the device: mapped + cached */
     uint64_t peak_reserved_bytes;
-    uint64_t mapped_bytes;       /* pages under at least one live byte */
-    uint64_t cached_bytes;       /* idle pages kept for reuse */
-    uint64_t managed_bytes;      /* live allocations served from managed memory */
-    uint64_t virtual_bytes;      /* size of the reserved virtual ranges (one per arena) */
-    uint64_t limit_bytes;        /* effective limit on reserved bytes (device size if none; more
-                                  * only on backend:managed) */
+    uint64_t mapped_bytes;  /* pages under at least one live byte (in use), less those that only
+                               blocks in thread caches hold */
+    uint64_t cached_bytes;  /* idle pages kept for reuse, and the pages that only blocks freed
+                               into thread caches hold (segment mode: those blocks' bytes) */
+    uint64_t managed_bytes; /* live allocations served from managed memory */
+    uint64_t virtual_bytes; /* size of the reserved virtual ranges (one per arena) */
+    uint64_t limit_bytes;   /* effective limit on reserved bytes (device size if none; more
+                             * only on backend:managed) */
     uint64_t device_total_bytes; /* device memory as the backend reports it */
     uint64_t device_free_bytes;
     uint64_t page_size;
@@ -231,8 +233,8 @@ cuma_status cuma_stats_json(cuma_heap *heap, char *buf, size_t len, size_t *need
  *     (non-empty power-of-two buckets [{"le", "count", "bytes"}], "le" the bucket's upper bound)
  *     and "largest": the 32 largest [{"addr": "0x..", "size", "requested", "stream": "0x.." or
  *     0 for the default stream, "arena"}], by size descending, then address ascending;
- *   "thread_cached": blocks the program freed into a thread cache ("count", "bytes"): mapped,
- *     not live;
+ *   "thread_cached": blocks the program freed into a thread cache ("count", "bytes"): not live;
+ *     the pages only they hold count in "free"'s cached_bytes, as in cuma_stats;
  *   "deferred": freed blocks waiting for the streams cuma_record_stream added ("count", "bytes",
  *     "requested"); cuma_get_stats still counts them, so live + deferred give its requested_bytes
  *     and active_allocs;

@@ -89,6 +89,11 @@ void cuma_heap_process_deferred(cuma_heap *h, bool wait) {
 
 void cuma_heap_give_cached(cuma_heap *h, cuma_block *b) {
     cuma_map_remove(&h->live, h->base + b->off);
+    /* The thread caches' published share shrinks with it until the next count, so that the
+     * ledger does not see it twice once its pages are idle. */
+    int64_t tc = atomic_load_explicit(&h->pub[CUMA_PUB_TCACHED], memory_order_relaxed);
+    atomic_store_explicit(&h->pub[CUMA_PUB_TCACHED],
+                          tc > (int64_t)b->size ? tc - (int64_t)b->size : 0, memory_order_relaxed);
     /* Freed into the cache at some point before now: a fence taken now covers that free. */
     uint64_t seq = cuma_streams_note_free(&h->streams, b->stream);
     release_block(h, b, b->stream, seq, now(h), false);
