@@ -36,8 +36,15 @@ static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache
          * took back) joins the arena's counters, so that what arenas publish is every thread's
          * total as of its last slow call. Published alone, a block freed into a cache would
          * still count, and other threads' peak checks would see more than was ever live. */
-        c->requested += (uint64_t)atomic_load_explicit(&tc->requested, memory_order_relaxed);
+        int64_t share = atomic_load_explicit(&tc->requested, memory_order_relaxed);
+        c->requested += (uint64_t)share;
         c->allocated += (uint64_t)atomic_load_explicit(&tc->allocated, memory_order_relaxed);
+        /* In REQUESTED from now on: the ledger's sum must not count it twice until the next
+         * count (cuma_heap_memory). */
+        atomic_store_explicit(&h->pub[CUMA_PUB_TREQ],
+                              atomic_load_explicit(&h->pub[CUMA_PUB_TREQ], memory_order_relaxed) -
+                                  share,
+                              memory_order_relaxed);
         atomic_store_explicit(&tc->requested, 0, memory_order_relaxed);
         atomic_store_explicit(&tc->allocated, 0, memory_order_relaxed);
     }

@@ -23,8 +23,17 @@
 
 /* The figures an arena publishes (cuma_heap.pub). CACHED: idle pages (the release policy's);
  * TCACHED: bytes of the pages only blocks in thread caches hold, as last counted
- * (cuma_heap_memory; lowered by each block given back from a cache until the next count). */
-enum { CUMA_PUB_REQUESTED, CUMA_PUB_ALLOCATED, CUMA_PUB_CACHED, CUMA_PUB_TCACHED, CUMA_PUB_N };
+ * (cuma_heap_memory; lowered by each block given back from a cache until the next count); TREQ:
+ * the thread caches' requested shares not yet in REQUESTED (negative after their frees), as last
+ * counted (less what slow calls moved into REQUESTED since). */
+enum {
+    CUMA_PUB_REQUESTED,
+    CUMA_PUB_ALLOCATED,
+    CUMA_PUB_CACHED,
+    CUMA_PUB_TCACHED,
+    CUMA_PUB_TREQ,
+    CUMA_PUB_N
+};
 
 /* A list of callbacks of one type (OOM, pressure), under the first arena's oom_lock. `fn` is
  * stored as a generic function pointer and cast back to the list's type before it is called.
@@ -285,6 +294,13 @@ void cuma_heap_memory(cuma_heap *a, uint64_t *reserved, uint64_t *cached, uint64
  * published (lock-free). */
 static inline uint64_t cuma_heap_idle_total(const cuma_heap *p) {
     int64_t t = cuma_heap_total(p, CUMA_PUB_CACHED) + cuma_heap_total(p, CUMA_PUB_TCACHED);
+    return t > 0 ? (uint64_t)t : 0;
+}
+
+/* The heap's requested bytes for the ledger, the thread caches' shares included as last counted
+ * (lock-free). */
+static inline uint64_t cuma_heap_requested_total(const cuma_heap *p) {
+    int64_t t = cuma_heap_total(p, CUMA_PUB_REQUESTED) + cuma_heap_total(p, CUMA_PUB_TREQ);
     return t > 0 ? (uint64_t)t : 0;
 }
 

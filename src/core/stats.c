@@ -16,6 +16,10 @@ void cuma_heap_memory(cuma_heap *a, uint64_t *reserved, uint64_t *cached, uint64
      * in use (a block freed into a cache used to count as in use until its age sent it back). */
     uint64_t tc = a->tcaches ? cuma_tcache_idle_bytes(a) : 0;
     if (tc > *mapped) tc = *mapped;
+    int64_t tq, ta, tn;
+    uint64_t tallocs, tfrees;
+    cuma_tcache_sums(a, &tq, &ta, &tn, &tallocs, &tfrees);
+    atomic_store_explicit(&a->pub[CUMA_PUB_TREQ], tq, memory_order_relaxed);
     *cached += tc;
     *mapped -= tc;
     atomic_store_explicit(&a->pub[CUMA_PUB_TCACHED], (int64_t)tc, memory_order_relaxed);

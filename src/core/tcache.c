@@ -344,7 +344,12 @@ void cuma_tcache_sums(cuma_heap *h, int64_t *requested, int64_t *allocated, int6
 
 /* A cache leaves its heap (its thread ended): its counters move into the heap's. */
 void cuma_tcache_sums_retire(cuma_heap *h, cuma_tcache *tc) {
-    h->c.requested += (uint64_t)atomic_load_explicit(&tc->requested, memory_order_relaxed);
+    int64_t share = atomic_load_explicit(&tc->requested, memory_order_relaxed);
+    h->c.requested += (uint64_t)share;
+    atomic_store_explicit(&h->pub[CUMA_PUB_TREQ],
+                          atomic_load_explicit(&h->pub[CUMA_PUB_TREQ], memory_order_relaxed) -
+                              share,
+                          memory_order_relaxed);
     h->c.allocated += (uint64_t)atomic_load_explicit(&tc->allocated, memory_order_relaxed);
     h->c.active += atomic_load_explicit(&tc->allocs, memory_order_relaxed) -
                    atomic_load_explicit(&tc->frees, memory_order_relaxed);
