@@ -93,9 +93,10 @@ cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed);
 cuma_status cuma_config_check(const char *conf);
 
 /* The process-wide heap of a device, created on first use from CUMA_CONF with that device
- * ordinal (backend:auto when CUMA_CONF names no backend and a CUDA driver is present, else the
- * simulated device). The framework entry points (PyTorch, LD_PRELOAD) use these. Thread-safe;
- * the heap lives until cuma_default_heaps_shutdown() or process exit. */
+ * ordinal (backend:auto when CUMA_CONF names no backend; without a CUDA driver
+ * CUMA_ERR_NO_DEVICE, as for cuma_heap_create, unless CUMA_CONF asks for the simulated device). The
+ * framework entry points (PyTorch, LD_PRELOAD) use these. Thread-safe; the heap lives until
+ * cuma_default_heaps_shutdown() or process exit. */
 cuma_status cuma_default_heap(int device, cuma_heap **out);
 
 /* Destroys every default heap (tests; a framework's shutdown). */
@@ -110,9 +111,12 @@ void cuma_default_heaps_shutdown(void);
 cuma_status cuma_default_settings_set(const char *conf);
 
 /* Creates a heap. cfg may be NULL: defaults, then CUMA_CONF. When no settings string names a
- * backend, the heap takes backend:auto (vmm, else segment) and, where no CUDA driver can be
- * loaded, the simulated device instead (the stats JSON says "backend_fallback":true). A named
- * backend is that backend or an error (CUMA_ERR_NO_DEVICE without a driver). */
+ * backend, the heap takes backend:auto (vmm, else segment). Where no CUDA driver can be used,
+ * every CUDA backend (auto included) is CUMA_ERR_NO_DEVICE, with cuma_last_error() naming the
+ * driver's reason and the settings that give the simulated device: backend:sim, or
+ * backend_fallback:sim, which runs the heap on it only where no driver can be used (the stats
+ * JSON then says "backend_fallback":true). A device ordinal a working driver does not have is
+ * CUMA_ERR_NO_DEVICE whatever the fallback. */
 cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out);
 
 /* Destroys a heap: every page goes back to the device and the virtual range is freed. Live
@@ -151,7 +155,8 @@ cuma_status cuma_poll(cuma_heap *heap);
  * when nothing is waiting. A program without a release thread can call cuma_poll then. */
 cuma_status cuma_next_release(cuma_heap *heap, uint64_t *ns);
 
-/* Sets the hard limit on reserved bytes (0 = no limit beyond the device). */
+/* Sets the hard limit on reserved bytes (0 = no limit beyond the device). Capped at the device
+ * size, except on backend:managed, whose managed memory oversubscribes up to any limit set. */
 cuma_status cuma_set_limit(cuma_heap *heap, uint64_t bytes);
 
 /* Sets the limit as a fraction of the device's total memory, in (0, 1]. */
@@ -171,11 +176,14 @@ typedef struct cuma_stats {
     uint64_t peak_allocated_bytes;
     uint64_t reserved_bytes; /* physical memory held from the device: mapped + cached */
     uint64_t peak_reserved_bytes;
-    uint64_t mapped_bytes;       /* pages under at least one live byte */
-    uint64_t cached_bytes;       /* idle pages kept for reuse */
-    uint64_t managed_bytes;      /* live allocations served from managed memory */
-    uint64_t virtual_bytes;      /* size of the reserved virtual ranges (one per arena) */
-    uint64_t limit_bytes;        /* effective limit on reserved bytes (device size if none) */
+    uint64_t mapped_bytes;  /* pages under at least one live byte (in use), less those that only
+                               blocks in thread caches hold */
+    uint64_t cached_bytes;  /* idle pages kept for reuse, and the pages that only blocks freed
+                               into thread caches hold (segment mode: those blocks' bytes) */
+    uint64_t managed_bytes; /* live allocations served from managed memory */
+    uint64_t virtual_bytes; /* size of the reserved virtual ranges (one per arena) */
+    uint64_t limit_bytes;   /* effective limit on reserved bytes (device size if none; more
+                             * only on backend:managed) */
     uint64_t device_total_bytes; /* device memory as the backend reports it */
     uint64_t device_free_bytes;
     uint64_t page_size;
@@ -236,8 +244,8 @@ cuma_status cuma_stats_json(cuma_heap *heap, char *buf, size_t len, size_t *need
  *     (non-empty power-of-two buckets [{"le", "count", "bytes"}], "le" the bucket's upper bound)
  *     and "largest": the 32 largest [{"addr": "0x..", "size", "requested", "stream": "0x.." or
  *     0 for the default stream, "arena"}], by size descending, then address ascending;
- *   "thread_cached": blocks the program freed into a thread cache ("count", "bytes"): mapped,
- *     not live;
+ *   "thread_cached": blocks the program freed into a thread cache ("count", "bytes"): not live;
+ *     the pages only they hold count in "free"'s cached_bytes, as in cuma_stats;
  *   "deferred": freed blocks waiting for the streams cuma_record_stream added ("count", "bytes",
  *     "requested"); cuma_get_stats still counts them, so live + deferred give its requested_bytes
  *     and active_allocs;

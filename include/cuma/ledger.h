@@ -33,7 +33,8 @@ typedef struct cuma_ledger_entry {
     uint64_t guarantee;
     uint64_t limit;
     uint64_t reserved; /* held from the device (what the ledger admitted) */
-    uint64_t cached;   /* of which idle (published every few ms and after each release) */
+    uint64_t cached;   /* of which idle, thread caches' blocks included (published every few ms
+                          and after each release) */
     uint64_t requested;
     uint64_t peak_reserved;
     uint64_t want;           /* bytes it waits for now (a pressure request), 0 if none or

@@ -664,8 +664,9 @@ def default_heap(device=0):
     """The process-wide heap of ``device``, created on first use from CUMA_CONF, or from the
     settings given through cuma (set_memory_limit, set_memory_growth, CudaMemoryAllocator(conf),
     cuma.torch.enable(conf)), which replace CUMA_CONF for the default heaps only (backend:auto
-    when they name none, falling back to the simulated device without a CUDA driver; the stats'
-    "backend" says which). The same heap PyTorch uses after cuma.torch.enable()."""
+    when they name none; without a CUDA driver NoDeviceError unless they say backend:sim or
+    backend_fallback:sim, and the stats' "backend_fallback" says so). The same heap PyTorch uses
+    after cuma.torch.enable()."""
     device = _device_arg(device)
     with _defaults_lock:
         w = _defaults.get(device)

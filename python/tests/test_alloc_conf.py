@@ -55,7 +55,7 @@ def _stand_in_torch(monkeypatch):
 
 
 def _isolate_cuma_conf(monkeypatch):
-    # enable() writes CUMA_CONF itself: recorded here so that monkeypatch removes it afterwards.
+    # enable() must leave CUMA_CONF alone (it gives the default heaps settings of their own).
     monkeypatch.setenv("CUMA_CONF", "")
     monkeypatch.delenv("CUMA_CONF")
 
@@ -70,8 +70,9 @@ def test_enable_applies_the_translated_settings_and_warns(monkeypatch):
         with pytest.raises(RuntimeError, match="simulated device"):
             cuma.torch.enable("backend:sim,capacity:1G")
     assert len([w for w in rec if issubclass(w.category, RuntimeWarning)]) == 1
-    assert os.environ["CUMA_CONF"] == "memory_fraction:0.5,backend:sim,capacity:1G"
-    assert cuma.default_heap(0).stats()["limit_bytes"] == 512 << 20
+    assert "CUMA_CONF" not in os.environ
+    stats = cuma.default_heap(0).stats()
+    assert stats["limit_bytes"] == 512 << 20 and stats["device_total_bytes"] == 1 << 30
 
 
 def test_enable_keeps_cuma_conf_settings_over_translated_ones(monkeypatch):
@@ -92,4 +93,6 @@ def test_enable_without_the_variable_changes_nothing(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     with pytest.raises(RuntimeError, match="simulated device"):
         cuma.torch.enable("backend:sim,capacity:1G")
-    assert os.environ["CUMA_CONF"] == "backend:sim,capacity:1G"
+    assert "CUMA_CONF" not in os.environ
+    stats = cuma.default_heap(0).stats()
+    assert stats["limit_bytes"] == 1 << 30 and stats["device_total_bytes"] == 1 << 30

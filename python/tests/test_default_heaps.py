@@ -14,17 +14,18 @@ import cuma.torch as ctorch
 from conftest import cuda_driver_present
 
 MB = 1 << 20
-FALLBACK = "sim (fallback"
-
-
-def test_no_backend_named_falls_back_to_sim_visibly(monkeypatch):
+def test_no_backend_named_gives_no_sim_unasked(monkeypatch):
     monkeypatch.setenv("CUMA_CONF", "capacity:1G")
-    s = cuma.default_heap(0).stats()
     if cuda_driver_present():
-        assert not s["backend"].startswith("sim"), s["backend"]
+        assert not cuma.default_heap(0).stats()["backend"].startswith("sim")
         return
-    # No CUDA driver (or a libcuma without CUDA backends): backend:auto fell back to the sim
-    assert s["backend"].startswith(FALLBACK), s["backend"]
+    # No CUDA driver (or a libcuma without CUDA backends): an error that says what to set,
+    # never simulated memory a program would take for the GPU's
+    with pytest.raises(cuma.NoDeviceError, match="backend_fallback:sim"):
+        cuma.default_heap(0)
+    monkeypatch.setenv("CUMA_CONF", "capacity:1G,backend_fallback:sim")  # asked for
+    s = cuma.default_heap(0).stats()
+    assert s["backend"] == "sim" and s["backend_fallback"] is True
     assert s["config"]["backend"] == "sim"
     assert s["device_total_bytes"] == 1 << 30  # CUMA_CONF's other keys still apply
 
@@ -53,14 +54,14 @@ def test_default_heap_is_per_device_and_shared(monkeypatch, lib):
 
 
 def test_other_device_falls_back_only_without_driver(monkeypatch, lib):
-    monkeypatch.setenv("CUMA_CONF", "capacity:256M")
+    monkeypatch.setenv("CUMA_CONF", "capacity:256M,backend_fallback:sim")
     if cuda_driver_present():
         # A missing ordinal on a machine with a driver is an error, never simulated memory.
         with pytest.raises(cuma.NoDeviceError):
             cuma.default_heap(63)
     else:
-        assert cuma.default_heap(3).stats()["backend"].startswith(FALLBACK)
-    assert lib.cuma_torch_created_heap(0)  # device 0 was asked whether a driver exists
+        assert cuma.default_heap(3).stats()["backend_fallback"] is True
+    assert lib.cuma_torch_created_heap(0) is None  # no heap made for another's sake
 
 
 def test_config_error_is_not_remembered(monkeypatch):

@@ -116,6 +116,9 @@ def child(a):
 
         if on_gpu:
             cuma.torch.enable(a.cuma_conf)  # before the first CUDA tensor
+        else:  # the dry run's default heap is the simulated device, asked for (no driver here)
+            conf = os.environ.get("CUMA_CONF")
+            os.environ["CUMA_CONF"] = "backend:sim" + ("," + conf if conf else "")
         backend = "cuma (%s)" % cuma.torch.memory_stats().get("cuma.backend")
     elif a.child == "expandable":
         backend = "pytorch native, expandable_segments:True"

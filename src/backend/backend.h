@@ -29,6 +29,10 @@
  * heap (a simulated device without host backing: addresses and pages are only bookkeeping).
  * Without it the child's heap refuses to work: its memory is the parent's (src/core/fork.c). */
 #define CUMA_CAP_FORK_PRIVATE 32u
+/* Its memory may exceed the device's (managed memory, which the driver pages between host and
+ * device): a limit the settings give above the device size holds, and the ledger does not count
+ * it as device memory that other heaps could have. */
+#define CUMA_CAP_OVERSUBSCRIBE 64u
 
 typedef struct cuma_backend cuma_backend;
 
@@ -78,8 +82,15 @@ struct cuma_backend {
     cuma_backend *inner; /* a wrapper's (locked, ledger): the backend it calls; else NULL */
 };
 
-/* Creates the backend the settings name ("auto" picks the best available). */
+/* Creates the backend the settings name ("auto" picks the best available). Where no CUDA driver
+ * can be used, a CUDA backend is CUMA_ERR_NO_DEVICE, with a message that names the driver's
+ * reason and the settings that give the simulated device. */
 cuma_status cuma_backend_create(const cuma_settings *s, cuma_backend **out);
+
+/* cuma_backend_create, except that where no CUDA driver can be used and s->backend_fallback is
+ * "sim", it is the simulated device, with *fell_back set (a heap's creation). */
+cuma_status cuma_backend_create_or_fallback(const cuma_settings *s, cuma_backend **out,
+                                            bool *fell_back);
 
 cuma_status cuma_sim_backend_create(const cuma_settings *s, cuma_backend **out);
 

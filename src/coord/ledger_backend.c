@@ -2,7 +2,9 @@
  * is counted in the heap's slot before it is taken from the device and uncounted after it went
  * back, so the ledger's figures are exact and no heap grows into memory another one holds or is
  * guaranteed. Everything else passes straight through. Managed memory is not device memory the
- * ledger shares (it oversubscribes), so it is not counted. */
+ * ledger shares (it oversubscribes, and the driver moves it to the host when the device is
+ * needed), so it is not counted: neither the managed fallbacks nor the segments of an
+ * oversubscribing backend (backend:managed). */
 #include "backend/backend.h"
 #include "core/error.h"
 #include "ledger_backend.h"
@@ -67,6 +69,7 @@ static cuma_status lb_unmap(cuma_backend *be, uint64_t addr, uint32_t n) {
 }
 static cuma_status lb_seg_alloc(cuma_backend *be, uint64_t size, uint64_t *addr) {
     ledger_be *l = as_lb(be);
+    if (be->caps & CUMA_CAP_OVERSUBSCRIBE) return l->inner->ops->seg_alloc(l->inner, size, addr);
     cuma_status st = admit(l, size);
     if (st) return st;
     st = l->inner->ops->seg_alloc(l->inner, size, addr);
@@ -76,7 +79,7 @@ static cuma_status lb_seg_alloc(cuma_backend *be, uint64_t size, uint64_t *addr)
 static void lb_seg_free(cuma_backend *be, uint64_t addr, uint64_t size) {
     ledger_be *l = as_lb(be);
     l->inner->ops->seg_free(l->inner, addr, size);
-    give_back(l, size);
+    if (!(be->caps & CUMA_CAP_OVERSUBSCRIBE)) give_back(l, size);
 }
 static cuma_status lb_managed_alloc(cuma_backend *be, uint64_t size, uint64_t *addr) {
     cuma_backend *in = as_lb(be)->inner;

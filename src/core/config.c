@@ -45,7 +45,13 @@ static const key_desc keys[] = {
     {"backend", K_NAME, F(backend), "auto", "sim|vmm|segment|managed|auto",
      "device backend: auto (vmm on a GPU with virtual memory management, else segment), vmm "
      "(CUDA virtual memory), segment (cuMemAlloc), managed (cuMemAllocManaged), sim (simulated "
-     "device). Left unnamed, auto falls back to sim when no CUDA driver can be loaded"},
+     "device). Without a usable CUDA driver the CUDA backends (auto included) fail with "
+     "CUMA_ERR_NO_DEVICE, unless backend_fallback:sim"},
+    {"backend_fallback", K_NAME, F(backend_fallback), "none", "none|sim",
+     "what a CUDA backend (auto included) does where no CUDA driver can be used (none installed, "
+     "cuInit fails, a libcuma built without them): none = fail with CUMA_ERR_NO_DEVICE; sim = run "
+     "on the simulated device, whose pointers are not GPU memory (the stats say "
+     "\"backend_fallback\":true). A missing device ordinal on a working driver is always an error"},
     {"policy", K_NAME, F(policy), "tlsf", "tlsf|bestfit|buddy",
      "placement in the virtual range: tlsf (good fit, O(1)), bestfit (alias of tlsf), buddy "
      "(power-of-two buddy system)"},
@@ -54,7 +60,8 @@ static const key_desc keys[] = {
      "physical page size: the sim's page; on backend:vmm the device's recommended granularity, "
      "or this value when it is a larger multiple of it"},
     {"limit", K_SIZE_OR_NONE, F(limit), "none", NULL,
-     "hard limit on reserved (physical) bytes; none = the device size"},
+     "hard limit on reserved (physical) bytes; none = the device size; at most the device size, "
+     "except on backend:managed, whose managed memory oversubscribes up to this limit"},
     {"memory_fraction", K_FRACTION, F(memory_fraction), "0", NULL,
      "limit as a fraction of device memory (0 = none); the smaller of limit and this wins"},
     {"max_cached", K_SIZE_OR_NONE, F(max_cached), "none", NULL,

@@ -13,10 +13,12 @@
 /* Invariants (cuma_settings_validate): page_size is a power of two >= 4 KiB; capacity is a
  * multiple of page_size; 0 <= memory_fraction <= 1; 0 <= fragmentation_threshold <= 1;
  * 0 <= remap_threshold <= 1;
- * virtual_size == 0 (derived) or >= capacity; backend and policy are known names. */
+ * virtual_size == 0 (derived) or >= capacity; backend, backend_fallback and policy are known
+ * names. */
 typedef struct cuma_settings {
     char backend[16];               /* sim, vmm, segment, managed, auto */
     bool backend_named;             /* a settings string named the backend (else: implicit auto) */
+    char backend_fallback[16];      /* none, sim: where no CUDA driver can be used */
     char policy[16];                /* tlsf (good fit, default), buddy */
     uint64_t capacity;              /* sim: device size */
     uint64_t page_size;             /* sim: page granularity; CUDA: 0 = the device's */

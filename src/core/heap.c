@@ -36,8 +36,15 @@ static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache
          * took back) joins the arena's counters, so that what arenas publish is every thread's
          * total as of its last slow call. Published alone, a block freed into a cache would
          * still count, and other threads' peak checks would see more than was ever live. */
-        c->requested += (uint64_t)atomic_load_explicit(&tc->requested, memory_order_relaxed);
+        int64_t share = atomic_load_explicit(&tc->requested, memory_order_relaxed);
+        c->requested += (uint64_t)share;
         c->allocated += (uint64_t)atomic_load_explicit(&tc->allocated, memory_order_relaxed);
+        /* In REQUESTED from now on: the ledger's sum must not count it twice until the next
+         * count (cuma_heap_memory). */
+        atomic_store_explicit(&h->pub[CUMA_PUB_TREQ],
+                              atomic_load_explicit(&h->pub[CUMA_PUB_TREQ], memory_order_relaxed) -
+                                  share,
+                              memory_order_relaxed);
         atomic_store_explicit(&tc->requested, 0, memory_order_relaxed);
         atomic_store_explicit(&tc->allocated, 0, memory_order_relaxed);
     }
@@ -89,6 +96,11 @@ void cuma_heap_process_deferred(cuma_heap *h, bool wait) {
 
 void cuma_heap_give_cached(cuma_heap *h, cuma_block *b) {
     cuma_map_remove(&h->live, h->base + b->off);
+    /* The thread caches' published share shrinks with it until the next count, so that the
+     * ledger does not see it twice once its pages are idle. */
+    int64_t tc = atomic_load_explicit(&h->pub[CUMA_PUB_TCACHED], memory_order_relaxed);
+    atomic_store_explicit(&h->pub[CUMA_PUB_TCACHED],
+                          tc > (int64_t)b->size ? tc - (int64_t)b->size : 0, memory_order_relaxed);
     /* Freed into the cache at some point before now: a fence taken now covers that free. */
     uint64_t seq = cuma_streams_note_free(&h->streams, b->stream);
     release_block(h, b, b->stream, seq, now(h), false);
@@ -333,7 +345,9 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
     /* A request the range (or the device) could never hold is out of memory, as PyTorch's
      * allocator says of one larger than the GPU: callers that recover from OOM (a smaller
      * batch) recover from it too, and managed memory may still serve it. */
-    uint64_t room = h->vmm ? h->va_size : h->be->capacity;
+    uint64_t room = h->vmm                             ? h->va_size
+                    : h->limit_bytes > h->be->capacity ? h->limit_bytes /* oversubscribed */
+                                                       : h->be->capacity;
     cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
     if (tc && !tried && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
     cuma_arena_lock(heap, h);

@@ -21,8 +21,19 @@
 /* How often the release thread of a heap in the ledger looks for pressure requests. */
 #define CUMA_LEDGER_POLL_NS 5000000ull
 
-/* The figures an arena publishes (cuma_heap.pub). */
-enum { CUMA_PUB_REQUESTED, CUMA_PUB_ALLOCATED, CUMA_PUB_CACHED, CUMA_PUB_N };
+/* The figures an arena publishes (cuma_heap.pub). CACHED: idle pages (the release policy's);
+ * TCACHED: bytes of the pages only blocks in thread caches hold, as last counted
+ * (cuma_heap_memory; lowered by each block given back from a cache until the next count); TREQ:
+ * the thread caches' requested shares not yet in REQUESTED (negative after their frees), as last
+ * counted (less what slow calls moved into REQUESTED since). */
+enum {
+    CUMA_PUB_REQUESTED,
+    CUMA_PUB_ALLOCATED,
+    CUMA_PUB_CACHED,
+    CUMA_PUB_TCACHED,
+    CUMA_PUB_TREQ,
+    CUMA_PUB_N
+};
 
 /* A list of callbacks of one type (OOM, pressure), under the first arena's oom_lock. `fn` is
  * stored as a generic function pointer and cast back to the list's type before it is called.
@@ -85,7 +96,7 @@ struct cuma_heap {
     cuma_policy *pol;
     cuma_streams streams;
     bool vmm;              /* page mode (pages) or segment mode (segs); constant */
-    bool backend_fallback; /* no backend named, no driver: on the simulated device; constant */
+    bool backend_fallback; /* backend_fallback:sim, no driver: on the simulated device; constant */
     struct cuma_trace_writer *tw; /* first arena's: the `trace` log, or NULL; constant */
     cuma_pages pages;
     cuma_segs segs;
@@ -274,6 +285,27 @@ void cuma_fork_untrack(cuma_heap *h);
 /* The whole heap's figures (stats.c): every arena's in turn, one lock at a time (none held on
  * entry); without the ledger's and the driver's (cuma_get_stats adds those). */
 void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s);
+
+/* One arena's memory as the figures a user reads count it (its lock held): reserved, cached and
+ * mapped bytes, where cached holds the idle pages and the pages only blocks freed into thread
+ * caches hold (cuma_tcache_idle_bytes, at most the mapped ones), which mapped then leaves out, so
+ * that reserved = mapped + cached. Publishes the thread caches' share (pub[CUMA_PUB_TCACHED]).
+ * stats.c and snapshot.c both count with it. */
+void cuma_heap_memory(cuma_heap *a, uint64_t *reserved, uint64_t *cached, uint64_t *mapped);
+
+/* The heap's idle bytes for the ledger: every arena's idle pages and thread-cached blocks as last
+ * published (lock-free). */
+static inline uint64_t cuma_heap_idle_total(const cuma_heap *p) {
+    int64_t t = cuma_heap_total(p, CUMA_PUB_CACHED) + cuma_heap_total(p, CUMA_PUB_TCACHED);
+    return t > 0 ? (uint64_t)t : 0;
+}
+
+/* The heap's requested bytes for the ledger, the thread caches' shares included as last counted
+ * (lock-free). */
+static inline uint64_t cuma_heap_requested_total(const cuma_heap *p) {
+    int64_t t = cuma_heap_total(p, CUMA_PUB_REQUESTED) + cuma_heap_total(p, CUMA_PUB_TREQ);
+    return t > 0 ? (uint64_t)t : 0;
+}
 
 /* The moment `ns` from now on `clock`, for the timed waits of pthreads (release.c). */
 struct timespec cuma_deadline(clockid_t clock, uint64_t ns);

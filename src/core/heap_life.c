@@ -15,8 +15,13 @@ static uint64_t round_pow2(uint64_t x) {
 }
 
 void cuma_heap_refresh_limit(cuma_heap *h) {
+    /* The device size, or a smaller limit; on managed memory (backend:managed) any limit the user
+     * sets, since oversubscription is what it is for. Without one it stays the device size: past
+     * it every page is paged over the bus, and a program that did not ask for that is better
+     * told it is out of memory than slowed down many times over. */
     uint64_t lim = h->be->capacity;
-    if (h->set.limit != CUMA_UNLIMITED && h->set.limit < lim) lim = h->set.limit;
+    bool over = h->be->caps & CUMA_CAP_OVERSUBSCRIBE;
+    if (h->set.limit != CUMA_UNLIMITED && (over || h->set.limit < lim)) lim = h->set.limit;
     if (h->set.memory_fraction > 0) {
         uint64_t f = (uint64_t)(h->set.memory_fraction * (double)h->be->capacity);
         if (f < lim) lim = f;
@@ -176,15 +181,11 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     if (!h) return cuma_fail(CUMA_ERR_OOM, "no host memory for a heap");
     cuma_status st = cuma_settings_from_config(&h->set, cfg);
     if (st) goto fail_free;
-    st = cuma_backend_create(&h->set, &h->be);
-    if (st == CUMA_ERR_NO_DEVICE && !h->set.backend_named) {
-        /* No backend named and no CUDA driver: the simulated device, said in the stats
-         * ("backend_fallback"). A named backend gets exactly that backend or the error. */
-        snprintf(h->set.backend, sizeof h->set.backend, "sim");
-        h->backend_fallback = true;
-        st = cuma_backend_create(&h->set, &h->be);
-    }
+    st = cuma_backend_create_or_fallback(&h->set, &h->be, &h->backend_fallback);
     if (st) goto fail_free;
+    /* backend_fallback:sim and no driver: the settings say the backend the heap runs on, and
+     * the stats' "backend_fallback" why. */
+    if (h->backend_fallback) snprintf(h->set.backend, sizeof h->set.backend, "sim");
     st = cuma_heap_join_ledger(h);
     if (st) goto fail_be;
     if (h->set.trace[0]) {

@@ -97,10 +97,7 @@ void cuma_heap_ledger_publish(cuma_heap *p) {
     pthread_mutex_lock(&p->oom_lock);
     unsigned answers = CUMA_LEDGER_ANSWERS_CACHE | (p->pressure.n ? CUMA_LEDGER_ANSWERS_SHRINK : 0);
     pthread_mutex_unlock(&p->oom_lock);
-    int64_t cached = cuma_heap_total(p, CUMA_PUB_CACHED);
-    int64_t req = cuma_heap_total(p, CUMA_PUB_REQUESTED);
-    cuma_ledger_publish(p->ledger, cached > 0 ? (uint64_t)cached : 0, req > 0 ? (uint64_t)req : 0,
-                        answers);
+    cuma_ledger_publish(p->ledger, cuma_heap_idle_total(p), cuma_heap_requested_total(p), answers);
 }
 
 /* The allocator figures for `cuma stats` and the other tools (no lock held: the snapshot takes
@@ -125,6 +122,8 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
      * policy run count, so that requesters see what they may ask for. */
     atomic_store_explicit(&p->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(p),
                           memory_order_relaxed);
+    uint64_t reserved, cached, mapped;
+    cuma_heap_memory(p, &reserved, &cached, &mapped); /* and its thread caches' blocks */
     cuma_heap_ledger_publish(p);
     bool cache, fresh;
     uint64_t shrink;

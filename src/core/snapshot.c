@@ -106,10 +106,11 @@ static void add_arena(snap *s, cuma_heap *a, unsigned index) {
     }
     uint64_t lf = a->pol->ops->largest_free(a->pol);
     if (lf > s->largest_free) s->largest_free = lf;
-    uint64_t reserved = cuma_heap_reserved(a), cached = cuma_heap_cached(a);
+    uint64_t reserved, cached, mapped;
+    cuma_heap_memory(a, &reserved, &cached, &mapped);
     s->reserved += reserved;
     s->cached += cached;
-    s->mapped += a->vmm ? a->pages.nmapped * a->pages.page_size : reserved - cached;
+    s->mapped += mapped;
 }
 
 static void put_block(cuma_strbuf *o, const snap_block *e) {

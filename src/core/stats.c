@@ -8,6 +8,23 @@
 #include <stdio.h>
 #include <string.h>
 
+void cuma_heap_memory(cuma_heap *a, uint64_t *reserved, uint64_t *cached, uint64_t *mapped) {
+    *reserved = cuma_heap_reserved(a);
+    *cached = cuma_heap_cached(a);
+    *mapped = a->vmm ? a->pages.nmapped * a->pages.page_size : *reserved - *cached;
+    /* What the thread caches' blocks alone keep mapped is what a flush gives back: cached, not
+     * in use (a block freed into a cache used to count as in use until its age sent it back). */
+    uint64_t tc = a->tcaches ? cuma_tcache_idle_bytes(a) : 0;
+    if (tc > *mapped) tc = *mapped;
+    int64_t tq, ta, tn;
+    uint64_t tallocs, tfrees;
+    cuma_tcache_sums(a, &tq, &ta, &tn, &tallocs, &tfrees);
+    atomic_store_explicit(&a->pub[CUMA_PUB_TREQ], tq, memory_order_relaxed);
+    *cached += tc;
+    *mapped -= tc;
+    atomic_store_explicit(&a->pub[CUMA_PUB_TCACHED], (int64_t)tc, memory_order_relaxed);
+}
+
 /* Adds one arena's figures into s (the arena's lock held). */
 static void add_arena(cuma_heap *a, cuma_stats *s) {
     const cuma_counters *c = &a->c;
@@ -16,10 +33,11 @@ static void add_arena(cuma_heap *a, cuma_stats *s) {
     cuma_tcache_sums(a, &tq, &ta, &tn, &tallocs, &tfrees);
     s->requested_bytes += c->requested + (uint64_t)tq;
     s->allocated_bytes += c->allocated + (uint64_t)ta;
-    s->reserved_bytes += cuma_heap_reserved(a);
-    s->cached_bytes += cuma_heap_cached(a);
-    s->mapped_bytes += a->vmm ? a->pages.nmapped * a->pages.page_size
-                              : cuma_heap_reserved(a) - cuma_heap_cached(a);
+    uint64_t reserved, cached, mapped;
+    cuma_heap_memory(a, &reserved, &cached, &mapped);
+    s->reserved_bytes += reserved;
+    s->cached_bytes += cached;
+    s->mapped_bytes += mapped;
     s->virtual_bytes += a->va_size;
     s->active_allocs += c->active + (uint64_t)tn;
     s->num_allocs += c->allocs + tallocs;

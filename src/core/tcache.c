@@ -265,6 +265,60 @@ uint64_t cuma_tcache_oldest(cuma_heap *h) {
     return oldest;
 }
 
+/* Pages that several blocks overlap, with how many of the cached blocks do: a page is the caches'
+ * alone when they are all its blocks. Fixed-size, on the stack: past it a shared page counts as
+ * in use (the figure errs towards in use). */
+enum { SHARED_PAGES = 256 };
+typedef struct shared_pages {
+    uint32_t page[SHARED_PAGES], count[SHARED_PAGES];
+    unsigned n;
+} shared_pages;
+
+static void note_shared(shared_pages *sp, uint32_t v) {
+    for (unsigned i = 0; i < sp->n; i++)
+        if (sp->page[i] == v) {
+            sp->count[i]++;
+            return;
+        }
+    if (sp->n < SHARED_PAGES) sp->page[sp->n] = v, sp->count[sp->n++] = 1;
+}
+
+/* One cached block: its bytes in segment mode; else the pages it alone holds, and the shared
+ * ones noted. */
+static uint64_t idle_of(cuma_heap *h, const cuma_block *b, shared_pages *sp) {
+    if (!h->vmm) return b->size;
+    if (!b->mapped_len) return 0;
+    uint64_t ps = h->pages.page_size, own = 0;
+    uint64_t v0 = b->off / ps, v1 = (b->off + b->mapped_len - 1) / ps;
+    for (uint64_t v = v0; v <= v1 && v < h->pages.nva; v++) {
+        if (h->pages.live[v] == 1)
+            own += ps;
+        else if (h->pages.live[v] > 1)
+            note_shared(sp, (uint32_t)v);
+    }
+    return own;
+}
+
+uint64_t cuma_tcache_idle_bytes(cuma_heap *h) {
+    shared_pages sp;
+    sp.n = 0;
+    uint64_t bytes = 0;
+    for (cuma_tcache *tc = h->tcaches; tc; tc = tc->next) {
+        for (unsigned i = 0; i < CUMA_TC_BINS; i++)
+            for (unsigned k = 0; k < CUMA_TC_DEPTH; k++) {
+                cuma_block *b = atomic_load_explicit(&tc->bins[i].slot[k], memory_order_acquire);
+                if (b) bytes += idle_of(h, b, &sp);
+            }
+        for (unsigned k = 0; k < CUMA_TC_PENDING; k++) {
+            cuma_block *b = atomic_load_explicit(&tc->pending[k], memory_order_acquire);
+            if (b) bytes += idle_of(h, b, &sp);
+        }
+    }
+    for (unsigned i = 0; i < sp.n; i++)
+        if (sp.count[i] == h->pages.live[sp.page[i]]) bytes += h->pages.page_size;
+    return bytes;
+}
+
 void cuma_tcache_destroy_all(cuma_heap *h) {
     while (h->tcaches) {
         cuma_tcache *tc = h->tcaches;
@@ -290,7 +344,12 @@ void cuma_tcache_sums(cuma_heap *h, int64_t *requested, int64_t *allocated, int6
 
 /* A cache leaves its heap (its thread ended): its counters move into the heap's. */
 void cuma_tcache_sums_retire(cuma_heap *h, cuma_tcache *tc) {
-    h->c.requested += (uint64_t)atomic_load_explicit(&tc->requested, memory_order_relaxed);
+    int64_t share = atomic_load_explicit(&tc->requested, memory_order_relaxed);
+    h->c.requested += (uint64_t)share;
+    atomic_store_explicit(&h->pub[CUMA_PUB_TREQ],
+                          atomic_load_explicit(&h->pub[CUMA_PUB_TREQ], memory_order_relaxed) -
+                              share,
+                          memory_order_relaxed);
     h->c.allocated += (uint64_t)atomic_load_explicit(&tc->allocated, memory_order_relaxed);
     h->c.active += atomic_load_explicit(&tc->allocs, memory_order_relaxed) -
                    atomic_load_explicit(&tc->frees, memory_order_relaxed);

@@ -136,6 +136,12 @@ void cuma_tcache_flush_all(struct cuma_heap *h, uint64_t older_than,
  * a racing owner may make it stale, which only moves a flush a little. */
 uint64_t cuma_tcache_oldest(struct cuma_heap *h);
 
+/* What the blocks in the heap's caches alone hold (heap lock held): on pages, the bytes of the
+ * pages no live block overlaps; in segment mode, the blocks' bytes. Reads every slot (a few
+ * thousand loads a cache) and no fast-path state, so the fast paths keep no count; an owner that
+ * moves a block meanwhile makes it off by that block for a moment. */
+uint64_t cuma_tcache_idle_bytes(struct cuma_heap *h);
+
 /* Frees every cache of a heap being destroyed (heap lock held, no other thread inside). */
 void cuma_tcache_destroy_all(struct cuma_heap *h);
 

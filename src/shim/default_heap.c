@@ -18,7 +18,6 @@
 #include "backend/cuda_driver.h"
 #endif
 
-#include <ctype.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -52,79 +51,19 @@ static const char *given_settings(char buf[SETTINGS_MAX + 1]) {
     return given ? buf : NULL;
 }
 
-/* The name the stats show for a default heap that fell back from backend:auto to the
- * simulated device. It starts with "sim" so that tools keying on the backend still see a
- * simulated device, and says why, so that nobody mistakes it for a GPU. */
-static const char sim_fallback_name[] = "sim (fallback: backend:auto found no CUDA driver)";
-
-/* Whether a settings string names the backend key. Parsed leniently: the full check happens
- * in cuma_heap_create, which reports a malformed string with the key that is wrong. */
-static bool names_backend(const char *conf) {
-    if (!conf) return false;
-    const char *p = conf;
-    while (*p) {
-        while (*p == ',' || isspace((unsigned char)*p)) p++;
-        const char *key = p;
-        while (*p && *p != ':' && *p != ',') p++;
-        const char *end = p;
-        while (end > key && isspace((unsigned char)end[-1])) end--;
-        if ((size_t)(end - key) == 7 && !strncmp(key, "backend", 7)) return true;
-        while (*p && *p != ',') p++;
-    }
-    return false;
-}
-
-/* Creates the heap of `device`. Called with create_lock held. */
+/* Creates the heap of `device`. Called with create_lock held. Like any heap: without a usable
+ * CUDA driver it is CUMA_ERR_NO_DEVICE unless the settings say backend:sim or
+ * backend_fallback:sim (a framework given simulated addresses for a GPU would crash far from
+ * here). */
 static cuma_status create_default(int device, cuma_heap **out) {
     /* The ordinal goes into the settings string as well as cfg.device: the string is applied
      * after CUMA_CONF (or the given settings), so a "device:N" there cannot send every default
      * heap to one device. */
     char given_buf[SETTINGS_MAX + 1], conf[SETTINGS_MAX + 64];
     const char *given = given_settings(given_buf);
-    bool auto_backend = !names_backend(given ? given : getenv("CUMA_CONF"));
-    snprintf(conf, sizeof conf, "%s%s%sdevice:%d", auto_backend ? "backend:auto," : "",
-             given ? given : "", given ? "," : "", device);
+    snprintf(conf, sizeof conf, "%s%sdevice:%d", given ? given : "", given ? "," : "", device);
     cuma_config cfg = {.conf = conf, .flags = given ? CUMA_CONFIG_NO_ENV : 0, .device = device};
-    cuma_status st = cuma_heap_create(&cfg, out);
-    if (st != CUMA_ERR_NO_DEVICE || !auto_backend) return st;
-    if (device != 0) {
-        /* NO_DEVICE also means "no such ordinal" on a machine that has a driver, and handing
-         * a framework simulated addresses for a real GPU would crash it. Device 0 tells the
-         * two apart: it exists wherever a driver does. Its heap is a default heap anyway. */
-        cuma_heap *h0 = atomic_load_explicit(&heaps[0], memory_order_relaxed);
-        char why[256];
-        snprintf(why, sizeof why, "%s", cuma_last_error());
-        if (!h0 && create_default(0, &h0) == CUMA_OK)
-            atomic_store_explicit(&heaps[0], h0, memory_order_release);
-        if (h0 && h0->be->name != sim_fallback_name)
-            return cuma_fail(st, "default heap %d: %s", device, why);
-        cuma_fail(st, "%s", why);
-    }
-    /* No CUDA driver (or a libcuma built without the CUDA backends): fall back to the
-     * simulated device, so that code written against the default heap (the Python package,
-     * tests, `cuma` tools, a CPU-only CI machine) runs everywhere without configuration.
-     * The choice is only ever implicit: a CUMA_CONF that names a backend gets exactly that
-     * backend or an error. A framework that needs real device memory must check the backend
-     * (the Python layer's cuma.torch.enable() refuses a simulated heap), which is why the
-     * fallback is visible in the stats' "backend" field rather than silent. */
-    char why[256];
-    snprintf(why, sizeof why, "%s", cuma_last_error());
-    snprintf(conf, sizeof conf, "backend:sim,%s%sdevice:%d", given ? given : "", given ? "," : "",
-             device);
-    st = cuma_heap_create(&cfg, out);
-    if (st) {
-        /* Both failed: report the sim's reason, which is the actionable one (the settings),
-         * and keep the driver's reason next to it. */
-        char sim_why[320];
-        snprintf(sim_why, sizeof sim_why, "%s", cuma_last_error());
-        return cuma_fail(st, "default heap %d: %s (backend:auto failed first: %s)", device, sim_why,
-                         why);
-    }
-    /* The heap is not published yet, so no other thread can read the name while it changes;
-     * the core only compares the name at creation (release thread choice), which is over. */
-    (*out)->be->name = sim_fallback_name;
-    (*out)->backend_fallback = true; /* as for any heap that named no backend (cuma.h) */
-    return CUMA_OK;
+    return cuma_heap_create(&cfg, out);
 }
 
 /* A fork while another thread was creating a heap (create_lock held) would leave the lock held in

@@ -423,9 +423,9 @@ static void test_vmm_ops(void) {
     uint64_t m, fr, tot;
     CHECK_OK(o->managed_alloc(be, 3 * MB, &m));
     pattern_fill((void *)(uintptr_t)m, 3 * MB, 9);
-    CHECK(fakecuda_live("managed") == 1);
-    CHECK_OK(o->mem_info(be, &fr, &tot));
-    CHECK(tot == capacity_env() && fr < tot);
+    CHECK(fakecuda_live("managed") == 1 && fakecuda_managed_bytes() >= 3 * MB);
+    CHECK_OK(o->mem_info(be, &fr, &tot)); /* device memory: managed memory is not in it */
+    CHECK(tot == capacity_env() && fr == tot - fakecuda_used_bytes(0));
     o->managed_free(be, m, 3 * MB);
     CHECK(fakecuda_live("managed") == 0);
     uint64_t t0 = o->now_ns(be), t1 = o->now_ns(be);
@@ -454,8 +454,14 @@ static void test_segment_ops(const char *name) {
     CHECK_ST(o->page_create(be, &x), CUMA_ERR_UNSUPPORTED);
     CHECK_ST(o->map(be, a, &x, 1), CUMA_ERR_UNSUPPORTED);
     CHECK_ST(o->unmap(be, a, 1), CUMA_ERR_UNSUPPORTED);
-    /* Bigger than the device: the driver's OOM becomes cuma's. */
-    CHECK_ST(o->seg_alloc(be, capacity_env() + 2 * MB, &x), CUMA_ERR_OOM);
+    /* Bigger than the device: the driver's OOM becomes cuma's. Managed memory may be bigger
+     * than the device (the fake's host memory is 4 times it). */
+    bool managed = !strcmp(name, "managed");
+    if (managed) {
+        CHECK_OK(o->seg_alloc(be, capacity_env() + 2 * MB, &x));
+        o->seg_free(be, x, capacity_env() + 2 * MB);
+    }
+    CHECK_ST(o->seg_alloc(be, (managed ? 4 : 1) * capacity_env() + 2 * MB, &x), CUMA_ERR_OOM);
     CHECK(strstr(cuma_last_error(), "CUDA_ERROR_OUT_OF_MEMORY"));
     o->seg_free(be, a, 20 * MB);
     o->seg_free(be, b, 2 * MB);
@@ -572,6 +578,10 @@ static void test_bad_device(void) {
     cuma_heap *h = NULL;
     CHECK_ST(cuma_heap_create(&cfg, &h), CUMA_ERR_NO_DEVICE);
     CHECK(h == NULL && strstr(cuma_last_error(), "device 7"));
+    /* The simulated fallback is for a missing driver, never for a missing device. */
+    cfg.conf = "backend_fallback:sim";
+    CHECK_ST(cuma_heap_create(&cfg, &h), CUMA_ERR_NO_DEVICE);
+    CHECK(h == NULL && strstr(cuma_last_error(), "device 7"));
     check_no_driver_objects();
 }
 
@@ -602,8 +612,25 @@ static void run_nodriver(const char *why) {
         CHECK(strstr(cuma_last_error(), why));
         fprintf(stderr, "backend:%s without a driver: %s\n", names[i], cuma_last_error());
     }
+    /* Nor does the default backend fall back unasked; the message says what to set. */
+    cuma_config cfg = {.conf = "capacity:64M", .flags = CUMA_CONFIG_NO_ENV};
+    cuma_heap *h = (cuma_heap *)1;
+    CHECK_ST(cuma_heap_create(&cfg, &h), CUMA_ERR_NO_DEVICE);
+    CHECK(h == NULL && strstr(cuma_last_error(), why));
+    CHECK(strstr(cuma_last_error(), "backend:sim") &&
+          strstr(cuma_last_error(), "backend_fallback:sim"));
+    /* Asked for, every CUDA backend falls back to the simulated device, visibly. */
+    for (int i = 0; i < 4; i++) {
+        char conf[96];
+        snprintf(conf, sizeof conf, "backend:%s,backend_fallback:sim,capacity:64M", names[i]);
+        h = heap_make(conf);
+        char json[8192];
+        CHECK_OK(cuma_stats_json(h, json, sizeof json, NULL));
+        CHECK(strstr(json, "\"backend\":\"sim\"") && strstr(json, "\"backend_fallback\":true"));
+        cuma_heap_destroy(h);
+    }
     /* The sim needs no driver. */
-    cuma_heap *h = heap_make("backend:sim,capacity:64M");
+    h = heap_make("backend:sim,capacity:64M");
     cuma_heap_destroy(h);
 }
 

@@ -29,7 +29,7 @@ static void test_churn(const char *backend) {
     CHECK(fakecuda_live(kind) > 0);
     cuma_stats s = heap_stats(h);
     CHECK(s.reserved_bytes > 0);
-    CHECK(fakecuda_used_bytes(0) >= s.reserved_bytes);
+    CHECK((managed ? fakecuda_managed_bytes() : fakecuda_used_bytes(0)) >= s.reserved_bytes);
 
     churn_free(h, &c);
     CHECK_OK(cuma_validate(h));
@@ -42,7 +42,7 @@ static void test_churn(const char *backend) {
     CHECK(fakecuda_calls(alloc_api) == fakecuda_calls("cuMemFree"));
     s = heap_stats(h);
     CHECK(s.reserved_bytes == 0);
-    CHECK(fakecuda_used_bytes(0) == 0);
+    CHECK(fakecuda_used_bytes(0) == 0 && fakecuda_managed_bytes() == 0);
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
     check_no_driver_objects();
@@ -95,6 +95,87 @@ static void test_held_stream(const char *backend) {
     CHECK_CU(cuStreamDestroy(a));
 }
 
+/* Allocates `chunk`-byte blocks until one fails or `most` are live; the number that succeeded. */
+static unsigned fill(cuma_heap *h, void **p, unsigned most, size_t chunk, cuma_status *last) {
+    unsigned n = 0;
+    *last = CUMA_OK;
+    while (n < most && (*last = cuma_alloc(h, chunk, NULL, &p[n])) == CUMA_OK) n++;
+    return n;
+}
+
+static void free_all(cuma_heap *h, void **p, unsigned n) {
+    for (unsigned i = 0; i < n; i++) CHECK_OK(cuma_free(h, p[i], NULL));
+}
+
+/* backend:managed oversubscribes up to the limit the user sets (the device here is 1 GiB, the
+ * fake's host memory 4 GiB); without one it stops at the device size, as every backend does. The
+ * ledger admits none of it: other heaps keep the device. */
+static void test_oversubscribe(void) {
+    const uint64_t dev = 1024 * MB, chunk = 64 * MB;
+    void *p[64];
+    cuma_status last;
+    char conf[160];
+    snprintf(conf, sizeof conf,
+             "backend:managed,limit:3G,release_delay_ms:never,ledger:cuma-test-%d", (int)getpid());
+    for (int with_ledger = 0; with_ledger < 2; with_ledger++) {
+        cuma_heap *h = heap_make(with_ledger ? conf : "backend:managed,limit:3G,ledger:off");
+        cuma_stats s = heap_stats(h);
+        CHECK(s.limit_bytes == 3 * dev && s.device_total_bytes == dev);
+        unsigned n = fill(h, p, 64, chunk, &last);
+        CHECK_ST(last, CUMA_ERR_LIMIT); /* the user's limit, not the device, stopped it */
+        s = heap_stats(h);
+        CHECK(n * chunk > 2 * dev && s.reserved_bytes <= 3 * dev && s.reserved_bytes > 2 * dev);
+        CHECK(fakecuda_managed_bytes() == s.reserved_bytes && fakecuda_used_bytes(0) == 0);
+        CHECK_OK(cuma_validate(h)); /* the ledger admitted none of it */
+        free_all(h, p, n);
+        /* One block larger than the device fits as well. */
+        CHECK_OK(cuma_alloc(h, 1536 * MB, NULL, &p[0]));
+        pattern_fill((char *)p[0] + 1535 * MB, MB, 7);
+        CHECK_OK(cuma_free(h, p[0], NULL));
+        cuma_heap_destroy(h);
+    }
+    /* No limit: the device size (CUMA_ERR_OOM at it, as on any backend). */
+    cuma_heap *h = heap_make("backend:managed,ledger:off");
+    CHECK(heap_stats(h).limit_bytes == dev);
+    unsigned n = fill(h, p, 64, chunk, &last);
+    CHECK_ST(last, CUMA_ERR_OOM);
+    CHECK(n * chunk <= dev && heap_stats(h).reserved_bytes <= dev);
+    free_all(h, p, n);
+    void *big;
+    CHECK_ST(cuma_alloc(h, 1536 * MB, NULL, &big), CUMA_ERR_OOM);
+    cuma_heap_destroy(h);
+    /* Device memory is not oversubscribed: a limit above it is the device size. */
+    h = heap_make("backend:segment,limit:3G,ledger:off");
+    CHECK(heap_stats(h).limit_bytes == dev);
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
+/* managed_fallback serves what the full device cannot, beyond the device's size. */
+static void test_managed_fallback_beyond_device(const char *backend) {
+    const uint64_t dev = 1024 * MB;
+    char conf[128];
+    snprintf(conf, sizeof conf, "backend:%s,managed_fallback:on,ledger:off,release_delay_ms:never",
+             backend);
+    cuma_heap *h = heap_make(conf);
+    void *p[64];
+    cuma_status last;
+    unsigned n = fill(h, p, 16, 64 * MB, &last); /* the device is full */
+    CHECK_OK(last);
+    CHECK(heap_stats(h).reserved_bytes == dev && heap_stats(h).managed_fallbacks == 0);
+    void *m[3];
+    for (int i = 0; i < 3; i++) CHECK_OK(cuma_alloc(h, 1024 * MB, NULL, &m[i]));
+    cuma_stats s = heap_stats(h);
+    CHECK(s.managed_fallbacks == 3 && s.managed_bytes == 3 * dev && s.reserved_bytes <= dev);
+    CHECK(fakecuda_managed_bytes() >= 3 * dev);
+    pattern_fill((char *)m[2] + dev - MB, MB, 3);
+    for (int i = 0; i < 3; i++) CHECK_OK(cuma_free(h, m[i], NULL));
+    free_all(h, p, n);
+    CHECK(heap_stats(h).managed_bytes == 0 && fakecuda_managed_bytes() == 0);
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
 int main(int argc, char **argv) {
     const char *backend = argc > 1 ? argv[1] : "segment";
     watchdog(240, backend);
@@ -102,6 +183,8 @@ int main(int argc, char **argv) {
     test_churn(backend);
     test_partial(backend);
     test_held_stream(backend);
+    if (!strcmp(backend, "managed")) test_oversubscribe();
+    if (!strcmp(backend, "segment")) test_managed_fallback_beyond_device(backend);
     test_ctx_close(&t);
     fprintf(stderr, "test_cuda_segment %s: ok\n", backend);
     return 0;

@@ -20,9 +20,9 @@
  *   capacity (16x when possible, sparse so it costs nothing) so that
  *   fragmentation of file offsets never causes an OOM that a real GPU would
  *   not report; the capacity limit itself is enforced by byte accounting:
- *   cuMemCreate, cuMemAlloc and cuMemAllocManaged (rounded up to the
- *   granularity) are charged to the device, and a request that would exceed
- *   the capacity fails with CUDA_ERROR_OUT_OF_MEMORY. Freed physical ranges
+ *   cuMemCreate and cuMemAlloc (rounded up to the granularity) are charged
+ *   to the device, and a request that would exceed the capacity fails with
+ *   CUDA_ERROR_OUT_OF_MEMORY. Freed physical ranges
  *   are returned to the host with fallocate(PUNCH_HOLE).
  * - Handles (cuMemCreate) are opaque 64-bit ids (generation << 32 | slot+1)
  *   into a slot table. A released handle's memory is freed when its last
@@ -34,7 +34,10 @@
  *   reservation back. Data in a handle survives unmap + remap elsewhere.
  * - cuMemAlloc memory comes from the same memfd allocator, mapped read-write
  *   at a fresh granularity-aligned address. cuMemAllocManaged is anonymous
- *   read-write memory, charged to the current device.
+ *   read-write memory of the current context, charged to no device: as on a
+ *   Linux GPU with concurrent managed access, it may exceed device memory
+ *   (the driver pages it in on use) up to host memory, FAKECUDA_HOST_MEMORY
+ *   (default 4x the capacity) for all devices together.
  * - Streams: cuStreamCreate objects plus per-device pseudo streams for
  *   NULL/CU_STREAM_LEGACY and CU_STREAM_PER_THREAD. Work completes instantly
  *   unless a test holds the stream (fakecuda_stream_hold): then events
@@ -72,6 +75,7 @@ FC_HIDDEN int fc_initialized;
 FC_HIDDEN struct fc_device fc_dev[FC_MAX_DEVICES];
 FC_HIDDEN struct fc_live_counts fc_live_n;
 FC_HIDDEN struct fc_live_counts fc_reclaimed_n;
+FC_HIDDEN uint64_t fc_managed_used;
 FC_HIDDEN _Thread_local struct CUctx_st *fc_tls_ctx;
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -162,6 +166,7 @@ static void load_config(void) {
     fc_cfg.ndev = (int)env_long("FAKECUDA_DEVICES", 1, 0, FC_MAX_DEVICES);
     fc_cfg.gran = env_size("FAKECUDA_GRANULARITY", 2ull << 20);
     fc_cfg.capacity = env_size("FAKECUDA_CAPACITY", 80ull << 30);
+    fc_cfg.host_memory = env_size("FAKECUDA_HOST_MEMORY", 4 * fc_cfg.capacity);
     fc_cfg.no_vmm = env_long("FAKECUDA_NO_VMM", 0, 0, 1) != 0;
     fc_cfg.no_peer = env_long("FAKECUDA_NO_PEER", 0, 0, 1) != 0;
     fc_cfg.sync_timeout_ms = env_long("FAKECUDA_SYNC_TIMEOUT_MS", 10000, 1, 86400000L);
@@ -793,6 +798,14 @@ long fakecuda_live(const char *kind) {
 
 long fakecuda_reclaimed(const char *kind) {
     return count_of(&fc_reclaimed_n, kind, "fakecuda_reclaimed");
+}
+
+size_t fakecuda_managed_bytes(void) {
+    fc_config_once();
+    fc_lock();
+    size_t v = (size_t)fc_managed_used;
+    fc_unlock();
+    return v;
 }
 
 size_t fakecuda_used_bytes(int device) {

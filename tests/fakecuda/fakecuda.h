@@ -13,6 +13,8 @@
  *   FAKECUDA_CAPACITY         bytes per device, suffix K/M/G/T (default 80G);
  *                             a multiple of the granularity
  *   FAKECUDA_GRANULARITY      power of two >= page size (default 2M)
+ *   FAKECUDA_HOST_MEMORY      bytes cuMemAllocManaged may hand out, all
+ *                             devices together (default 4x the capacity)
  *   FAKECUDA_NO_VMM=1         no virtual memory management support
  *   FAKECUDA_NO_PEER=1        cuDeviceCanAccessPeer reports 0
  *   FAKECUDA_SYNC_TIMEOUT_MS  how long a synchronize waits for held work
@@ -97,10 +99,14 @@ long fakecuda_reclaimed(const char *kind);
 /*
  * Bytes charged to `device`'s capacity: cuMemCreate physical memory that is
  * still allocated (a released handle stays charged until its last mapping is
- * unmapped), cuMemAlloc and cuMemAllocManaged sizes rounded up to the
- * granularity.
+ * unmapped) and cuMemAlloc sizes, rounded up to the granularity. Managed
+ * memory is charged to no device (fakecuda_managed_bytes).
  */
 size_t fakecuda_used_bytes(int device);
+
+/* Bytes of live cuMemAllocManaged allocations (rounded up to the granularity), all devices
+ * together: host memory, bounded by FAKECUDA_HOST_MEMORY, not by any device's capacity. */
+size_t fakecuda_managed_bytes(void);
 
 #ifdef __cplusplus
 }

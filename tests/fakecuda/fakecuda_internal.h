@@ -83,6 +83,7 @@ struct fc_config {
     int ndev;
     uint64_t capacity;
     uint64_t gran;
+    uint64_t host_memory; /* what cuMemAllocManaged may hand out, all devices together */
     int no_vmm;
     int no_peer;
     long sync_timeout_ms;
@@ -131,6 +132,8 @@ struct fc_live_counts {
 };
 
 extern FC_HIDDEN struct fc_config fc_cfg;
+/* Bytes of live cuMemAllocManaged blocks (host memory, not any device's; under fc_mu). */
+extern FC_HIDDEN uint64_t fc_managed_used;
 extern FC_HIDDEN pthread_mutex_t fc_mu;
 extern FC_HIDDEN pthread_cond_t fc_cv;
 extern FC_HIDDEN int fc_initialized;

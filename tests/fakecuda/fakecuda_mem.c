@@ -524,7 +524,8 @@ out:
 
 static CUresult block_alloc(CUdeviceptr *dptr, size_t bytesize, int managed) {
     if (!dptr || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
-    if (bytesize > fc_cfg.capacity) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (bytesize > (managed ? fc_cfg.host_memory : fc_cfg.capacity))
+        return CUDA_ERROR_OUT_OF_MEMORY;
     uint64_t size = (bytesize + fc_cfg.gran - 1) & ~(fc_cfg.gran - 1);
     int dev;
     fc_lock();
@@ -533,7 +534,9 @@ static CUresult block_alloc(CUdeviceptr *dptr, size_t bytesize, int managed) {
     struct fc_device *d = &fc_dev[dev];
     rc = CUDA_ERROR_OUT_OF_MEMORY;
     uint64_t off = 0;
-    if (!charge_ok(d, size) || (!managed && phys_alloc(d, size, &off) != 0)) goto out;
+    if (managed ? size > fc_cfg.host_memory - fc_managed_used
+                : !charge_ok(d, size) || phys_alloc(d, size, &off) != 0)
+        goto out;
     void *p = va_reserve(size, fc_cfg.gran, 0);
     void *q = MAP_FAILED;
     if (p && managed)
@@ -546,11 +549,13 @@ static CUresult block_alloc(CUdeviceptr *dptr, size_t bytesize, int managed) {
         if (!managed) phys_free(d, off, size);
         goto out;
     }
-    d->used += size;
-    if (managed)
+    if (managed) {
+        fc_managed_used += size;
         fc_live_n.managed++;
-    else
+    } else {
+        d->used += size;
         fc_live_n.allocs++;
+    }
     *dptr = (CUdeviceptr)b.addr;
     rc = CUDA_SUCCESS;
 out:
@@ -586,12 +591,14 @@ static CUresult free_block(CUdeviceptr dptr) {
         memcpy(&b, fc_vec_at(&g_blocks, i), sizeof b);
         if (b.addr == dptr) {
             munmap((void *)(uintptr_t)b.addr, b.size);
-            if (!b.managed) phys_free(&fc_dev[b.dev], b.off, b.size);
-            fc_dev[b.dev].used -= b.size;
-            if (b.managed)
+            if (b.managed) {
+                fc_managed_used -= b.size;
                 fc_live_n.managed--;
-            else
+            } else {
+                phys_free(&fc_dev[b.dev], b.off, b.size);
+                fc_dev[b.dev].used -= b.size;
                 fc_live_n.allocs--;
+            }
             fc_vec_erase(&g_blocks, i, 1);
             rc = CUDA_SUCCESS;
         }
@@ -642,12 +649,13 @@ void fc_mem_reset_device_locked(int dev) {
             continue;
         }
         munmap((void *)(uintptr_t)b.addr, b.size);
-        if (!b.managed) phys_free(&fc_dev[dev], b.off, b.size);
-        fc_dev[dev].used -= b.size;
         if (b.managed) {
+            fc_managed_used -= b.size;
             fc_live_n.managed--;
             fc_reclaimed_n.managed++;
         } else {
+            phys_free(&fc_dev[dev], b.off, b.size);
+            fc_dev[dev].used -= b.size;
             fc_live_n.allocs--;
             fc_reclaimed_n.allocs++;
         }

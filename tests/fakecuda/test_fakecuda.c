@@ -338,7 +338,18 @@ static void test_capacity(void) {
     CHECK(fr == 0 && tot == CAP);
     CUdeviceptr p;
     CHECK_RC(cuMemAlloc(&p, 1), CUDA_ERROR_OUT_OF_MEMORY);
-    CHECK_RC(cuMemAllocManaged(&p, 1, CU_MEM_ATTACH_GLOBAL), CUDA_ERROR_OUT_OF_MEMORY);
+    /* Managed memory is host memory the driver pages in: a full device does not limit it, and
+     * it may exceed the device, up to FAKECUDA_HOST_MEMORY (4x the capacity here). */
+    CUdeviceptr m1, m2;
+    OK(cuMemAllocManaged(&m1, 2 * CAP, CU_MEM_ATTACH_GLOBAL));
+    OK(cuMemAllocManaged(&m2, 2 * CAP - GRAN, CU_MEM_ATTACH_GLOBAL));
+    CHECK(fakecuda_managed_bytes() == 4 * CAP - GRAN && fakecuda_used_bytes(0) == CAP);
+    H(m1)[2 * CAP - 1] = 7; /* usable from the host at once */
+    CHECK_RC(cuMemAllocManaged(&p, 2 * GRAN, CU_MEM_ATTACH_GLOBAL), CUDA_ERROR_OUT_OF_MEMORY);
+    CHECK_RC(cuMemAllocManaged(&p, 4 * CAP + 1, CU_MEM_ATTACH_GLOBAL), CUDA_ERROR_OUT_OF_MEMORY);
+    OK(cuMemFree(m2));
+    OK(cuMemFree(m1));
+    CHECK(fakecuda_managed_bytes() == 0);
     CUmemGenericAllocationHandle other = create(1, GRAN); /* device 1 is separate */
     OK(cuMemRelease(other));
     /* free every other granule; bigger handles still fit (no fragmentation OOM) */
@@ -376,12 +387,13 @@ static void test_alloc(void) {
     CHECK_RC(cuMemFree(0), CUDA_ERROR_INVALID_VALUE);
     CHECK_RC(cuMemAllocManaged(&m, GRAN, 0), CUDA_ERROR_INVALID_VALUE);
     OK(cuMemAllocManaged(&m, 3 * MiB, CU_MEM_ATTACH_GLOBAL));
-    CHECK(fakecuda_used_bytes(0) == 3 * GRAN && fakecuda_live("managed") == 1);
+    CHECK(fakecuda_used_bytes(0) == GRAN && fakecuda_live("managed") == 1);
+    CHECK(fakecuda_managed_bytes() == 2 * GRAN);
     H(m)[3 * MiB - 1] = 9;
     OK(cuMemsetD8(m, 1, 3 * MiB));
     OK(cuCtxSetCurrent(g_ctx1)); /* charged to the current context's device */
     OK(cuMemAlloc(&q, 5 * MiB));
-    CHECK(fakecuda_used_bytes(1) == 3 * GRAN && fakecuda_used_bytes(0) == 3 * GRAN);
+    CHECK(fakecuda_used_bytes(1) == 3 * GRAN && fakecuda_used_bytes(0) == GRAN);
     OK(cuMemGetInfo(&fr, &tot));
     CHECK(fr == CAP - 3 * GRAN);
     OK(cuMemFree(q));
@@ -391,6 +403,7 @@ static void test_alloc(void) {
     OK(cuMemFree(m));
     CHECK(fakecuda_live("allocs") == 0 && fakecuda_live("managed") == 0);
     CHECK(fakecuda_used_bytes(0) == 0 && fakecuda_used_bytes(1) == 0);
+    CHECK(fakecuda_managed_bytes() == 0);
 }
 
 /* A reset destroys device 0's memory (not device 1's, not the reservation): every old handle,
@@ -542,6 +555,7 @@ int main(int argc, char **argv) {
     setenv("FAKECUDA_FAIL", "cuDeviceGetCount:2", 1);
     unsetenv("FAKECUDA_NO_VMM");
     unsetenv("FAKECUDA_NO_PEER");
+    unsetenv("FAKECUDA_HOST_MEMORY");
     test_preinit();
     test_env_fail();
     test_devices();

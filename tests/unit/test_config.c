@@ -89,8 +89,8 @@ static void test_defaults(void) {
     int n = table_keys(rows, 64);
     CHECK(n >= 15);
     char all[4096] = "";
-    static const char *candidates[] = {"1",  "0",    "on",    "off",   "4K",     "0.5",    "7",
-                                       "3G", "none", "never", "buddy", "manual", "segment"};
+    static const char *candidates[] = {"1",  "0",    "on",    "off",   "4K",     "0.5",     "7",
+                                       "3G", "none", "never", "buddy", "manual", "segment", "sim"};
     for (int i = 0; i < n; i++) {
         for (int j = 0; j < i; j++) CHECK(strcmp(rows[i].key, rows[j].key)); /* listed once */
         char item[160];

@@ -1,6 +1,6 @@
 /* The process-wide default heaps and the PyTorch entry points (src/shim): creation on first
- * use from many threads at once, the backend:auto -> sim fallback and its visibility in the
- * stats, the hooks' edge cases, shutdown. */
+ * use from many threads at once, no simulated device unasked without a driver (and the
+ * backend_fallback:sim that asks for it), the hooks' edge cases, shutdown. */
 #include "check.h"
 #include "cuma/torch.h"
 
@@ -49,27 +49,42 @@ static void test_first_use_race(void) {
     CHECK(cuma_torch_created_heap(0) == NULL);
 }
 
-static void test_fallback_is_visible(void) {
-    setenv("CUMA_CONF", "capacity:256M", 1); /* no backend named: auto, else the sim */
+/* Without a usable driver (CUMA_CUDA_LIBRARY names none, so this holds on a GPU machine too)
+ * a default heap that names no backend is an error that says how to get the simulated device,
+ * never simulated memory unasked; backend_fallback:sim gives it, visibly, on every device. */
+static void test_no_driver_is_an_error_unless_asked(void) {
+    setenv("CUMA_CUDA_LIBRARY", "/nonexistent/libcuda.so.1", 1);
+    setenv("CUMA_CONF", "capacity:256M", 1); /* no backend named: auto */
     cuma_default_heaps_shutdown();
-    cuma_heap *h;
-    cuma_status st = cuma_default_heap(0, &h);
-    CHECK_OK(st);
+    cuma_heap *h = (cuma_heap *)1;
+    CHECK_ST(cuma_default_heap(0, &h), CUMA_ERR_NO_DEVICE);
+    CHECK(h == NULL && cuma_torch_created_heap(0) == NULL);
+    const char *why = cuma_last_error();
+    CHECK(strstr(why, "no usable CUDA driver") && strstr(why, "/nonexistent/libcuda.so.1"));
+    CHECK(strstr(why, "backend:sim") && strstr(why, "backend_fallback:sim"));
+    CHECK(cuma_torch_malloc(4096, 0, NULL) == NULL);
+    CHECK(strstr(cuma_last_error(), "no usable CUDA driver"));
+    /* Asked for: the simulated device, said in the stats; CUMA_CONF's other keys apply. */
+    setenv("CUMA_CONF", "capacity:256M,backend_fallback:sim", 1);
+    CHECK_OK(cuma_default_heap(0, &h));
     char buf[8192];
     CHECK(cuma_torch_stats_json(0, buf, sizeof buf) > 0);
-    if (strstr(buf, "\"backend\":\"sim")) {
-        /* No driver here: the fallback must say so, and device 3 falls back as well. */
-        CHECK(strstr(buf, "\"backend\":\"sim (fallback") != NULL);
-        CHECK(strstr(buf, "\"backend_fallback\":true") != NULL);
-        cuma_heap *h3;
-        CHECK_OK(cuma_default_heap(3, &h3));
-        CHECK(h3 != h);
-        /* Named explicitly, auto gets no fallback. */
-        setenv("CUMA_CONF", "backend:auto", 1);
-        cuma_default_heaps_shutdown();
-        CHECK_ST(cuma_default_heap(0, &h), CUMA_ERR_NO_DEVICE);
-        CHECK(h == NULL);
-    }
+    CHECK(strstr(buf, "\"backend\":\"sim\"") && strstr(buf, "\"backend_fallback\":true"));
+    cuma_stats s;
+    CHECK_OK(cuma_get_stats(h, &s));
+    CHECK(s.device_total_bytes == 256u << 20);
+    cuma_heap *h3;
+    CHECK_OK(cuma_default_heap(3, &h3));
+    CHECK(h3 != h);
+    /* A named backend falls back only when asked as well. */
+    setenv("CUMA_CONF", "backend:auto", 1);
+    cuma_default_heaps_shutdown();
+    CHECK_ST(cuma_default_heap(0, &h), CUMA_ERR_NO_DEVICE);
+    CHECK(h == NULL);
+    setenv("CUMA_CONF", "backend:segment,backend_fallback:sim", 1);
+    CHECK_OK(cuma_default_heap(0, &h));
+    CHECK(cuma_torch_stats_json(0, buf, sizeof buf) > 0);
+    CHECK(strstr(buf, "\"backend_fallback\":true"));
     cuma_default_heaps_shutdown();
 }
 
@@ -139,9 +154,10 @@ static void test_default_settings(void) {
     CHECK_OK(cuma_default_heap(0, &d));
     CHECK_OK(cuma_get_stats(d, &s));
     CHECK(s.limit_bytes == 8 << 20); /* still the given settings */
-    /* No backend named: backend:auto, or the sim fallback, with the given settings either way. */
+    /* No backend named: backend:auto, here (no driver) the sim fallback the settings ask for,
+     * with the given settings either way. */
     cuma_default_heaps_shutdown();
-    CHECK_OK(cuma_default_settings_set("limit:4M"));
+    CHECK_OK(cuma_default_settings_set("limit:4M,backend_fallback:sim"));
     CHECK_OK(cuma_default_heap(0, &d));
     CHECK_OK(cuma_get_stats(d, &s));
     CHECK(s.limit_bytes == 4 << 20);
@@ -158,7 +174,7 @@ static void test_default_settings(void) {
 
 int main(void) {
     test_first_use_race();
-    test_fallback_is_visible();
+    test_no_driver_is_an_error_unless_asked();
     test_entry_point_edges();
     test_default_settings();
     unsetenv("CUMA_CONF");

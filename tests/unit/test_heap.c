@@ -480,7 +480,8 @@ static void test_segments(void) {
     CHECK(s.reserved_bytes == 0 && s.page_creates == 2 && s.page_releases == 2);
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
-    cuma_config bad = {.conf = "sim_segments:on,policy:buddy", .flags = CUMA_CONFIG_NO_ENV};
+    cuma_config bad = {.conf = "backend:sim,sim_segments:on,policy:buddy",
+                       .flags = CUMA_CONFIG_NO_ENV};
     CHECK_ST(cuma_heap_create(&bad, &h), CUMA_ERR_CONFIG);
     CHECK(strstr(cuma_last_error(), "buddy"));
 }

@@ -1,10 +1,15 @@
 /* The per-thread caches (fast path): reuse, accounting, double frees, frees from other threads,
  * flushes by trim, age and out-of-memory, thread exit. */
 #include "check.h"
+#include "core/heap.h"
+#include "coord/ledger.h"
 #include "core/tcache.h"
+#include "cuma/ledger.h"
 #include "cuma/sim.h"
 
 #include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -23,7 +28,7 @@ static void test_reuse_and_accounting(void) {
     CHECK_OK(cuma_free(h, p, NULL));
     cuma_stats s = heap_stats(h);
     CHECK(s.requested_bytes == 0 && s.active_allocs == 0 && s.num_frees == 1);
-    CHECK(s.mapped_bytes == 2 * MB); /* the cached block keeps its page */
+    CHECK(s.mapped_bytes == 0 && s.cached_bytes == 2 * MB); /* its page: kept, cached */
     CHECK_OK(cuma_validate(h));
     CHECK_OK(cuma_alloc(h, 900, NULL, &q)); /* same rounded size: the same block, no lock */
     CHECK(q == p);
@@ -57,7 +62,7 @@ static void test_age(void) {
     void *p;
     CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &p));
     CHECK_OK(cuma_free(h, p, NULL));
-    CHECK(heap_stats(h).mapped_bytes == 4 * MB);
+    CHECK(heap_stats(h).mapped_bytes == 0 && heap_stats(h).cached_bytes == 4 * MB);
     uint64_t due;
     CHECK_OK(cuma_next_release(h, &due));
     CHECK(due == 50 * 1000000ull);
@@ -156,16 +161,23 @@ static void test_pending_frees(void) {
     for (int i = 0; i < B - 1; i++) CHECK_OK(cuma_free(h, p[i], NULL));
     cuma_stats s = heap_stats(h);
     CHECK(s.active_allocs == N - (B - 1) && s.requested_bytes == (N - (B - 1)) * MB);
-    CHECK(s.mapped_bytes >= N * MB); /* freed for the program, not yet back in the heap */
+    /* Freed for the program, not yet back in the heap: the pages only they cover are cached. */
+    CHECK(s.reserved_bytes >= N * MB && s.cached_bytes >= (B - 2) * MB);
+    CHECK(s.reserved_bytes == s.mapped_bytes + s.cached_bytes);
     CHECK_OK(cuma_validate(h));
     CHECK_ST(cuma_free(h, p[3], NULL), CUMA_ERR_BAD_POINTER); /* a second free is refused */
     CHECK_OK(cuma_validate(h));
     /* That call returned them: what stays mapped is under the live blocks (two per page). */
     uint64_t mapped = heap_stats(h).mapped_bytes;
     CHECK(mapped <= (N - (B - 1)) * MB + 2 * MB);
+    uint64_t reserved = heap_stats(h).reserved_bytes;
     for (int i = B - 1; i < N - 1; i++) CHECK_OK(cuma_free(h, p[i], NULL));
-    CHECK(heap_stats(h).mapped_bytes == mapped); /* fewer than B frees since: all waiting */
-    CHECK_OK(cuma_trim(h, 0));                   /* a flush takes pending frees too */
+    /* Fewer than B frees since: all waiting, their pages held and counted cached; in use only
+     * the page under the last block. */
+    s = heap_stats(h);
+    CHECK(s.reserved_bytes == reserved && s.mapped_bytes == 2 * MB);
+    CHECK(s.cached_bytes == reserved - 2 * MB);
+    CHECK_OK(cuma_trim(h, 0)); /* a flush takes pending frees too */
     s = heap_stats(h);
     CHECK(s.mapped_bytes == 2 * MB && s.cached_bytes == 0); /* one page under the last block */
     CHECK_OK(cuma_free(h, p[N - 1], NULL));
@@ -173,7 +185,72 @@ static void test_pending_frees(void) {
     cuma_heap_destroy(h);
 }
 
+/* The figures a user reads count a block freed into a thread cache as cached, not in use, from
+ * the free on: cuma_get_stats, the stats JSON, the snapshot and what the ledger publishes
+ * (`cuma ps`, `cuma stats`). A 2 MiB block goes to the pending frees (over tcache_max), a small
+ * one to a bin; a page shared with a live block stays in use. */
+static void test_cached_figures(void) {
+    char ledger[64], conf[160];
+    snprintf(ledger, sizeof ledger, "cuma-test-tcache-%d", (int)getpid());
+    snprintf(conf, sizeof conf, "capacity:64M,sim_clock:manual,release_thread:off,ledger:%s",
+             ledger);
+    cuma_heap *h = make(conf);
+    void *big, *a, *b;
+    CHECK_OK(cuma_alloc(h, 2 * MB, NULL, &big)); /* page 0, whole */
+    CHECK_OK(cuma_alloc(h, 1000, NULL, &a));     /* a and b share page 1 */
+    CHECK_OK(cuma_alloc(h, 1000, NULL, &b));
+    CHECK_OK(cuma_free(h, big, NULL));
+    CHECK_OK(cuma_free(h, a, NULL));
+    cuma_stats s = heap_stats(h);
+    CHECK(s.requested_bytes == 1000 && s.reserved_bytes == 4 * MB);
+    CHECK(s.cached_bytes == 2 * MB && s.mapped_bytes == 2 * MB); /* page 1: b is live */
+    CHECK(s.fragmentation < 1.0);
+    char json[16384];
+    CHECK_OK(cuma_stats_json(h, json, sizeof json, NULL));
+    CHECK(strstr(json, "\"cached_bytes\":2097152") && strstr(json, "\"mapped_bytes\":2097152"));
+    CHECK_OK(cuma_snapshot_json(h, json, sizeof json, NULL));
+    CHECK(strstr(json, "\"cached_bytes\":2097152") && strstr(json, "\"mapped_bytes\":2097152"));
+    /* What the release thread publishes to the ledger (called here: the thread is off). */
+    pthread_mutex_lock(&h->lock);
+    cuma_heap_ledger_poll(h);
+    pthread_mutex_unlock(&h->lock);
+    cuma_ledger_entry e[4];
+    size_t n = 0;
+    CHECK_OK(cuma_ledger_snapshot(ledger, e, 4, &n));
+    CHECK(n == 1 && e[0].cached == 2 * MB && e[0].mapped == 2 * MB && e[0].requested == 1000);
+    /* Both blocks of page 1 in the cache: the page is the cache's too. */
+    CHECK_OK(cuma_free(h, b, NULL));
+    s = heap_stats(h);
+    CHECK(s.requested_bytes == 0 && s.cached_bytes == 4 * MB && s.mapped_bytes == 0);
+    CHECK(s.fragmentation == 0);
+    /* The allocator figures (mapped) go out every CUMA_LEDGER_STATS_NS of the heap's clock. */
+    CHECK_OK(cuma_sim_set_time(h, CUMA_LEDGER_STATS_NS));
+    pthread_mutex_lock(&h->lock);
+    cuma_heap_ledger_poll(h);
+    pthread_mutex_unlock(&h->lock);
+    CHECK_OK(cuma_ledger_snapshot(ledger, e, 4, &n));
+    CHECK(n == 1 && e[0].cached == 4 * MB && e[0].mapped == 0 && e[0].requested == 0);
+    CHECK_OK(cuma_validate(h));
+    /* Given back to the heap, the pages are cached as before, counted once. */
+    CHECK_OK(cuma_trim(h, 4 * MB));
+    s = heap_stats(h);
+    CHECK(s.cached_bytes == 4 * MB && s.mapped_bytes == 0 && s.reserved_bytes == 4 * MB);
+    /* A slow call moves the cache's share into the arena's counters: counted once. */
+    CHECK_OK(cuma_alloc(h, 3 * MB, NULL, &big));
+    pthread_mutex_lock(&h->lock);
+    cuma_heap_ledger_poll(h);
+    pthread_mutex_unlock(&h->lock);
+    CHECK_OK(cuma_ledger_snapshot(ledger, e, 4, &n));
+    CHECK(n == 1 && e[0].requested == 3 * MB);
+    CHECK_OK(cuma_free(h, big, NULL));
+    cuma_heap_destroy(h);
+    char path[128];
+    CHECK_OK(cuma_ledger_path(ledger, path, sizeof path));
+    shm_unlink(path + strlen("/dev/shm"));
+}
+
 int main(void) {
+    test_cached_figures();
     test_pending_frees();
     test_reuse_and_accounting();
     test_age();

@@ -215,8 +215,8 @@ static cuma_heap *adopt(int dev, CUcontext ctx, cuma_preload_pin *pin) {
         snprintf(why, sizeof why, "cuma cannot serve it: %s", cuma_last_error());
         fail_device(dev, why);
     } else if (!is_cuda_heap(h)) {
-        /* The default heap falls back to the simulated device when cuma finds no driver; its
-         * addresses are host memory that a kernel would fault on. */
+        /* With backend_fallback:sim the default heap is on the simulated device where cuma
+         * finds no driver; its addresses are host memory that a kernel would fault on. */
         fail_device(dev, "cuma's heap for it is not on the CUDA driver (no driver found?)");
     } else {
         atomic_store_explicit(&devs[dev].heap, h, memory_order_release);
@@ -292,8 +292,8 @@ bool cuma_preload_retire_begin(int dev) {
         if (s != DEV_READY && s != DEV_UNTRIED) return false; /* FAILED: the driver's device */
     } while (!atomic_compare_exchange_weak(&devs[dev].state, &s, DEV_RETIRING));
     /* No call that starts now uses the heap; those under way finish first. An UNTRIED device is
-     * retired too: an adoption may be under way, or a heap of it made for another device's sake
-     * (cuma_default_heap creates device 0's to tell "no driver" from "no such device"). */
+     * retired too: an adoption may be under way, or a default heap of it made by another entry
+     * point (the PyTorch hooks, the Python package). */
     cuma_preload_pins_wait(dev);
     cuma_default_heap_retire(dev);
     cuma_preload_owned_forget(dev);
