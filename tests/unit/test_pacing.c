@@ -24,7 +24,7 @@
 
 /* Clock per trace call: about what a replay on this machine spent in the heap itself. */
 #define COMPUTE_NS 1000ull
-#define PASSES     12
+#define PASSES     8
 
 static uint64_t scale = 16;
 
@@ -100,9 +100,9 @@ int main(int argc, char **argv) {
         "backend:sim,sim_clock:manual,capacity:32G,sim_call_us:20,tcache:off,arenas:1";
     const char *unpaced = "backend:sim,sim_clock:manual,capacity:32G,sim_call_us:20,tcache:off,"
                           "arenas:1,page_call_budget:0";
-    /* Then a pass or two with 1 ms of work between calls: the calls are far under a quarter of
+    /* Then a pass with 1 ms of work between calls: the calls are far under a quarter of
      * the budget, and every 250 ms window takes a quarter off what is kept, to nothing. */
-    outcome a = replay(paced, &t, ptrs, 2, 1000000);
+    outcome a = replay(paced, &t, ptrs, 1, 1000000);
     outcome b = replay(unpaced, &t, ptrs, 0, 0);
     double ma = (double)a.late_maps / (double)a.late_passes;
     double mb = (double)b.late_maps / (double)b.late_passes;
