@@ -21,9 +21,14 @@ build:
 run: build
 	@scripts/run.sh $(BUILD)
 
-test: 
+# Every phase runs even when an earlier one failed; one summary at the end, and the exit status
+# is non-zero if any phase failed (scripts/test-all.sh). A phase is a test-NAME target below and
+# NAME in TEST_PHASES.
+TEST_PHASES ?= unit asan tsan python
+
+test:
 	@scripts/deps.sh test
-	$(MAKE) --no-print-directory test-unit test-asan test-tsan test-python
+	@MAKE="$(MAKE)" scripts/test-all.sh $(TEST_PHASES)
 
 test-unit: build
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)

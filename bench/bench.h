@@ -5,6 +5,7 @@
  *   bench_replay.c  trace replays: throughput, per-operation latency, 1 and 2 threads
  *   bench_peer.c    host allocators in child processes (LD_PRELOAD), rows over a pipe
  *   bench_release.c how soon idle memory goes back: release delay, trim, max_cached, ledger
+ *   bench_pacing.c  pacing on the real clock: page moves a pass with and without it
  *   bench_report.c  rows: the table and the JSON lines
  *   cuma_bench.c    options, the order of the measurements, profile modes
  */
@@ -33,6 +34,7 @@
 #define BENCH_FAST    2u
 #define BENCH_REPLAY  4u /* replay, latency and scaling */
 #define BENCH_RELEASE 8u
+#define BENCH_PACING  16u
 
 typedef struct bench_opts {
     int runs;          /* timed runs per figure; the median is reported */
@@ -41,7 +43,7 @@ typedef struct bench_opts {
     bool quick;        /* smoke mode: tiny counts, one trace */
     bool json;         /* one JSON object per row instead of the table */
     bool peers;        /* run the host allocators too */
-    unsigned only;     /* BENCH_COST | BENCH_FAST | BENCH_REPLAY | BENCH_RELEASE: sections to run */
+    unsigned only;     /* BENCH_COST | ... | BENCH_PACING: sections to run */
     const char *conf;  /* appended to cuma's settings */
     char **traces;     /* trace paths */
     int ntraces;
@@ -168,6 +170,9 @@ void bench_report(const char *machine_json, const char *machine_text, bool json)
 /* Writes a row as one tab-separated line / parses one back (peer pipe). */
 void bench_row_write(int fd, const bench_row *r);
 bool bench_row_parse(char *line, bench_row *r);
+
+/* bench_pacing.c: paced and unpaced replay rows (real clock, 20 us page calls). */
+void bench_pacing(const bench_opts *o);
 
 /* ---- measurements -------------------------------------------------------------------------- */
 

@@ -2,7 +2,7 @@
  * jemalloc on the same operations.
  *
  *   cuma-bench [--quick] [--json] [--runs N] [--run-ms MS] [--events N] [--no-peers]
- *              [--only cost,fast,replay,release] [--conf STR] [TRACE.csv.gz ...]
+ *              [--only cost,fast,replay,release,pacing] [--conf STR] [TRACE.csv.gz ...]
  *
  * cuma runs in this process on a simulated device (backend:sim, no host backing,
  * sim_clock:manual): addresses are numbers nobody touches and the clock is an atomic load,
@@ -42,7 +42,7 @@ static void usage(FILE *f) {
             "  --run-ms MS  length of one timed run, fast path or replay (default 50)\n"
             "  --events N   replay only the first N events of each trace\n"
             "  --no-peers   cuma only (no glibc, mimalloc, jemalloc)\n"
-            "  --only LIST  sections to run, of cost,fast,replay,release (replay includes\n"
+            "  --only LIST  sections to run, of cost,fast,replay,release,pacing (replay includes\n"
             "               latency and scaling); default all\n"
             "  --conf STR   added to cuma's settings (" BASE_CONF ")\n"
             "  traces default to %s/*.csv.gz\n",
@@ -92,26 +92,26 @@ static long number(const char *flag, const char *v, long min) {
 }
 
 static unsigned sections(const char *v) {
-    static const char *const names[] = {"cost", "fast", "replay", "release"};
+    static const char *const names[] = {"cost", "fast", "replay", "release", "pacing"};
     unsigned m = 0;
     for (const char *p = v; p && *p;) {
         size_t len = strcspn(p, ",");
         unsigned bit = 0;
-        for (unsigned k = 0; k < 4; k++)
+        for (unsigned k = 0; k < 5; k++)
             if (len == strlen(names[k]) && !strncmp(p, names[k], len)) bit = 1u << k;
         if (!bit) break;
         m |= bit;
         p += len + (p[len] == ',');
         if (!*p) return m;
     }
-    fprintf(stderr, "cuma-bench: --only wants a list of cost, fast, replay, release\n");
+    fprintf(stderr, "cuma-bench: --only wants a list of cost, fast, replay, release, pacing\n");
     exit(2);
 }
 
 static void parse(int argc, char **argv, cli *c) {
     bench_opts *o = &c->o;
     *o = (bench_opts){.runs = 5, .run_ms = 50, .peers = true};
-    o->only = BENCH_COST | BENCH_FAST | BENCH_REPLAY | BENCH_RELEASE;
+    o->only = BENCH_COST | BENCH_FAST | BENCH_REPLAY | BENCH_RELEASE | BENCH_PACING;
     bool runs_set = false, ms_set = false, ev_set = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -320,6 +320,10 @@ int main(int argc, char **argv) {
     if (o->only & BENCH_RELEASE) {
         progress("release latency", NULL);
         bench_release(o);
+    }
+    if (o->only & BENCH_PACING) {
+        progress("pacing", NULL);
+        bench_pacing(o);
     }
 
     char text[2048], json[2048];

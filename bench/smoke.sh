@@ -49,10 +49,12 @@ for rc in "delay 20 ms: a thread's timed wait" "delay 20 ms: idle heap (all free
     case "$rc" in *"timed wait") alloc=cond_timedwait ;; esac
     has release "$rc" "$alloc" 1
 done
+has pacing "$name x16, sim_call_us:20" "cuma (paced)" 1
+has pacing "$name x16, sim_call_us:20" "cuma (unpaced)" 1
 # cuma's own rows carry figures, not notes of failure (release rows always carry a note: the
 # reference their figures are read against).
 if grep '"allocator":"cuma' "$out" | grep -v '"section":"release"' | grep -v '"note":""' |
-    grep -v 'sim_clock:real'; then
+    grep -v 'sim_clock:real' | grep -v '"section":"pacing".*maps a pass'; then
     echo "bench_smoke: a cuma row has a note (failed calls?)"
     fail=1
 fi
@@ -69,7 +71,7 @@ if ! "$bench" --quick "$trace" >"$out.table"; then
     echo "bench_smoke: cuma-bench --quick failed"
     exit 1
 fi
-table=$(grep -cE '^\| (cost|fast|replay|latency|scaling|release) ' "$out.table")
+table=$(grep -cE '^\| (cost|fast|replay|latency|scaling|release|pacing) ' "$out.table")
 if [ "$table" -ne "$rows" ]; then
     echo "bench_smoke: the table has $table rows, the JSON $rows"
     fail=1

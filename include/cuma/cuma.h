@@ -203,7 +203,7 @@ typedef struct cuma_stats {
     uint64_t map_runs;          /* map calls: runs of consecutive pages made accessible at once */
     uint64_t unmap_runs;        /* unmap calls: runs of adjacent pages (moved pages' old places,
                                    released pages) */
-    uint64_t page_call_ns;      /* time spent in the device's page calls (0 on a manual clock) */
+    uint64_t page_call_ns;      /* time spent in the device's page calls (on a manual clock only the sim's sim_call_us) */
     double remap_keep;          /* idle share of the memory in use pacing keeps in place now */
     /* Idle pages mapped at a new address while the device still had work on their old one,
      * from the same stream (the old mapping goes when that work is done), and times the host

@@ -188,12 +188,12 @@ def test_ledger_shows_the_heaps_allocator_figures(ledger_name):
         with pytest.raises(cuma.OutOfMemoryError):
             h.alloc(63 * MB)  # fits the device, not next to the 6M in use: both callbacks run
         s = h.stats()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # a bound on a hang (it publishes every few ms)
         while True:
             e = cuma.ledger(ledger_name)[0]
             if e["num_allocs"] == s["num_allocs"] and e["failed_allocs"] == s["failed_allocs"]:
                 break
-            assert time.monotonic() < deadline, "figures not published within 5 s: %r" % e
+            assert time.monotonic() < deadline, "figures not published within 30 s: %r" % e
             time.sleep(0.02)
         assert e["stats_age_ns"] is not None and e["stats_age_ns"] < 5 * 10**9
         pairs = {

@@ -66,7 +66,8 @@ typedef struct cuma_backend_ops {
     int (*event_query)(cuma_backend *be, uint64_t event);
     cuma_status (*event_wait)(cuma_backend *be, uint64_t event);
     void (*event_release)(cuma_backend *be, uint64_t event);
-    /* Nanoseconds on the backend's monotonic clock (a heap with sim_clock:manual uses its own). */
+    /* Nanoseconds on the backend's monotonic clock (a heap with sim_clock:manual uses its own;
+     * the sim then counts from it: cuma_simbe_costed_clock). */
     uint64_t (*now_ns)(cuma_backend *be);
     void (*destroy)(cuma_backend *be);
 } cuma_backend_ops;
@@ -113,6 +114,9 @@ cuma_status cuma_simbe_hold(cuma_backend *be, cuma_stream stream, bool hold);
  * held): the device's free memory and what the heap can take shrink by them. */
 cuma_status cuma_simbe_take(cuma_backend *be, uint64_t bytes);
 cuma_status cuma_simbe_set_clock(cuma_backend *be, const _Atomic uint64_t *clock);
+/* Whether be is a sim on a heap's manual clock whose page calls cost time (sim_call_us): its
+ * now_ns is then that clock plus the calls' cost, which pacing can measure. */
+bool cuma_simbe_costed_clock(cuma_backend *be);
 
 /* CUDA backends (src/backend/cuda_*.c); CUMA_ERR_NO_DEVICE when not built or no driver. */
 cuma_status cuma_cuda_backend_create(const cuma_settings *s, cuma_backend **out);

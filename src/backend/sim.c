@@ -57,6 +57,10 @@ typedef struct sim {
     const _Atomic uint64_t *clock;
     uint64_t call_ns; /* sim_call_us: host time each page created, mapped, unmapped or released
                        * takes (spent spinning, as a driver call would), constant */
+    /* With the heap's manual clock and call_ns: what the calls took so far. They spin no host
+     * time; now_ns is the manual clock plus this, so page_call_budget paces on a clock the
+     * program drives (written under the heap's lock, read by now_ns from any thread). */
+    _Atomic uint64_t spent_ns;
 } sim;
 
 #define NO_EVENT UINT32_MAX
@@ -97,8 +101,12 @@ static void sim_unreserve(cuma_backend *be, uint64_t addr, uint64_t size) {
 static uint64_t sim_now(cuma_backend *be);
 
 /* sim_call_us: a page call of a real driver takes tens of microseconds of host time. */
-static void spend(const sim *s, uint64_t pages) {
+static void spend(sim *s, uint64_t pages) {
     if (!s->call_ns) return;
+    if (s->clock) {
+        atomic_fetch_add_explicit(&s->spent_ns, s->call_ns * pages, memory_order_relaxed);
+        return;
+    }
     uint64_t until = sim_now(NULL) + s->call_ns * pages;
     while (sim_now(NULL) < until) {
     }
@@ -212,7 +220,10 @@ static cuma_status sim_mem_info(cuma_backend *be, uint64_t *fr, uint64_t *total)
 }
 
 static uint64_t sim_now(cuma_backend *be) {
-    (void)be;
+    const sim *s = be ? as_sim(be) : NULL;
+    if (s && s->clock && s->call_ns)
+        return atomic_load_explicit(s->clock, memory_order_relaxed) +
+               atomic_load_explicit(&s->spent_ns, memory_order_relaxed);
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
@@ -391,4 +402,9 @@ cuma_status cuma_simbe_set_clock(cuma_backend *be, const _Atomic uint64_t *clock
     if (!s) return cuma_fail(CUMA_ERR_UNSUPPORTED, "sim clock: backend %s is not sim", be->name);
     s->clock = clock;
     return CUMA_OK;
+}
+
+bool cuma_simbe_costed_clock(cuma_backend *be) {
+    const sim *s = as_sim(cuma_backend_unwrap(be));
+    return s && s->clock && s->call_ns;
 }

@@ -83,7 +83,8 @@ static const key_desc keys[] = {
     {"page_call_budget", K_FRACTION, F(page_call_budget), "0.01", NULL,
      "share of the wall time the page calls (create, map, unmap, release: tens of microseconds "
      "each on a GPU) may take: over it, idle pages are kept where they are (up to a quarter of "
-     "the memory in use) so that fewer move; 0 = off (not with sim_clock:manual)"},
+     "the memory in use) so that fewer move; 0 = off (with sim_clock:manual only on the sim with "
+     "sim_call_us)"},
     {"growth", K_BOOL, F(growth), "on", NULL,
      "grow on demand; off = map `preallocate` bytes at creation and never grow beyond it"},
     {"preallocate", K_SIZE, F(preallocate), "0", NULL,
@@ -110,7 +111,8 @@ static const key_desc keys[] = {
      "creating a page; off = only pages whose work is done move"},
     {"sim_call_us", K_INT, F(sim_call_us), "0", NULL,
      "sim: host time each page created, mapped, unmapped or released takes, as a GPU driver's "
-     "calls do (tens of microseconds); 0 = none"},
+     "calls do (tens of microseconds); with sim_clock:manual the calls spin no time but count "
+     "it on the device's clock, which pacing reads; 0 = none"},
     {"managed_fallback", K_BOOL, F(managed_fallback), "off", NULL,
      "serve a request from managed memory when the device is full, the limit is reached or the "
      "request is larger than the virtual range (after the cache release, the ledger and the OOM "

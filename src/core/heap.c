@@ -359,11 +359,15 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
         return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_alloc: more than %d streams on one heap",
                          CUMA_MAX_STREAMS);
     }
-    uint64_t t = now(h);
     cuma_streams_tick(&h->streams);
     /* This thread's batched frees first: their memory may serve this very request. */
     if (tc && tc->npending) cuma_tcache_drain(h, tc, cuma_heap_give_cached);
     if (h->deferred) cuma_heap_process_deferred(h, false);
+    /* Read after the frees above: they stamp what they make idle with the clock, and a failed
+     * attempt gives its pages back to the cache stamped t, which must be no older than those
+     * (the cache is newest first). Read before them, a request whose mapping failed put pages
+     * older than the pending frees' in front of them. */
+    uint64_t t = now(h);
     cuma_block *b = NULL;
     uint64_t managed_addr = 0;
     if (size > room) {
@@ -375,7 +379,11 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
                              size, room, h->vmm ? "virtual range" : "device");
     } else {
         st = try_alloc(h, size, n, (unsigned)si, t, &b);
-        if (st) st = recover(h, st, size, n, (unsigned)si, stream, &b, &managed_addr);
+        if (st) {
+            st = recover(h, st, size, n, (unsigned)si, stream, &b, &managed_addr);
+            /* The ladder made memory idle at later times, and may have dropped the lock. */
+            t = now(h);
+        }
     }
     if (st == CUMA_OK && b) {
         uint64_t addr = h->base + b->off;

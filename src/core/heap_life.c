@@ -78,8 +78,11 @@ cuma_status cuma_heap_build(cuma_heap *h) {
         if (st) goto fail_pol;
         st = cuma_pages_init(&h->pages, h->be, &h->streams, h->base, h->va_size);
         if (st) goto fail_reserve;
+        /* On a manual clock the page calls are timed only where they move the backend's
+         * clock (the sim with sim_call_us): pacing on real time would make replays depend on
+         * the machine. */
         cuma_pages_policy(&h->pages, h->set.remap_threshold, h->set.page_call_budget,
-                          !h->set.sim_clock_manual);
+                          !h->set.sim_clock_manual || cuma_simbe_costed_clock(h->be));
         h->pages.shared = &h->primary->pages.own_reserved;
         st = h->pol->ops->add_range(h->pol, 0, h->va_size);
         if (st) goto fail_pages;

@@ -7,6 +7,7 @@
 #include "coord/ledger.h"
 #include "core/heap.h"
 #include "cuma/ledger.h"
+#include "cuma/sim.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -106,9 +107,8 @@ static void test_admission_and_cache(void) {
     CHECK_OK(cuma_alloc(a, 48 * MB, NULL, &pa));
     CHECK(heap_stats(b).ledger_room_bytes == 16 * MB && heap_stats(a).ledger_room_bytes == 16 * MB);
     /* 16M left and a holds the rest in use at the same priority: no point waiting. */
-    uint64_t t0 = now_ms();
+    /* It did not wait: it never asked (pressure_asks below), not "it was quick". */
     CHECK_ST(cuma_alloc(b, 32 * MB, NULL, &pb), CUMA_ERR_OOM);
-    CHECK(now_ms() - t0 < 1000);
     CHECK(strstr(cuma_last_error(), "out of memory"));
     cuma_stats sb = heap_stats(b);
     /* Pages made before the denial stay idle in its cache, where pressure can reach them. */
@@ -357,7 +357,7 @@ static void test_processes(void) {
     uint64_t waited = now_ms() - t0;
     fprintf(stderr, "stopped victim: the request gave up after %llu ms\n",
             (unsigned long long)waited);
-    CHECK(waited >= 200 && waited < 3000);
+    CHECK(waited >= 200 && waited < 30000); /* gave up, and not before its timeout */
     CHECK(heap_stats(h).pressure_asks == 1);
     n = live(e, 8);
     CHECK((ce = find_pid(e, n, getpid())) && ce->want == 0); /* withdrawn */
@@ -580,27 +580,60 @@ static void test_auto(void) {
     cuma_heap_destroy(h);
 }
 
+/* When the heap's release thread means to run the release policy next (heap clock). */
+static uint64_t thread_plan(cuma_heap *h) {
+    pthread_mutex_lock(&h->lock);
+    uint64_t at = h->thread_wake_at;
+    pthread_mutex_unlock(&h->lock);
+    return at;
+}
+
 /* The release thread looks at the ledger every few ms but runs the release policy only when it
- * is due: a free must still wake it when its memory is due before the policy's next run. The
- * thread of an idle heap sleeps towards a run a second away; a page freed then with a 100 ms
- * delay goes back about 100 ms later, not a second. */
-static void test_release_on_time(void) {
+ * is due: a free must still bring its plan forward when its memory is due before the policy's
+ * next run. The thread of an idle heap plans a run a second away; a page freed then with a
+ * 100 ms delay must move the plan before that second (checked on the plan, heap clock, not on
+ * how fast the memory came back), and goes back no earlier than its delay. An attempt whose main
+ * thread was held up past the first plan (a loaded machine) says so and tries again; a thread
+ * that keeps its plan fails every attempt. */
+static bool release_on_time_once(int attempt) {
     cuma_heap *h = ledger_heap("release_delay_ms:100,fragmentation_threshold:0");
     usleep(50000); /* the thread settles into its long sleep */
-    void *p;
-    CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &p));
-    CHECK_OK(cuma_free(h, p, NULL));
-    uint64_t t0 = now_ms();
-    while (heap_stats(h).reserved_bytes && now_ms() - t0 < 3000) usleep(2000);
-    uint64_t took = now_ms() - t0;
-    fprintf(stderr, "idle memory in the ledger went back %llu ms after its free (delay 100 ms)\n",
-            (unsigned long long)took);
-    CHECK(heap_stats(h).reserved_bytes == 0);
-    CHECK(took >= 90 && took < 700);
-    cuma_ledger_entry e[4];
-    wait_cached(getpid(), heap_slot(h), 0);
-    CHECK(live(e, 4) == 1 && e[0].reserved == 0);
+    uint64_t first = thread_plan(h), t;
+    CHECK_OK(cuma_sim_get_time(h, &t));
+    bool ok = false;
+    if (first != 0 && first > t + 200000000ull) {
+        void *p;
+        CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &p));
+        CHECK_OK(cuma_free(h, p, NULL));
+        uint64_t t0 = now_ms(), at, tn = t;
+        while ((at = thread_plan(h)) >= first && tn < first + 2000000000ull) {
+            usleep(1000);
+            CHECK_OK(cuma_sim_get_time(h, &tn));
+        }
+        ok = at < first;
+        while (heap_stats(h).reserved_bytes && now_ms() - t0 < 20000) usleep(2000);
+        uint64_t took = now_ms() - t0;
+        fprintf(stderr,
+                "attempt %d: the release thread %s; the memory went back %llu ms after its free "
+                "(delay 100 ms)\n",
+                attempt, ok ? "planned its run anew" : "kept its plan a second away",
+                (unsigned long long)took);
+        CHECK(heap_stats(h).reserved_bytes == 0);
+        CHECK(took >= 90); /* not before its delay */
+        cuma_ledger_entry e[4];
+        wait_cached(getpid(), heap_slot(h), 0);
+        CHECK(live(e, 4) == 1 && e[0].reserved == 0);
+    } else {
+        fprintf(stderr, "attempt %d: held up past the thread's first plan, no test\n", attempt);
+    }
     cuma_heap_destroy(h);
+    return ok;
+}
+
+static void test_release_on_time(void) {
+    bool ok = false;
+    for (int attempt = 1; attempt <= 3 && !ok; attempt++) ok = release_on_time_once(attempt);
+    CHECK(ok);
 }
 
 /* A requester that stops while it waits (Ctrl-Z, a debugger, a suspended job) never withdraws
@@ -708,9 +741,8 @@ static void test_no_answer_no_wait(void) {
     void *p;
     CHECK_OK(cuma_alloc(a, 48 * MB, NULL, &p));
     CHECK_OK(cuma_free(a, p, NULL));
-    uint64_t t0 = now_ms();
     CHECK_ST(cuma_alloc(b, 32 * MB, NULL, &p), CUMA_ERR_OOM);
-    CHECK(now_ms() - t0 < 1000 && heap_stats(b).pressure_asks == 0);
+    CHECK(heap_stats(b).pressure_asks == 0); /* never asked, so never waited */
     cuma_heap_destroy(b);
     cuma_heap_destroy(a);
 }

@@ -89,6 +89,47 @@ static void script(script_state *st) {
 
 static const char *backend_name = "vmm";
 
+/* The cache stays newest first when a mapping fails inside an allocation that first gave this
+ * thread's batched frees back. A free larger than a thread cache holds waits in the thread's
+ * pending list; the next allocation hands it to the cache (stamped with the clock as it does)
+ * and then tries its own pages. Its clock was read before that hand-over, so when the map
+ * failed the run's pages went back in front of the freed ones with an older time; a page the
+ * out-of-memory ladder's release keeps (here a preallocated one) left the cache out of order. The
+ * script met it only when the release thread's thread-cache ageing moved the frees around (a loaded
+ * machine): here the order is forced. */
+static void check_failed_map_after_pending_free(void) {
+    cuma_heap *h = NULL;
+    /* tcache_age_ms:never: the release thread must not take the pending free first. */
+    cuma_config cfg = {.conf = "backend:vmm,release_delay_ms:never,tcache_age_ms:never,"
+                               "preallocate:20M",
+                       .flags = CUMA_CONFIG_NO_ENV};
+    fakecuda_reset_counters();
+    CHECK_OK(cuma_heap_create(&cfg, &h));
+    void *a = NULL, *s = NULL, *b = NULL;
+    CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &a)); /* two preallocated pages */
+    CHECK_OK(cuma_alloc(h, 2 * MB, NULL, &s)); /* keeps a's hole too small for b */
+    CHECK_OK(cuma_free(h, a, NULL));           /* over tcache_max: pending in this thread */
+    CHECK_OK(cuma_validate(h));
+    cuma_stats stats;
+    CHECK_OK(cuma_get_stats(h, &stats));
+    /* 14 MiB idle, and a's 4 MiB: pending in this thread, which the figures count as cached too
+     * (cuma.h), though the page cache does not hold them yet. */
+    CHECK(stats.cached_bytes == 18 * MB);
+    CHECK(fakecuda_set_fail("cuMemMap:1") == 0);
+    /* Hands a's pages to the cache, takes four others for b, fails to map them, puts them back,
+     * then (ladder) maps four again: three never used and one of a's. */
+    CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &b));
+    CHECK(fakecuda_set_fail(NULL) == 0);
+    CHECK(fakecuda_calls("cuMemMap") >= 2); /* the failed try and the retry both mapped */
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, b, NULL));
+    CHECK_OK(cuma_free(h, s, NULL));
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
 /* Runs the script under a failure spec; returns how often `count_api` was called (the clean
  * run measures K this way). With recover, failures stop before the final cleanup. */
 static unsigned long run(const char *spec, const char *count_api, bool recover, CUstream b) {
@@ -128,6 +169,7 @@ int main(int argc, char **argv) {
                                      "cuEventRecord", "cuEventCreate",     NULL};
     const char **apis = strcmp(backend_name, "vmm") ? seg_apis : vmm_apis;
     test_ctx t = test_ctx_open(0);
+    if (!strcmp(backend_name, "vmm")) check_failed_map_after_pending_free();
     CUstream b = stream_new();
     unsigned runs = 0;
     for (int a = 0; apis[a]; a++) {

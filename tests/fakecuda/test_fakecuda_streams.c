@@ -45,8 +45,9 @@ static void check_blocks_until_release(CUstream s, CUevent e, int which) {
     if (which == 1) OK(cuStreamSynchronize(s));
     if (which == 2) OK(cuCtxSynchronize());
     double waited = now_ms() - t0;
+    /* It waited for the release. That the release woke it, and not the sync timeout, needs no
+     * bound on wall time: a timeout aborts the process (fc_die). */
     CHECK(waited >= 40);
-    CHECK(waited < 800); /* woken by the release, not by the 1000 ms timeout */
     CHECK(pthread_join(t, NULL) == 0);
     OK(cuEventQuery(e));
 }
