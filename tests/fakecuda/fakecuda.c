@@ -41,7 +41,9 @@
  *   recorded on it stay pending until fakecuda_stream_release. Synchronize
  *   calls that would block on held work wait up to FAKECUDA_SYNC_TIMEOUT_MS
  *   (default 10000) for a release and then abort the process with a message:
- *   waiting on held work is a bug in the code under test.
+ *   waiting on held work is a bug in the code under test. A destroyed stream
+ *   or event is kept as a tombstone and any later use of it aborts the
+ *   process naming the call and the handle (undefined on the real driver).
  * - Fault injection: FAKECUDA_FAIL / fakecuda_set_fail ("cuMemCreate:3",
  *   "cuMemMap:*") make chosen calls return CUDA_ERROR_OUT_OF_MEMORY with no
  *   side effect. Call counters and live-object counters are kept per API.

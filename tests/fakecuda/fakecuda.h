@@ -5,7 +5,9 @@
  *
  * Misuse of this API (unknown API or kind name, invalid stream, calling
  * stream functions before cuInit) is a bug in the test: the fake prints a
- * message to stderr and aborts.
+ * message to stderr and aborts. So is any use of a stream or event after it
+ * was destroyed (cuStreamDestroy / cuEventDestroy): undefined on the real
+ * driver, an abort naming the call and the handle here.
  *
  * Environment (read once, at the first call into the library; a malformed
  * value aborts the process with a message):
@@ -45,8 +47,8 @@ void fakecuda_stream_hold(CUstream s);
  * Complete all work recorded on `s` so far: every event recorded on it while
  * held becomes complete, the stream is no longer held, and threads blocked in
  * a synchronize call are woken. Also accepts a stream that was destroyed
- * while held (its events complete and the stream is then freed). Releasing a
- * stream that is not held is a no-op.
+ * while held (its events complete); holding or releasing a destroyed stream
+ * that is not held aborts. Releasing a stream that is not held is a no-op.
  */
 void fakecuda_stream_release(CUstream s);
 

@@ -107,13 +107,14 @@ struct CUstream_st {
     int dev;
     unsigned flags;
     int held;      /* work in flight (set only by fakecuda_stream_hold) */
-    int destroyed; /* cuStreamDestroy'ed while held: kept until released */
+    int destroyed; /* cuStreamDestroy'ed: a tombstone, kept (never freed) so any use aborts */
     int pseudo;    /* per-device NULL/legacy or per-thread stream */
 };
 
 struct CUevent_st {
     int dev;
     struct CUstream_st *pending; /* held stream it was recorded on, or NULL */
+    int destroyed;               /* cuEventDestroy'ed: a tombstone, like a stream's */
 };
 
 struct fc_device {
@@ -179,7 +180,8 @@ FC_HIDDEN void fc_mem_reset_device_locked(int dev);
 FC_HIDDEN void fc_stream_init_device(struct fc_device *d, int dev);
 
 /* fakecuda_stream.c: CUDA_SUCCESS when s names a live stream (or a pseudo stream of the
- * current context), for the stream-ordered allocator in fakecuda_mem.c. Takes fc_mu. */
-FC_HIDDEN CUresult fc_stream_check(CUstream s);
+ * current context), for the stream-ordered allocator in fakecuda_mem.c; a destroyed stream
+ * aborts, naming `api`. Takes fc_mu. */
+FC_HIDDEN CUresult fc_stream_check(const char *api, CUstream s);
 
 #endif /* CUMA_FAKECUDA_INTERNAL_H */

@@ -675,13 +675,13 @@ CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInByt
 
 CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
     FC_ENTER(MemAllocAsync);
-    CUresult rc = fc_stream_check(hStream);
+    CUresult rc = fc_stream_check("cuMemAllocAsync", hStream);
     return rc != CUDA_SUCCESS ? rc : block_alloc(dptr, bytesize, 0);
 }
 
 CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
     FC_ENTER(MemFreeAsync);
-    CUresult rc = fc_stream_check(hStream);
+    CUresult rc = fc_stream_check("cuMemFreeAsync", hStream);
     return rc != CUDA_SUCCESS ? rc : free_block(dptr);
 }
 

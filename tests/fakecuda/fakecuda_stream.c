@@ -6,11 +6,19 @@
  * (points at the stream) until fakecuda_stream_release() completes it.
  * Synchronize calls wait on fc_cv for a release, at most
  * FAKECUDA_SYNC_TIMEOUT_MS, then abort the process. See fakecuda.c.
+ *
+ * Destroyed handles: using a stream or event after cuStreamDestroy /
+ * cuEventDestroy is undefined on the real driver (it may crash, or the handle
+ * may name a new object by then). The fake keeps every destroyed object as a
+ * tombstone (never freed, so its address is never handed out again) and aborts
+ * with a message naming the call and the handle at any use of one, so that
+ * such a use is a test failure rather than a quiet CUDA_ERROR_INVALID_HANDLE.
  */
 #include "fakecuda_internal.h"
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 struct fc_ref { /* registry entry, sorted by object address */
@@ -18,8 +26,8 @@ struct fc_ref { /* registry entry, sorted by object address */
     void *obj;
 };
 
-/* Streams created by cuStreamCreate (including ones destroyed while held,
- * which stay until released) and events created by cuEventCreate. */
+/* Streams created by cuStreamCreate and events created by cuEventCreate,
+ * destroyed ones included (tombstones, see above). */
 static struct fc_vec g_streams = {NULL, 0, 0, sizeof(struct fc_ref)};
 static struct fc_vec g_events = {NULL, 0, 0, sizeof(struct fc_ref)};
 
@@ -44,17 +52,19 @@ static int ref_add(struct fc_vec *v, void *obj) {
     return fc_vec_insert(v, fc_vec_lower(v, r.key), &r);
 }
 
-static void ref_remove(struct fc_vec *v, const void *obj) {
-    size_t i = ref_find(v, obj);
-    if (i != SIZE_MAX) fc_vec_erase(v, i, 1);
-}
-
 static struct CUstream_st *pseudo_stream(CUstream s, int dev) {
     return s == CU_STREAM_PER_THREAD ? &fc_dev[dev].pt_stream : &fc_dev[dev].null_stream;
 }
 
-/* Resolve an API stream argument (pseudo streams need a current context). */
-static CUresult stream_resolve(CUstream s, struct CUstream_st **out) {
+static void stream_dead(const char *api, CUstream s) {
+    fc_die("%s: stream %p was destroyed by cuStreamDestroy; using a destroyed stream is undefined "
+           "on the real driver",
+           api, (void *)s);
+}
+
+/* Resolve an API stream argument (pseudo streams need a current context); a destroyed stream
+ * aborts the process. */
+static CUresult stream_resolve(const char *api, CUstream s, struct CUstream_st **out) {
     if (is_pseudo(s)) {
         int dev;
         CUresult rc = fc_current_dev_locked(&dev);
@@ -62,21 +72,20 @@ static CUresult stream_resolve(CUstream s, struct CUstream_st **out) {
         *out = pseudo_stream(s, dev);
         return CUDA_SUCCESS;
     }
-    if (ref_find(&g_streams, s) == SIZE_MAX || s->destroyed) return CUDA_ERROR_INVALID_HANDLE;
+    if (ref_find(&g_streams, s) == SIZE_MAX) return CUDA_ERROR_INVALID_HANDLE;
+    if (s->destroyed) stream_dead(api, s);
     *out = s;
     return CUDA_SUCCESS;
 }
 
-static int event_valid(CUevent e) {
-    return e && ref_find(&g_events, e) != SIZE_MAX;
-}
-
-/* Without dereferencing st: a waiter's stream may have been freed meanwhile
- * (destroyed while held, then released). */
-static int stream_alive(const struct CUstream_st *st) {
-    uintptr_t a = (uintptr_t)st;
-    if (a >= (uintptr_t)fc_dev && a < (uintptr_t)(fc_dev + FC_MAX_DEVICES)) return 1; /* pseudo */
-    return ref_find(&g_streams, st) != SIZE_MAX;
+/* Whether e names an event (0: not one the fake made); a destroyed event aborts the process. */
+static int event_valid(const char *api, CUevent e) {
+    if (!e || ref_find(&g_events, e) == SIZE_MAX) return 0;
+    if (e->destroyed)
+        fc_die("%s: event %p was destroyed by cuEventDestroy; using a destroyed event is "
+               "undefined on the real driver",
+               api, (void *)e);
+    return 1;
 }
 
 /* Wait until busy(arg) is false; abort after the configured timeout. */
@@ -100,13 +109,13 @@ static void wait_idle(const char *api, int (*busy)(const void *), const void *ar
 }
 
 static int stream_busy(const void *arg) {
-    const struct CUstream_st *st = arg;
-    return stream_alive(st) && st->held;
+    const struct CUstream_st *st = arg; /* never freed: a tombstone stays readable */
+    return st->held;
 }
 
 static int event_busy(const void *arg) {
-    const struct CUevent_st *e = arg;
-    return event_valid((CUevent)e) && e->pending;
+    const struct CUevent_st *e = arg; /* destroyed meanwhile: nothing left to wait for */
+    return !e->destroyed && e->pending;
 }
 
 static int device_busy(const void *arg) {
@@ -147,14 +156,10 @@ CUresult cuStreamDestroy_v2(CUstream hStream) {
     FC_ENTER(StreamDestroy);
     CUresult rc = CUDA_ERROR_INVALID_HANDLE;
     fc_lock();
-    if (!is_pseudo(hStream) && ref_find(&g_streams, hStream) != SIZE_MAX && !hStream->destroyed) {
+    if (!is_pseudo(hStream) && ref_find(&g_streams, hStream) != SIZE_MAX) {
+        if (hStream->destroyed) stream_dead("cuStreamDestroy", hStream);
         fc_live_n.streams--;
-        if (hStream->held) {
-            hStream->destroyed = 1; /* its work is still in flight */
-        } else {
-            ref_remove(&g_streams, hStream);
-            free(hStream);
-        }
+        hStream->destroyed = 1; /* a held one's work stays in flight until released */
         rc = CUDA_SUCCESS;
     }
     fc_unlock();
@@ -165,7 +170,7 @@ CUresult cuStreamSynchronize(CUstream hStream) {
     FC_ENTER(StreamSynchronize);
     struct CUstream_st *st;
     fc_lock();
-    CUresult rc = stream_resolve(hStream, &st);
+    CUresult rc = stream_resolve("cuStreamSynchronize", hStream, &st);
     if (rc == CUDA_SUCCESS) wait_idle("cuStreamSynchronize", stream_busy, st);
     fc_unlock();
     return rc;
@@ -175,7 +180,7 @@ CUresult cuStreamQuery(CUstream hStream) {
     FC_ENTER(StreamQuery);
     struct CUstream_st *st;
     fc_lock();
-    CUresult rc = stream_resolve(hStream, &st);
+    CUresult rc = stream_resolve("cuStreamQuery", hStream, &st);
     if (rc == CUDA_SUCCESS && st->held) rc = CUDA_ERROR_NOT_READY;
     fc_unlock();
     return rc;
@@ -186,16 +191,16 @@ CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     struct CUstream_st *st;
     fc_lock();
-    CUresult rc = stream_resolve(hStream, &st);
+    CUresult rc = stream_resolve("cuStreamGetCtx", hStream, &st);
     if (rc == CUDA_SUCCESS) *pctx = &fc_dev[st->dev].ctx; /* every fake context is primary */
     fc_unlock();
     return rc;
 }
 
-CUresult fc_stream_check(CUstream s) {
+CUresult fc_stream_check(const char *api, CUstream s) {
     struct CUstream_st *st;
     fc_lock();
-    CUresult rc = stream_resolve(s, &st);
+    CUresult rc = stream_resolve(api, s, &st);
     fc_unlock();
     return rc;
 }
@@ -205,8 +210,9 @@ CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
     if (Flags & ~(unsigned)CU_EVENT_WAIT_EXTERNAL) return CUDA_ERROR_INVALID_VALUE;
     struct CUstream_st *st;
     fc_lock();
-    CUresult rc = stream_resolve(hStream, &st);
-    if (rc == CUDA_SUCCESS && !event_valid(hEvent)) rc = CUDA_ERROR_INVALID_HANDLE;
+    CUresult rc = stream_resolve("cuStreamWaitEvent", hStream, &st);
+    if (rc == CUDA_SUCCESS && !event_valid("cuStreamWaitEvent", hEvent))
+        rc = CUDA_ERROR_INVALID_HANDLE;
     fc_unlock();
     return rc;
 }
@@ -249,9 +255,9 @@ CUresult cuEventDestroy_v2(CUevent hEvent) {
     FC_ENTER(EventDestroy);
     CUresult rc = CUDA_ERROR_INVALID_HANDLE;
     fc_lock();
-    if (event_valid(hEvent)) {
-        ref_remove(&g_events, hEvent);
-        free(hEvent);
+    if (event_valid("cuEventDestroy", hEvent)) {
+        hEvent->destroyed = 1; /* a tombstone: see the top of the file */
+        hEvent->pending = NULL;
         fc_live_n.events--;
         pthread_cond_broadcast(&fc_cv); /* a waiter on it must stop waiting */
         rc = CUDA_SUCCESS;
@@ -264,7 +270,9 @@ CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
     FC_ENTER(EventRecord);
     struct CUstream_st *st = NULL;
     fc_lock();
-    CUresult rc = event_valid(hEvent) ? stream_resolve(hStream, &st) : CUDA_ERROR_INVALID_HANDLE;
+    CUresult rc = event_valid("cuEventRecord", hEvent)
+                      ? stream_resolve("cuEventRecord", hStream, &st)
+                      : CUDA_ERROR_INVALID_HANDLE;
     if (rc == CUDA_SUCCESS && st->dev != hEvent->dev) rc = CUDA_ERROR_INVALID_HANDLE;
     if (rc == CUDA_SUCCESS) hEvent->pending = st->held ? st : NULL;
     fc_unlock();
@@ -274,9 +282,9 @@ CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
 CUresult cuEventQuery(CUevent hEvent) {
     FC_ENTER(EventQuery);
     fc_lock();
-    CUresult rc = !event_valid(hEvent) ? CUDA_ERROR_INVALID_HANDLE
-                  : hEvent->pending    ? CUDA_ERROR_NOT_READY
-                                       : CUDA_SUCCESS;
+    CUresult rc = !event_valid("cuEventQuery", hEvent) ? CUDA_ERROR_INVALID_HANDLE
+                  : hEvent->pending                    ? CUDA_ERROR_NOT_READY
+                                                       : CUDA_SUCCESS;
     fc_unlock();
     return rc;
 }
@@ -285,7 +293,7 @@ CUresult cuEventSynchronize(CUevent hEvent) {
     FC_ENTER(EventSynchronize);
     CUresult rc = CUDA_ERROR_INVALID_HANDLE;
     fc_lock();
-    if (event_valid(hEvent)) {
+    if (event_valid("cuEventSynchronize", hEvent)) {
         wait_idle("cuEventSynchronize", event_busy, hEvent);
         rc = CUDA_SUCCESS;
     }
@@ -321,6 +329,9 @@ static struct CUstream_st *control_stream(const char *fn, CUstream s) {
     if (!fc_initialized) fc_die("%s called before cuInit", fn);
     if (is_pseudo(s)) return pseudo_stream(s, fc_tls_ctx ? fc_tls_ctx->dev : 0);
     if (ref_find(&g_streams, s) == SIZE_MAX) fc_die("%s: %p is not a live stream", fn, (void *)s);
+    /* A destroyed stream's held work may still be released; nothing else is left to do. */
+    if (s->destroyed && (!s->held || strcmp(fn, "fakecuda_stream_release") != 0))
+        fc_die("%s: stream %p was destroyed by cuStreamDestroy", fn, (void *)s);
     return s;
 }
 
@@ -339,10 +350,6 @@ void fakecuda_stream_release(CUstream s) {
     for (size_t i = 0; i < g_events.n; i++) {
         struct CUevent_st *e = ((struct fc_ref *)fc_vec_at(&g_events, i))->obj;
         if (e->pending == st) e->pending = NULL;
-    }
-    if (st->destroyed) {
-        ref_remove(&g_streams, st);
-        free(st);
     }
     pthread_cond_broadcast(&fc_cv);
     fc_unlock();

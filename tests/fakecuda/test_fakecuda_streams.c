@@ -51,21 +51,85 @@ static void check_blocks_until_release(CUstream s, CUevent e, int which) {
     OK(cuEventQuery(e));
 }
 
-/* Does fakecuda_stream_release(s) abort (s is not a live stream)? */
-static int child_release_aborts(CUstream s) {
+/* The uses of a destroyed handle that child_aborts tries. */
+enum dead_use {
+    USE_RELEASE,
+    USE_STREAM_QUERY,
+    USE_STREAM_SYNC,
+    USE_STREAM_DESTROY,
+    USE_RECORD_ON,
+    USE_WAIT_ON,
+    USE_ALLOC_ASYNC,
+    USE_EVENT_QUERY,
+    USE_EVENT_RECORD,
+    USE_EVENT_DESTROY,
+};
+
+/* Does `use` of stream s (or event e) abort the process, with a message naming `call`? */
+static int child_aborts(enum dead_use use, CUstream s, CUevent e, const char *call) {
     fflush(NULL);
+    int fd[2];
+    CHECK(pipe(fd) == 0);
     pid_t pid = fork();
     CHECK(pid >= 0);
     if (pid == 0) {
         struct rlimit no_core = {0, 0};
         setrlimit(RLIMIT_CORE, &no_core);
-        if (!freopen("/dev/null", "w", stderr)) _exit(3);
-        fakecuda_stream_release(s);
+        close(fd[0]);
+        if (dup2(fd[1], 2) < 0) _exit(3);
+        CUevent live = NULL;
+        CUdeviceptr p;
+        if (cuCtxSetCurrent(g_ctx0) != CUDA_SUCCESS || cuEventCreate(&live, 0) != CUDA_SUCCESS)
+            _exit(4);
+        switch (use) {
+        case USE_RELEASE:
+            fakecuda_stream_release(s);
+            break;
+        case USE_STREAM_QUERY:
+            cuStreamQuery(s);
+            break;
+        case USE_STREAM_SYNC:
+            cuStreamSynchronize(s);
+            break;
+        case USE_STREAM_DESTROY:
+            cuStreamDestroy(s);
+            break;
+        case USE_RECORD_ON:
+            cuEventRecord(live, s);
+            break;
+        case USE_WAIT_ON:
+            cuStreamWaitEvent(s, live, 0);
+            break;
+        case USE_ALLOC_ASYNC:
+            cuMemAllocAsync(&p, 4096, s);
+            break;
+        case USE_EVENT_QUERY:
+            cuEventQuery(e);
+            break;
+        case USE_EVENT_RECORD:
+            cuEventRecord(e, NULL);
+            break;
+        case USE_EVENT_DESTROY:
+            cuEventDestroy(e);
+            break;
+        }
         _exit(0);
     }
+    close(fd[1]);
+    char msg[512] = "";
+    size_t n = 0;
+    ssize_t r;
+    while (n < sizeof msg - 1 && (r = read(fd[0], msg + n, sizeof msg - 1 - n)) > 0) n += (size_t)r;
+    close(fd[0]);
     int st;
     CHECK(waitpid(pid, &st, 0) == pid);
-    return WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT;
+    char handle[32];
+    snprintf(handle, sizeof handle, "%p", use >= USE_EVENT_QUERY ? (void *)e : (void *)s);
+    return WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT && strstr(msg, call) && strstr(msg, handle);
+}
+
+static int child_release_aborts(CUstream s) {
+    return child_aborts(USE_RELEASE, s, NULL, "fakecuda_stream_release");
 }
 
 void test_streams(void) {
@@ -155,11 +219,11 @@ void test_streams(void) {
     OK(cuEventRecord(e2, s2));
     OK(cuStreamDestroy(s2));
     CHECK(fakecuda_live("streams") == 1);
-    CHECK_RC(cuStreamQuery(s2), CUDA_ERROR_INVALID_HANDLE);
+    CHECK(child_aborts(USE_STREAM_QUERY, s2, NULL, "cuStreamQuery"));
     CHECK_RC(cuEventQuery(e2), CUDA_ERROR_NOT_READY);
     fakecuda_stream_release(s2);
     OK(cuEventQuery(e2));
-    CHECK(child_release_aborts(s2)); /* the released zombie is gone */
+    CHECK(child_release_aborts(s2)); /* destroyed and no longer held: nothing to release */
 
     /* waiting on held work that is never released aborts the process */
     fakecuda_stream_hold(s);
@@ -180,10 +244,17 @@ void test_streams(void) {
     fakecuda_stream_release(s);
 
     OK(cuStreamDestroy(s));
-    CHECK_RC(cuStreamDestroy(s), CUDA_ERROR_INVALID_HANDLE);
     OK(cuEventDestroy(e));
     OK(cuEventDestroy(e2));
-    CHECK_RC(cuEventDestroy(e), CUDA_ERROR_INVALID_HANDLE);
+    /* Every use of a destroyed handle aborts, naming the call and the handle. */
+    CHECK(child_aborts(USE_STREAM_DESTROY, s, NULL, "cuStreamDestroy"));
+    CHECK(child_aborts(USE_STREAM_SYNC, s, NULL, "cuStreamSynchronize"));
+    CHECK(child_aborts(USE_RECORD_ON, s, NULL, "cuEventRecord"));
+    CHECK(child_aborts(USE_WAIT_ON, s, NULL, "cuStreamWaitEvent"));
+    CHECK(child_aborts(USE_ALLOC_ASYNC, s, NULL, "cuMemAllocAsync"));
+    CHECK(child_aborts(USE_EVENT_QUERY, NULL, e, "cuEventQuery"));
+    CHECK(child_aborts(USE_EVENT_RECORD, NULL, e, "cuEventRecord"));
+    CHECK(child_aborts(USE_EVENT_DESTROY, NULL, e, "cuEventDestroy"));
     CHECK(fakecuda_live("streams") == 0 && fakecuda_live("events") == 0);
 }
 

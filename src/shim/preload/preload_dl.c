@@ -325,6 +325,8 @@ MINE(reset, cuma_pl_DevicePrimaryCtxReset_fn, cuDevicePrimaryCtxReset_v2)
 MINE(reset1, cuma_pl_DevicePrimaryCtxResetV1_fn, cuDevicePrimaryCtxReset)
 MINE(release, cuma_pl_DevicePrimaryCtxRelease_fn, cuDevicePrimaryCtxRelease_v2)
 MINE(release1, cuma_pl_DevicePrimaryCtxReleaseV1_fn, cuDevicePrimaryCtxRelease)
+MINE(sdestroy, cuma_pl_StreamDestroy_fn, cuStreamDestroy_v2)
+MINE(sdestroy1, cuma_pl_StreamDestroyV1_fn, cuStreamDestroy)
 #undef MINE
 
 #define OFF(field) offsetof(cuma_preload_driver, field)
@@ -352,6 +354,9 @@ static const export_entry exports[] = {
      OFF(DevicePrimaryCtxRelease), mine_release},
     {"cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRelease", 7000, 11000, false,
      OFF(DevicePrimaryCtxReleaseV1), mine_release1},
+    /* A stream's destruction retires it in cuma first (preload_mem.c). */
+    {"cuStreamDestroy_v2", "cuStreamDestroy", 4000, 0, false, OFF(StreamDestroy), mine_sdestroy},
+    {"cuStreamDestroy", "cuStreamDestroy", 2000, 4000, false, OFF(StreamDestroyV1), mine_sdestroy1},
 };
 #undef OFF
 
