@@ -34,9 +34,11 @@ int cuma_streams_index(cuma_streams *ss, cuma_stream handle) {
         cuma_stream_slot *s = &ss->slot[i];
         if (!s->dead) {
             if (s->handle == handle) return (int)i;
-        } else if (reuse < 0 && s->fenced == s->last) {
+        } else if (s->fenced == s->last) {
+            /* Every dead slot is asked, not only up to the first drained one: a slot nobody
+             * asks about would never drain, and the table would grow with the device's lag. */
             if (s->done < s->last) retire(ss, s, 0);
-            if (s->done == s->last) reuse = (int)i;
+            if (reuse < 0 && s->done == s->last) reuse = (int)i;
         }
     }
     if (reuse >= 0) {

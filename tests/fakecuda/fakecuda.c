@@ -167,6 +167,7 @@ static void load_config(void) {
     fc_cfg.no_vmm = env_long("FAKECUDA_NO_VMM", 0, 0, 1) != 0;
     fc_cfg.no_peer = env_long("FAKECUDA_NO_PEER", 0, 0, 1) != 0;
     fc_cfg.sync_timeout_ms = env_long("FAKECUDA_SYNC_TIMEOUT_MS", 10000, 1, 86400000L);
+    fc_cfg.event_lag = (unsigned)env_long("FAKECUDA_EVENT_LAG", 0, 0, 1000000L);
     long page = sysconf(_SC_PAGESIZE);
     if (fc_cfg.gran < (uint64_t)page || (fc_cfg.gran & (fc_cfg.gran - 1)))
         fc_die("FAKECUDA_GRANULARITY=%llu: must be a power of two >= the page size (%ld)",

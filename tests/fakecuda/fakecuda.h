@@ -19,6 +19,8 @@
  *   FAKECUDA_NO_PEER=1        cuDeviceCanAccessPeer reports 0
  *   FAKECUDA_SYNC_TIMEOUT_MS  how long a synchronize waits for held work
  *                             before aborting (default 10000)
+ *   FAKECUDA_EVENT_LAG        every stream's completion lag (default 0; see
+ *                             fakecuda_stream_set_lag)
  *   FAKECUDA_FAIL             initial fault-injection spec (see below)
  */
 #ifndef CUMA_FAKECUDA_H
@@ -51,6 +53,17 @@ void fakecuda_stream_hold(CUstream s);
  * that is not held aborts. Releasing a stream that is not held is a no-op.
  */
 void fakecuda_stream_release(CUstream s);
+
+/*
+ * Make work recorded on `s` from now on complete late: an event recorded on it
+ * answers CUDA_ERROR_NOT_READY to its first `queries` cuEventQuery calls and
+ * completes at the next (a synchronize call completes it at once); a
+ * cuStreamQuery of the stream likewise. Completing an event completes every
+ * earlier record of its stream. 0 (the default unless FAKECUDA_EVENT_LAG says
+ * otherwise): complete when recorded. Pseudo streams as for
+ * fakecuda_stream_hold (CU_STREAM_PER_THREAD is the calling thread's).
+ */
+void fakecuda_stream_set_lag(CUstream s, unsigned queries);
 
 /*
  * Replace the fault-injection spec. Grammar (same as FAKECUDA_FAIL):

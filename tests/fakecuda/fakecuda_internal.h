@@ -86,6 +86,7 @@ struct fc_config {
     int no_vmm;
     int no_peer;
     long sync_timeout_ms;
+    unsigned event_lag; /* FAKECUDA_EVENT_LAG: every stream's initial completion lag */
 };
 
 /* Sorted vector of fixed-size elements whose first member is a uint64_t key. */
@@ -109,12 +110,29 @@ struct CUstream_st {
     int held;      /* work in flight (set only by fakecuda_stream_hold) */
     int destroyed; /* cuStreamDestroy'ed: a tombstone, kept (never freed) so any use aborts */
     int pseudo;    /* per-device NULL/legacy or per-thread stream */
+    /* Late completion: work recorded on the stream is numbered (recorded) and complete up to
+     * `completed`; an event recorded on it completes after `lag` queries of it (or a
+     * synchronize), a cuStreamQuery after `lag` queries of the stream (qleft). */
+    uint64_t recorded, completed;
+    unsigned lag, qleft;
+};
+
+/* What an event recorded on a stream waits for besides its own stream: the other side of the
+ * legacy stream's implicit synchronisation (see fakecuda_stream.c). */
+struct fc_snap {
+    struct CUstream_st *st;
+    uint64_t ticket;
 };
 
 struct CUevent_st {
     int dev;
     struct CUstream_st *pending; /* held stream it was recorded on, or NULL */
     int destroyed;               /* cuEventDestroy'ed: a tombstone, like a stream's */
+    struct CUstream_st *on;      /* the stream of its last record (NULL: never recorded) */
+    uint64_t ticket;             /* its number among on's records */
+    unsigned left;               /* queries before it completes */
+    struct fc_snap *snap;        /* streams whose earlier work it also waits for */
+    size_t nsnap, capsnap;
 };
 
 struct fc_device {
@@ -124,7 +142,7 @@ struct fc_device {
     struct fc_vec free_ext;         /* struct fc_extent, sorted by offset */
     struct CUctx_st ctx;            /* the primary context */
     struct CUstream_st null_stream; /* NULL stream and CU_STREAM_LEGACY */
-    struct CUstream_st pt_stream;   /* CU_STREAM_PER_THREAD */
+    /* CU_STREAM_PER_THREAD is one stream per thread: see fakecuda_stream.c. */
 };
 
 struct fc_live_counts {

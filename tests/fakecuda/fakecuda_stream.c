@@ -7,6 +7,21 @@
  * Synchronize calls wait on fc_cv for a release, at most
  * FAKECUDA_SYNC_TIMEOUT_MS, then abort the process. See fakecuda.c.
  *
+ * Late completion (FAKECUDA_EVENT_LAG=n, fakecuda_stream_set_lag): an event
+ * recorded on a stream with lag n answers CUDA_ERROR_NOT_READY to its first n
+ * queries and completes at the next, as a GPU that runs behind the host; its
+ * completion completes every earlier record of the stream (work runs in
+ * order). cuStreamQuery likewise, on the stream's own count. Synchronize calls
+ * complete the work at once (it is finite): no wall clock is involved.
+ *
+ * Default streams as CUDA defines them: NULL and CU_STREAM_LEGACY name the
+ * device's legacy stream, which synchronises with every blocking stream (not
+ * CU_STREAM_NON_BLOCKING) of its device: an event recorded on it completes
+ * only after the blocking streams' work recorded before it (and completing it
+ * completes that work), and an event recorded on a blocking stream waits for
+ * the legacy stream's earlier work the same way. CU_STREAM_PER_THREAD is one
+ * blocking stream per thread and device, created on first use.
+ *
  * Destroyed handles: using a stream or event after cuStreamDestroy /
  * cuEventDestroy is undefined on the real driver (it may crash, or the handle
  * may name a new object by then). The fake keeps every destroyed object as a
@@ -32,9 +47,12 @@ static struct fc_vec g_streams = {NULL, 0, 0, sizeof(struct fc_ref)};
 static struct fc_vec g_events = {NULL, 0, 0, sizeof(struct fc_ref)};
 
 void fc_stream_init_device(struct fc_device *d, int dev) {
-    d->null_stream = (struct CUstream_st){.dev = dev, .pseudo = 1};
-    d->pt_stream = (struct CUstream_st){.dev = dev, .pseudo = 1};
+    d->null_stream = (struct CUstream_st){.dev = dev, .pseudo = 1, .lag = fc_cfg.event_lag};
 }
+
+/* The calling thread's per-thread default streams, one per device, in g_streams (so that
+ * cuCtxSynchronize sees them) but not counted as live: the program never made them. */
+static _Thread_local struct CUstream_st *tls_pt[FC_MAX_DEVICES];
 
 static int is_pseudo(CUstream s) {
     return s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD;
@@ -52,8 +70,77 @@ static int ref_add(struct fc_vec *v, void *obj) {
     return fc_vec_insert(v, fc_vec_lower(v, r.key), &r);
 }
 
+/* fc_mu held. */
 static struct CUstream_st *pseudo_stream(CUstream s, int dev) {
-    return s == CU_STREAM_PER_THREAD ? &fc_dev[dev].pt_stream : &fc_dev[dev].null_stream;
+    if (s != CU_STREAM_PER_THREAD) return &fc_dev[dev].null_stream;
+    if (!tls_pt[dev]) {
+        struct CUstream_st *st = calloc(1, sizeof *st);
+        if (!st || ref_add(&g_streams, st) != 0) fc_die("no memory for a per-thread stream");
+        *st = (struct CUstream_st){.dev = dev, .pseudo = 1, .lag = fc_cfg.event_lag};
+        tls_pt[dev] = st;
+    }
+    return tls_pt[dev];
+}
+
+/* ---- late completion ---------------------------------------------------------- */
+
+static int blocking(const struct CUstream_st *st) {
+    return !(st->flags & CU_STREAM_NON_BLOCKING) && st != &fc_dev[st->dev].null_stream;
+}
+
+static void complete_to(struct CUstream_st *st, uint64_t ticket) {
+    if (st->completed < ticket) st->completed = ticket;
+}
+
+/* Whether e's work is complete: its stream's, and that of the streams it waits for. */
+static int event_done(const struct CUevent_st *e) {
+    if (!e->on || e->destroyed) return 1;
+    if (e->pending) return 0;
+    for (size_t i = 0; i < e->nsnap; i++)
+        if (e->snap[i].st->held && e->snap[i].st->completed < e->snap[i].ticket) return 0;
+    return e->on->completed >= e->ticket;
+}
+
+/* e completes (a query past its lag, a synchronize): so does the work it waited for. */
+static void event_complete(struct CUevent_st *e) {
+    complete_to(e->on, e->ticket);
+    for (size_t i = 0; i < e->nsnap; i++) complete_to(e->snap[i].st, e->snap[i].ticket);
+}
+
+static void snap_add(struct CUevent_st *e, struct CUstream_st *st) {
+    if (st->completed >= st->recorded && !st->held) return; /* nothing to wait for */
+    if (e->nsnap == e->capsnap) {
+        size_t cap = e->capsnap ? 2 * e->capsnap : 4;
+        struct fc_snap *n = realloc(e->snap, cap * sizeof *n);
+        if (!n) fc_die("no memory for an event's dependencies");
+        e->snap = n, e->capsnap = cap;
+    }
+    e->snap[e->nsnap++] = (struct fc_snap){st, st->recorded};
+}
+
+/* Records e on st: the implicit synchronisation of the legacy stream decides what else it
+ * waits for. */
+static void event_record(struct CUevent_st *e, struct CUstream_st *st) {
+    e->on = st;
+    e->ticket = ++st->recorded;
+    e->left = st->lag;
+    e->nsnap = 0;
+    e->pending = st->held ? st : NULL;
+    st->qleft = st->lag;
+    struct CUstream_st *legacy = &fc_dev[st->dev].null_stream;
+    if (st == legacy) {
+        for (size_t i = 0; i < g_streams.n; i++) {
+            struct CUstream_st *o = ((struct fc_ref *)fc_vec_at(&g_streams, i))->obj;
+            if (o->dev == st->dev && blocking(o)) snap_add(e, o);
+        }
+    } else if (blocking(st)) {
+        snap_add(e, legacy);
+    }
+    if (!e->left && !e->pending) {
+        int others_held = 0;
+        for (size_t i = 0; i < e->nsnap; i++) others_held |= e->snap[i].st->held;
+        if (!others_held) event_complete(e);
+    }
 }
 
 static void stream_dead(const char *api, CUstream s) {
@@ -115,12 +202,16 @@ static int stream_busy(const void *arg) {
 
 static int event_busy(const void *arg) {
     const struct CUevent_st *e = arg; /* destroyed meanwhile: nothing left to wait for */
-    return !e->destroyed && e->pending;
+    if (e->destroyed || !e->on) return 0;
+    if (e->pending) return 1;
+    for (size_t i = 0; i < e->nsnap; i++)
+        if (e->snap[i].st->held && e->snap[i].st->completed < e->snap[i].ticket) return 1;
+    return 0;
 }
 
 static int device_busy(const void *arg) {
     int dev = *(const int *)arg;
-    if (fc_dev[dev].null_stream.held || fc_dev[dev].pt_stream.held) return 1;
+    if (fc_dev[dev].null_stream.held) return 1;
     for (size_t i = 0; i < g_streams.n; i++) {
         const struct CUstream_st *st = ((const struct fc_ref *)fc_vec_at(&g_streams, i))->obj;
         if (st->dev == dev && st->held) return 1;
@@ -144,6 +235,7 @@ CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
         } else {
             st->dev = dev;
             st->flags = Flags;
+            st->lag = fc_cfg.event_lag;
             fc_live_n.streams++;
             *phStream = st;
         }
@@ -171,7 +263,10 @@ CUresult cuStreamSynchronize(CUstream hStream) {
     struct CUstream_st *st;
     fc_lock();
     CUresult rc = stream_resolve("cuStreamSynchronize", hStream, &st);
-    if (rc == CUDA_SUCCESS) wait_idle("cuStreamSynchronize", stream_busy, st);
+    if (rc == CUDA_SUCCESS) {
+        wait_idle("cuStreamSynchronize", stream_busy, st);
+        complete_to(st, st->recorded);
+    }
     fc_unlock();
     return rc;
 }
@@ -181,7 +276,16 @@ CUresult cuStreamQuery(CUstream hStream) {
     struct CUstream_st *st;
     fc_lock();
     CUresult rc = stream_resolve("cuStreamQuery", hStream, &st);
-    if (rc == CUDA_SUCCESS && st->held) rc = CUDA_ERROR_NOT_READY;
+    if (rc == CUDA_SUCCESS && st->held) {
+        rc = CUDA_ERROR_NOT_READY;
+    } else if (rc == CUDA_SUCCESS && st->completed < st->recorded) {
+        if (st->qleft) {
+            st->qleft--;
+            rc = CUDA_ERROR_NOT_READY;
+        } else {
+            complete_to(st, st->recorded);
+        }
+    }
     fc_unlock();
     return rc;
 }
@@ -222,7 +326,14 @@ CUresult cuCtxSynchronize(void) {
     int dev;
     fc_lock();
     CUresult rc = fc_current_dev_locked(&dev);
-    if (rc == CUDA_SUCCESS) wait_idle("cuCtxSynchronize", device_busy, &dev);
+    if (rc == CUDA_SUCCESS) {
+        wait_idle("cuCtxSynchronize", device_busy, &dev);
+        complete_to(&fc_dev[dev].null_stream, fc_dev[dev].null_stream.recorded);
+        for (size_t i = 0; i < g_streams.n; i++) {
+            struct CUstream_st *st = ((struct fc_ref *)fc_vec_at(&g_streams, i))->obj;
+            if (st->dev == dev) complete_to(st, st->recorded);
+        }
+    }
     fc_unlock();
     return rc;
 }
@@ -274,7 +385,7 @@ CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
                       ? stream_resolve("cuEventRecord", hStream, &st)
                       : CUDA_ERROR_INVALID_HANDLE;
     if (rc == CUDA_SUCCESS && st->dev != hEvent->dev) rc = CUDA_ERROR_INVALID_HANDLE;
-    if (rc == CUDA_SUCCESS) hEvent->pending = st->held ? st : NULL;
+    if (rc == CUDA_SUCCESS) event_record(hEvent, st);
     fc_unlock();
     return rc;
 }
@@ -282,9 +393,18 @@ CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
 CUresult cuEventQuery(CUevent hEvent) {
     FC_ENTER(EventQuery);
     fc_lock();
-    CUresult rc = !event_valid("cuEventQuery", hEvent) ? CUDA_ERROR_INVALID_HANDLE
-                  : hEvent->pending                    ? CUDA_ERROR_NOT_READY
-                                                       : CUDA_SUCCESS;
+    CUresult rc = CUDA_ERROR_INVALID_HANDLE;
+    if (event_valid("cuEventQuery", hEvent)) {
+        rc = CUDA_SUCCESS;
+        if (!event_done(hEvent)) {
+            if (event_busy(hEvent) || hEvent->left) {
+                if (!event_busy(hEvent)) hEvent->left--;
+                rc = CUDA_ERROR_NOT_READY;
+            } else {
+                event_complete(hEvent);
+            }
+        }
+    }
     fc_unlock();
     return rc;
 }
@@ -295,6 +415,7 @@ CUresult cuEventSynchronize(CUevent hEvent) {
     fc_lock();
     if (event_valid("cuEventSynchronize", hEvent)) {
         wait_idle("cuEventSynchronize", event_busy, hEvent);
+        if (!hEvent->destroyed && hEvent->on) event_complete(hEvent);
         rc = CUDA_SUCCESS;
     }
     fc_unlock();
@@ -338,7 +459,9 @@ static struct CUstream_st *control_stream(const char *fn, CUstream s) {
 void fakecuda_stream_hold(CUstream s) {
     fc_config_once();
     fc_lock();
-    control_stream("fakecuda_stream_hold", s)->held = 1;
+    struct CUstream_st *st = control_stream("fakecuda_stream_hold", s);
+    if (!st->held) st->recorded++; /* the work in flight, numbered like a record */
+    st->held = 1;
     fc_unlock();
 }
 
@@ -347,10 +470,18 @@ void fakecuda_stream_release(CUstream s) {
     fc_lock();
     struct CUstream_st *st = control_stream("fakecuda_stream_release", s);
     st->held = 0;
+    complete_to(st, st->recorded);
     for (size_t i = 0; i < g_events.n; i++) {
         struct CUevent_st *e = ((struct fc_ref *)fc_vec_at(&g_events, i))->obj;
         if (e->pending == st) e->pending = NULL;
     }
     pthread_cond_broadcast(&fc_cv);
+    fc_unlock();
+}
+
+void fakecuda_stream_set_lag(CUstream s, unsigned queries) {
+    fc_config_once();
+    fc_lock();
+    control_stream("fakecuda_stream_set_lag", s)->lag = queries;
     fc_unlock();
 }

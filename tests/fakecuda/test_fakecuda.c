@@ -553,6 +553,7 @@ int main(int argc, char **argv) {
     test_fault_injection();
     test_reset();
     test_streams();
+    test_lag_and_default_streams();
     test_proc_address();
     test_exports_and_counters();
     test_threads();

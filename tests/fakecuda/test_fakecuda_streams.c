@@ -258,6 +258,92 @@ void test_streams(void) {
     CHECK(fakecuda_live("streams") == 0 && fakecuda_live("events") == 0);
 }
 
+static void *pt_other_thread(void *arg) {
+    CUevent e = arg;
+    if (cuCtxSetCurrent(g_ctx0) != CUDA_SUCCESS) return (void *)1;
+    /* This thread's per-thread stream is not the main thread's (which is held). */
+    if (cuStreamQuery(CU_STREAM_PER_THREAD) != CUDA_SUCCESS) return (void *)2;
+    if (cuEventRecord(e, CU_STREAM_PER_THREAD) != CUDA_SUCCESS) return (void *)3;
+    if (cuEventQuery(e) != CUDA_SUCCESS) return (void *)4;
+    return NULL;
+}
+
+void test_lag_and_default_streams(void) {
+    g_section = "late completion, default streams";
+    CUstream s, nb;
+    CUevent e, e2;
+    OK(cuStreamCreate(&s, 0));
+    OK(cuStreamCreate(&nb, CU_STREAM_NON_BLOCKING));
+    OK(cuEventCreate(&e, 0));
+    OK(cuEventCreate(&e2, 0));
+
+    /* A lag of 2: two "not ready" answers, then complete; completing a later record completes
+     * the earlier ones; synchronize calls complete at once. */
+    fakecuda_stream_set_lag(s, 2);
+    OK(cuEventRecord(e, s));
+    OK(cuEventRecord(e2, s));
+    CHECK_RC(cuEventQuery(e2), CUDA_ERROR_NOT_READY);
+    CHECK_RC(cuEventQuery(e2), CUDA_ERROR_NOT_READY);
+    OK(cuEventQuery(e2));
+    OK(cuEventQuery(e)); /* earlier work on the stream is done too */
+    OK(cuEventRecord(e, s));
+    CHECK_RC(cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+    OK(cuStreamSynchronize(s));
+    OK(cuEventQuery(e));
+    OK(cuEventRecord(e, s));
+    OK(cuEventSynchronize(e));
+    OK(cuEventQuery(e));
+    OK(cuEventRecord(e, s));
+    OK(cuCtxSynchronize());
+    OK(cuEventQuery(e));
+    fakecuda_stream_set_lag(s, 0);
+    OK(cuEventRecord(e, s));
+    OK(cuEventQuery(e));
+
+    /* The legacy stream waits for blocking streams' earlier work, not for non-blocking ones. */
+    fakecuda_stream_hold(s);
+    fakecuda_stream_hold(nb);
+    OK(cuEventRecord(e, CU_STREAM_LEGACY));
+    CHECK_RC(cuEventQuery(e), CUDA_ERROR_NOT_READY);
+    fakecuda_stream_release(s);
+    OK(cuEventQuery(e)); /* nb is still held: it does not count */
+    /* ... and a blocking stream's later work waits for the legacy stream. */
+    fakecuda_stream_hold(CU_STREAM_LEGACY);
+    OK(cuEventRecord(e, s));
+    CHECK_RC(cuEventQuery(e), CUDA_ERROR_NOT_READY);
+    OK(cuEventRecord(e2, nb));
+    fakecuda_stream_release(nb);
+    OK(cuEventQuery(e2)); /* non-blocking: on its own */
+    fakecuda_stream_release(CU_STREAM_LEGACY);
+    OK(cuEventQuery(e));
+    /* A lagging blocking stream: the legacy event completes its work when it completes. */
+    fakecuda_stream_set_lag(s, 5);
+    OK(cuEventRecord(e2, s));
+    OK(cuEventRecord(e, NULL));
+    OK(cuEventQuery(e)); /* the legacy stream itself has no lag */
+    OK(cuEventQuery(e2));
+    fakecuda_stream_set_lag(s, 0);
+
+    /* CU_STREAM_PER_THREAD: one stream per thread. */
+    fakecuda_stream_hold(CU_STREAM_PER_THREAD);
+    CHECK_RC(cuStreamQuery(CU_STREAM_PER_THREAD), CUDA_ERROR_NOT_READY);
+    pthread_t t;
+    void *res = (void *)1;
+    CHECK(pthread_create(&t, NULL, pt_other_thread, e) == 0);
+    CHECK(pthread_join(t, &res) == 0 && res == NULL);
+    /* A per-thread stream is blocking: the legacy stream waits for it. */
+    OK(cuEventRecord(e, CU_STREAM_LEGACY));
+    CHECK_RC(cuEventQuery(e), CUDA_ERROR_NOT_READY);
+    fakecuda_stream_release(CU_STREAM_PER_THREAD);
+    OK(cuEventQuery(e));
+    CHECK(fakecuda_live("streams") == 2); /* per-thread streams are not the program's */
+
+    OK(cuEventDestroy(e));
+    OK(cuEventDestroy(e2));
+    OK(cuStreamDestroy(s));
+    OK(cuStreamDestroy(nb));
+}
+
 void test_proc_address(void) {
     g_section = "cuGetProcAddress";
     void *fn = NULL;
