@@ -53,6 +53,10 @@ static void cache_remove(cuma_pages *pp, uint32_t i) {
 
 static void cache_push(cuma_pages *pp, uint32_t i, uint64_t now) {
     cuma_phys *p = &pp->phys[i];
+    /* One operation may push with the time it started after a step of it pushed with a later
+     * reading (deferred frees whose fences completed late): the list stays newest first. */
+    if (pp->head != CUMA_NIL && now < pp->phys[pp->head].idle_since)
+        now = pp->phys[pp->head].idle_since;
     p->idle_since = now;
     p->prev = CUMA_NIL;
     p->next = pp->head;
