@@ -115,6 +115,18 @@ cuma_status cuma_cudabe_event_record(cuma_backend *be, cuma_stream stream, uint6
     cudabe_ctx_guard g;
     cuma_status st = cudabe_ctx_enter(b, &g);
     if (st) return st;
+    /* Not on a capturing stream (the record would be a graph node, its event never complete),
+     * nor on the legacy stream while a blocking stream captures (the record would fail and
+     * break that capture): the fence waits until the capture is over. */
+    CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult cr = b->cu->StreamIsCapturing((CUstream)stream, &cs);
+    if (cr == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ||
+        (cr == CUDA_SUCCESS && cs != CU_STREAM_CAPTURE_STATUS_NONE)) {
+        cudabe_ctx_leave(b, &g);
+        return cuma_fail(CUMA_ERR_UNSUPPORTED,
+                         "no fence on stream %p while %s: it waits for the capture to end", stream,
+                         cr == CUDA_SUCCESS ? "it captures a graph" : "a blocking stream captures");
+    }
     uint32_t i = NO_EVENT;
     st = event_take(b, &i);
     if (st == CUMA_OK) {

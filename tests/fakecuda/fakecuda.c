@@ -561,6 +561,10 @@ CUresult cuCtxGetDevice(CUdevice *device) {
     X(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "operation not permitted when stream is capturing")   \
     X(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "operation failed due to a previous error during "    \
                                              "capture")                                            \
+    X(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, "operation would make the legacy stream depend on a "    \
+                                          "capturing blocking stream")                             \
+    X(CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD, "attempt to terminate a thread-local capture "       \
+                                              "sequence from another thread")                      \
     X(CUDA_ERROR_CAPTURED_EVENT, "operation not permitted on an event last recorded in a "         \
                                  "capturing stream")                                               \
     X(CUDA_ERROR_TIMEOUT, "wait operation timed out")                                              \
@@ -694,6 +698,10 @@ static const struct fc_proc g_procs[] = {
     P("cuEventRecord", cuEventRecord, 2000),
     P("cuEventQuery", cuEventQuery, 2000),
     P("cuEventSynchronize", cuEventSynchronize, 2000),
+    P("cuStreamBeginCapture", cuStreamBeginCapture_v2, 10010),
+    P("cuStreamEndCapture", cuStreamEndCapture, 10000),
+    P("cuStreamIsCapturing", cuStreamIsCapturing, 10000),
+    P("cuThreadExchangeStreamCaptureMode", cuThreadExchangeStreamCaptureMode, 10010),
     P("cuMemsetD8", cuMemsetD8_v2, 3020),
     P("cuMemcpyHtoD", cuMemcpyHtoD_v2, 3020),
     P("cuMemcpyDtoH", cuMemcpyDtoH_v2, 3020),

@@ -64,6 +64,10 @@
     X(EventRecord)                                                                                 \
     X(EventQuery)                                                                                  \
     X(EventSynchronize)                                                                            \
+    X(StreamBeginCapture)                                                                          \
+    X(StreamEndCapture)                                                                            \
+    X(StreamIsCapturing)                                                                           \
+    X(ThreadExchangeStreamCaptureMode)                                                             \
     X(MemsetD8)                                                                                    \
     X(MemcpyHtoD)                                                                                  \
     X(MemcpyDtoH)                                                                                  \
@@ -115,6 +119,11 @@ struct CUstream_st {
      * synchronize), a cuStreamQuery after `lag` queries of the stream (qleft). */
     uint64_t recorded, completed;
     unsigned lag, qleft;
+    /* Stream capture (cuStreamBeginCapture): the mode it began in, the thread that began it,
+     * and whether a violation invalidated it. */
+    int capturing, cap_invalid;
+    CUstreamCaptureMode cap_mode;
+    pthread_t cap_thread;
 };
 
 /* What an event recorded on a stream waits for besides its own stream: the other side of the
@@ -132,6 +141,7 @@ struct CUevent_st {
     uint64_t ticket;             /* its number among on's records */
     unsigned left;               /* queries before it completes */
     struct fc_snap *snap;        /* streams whose earlier work it also waits for */
+    int captured;                /* last recorded in a capturing stream */
     size_t nsnap, capsnap;
 };
 
@@ -201,5 +211,12 @@ FC_HIDDEN void fc_stream_init_device(struct fc_device *d, int dev);
  * current context), for the stream-ordered allocator in fakecuda_mem.c; a destroyed stream
  * aborts, naming `api`. Takes fc_mu. */
 FC_HIDDEN CUresult fc_stream_check(const char *api, CUstream s);
+
+/* fakecuda_stream.c: CUDA_SUCCESS, or CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (invalidating the
+ * captures that forbid it) when the calling thread may not make a potentially unsafe call now
+ * (see cuThreadExchangeStreamCaptureMode in cuda.h). fc_mu held. */
+FC_HIDDEN CUresult fc_capture_unsafe_locked(void);
+/* The same, taking fc_mu. */
+FC_HIDDEN CUresult fc_capture_unsafe(void);
 
 #endif /* CUMA_FAKECUDA_INTERNAL_H */

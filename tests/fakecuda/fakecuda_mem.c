@@ -560,7 +560,8 @@ out:
 
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     FC_ENTER(MemAlloc);
-    return block_alloc(dptr, bytesize, 0);
+    CUresult rc = fc_capture_unsafe(); /* a potentially unsafe call under stream capture */
+    return rc != CUDA_SUCCESS ? rc : block_alloc(dptr, bytesize, 0);
 }
 
 CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
@@ -574,7 +575,8 @@ static CUresult free_block(CUdeviceptr dptr);
 
 CUresult cuMemFree_v2(CUdeviceptr dptr) {
     FC_ENTER(MemFree);
-    return free_block(dptr);
+    CUresult rc = fc_capture_unsafe();
+    return rc != CUDA_SUCCESS ? rc : free_block(dptr);
 }
 
 static CUresult free_block(CUdeviceptr dptr) {

@@ -22,6 +22,18 @@
  * the legacy stream's earlier work the same way. CU_STREAM_PER_THREAD is one
  * blocking stream per thread and device, created on first use.
  *
+ * Stream capture: cuStreamBeginCapture_v2 / cuStreamEndCapture /
+ * cuStreamIsCapturing / cuThreadExchangeStreamCaptureMode with the rules of
+ * cuda.h. An event recorded on a capturing stream is a graph node: every later
+ * query or synchronize of it fails with CUDA_ERROR_CAPTURED_EVENT. Recording
+ * on the legacy stream while a blocking stream of the device captures fails
+ * with CUDA_ERROR_STREAM_CAPTURE_IMPLICIT and invalidates that capture.
+ * Potentially unsafe calls (queries and synchronizes, cuMemAlloc, cuMemFree)
+ * from a thread whose capture mode forbids them fail with
+ * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the captures that
+ * forbid them; so does querying or synchronizing a capturing stream. No graph
+ * is built: cuStreamEndCapture hands out a placeholder handle.
+ *
  * Destroyed handles: using a stream or event after cuStreamDestroy /
  * cuEventDestroy is undefined on the real driver (it may crash, or the handle
  * may name a new object by then). The fake keeps every destroyed object as a
@@ -82,6 +94,130 @@ static struct CUstream_st *pseudo_stream(CUstream s, int dev) {
     return tls_pt[dev];
 }
 
+/* ---- stream capture ------------------------------------------------------------ */
+
+static CUresult stream_resolve(const char *api, CUstream s, struct CUstream_st **out);
+static int blocking(const struct CUstream_st *st);
+
+static _Thread_local CUstreamCaptureMode tls_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+static char g_graph_placeholder;
+
+static int own_capture(const struct CUstream_st *st) {
+    return st->capturing && pthread_equal(st->cap_thread, pthread_self());
+}
+
+/* Whether capture st forbids the calling thread's unsafe calls (cuda.h's three modes). */
+static int forbids(const struct CUstream_st *st) {
+    if (!st->capturing || tls_mode == CU_STREAM_CAPTURE_MODE_RELAXED) return 0;
+    if (own_capture(st)) return st->cap_mode != CU_STREAM_CAPTURE_MODE_RELAXED;
+    return tls_mode == CU_STREAM_CAPTURE_MODE_GLOBAL &&
+           st->cap_mode == CU_STREAM_CAPTURE_MODE_GLOBAL;
+}
+
+CUresult fc_capture_unsafe_locked(void) {
+    CUresult rc = CUDA_SUCCESS;
+    for (size_t i = 0; i < g_streams.n; i++) {
+        struct CUstream_st *st = ((struct fc_ref *)fc_vec_at(&g_streams, i))->obj;
+        if (forbids(st)) {
+            st->cap_invalid = 1;
+            rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+        }
+    }
+    return rc;
+}
+
+CUresult fc_capture_unsafe(void) {
+    fc_lock();
+    CUresult rc = fc_capture_unsafe_locked();
+    fc_unlock();
+    return rc;
+}
+
+/* A blocking stream of dev that captures, or NULL. */
+static struct CUstream_st *blocking_capture(int dev);
+
+/* A query or synchronize of st: not of a capturing stream, nor of the legacy stream while a
+ * blocking stream captures, nor from a thread that capture forbids. */
+static CUresult capture_sync_check(struct CUstream_st *st) {
+    if (st->capturing) {
+        st->cap_invalid = 1;
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    }
+    struct CUstream_st *c = st == &fc_dev[st->dev].null_stream ? blocking_capture(st->dev) : NULL;
+    if (c) {
+        c->cap_invalid = 1;
+        return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+    }
+    return fc_capture_unsafe_locked();
+}
+
+CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode);
+CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode) {
+    FC_ENTER(StreamBeginCapture);
+    if ((unsigned)mode > CU_STREAM_CAPTURE_MODE_RELAXED) return CUDA_ERROR_INVALID_VALUE;
+    struct CUstream_st *st;
+    fc_lock();
+    CUresult rc = stream_resolve("cuStreamBeginCapture", hStream, &st);
+    if (rc == CUDA_SUCCESS && st == &fc_dev[st->dev].null_stream)
+        rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; /* the legacy stream cannot capture */
+    else if (rc == CUDA_SUCCESS && st->capturing)
+        rc = CUDA_ERROR_ILLEGAL_STATE;
+    if (rc == CUDA_SUCCESS) {
+        st->capturing = 1;
+        st->cap_invalid = 0;
+        st->cap_mode = mode;
+        st->cap_thread = pthread_self();
+    }
+    fc_unlock();
+    return rc;
+}
+
+CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) {
+    FC_ENTER(StreamEndCapture);
+    if (!phGraph) return CUDA_ERROR_INVALID_VALUE;
+    struct CUstream_st *st;
+    fc_lock();
+    CUresult rc = stream_resolve("cuStreamEndCapture", hStream, &st);
+    if (rc == CUDA_SUCCESS && !st->capturing)
+        rc = CUDA_ERROR_ILLEGAL_STATE;
+    else if (rc == CUDA_SUCCESS && st->cap_mode != CU_STREAM_CAPTURE_MODE_RELAXED &&
+             !own_capture(st))
+        rc = CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
+    if (rc == CUDA_SUCCESS) {
+        st->capturing = 0;
+        *phGraph = st->cap_invalid ? NULL : (CUgraph)(void *)&g_graph_placeholder;
+        if (st->cap_invalid) rc = CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+        st->cap_invalid = 0;
+    }
+    fc_unlock();
+    return rc;
+}
+
+CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus) {
+    FC_ENTER(StreamIsCapturing);
+    if (!captureStatus) return CUDA_ERROR_INVALID_VALUE;
+    struct CUstream_st *st;
+    fc_lock();
+    CUresult rc = stream_resolve("cuStreamIsCapturing", hStream, &st);
+    if (rc == CUDA_SUCCESS && st == &fc_dev[st->dev].null_stream && blocking_capture(st->dev))
+        rc = CUDA_ERROR_STREAM_CAPTURE_IMPLICIT; /* the capture stays valid */
+    else if (rc == CUDA_SUCCESS)
+        *captureStatus = !st->capturing    ? CU_STREAM_CAPTURE_STATUS_NONE
+                         : st->cap_invalid ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
+                                           : CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    fc_unlock();
+    return rc;
+}
+
+CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode) {
+    FC_ENTER(ThreadExchangeStreamCaptureMode);
+    if (!mode || (unsigned)*mode > CU_STREAM_CAPTURE_MODE_RELAXED) return CUDA_ERROR_INVALID_VALUE;
+    CUstreamCaptureMode old = tls_mode;
+    tls_mode = *mode;
+    *mode = old;
+    return CUDA_SUCCESS;
+}
+
 /* ---- late completion ---------------------------------------------------------- */
 
 static int blocking(const struct CUstream_st *st) {
@@ -90,6 +226,14 @@ static int blocking(const struct CUstream_st *st) {
 
 static void complete_to(struct CUstream_st *st, uint64_t ticket) {
     if (st->completed < ticket) st->completed = ticket;
+}
+
+static struct CUstream_st *blocking_capture(int dev) {
+    for (size_t i = 0; i < g_streams.n; i++) {
+        struct CUstream_st *o = ((struct fc_ref *)fc_vec_at(&g_streams, i))->obj;
+        if (o->dev == dev && o->capturing && blocking(o)) return o;
+    }
+    return NULL;
 }
 
 /* Whether e's work is complete: its stream's, and that of the streams it waits for. */
@@ -263,6 +407,7 @@ CUresult cuStreamSynchronize(CUstream hStream) {
     struct CUstream_st *st;
     fc_lock();
     CUresult rc = stream_resolve("cuStreamSynchronize", hStream, &st);
+    if (rc == CUDA_SUCCESS) rc = capture_sync_check(st);
     if (rc == CUDA_SUCCESS) {
         wait_idle("cuStreamSynchronize", stream_busy, st);
         complete_to(st, st->recorded);
@@ -276,6 +421,7 @@ CUresult cuStreamQuery(CUstream hStream) {
     struct CUstream_st *st;
     fc_lock();
     CUresult rc = stream_resolve("cuStreamQuery", hStream, &st);
+    if (rc == CUDA_SUCCESS) rc = capture_sync_check(st);
     if (rc == CUDA_SUCCESS && st->held) {
         rc = CUDA_ERROR_NOT_READY;
     } else if (rc == CUDA_SUCCESS && st->completed < st->recorded) {
@@ -326,6 +472,8 @@ CUresult cuCtxSynchronize(void) {
     int dev;
     fc_lock();
     CUresult rc = fc_current_dev_locked(&dev);
+    if (rc == CUDA_SUCCESS) rc = fc_capture_unsafe_locked();
+    if (rc == CUDA_SUCCESS && blocking_capture(dev)) rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     if (rc == CUDA_SUCCESS) {
         wait_idle("cuCtxSynchronize", device_busy, &dev);
         complete_to(&fc_dev[dev].null_stream, fc_dev[dev].null_stream.recorded);
@@ -385,7 +533,19 @@ CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
                       ? stream_resolve("cuEventRecord", hStream, &st)
                       : CUDA_ERROR_INVALID_HANDLE;
     if (rc == CUDA_SUCCESS && st->dev != hEvent->dev) rc = CUDA_ERROR_INVALID_HANDLE;
-    if (rc == CUDA_SUCCESS) event_record(hEvent, st);
+    struct CUstream_st *c = NULL;
+    if (rc == CUDA_SUCCESS && st == &fc_dev[st->dev].null_stream &&
+        (c = blocking_capture(st->dev)) != NULL) {
+        c->cap_invalid = 1; /* the legacy stream would depend on the capture */
+        rc = CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+    }
+    if (rc == CUDA_SUCCESS && st->capturing) {
+        hEvent->captured = 1; /* a node of the graph, never complete as an event */
+        hEvent->pending = NULL;
+    } else if (rc == CUDA_SUCCESS) {
+        hEvent->captured = 0;
+        event_record(hEvent, st);
+    }
     fc_unlock();
     return rc;
 }
@@ -395,8 +555,8 @@ CUresult cuEventQuery(CUevent hEvent) {
     fc_lock();
     CUresult rc = CUDA_ERROR_INVALID_HANDLE;
     if (event_valid("cuEventQuery", hEvent)) {
-        rc = CUDA_SUCCESS;
-        if (!event_done(hEvent)) {
+        rc = hEvent->captured ? CUDA_ERROR_CAPTURED_EVENT : fc_capture_unsafe_locked();
+        if (rc == CUDA_SUCCESS && !event_done(hEvent)) {
             if (event_busy(hEvent) || hEvent->left) {
                 if (!event_busy(hEvent)) hEvent->left--;
                 rc = CUDA_ERROR_NOT_READY;
@@ -413,7 +573,11 @@ CUresult cuEventSynchronize(CUevent hEvent) {
     FC_ENTER(EventSynchronize);
     CUresult rc = CUDA_ERROR_INVALID_HANDLE;
     fc_lock();
-    if (event_valid("cuEventSynchronize", hEvent)) {
+    if (event_valid("cuEventSynchronize", hEvent) &&
+        (rc = hEvent->captured ? CUDA_ERROR_CAPTURED_EVENT : fc_capture_unsafe_locked()) !=
+            CUDA_SUCCESS) {
+        /* refused */
+    } else if (event_valid("cuEventSynchronize", hEvent)) {
         wait_idle("cuEventSynchronize", event_busy, hEvent);
         if (!hEvent->destroyed && hEvent->on) event_complete(hEvent);
         rc = CUDA_SUCCESS;

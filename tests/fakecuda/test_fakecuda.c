@@ -554,6 +554,7 @@ int main(int argc, char **argv) {
     test_reset();
     test_streams();
     test_lag_and_default_streams();
+    test_capture();
     test_proc_address();
     test_exports_and_counters();
     test_threads();

@@ -194,6 +194,7 @@ static inline double now_ms(void) {
 
 void test_streams(void);
 void test_lag_and_default_streams(void);
+void test_capture(void);
 void test_proc_address(void);
 void test_exports_and_counters(void);
 void test_threads(void);

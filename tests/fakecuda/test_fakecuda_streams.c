@@ -258,6 +258,8 @@ void test_streams(void) {
     CHECK(fakecuda_live("streams") == 0 && fakecuda_live("events") == 0);
 }
 
+static CUstream g_other_stream;
+
 static void *pt_other_thread(void *arg) {
     CUevent e = arg;
     if (cuCtxSetCurrent(g_ctx0) != CUDA_SUCCESS) return (void *)1;
@@ -337,6 +339,101 @@ void test_lag_and_default_streams(void) {
     fakecuda_stream_release(CU_STREAM_PER_THREAD);
     OK(cuEventQuery(e));
     CHECK(fakecuda_live("streams") == 2); /* per-thread streams are not the program's */
+
+    OK(cuEventDestroy(e));
+    OK(cuEventDestroy(e2));
+    OK(cuStreamDestroy(s));
+    OK(cuStreamDestroy(nb));
+}
+
+static CUstreamCaptureMode set_mode(CUstreamCaptureMode m) {
+    OK(cuThreadExchangeStreamCaptureMode(&m));
+    return m;
+}
+
+static void *capture_other_thread(void *arg) {
+    (void)arg;
+    if (cuCtxSetCurrent(g_ctx0) != CUDA_SUCCESS) return (void *)1;
+    CUevent e;
+    if (cuEventCreate(&e, 0) != CUDA_SUCCESS) return (void *)2;
+    if (cuEventRecord(e, g_other_stream) != CUDA_SUCCESS) return (void *)3;
+    /* Another thread's global capture forbids this thread's unsafe calls in the global mode. */
+    if (cuEventQuery(e) != CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) return (void *)4;
+    CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    cuThreadExchangeStreamCaptureMode(&m);
+    CUresult r = cuEventQuery(e); /* thread-local: other threads' captures do not count */
+    cuThreadExchangeStreamCaptureMode(&m);
+    cuEventDestroy(e);
+    return r == CUDA_SUCCESS ? NULL : (void *)5;
+}
+
+void test_capture(void) {
+    g_section = "stream capture";
+    CUstream s, nb;
+    CUevent e, e2;
+    OK(cuStreamCreate(&s, 0));
+    OK(cuStreamCreate(&nb, CU_STREAM_NON_BLOCKING));
+    g_other_stream = nb;
+    OK(cuEventCreate(&e, 0));
+    OK(cuEventCreate(&e2, 0));
+    CUstreamCaptureStatus cs;
+    CUgraph g = NULL;
+    CHECK_RC(cuStreamBeginCapture(NULL, CU_STREAM_CAPTURE_MODE_GLOBAL),
+             CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    CHECK_RC(cuStreamEndCapture(s, &g), CUDA_ERROR_ILLEGAL_STATE);
+
+    /* An intact capture: events recorded in it are graph nodes, never complete. */
+    OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    OK(cuStreamIsCapturing(s, &cs));
+    CHECK(cs == CU_STREAM_CAPTURE_STATUS_ACTIVE);
+    OK(cuStreamIsCapturing(nb, &cs));
+    CHECK(cs == CU_STREAM_CAPTURE_STATUS_NONE);
+    CHECK_RC(cuStreamIsCapturing(NULL, &cs), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    OK(cuEventRecord(e, s));
+    CUstreamCaptureMode prev = set_mode(CU_STREAM_CAPTURE_MODE_RELAXED);
+    CHECK(prev == CU_STREAM_CAPTURE_MODE_GLOBAL);
+    CHECK_RC(cuEventQuery(e), CUDA_ERROR_CAPTURED_EVENT); /* even relaxed */
+    OK(cuEventRecord(e2, nb));
+    OK(cuEventQuery(e2)); /* relaxed: an unsafe call is allowed */
+    CUdeviceptr p;
+    OK(cuMemAlloc(&p, 4096));
+    OK(cuMemFree(p));
+    set_mode(prev);
+    OK(cuStreamEndCapture(s, &g));
+    CHECK(g != NULL);
+    /* Another thread's unsafe call in the global mode fails and invalidates the capture. */
+    OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    pthread_t t;
+    void *res = (void *)1;
+    CHECK(pthread_create(&t, NULL, capture_other_thread, NULL) == 0);
+    CHECK(pthread_join(t, &res) == 0 && res == NULL);
+    OK(cuStreamIsCapturing(s, &cs));
+    CHECK(cs == CU_STREAM_CAPTURE_STATUS_INVALIDATED);
+    CHECK_RC(cuStreamEndCapture(s, &g), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    CHECK(g == NULL);
+    CHECK_RC(cuEventQuery(e), CUDA_ERROR_CAPTURED_EVENT); /* for good */
+    CHECK_RC(cuEventSynchronize(e), CUDA_ERROR_CAPTURED_EVENT);
+    OK(cuEventRecord(e, s)); /* recorded again outside a capture: an event again */
+    OK(cuEventQuery(e));
+
+    /* The global mode: this thread's own unsafe call invalidates its capture. */
+    OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CHECK_RC(cuMemAlloc(&p, 4096), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    OK(cuStreamIsCapturing(s, &cs));
+    CHECK(cs == CU_STREAM_CAPTURE_STATUS_INVALIDATED);
+    CHECK_RC(cuStreamEndCapture(s, &g), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    CHECK(g == NULL);
+
+    /* A record on the legacy stream while a blocking stream captures. */
+    OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_RELAXED));
+    CHECK_RC(cuEventRecord(e2, CU_STREAM_LEGACY), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    CHECK_RC(cuStreamEndCapture(s, &g), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    /* ... a non-blocking stream's capture leaves the legacy stream alone. */
+    OK(cuStreamBeginCapture(nb, CU_STREAM_CAPTURE_MODE_RELAXED));
+    OK(cuEventRecord(e2, CU_STREAM_LEGACY));
+    OK(cuEventQuery(e2)); /* relaxed capture: not forbidden */
+    CHECK_RC(cuStreamSynchronize(nb), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    CHECK_RC(cuStreamEndCapture(nb, &g), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
 
     OK(cuEventDestroy(e));
     OK(cuEventDestroy(e2));
