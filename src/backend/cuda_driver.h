@@ -57,6 +57,7 @@
     X(EventQuery, cuEventQuery, (CUevent))                                                         \
     X(EventSynchronize, cuEventSynchronize, (CUevent))                                             \
     X(StreamIsCapturing, cuStreamIsCapturing, (CUstream, CUstreamCaptureStatus *))                 \
+    X(StreamGetCtx, cuStreamGetCtx, (CUstream, CUcontext *))                                       \
     X(ThreadExchangeStreamCaptureMode, cuThreadExchangeStreamCaptureMode, (CUstreamCaptureMode *))
 
 /* Our own pointer types (cuma_cu_Init_fn, ...): the header's prototypes are declarations of

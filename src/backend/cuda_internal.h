@@ -52,9 +52,13 @@ typedef struct cudabe_stuck {
 } cudabe_stuck;
 
 /* A pooled event: created on first need with CU_EVENT_DISABLE_TIMING (cheaper to record and
- * query), reused for every later fence, destroyed only with the backend. */
+ * query), reused for every later fence, destroyed only with the backend. An event can be
+ * recorded only on a stream of its own context, so each event belongs to one: the device's
+ * primary context, or the context of a stream of another device that the program named
+ * (cuma_record_stream with that stream). */
 typedef struct cudabe_event {
     CUevent ev;
+    CUcontext ctx;
     uint32_t next; /* free list */
 } cudabe_event;
 
