@@ -380,6 +380,9 @@ static void test_vmm_ops(void) {
     CHECK_OK(o->page_create(be, &h1));
     CHECK_OK(o->page_create(be, &h2));
     CHECK(fakecuda_live("handles") == 2);
+    /* GPUDirect RDMA-capable pages (NCCL, InfiniBand) wherever the device reports support. */
+    const char *no_rdma = getenv("FAKECUDA_NO_RDMA");
+    CHECK(fakecuda_live("rdma_handles") == (no_rdma && *no_rdma == '1' ? 0 : 2));
     CHECK_OK(o->map(be, base, &h1, 1));
     CHECK_OK(o->map(be, base + 2 * MB, &h2, 1));
     pattern_fill((void *)(uintptr_t)base, 2 * MB, 7);

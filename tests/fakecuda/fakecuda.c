@@ -163,7 +163,9 @@ static int parse_fail_spec(const char *spec, struct fc_fail_entry **out, size_t 
 static void load_config(void) {
     fc_cfg.ndev = (int)env_long("FAKECUDA_DEVICES", 1, 0, FC_MAX_DEVICES);
     fc_cfg.gran = env_size("FAKECUDA_GRANULARITY", 2ull << 20);
+    fc_cfg.rec_gran = env_size("FAKECUDA_RECOMMENDED_GRANULARITY", fc_cfg.gran);
     fc_cfg.capacity = env_size("FAKECUDA_CAPACITY", 80ull << 30);
+    fc_cfg.no_rdma = env_long("FAKECUDA_NO_RDMA", 0, 0, 1) != 0;
     fc_cfg.no_vmm = env_long("FAKECUDA_NO_VMM", 0, 0, 1) != 0;
     fc_cfg.no_peer = env_long("FAKECUDA_NO_PEER", 0, 0, 1) != 0;
     fc_cfg.sync_timeout_ms = env_long("FAKECUDA_SYNC_TIMEOUT_MS", 10000, 1, 86400000L);
@@ -172,9 +174,12 @@ static void load_config(void) {
     if (fc_cfg.gran < (uint64_t)page || (fc_cfg.gran & (fc_cfg.gran - 1)))
         fc_die("FAKECUDA_GRANULARITY=%llu: must be a power of two >= the page size (%ld)",
                (unsigned long long)fc_cfg.gran, page);
-    if (fc_cfg.capacity == 0 || fc_cfg.capacity % fc_cfg.gran)
-        fc_die("FAKECUDA_CAPACITY=%llu: must be a non-zero multiple of the granularity (%llu)",
-               (unsigned long long)fc_cfg.capacity, (unsigned long long)fc_cfg.gran);
+    if (fc_cfg.rec_gran < fc_cfg.gran || (fc_cfg.rec_gran & (fc_cfg.rec_gran - 1)))
+        fc_die("FAKECUDA_RECOMMENDED_GRANULARITY=%llu: must be a power of two >= the "
+               "granularity (%llu)",
+               (unsigned long long)fc_cfg.rec_gran, (unsigned long long)fc_cfg.gran);
+    /* Any size, as real devices report (an H200: 143771 MiB, a multiple of neither). */
+    if (fc_cfg.capacity == 0) fc_die("FAKECUDA_CAPACITY=0: a device needs memory");
     const char *fail = getenv("FAKECUDA_FAIL");
     if (fail && *fail && parse_fail_spec(fail, &g_fail, &g_nfail) != 0)
         fc_die("FAKECUDA_FAIL=%s: bad spec (expected api:n or api:* separated by commas)", fail);
@@ -401,6 +406,9 @@ CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev) 
         break;
     case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS:
         v = 1;
+        break;
+    case CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED:
+        v = !fc_cfg.no_vmm && !fc_cfg.no_rdma;
         break;
     case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT:
         v = 2;
@@ -786,6 +794,7 @@ static long count_of(const struct fc_live_counts *counts, const char *kind, cons
         {"managed", offsetof(struct fc_live_counts, managed)},
         {"streams", offsetof(struct fc_live_counts, streams)},
         {"events", offsetof(struct fc_live_counts, events)},
+        {"rdma_handles", offsetof(struct fc_live_counts, rdma_handles)},
     };
     for (size_t i = 0; kind && i < sizeof kinds / sizeof kinds[0]; i++) {
         if (strcmp(kinds[i].name, kind) != 0) continue;

@@ -13,8 +13,15 @@
  * value aborts the process with a message):
  *   FAKECUDA_DEVICES          number of devices, 0..64 (default 1)
  *   FAKECUDA_CAPACITY         bytes per device, suffix K/M/G/T (default 80G);
- *                             a multiple of the granularity
- *   FAKECUDA_GRANULARITY      power of two >= page size (default 2M)
+ *                             any size (real devices report sizes that are a
+ *                             multiple of no granularity)
+ *   FAKECUDA_GRANULARITY      minimum granularity, a power of two >= page
+ *                             size (default 2M)
+ *   FAKECUDA_RECOMMENDED_GRANULARITY  recommended granularity, a power of two
+ *                             >= the minimum (default: the minimum)
+ *   FAKECUDA_NO_RDMA=1        no GPUDirect RDMA with VMM memory: the attribute
+ *                             says 0 and cuMemCreate refuses
+ *                             gpuDirectRDMACapable
  *   FAKECUDA_NO_VMM=1         no virtual memory management support
  *   FAKECUDA_NO_PEER=1        cuDeviceCanAccessPeer reports 0
  *   FAKECUDA_SYNC_TIMEOUT_MS  how long a synchronize waits for held work
@@ -98,6 +105,7 @@ void fakecuda_reset_counters(void);
  *   "managed"      cuMemAllocManaged allocations not yet freed
  *   "streams"      cuStreamCreate streams not yet destroyed
  *   "events"       cuEventCreate events not yet destroyed
+ *   "rdma_handles" of "handles", those created gpuDirectRDMACapable
  */
 long fakecuda_live(const char *kind);
 

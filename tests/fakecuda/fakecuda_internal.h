@@ -86,7 +86,9 @@ enum fc_api {
 struct fc_config {
     int ndev;
     uint64_t capacity;
-    uint64_t gran;
+    uint64_t gran;     /* minimum allocation granularity */
+    uint64_t rec_gran; /* recommended granularity: a power-of-two multiple of gran */
+    int no_rdma;       /* FAKECUDA_NO_RDMA=1: no GPUDirect RDMA with VMM memory */
     int no_vmm;
     int no_peer;
     long sync_timeout_ms;
@@ -157,6 +159,7 @@ struct fc_device {
 
 struct fc_live_counts {
     long handles, mappings, reservations, allocs, managed, streams, events;
+    long rdma_handles; /* of `handles`, those created gpuDirectRDMACapable */
 };
 
 extern FC_HIDDEN struct fc_config fc_cfg;
