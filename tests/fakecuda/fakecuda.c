@@ -722,6 +722,12 @@ static const struct fc_proc g_procs[] = {
 
 /* Works before cuInit, like the real driver (the runtime fetches cuInit
  * itself through it). Not-found symbols give CUDA_SUCCESS with *pfn = NULL. */
+/* FAKECUDA_PROC_TOOL=1: cuGetProcAddress("cuMemAlloc") hands out a wrapper of the fake's own, as
+ * a profiler or an injection library that wraps the driver's entry points does. */
+static CUresult tool_mem_alloc(CUdeviceptr *dptr, size_t bytesize) {
+    return cuMemAlloc_v2(dptr, bytesize);
+}
+
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                              CUdriverProcAddressQueryResult *symbolStatus) {
     FC_ENTER_NOINIT(GetProcAddress);
@@ -741,6 +747,11 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cu
         }
         st = *pfn ? CU_GET_PROC_ADDRESS_SUCCESS : CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
         break;
+    }
+    const char *tool = getenv("FAKECUDA_PROC_TOOL");
+    if (*pfn == (void *)cuMemAlloc_v2 && tool && !strcmp(tool, "1")) {
+        CUresult (*w)(CUdeviceptr *, size_t) = tool_mem_alloc;
+        memcpy(pfn, &w, sizeof *pfn);
     }
     if (symbolStatus) *symbolStatus = st;
     return CUDA_SUCCESS;

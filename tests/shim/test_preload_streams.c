@@ -6,7 +6,7 @@
  * aborts, naming the call and the handle) and, after 256 streams, refuses every allocation on a
  * new one.
  *
- *   test_preload_streams
+ *   test_preload_streams [tool]
  *
  * 1. Memory freed on a stream that is then destroyed, with its work still in flight (a held
  *    stream), is reused by another stream once that work is done, from the same pages, and no
@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define MB (1024ull * 1024)
 
@@ -110,13 +111,44 @@ static void check_stream_churn(void) {
            fakecuda_used_bytes(0));
 }
 
-int main(void) {
+/* FAKECUDA_PROC_TOOL=1: the driver's cuGetProcAddress hands out another cuMemAlloc, as a tool
+ * that wraps the driver does. The shim cannot serve calls made through it, and says so on stderr,
+ * once. */
+static int check_tool_warning(void) {
+    FILE *f = tmpfile();
+    CHECK(f != NULL);
+    fflush(stderr);
+    int saved = dup(2);
+    CHECK(saved >= 0 && dup2(fileno(f), 2) == 2);
+    void *fn = NULL, *fn2 = NULL;
+    CUdriverProcAddressQueryResult qr;
+    CHECK_CU(cuGetProcAddress("cuMemAlloc", &fn, 12000, 0, &qr));
+    CHECK_CU(cuGetProcAddress("cuMemAlloc", &fn2, 12000, 0, &qr));
+    CHECK_CU(cuGetProcAddress("cuMemFree", &fn2, 12000, 0, &qr));
+    CHECK(fn && !is_shim(fn) && is_shim(fn2)); /* only the wrapped one is left alone */
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    char buf[4096];
+    rewind(f);
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = 0;
+    fclose(f);
+    fputs(buf, stderr);
+    const char *m = strstr(buf, "cuGetProcAddress(\"cuMemAlloc\") answered");
+    CHECK(m && !strstr(m + 1, "cuGetProcAddress(")); /* once */
+    printf("test_preload_streams tool: warned once\n");
+    return 0;
+}
+
+int main(int argc, char **argv) {
     CHECK_CU(cuInit(0));
     CUdevice dev;
     CHECK_CU(cuDeviceGet(&dev, 0));
     CUcontext primary;
     CHECK_CU(cuDevicePrimaryCtxRetain(&primary, dev));
     CHECK_CU(cuCtxSetCurrent(primary));
+    if (argc > 1 && !strcmp(argv[1], "tool")) return check_tool_warning();
     CHECK(is_shim(dlsym(RTLD_DEFAULT, "cuStreamDestroy_v2")));
     check_dead_stream_memory();
     check_stream_churn();

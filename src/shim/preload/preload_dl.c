@@ -373,11 +373,6 @@ static void substitute(const char *symbol, void **pfn, int version, cuuint64_t f
     const export_entry *pick = NULL;
     /* Only an answer that is one of the driver functions the shim wraps is replaced: a newer
      * ABI of the same name (a future _v3 at a newer version) is not the shim's to serve. */
-    const cuma_preload_driver *d = cuma_preload_driver_get();
-    bool known = false;
-    for (size_t i = 0; i < sizeof exports / sizeof exports[0] && !known; i++)
-        known = !strcmp(exports[i].base, symbol) && *pfn == real_of(d, &exports[i]);
-    if (!known) return;
     for (size_t i = 0; i < sizeof exports / sizeof exports[0]; i++) {
         const export_entry *e = &exports[i];
         if (strcmp(e->base, symbol) != 0) continue;
@@ -389,6 +384,24 @@ static void substitute(const char *symbol, void **pfn, int version, cuuint64_t f
         /* A function without a stream has no per-thread flavour: the plain one answers. The
          * table lists the plain flavour first, so a per-thread one found later wins. */
         if (!e->ptsz && !pick) pick = e;
+    }
+    if (!pick) return; /* an ABI the shim does not implement (the legacy 32-bit cuMemAlloc) */
+    const cuma_preload_driver *d = cuma_preload_driver_get();
+    bool known = false;
+    for (size_t i = 0; i < sizeof exports / sizeof exports[0] && !known; i++)
+        known = !strcmp(exports[i].base, symbol) && *pfn == real_of(d, &exports[i]);
+    if (!known) {
+        /* A request the shim would serve, answered with another function than the driver's: a
+         * tool (Nsight, an injection library) wraps the driver, or a newer ABI. The program then
+         * runs without cuma for that call: said once, since it would otherwise not know. */
+        static _Atomic bool told;
+        if (!atomic_exchange(&told, true))
+            cuma_preload_report("cuGetProcAddress(\"%s\") answered %p, which is not the driver's "
+                                "function (a tool such as Nsight or an injection library wraps "
+                                "the driver, or a newer ABI): cuma does not serve calls made "
+                                "through it (said once)",
+                                symbol, *pfn);
+        return;
     }
     if (pick) *pfn = pick->mine();
 }
