@@ -54,6 +54,7 @@ typedef struct result {
     double int_requested, int_reserved;
     int64_t release_delay_ms; /* -1: the heap never releases by time */
     int64_t lag_ms;           /* sim_lag_ms: the simulated device runs this far behind */
+    int device;               /* a CUDA backend: its events may complete late too */
     char policy[32];
     cuma_stats final; /* the heap's stats after the end-of-trace release */
     int measured;     /* pass 1 ran to the end: the figures are worth printing */
@@ -150,6 +151,7 @@ static void heap_settings(cuma_heap *h, const char *conf, result *r) {
     else if ((v = conf_value(conf, "release_delay_ms", &len)) != NULL)
         r->release_delay_ms = !strncmp(v, "never", 5) ? -1 : strtoll(v, NULL, 10);
     r->lag_ms = json && (v = json_value(json, "sim_lag_ms")) != NULL ? strtoll(v, NULL, 10) : 0;
+    r->device = json && (v = json_value(json, "backend")) != NULL && strncmp(v, "\"sim\"", 5);
     if (json && (v = json_value(json, "policy")) != NULL && *v == '"')
         snprintf(r->policy, sizeof r->policy, "%.*s", (int)strcspn(v + 1, "\""), v + 1);
     else if ((v = conf_value(conf, "policy", &len)) != NULL)
@@ -209,12 +211,13 @@ static int measure(const cuma_trace *t, const char *conf, uint64_t scale, void *
             if (tl) tl_add(tl, now_us, requested, reserved, s.cached_bytes, s.mapped_bytes);
             uint64_t again;
             if (cuma_next_release(h, &again) == CUMA_OK && again <= next_ns) {
-                if (!r->lag_ms) {
+                if (!r->lag_ms && !r->device) {
                     rc = heap_error(t->path, i, "the release deadline did not move after a poll");
                     break;
                 }
-                /* A due page whose fence the lagging device has not passed yet stays: the
-                 * release thread looks again a millisecond later. */
+                /* A due page whose fence the lagging device (simulated, or a GPU whose events
+                 * complete late) has not passed yet stays: the release thread looks again a
+                 * millisecond later. */
                 retry_ns = now_us * 1000 + 1000000;
             }
         }

@@ -141,6 +141,16 @@ cuma_status cuma_free(cuma_heap *heap, void *ptr, cuma_stream stream);
  * work issued on `stream` up to the free has completed. */
 cuma_status cuma_record_stream(cuma_heap *heap, void *ptr, cuma_stream stream);
 
+/* Tells the heap that `stream` is about to be destroyed: call it before cuStreamDestroy /
+ * cudaStreamDestroy, while the handle is still valid. The heap records one last event on the
+ * stream and never uses the handle again (the driver may give it to a new stream), and the
+ * stream's place in the heap's table is reused once that work is done: without it, a program
+ * that makes and destroys streams one after another finds every allocation on a new stream
+ * refused after 256 of them (CUMA_ERR_UNSUPPORTED). Memory allocated on the stream stays valid;
+ * a later free of it with stream NULL is ordered after the stream's last work. A stream the heap
+ * never saw is a no-op; NULL is CUMA_ERR_INVALID. The LD_PRELOAD shim calls it for you. */
+cuma_status cuma_stream_retire(cuma_heap *heap, cuma_stream stream);
+
 /* Returns cached memory to the device until at most `keep_bytes` of cached pages remain
  * (0: release the whole cache, like torch.cuda.empty_cache()). Pages whose last users'
  * work is still running are kept. */

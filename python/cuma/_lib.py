@@ -146,6 +146,7 @@ def _prototype(lib):
         "cuma_alloc": (st, [vp, sz, vp, c.POINTER(vp)]),
         "cuma_free": (st, [vp, vp, vp]),
         "cuma_record_stream": (st, [vp, vp, vp]),
+        "cuma_stream_retire": (st, [vp, vp]),
         "cuma_trim": (st, [vp, sz]),
         "cuma_poll": (st, [vp]),
         "cuma_next_release": (st, [vp, c.POINTER(c.c_uint64)]),

@@ -376,6 +376,17 @@ class Heap:
         _lib.check(_lib.lib().cuma_record_stream(self._handle(), ptr, stream))
 
     @_in_use
+    def retire_stream(self, stream):
+        """Tells the heap that ``stream`` is about to be destroyed (call it before the stream
+        goes): one last fence is recorded on it and its place in the heap's stream table is
+        reused once that work is done. Without it, a program that makes and destroys streams
+        one after another finds allocations on new streams refused after 256 of them."""
+        stream = _stream_arg(stream)
+        if stream is None:
+            raise ValueError("retire_stream: the default stream is never destroyed")
+        _lib.check(_lib.lib().cuma_stream_retire(self._handle(), stream))
+
+    @_in_use
     def block_size(self, ptr):
         """The rounded size the heap reserved for the live allocation at ``ptr``."""
         ptr = _ptr_arg(ptr)

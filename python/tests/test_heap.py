@@ -171,6 +171,19 @@ def test_record_stream_defers_reuse_until_the_stream_is_done(sim_heap):
     h.validate()
 
 
+def test_retired_streams_free_their_slots(sim_heap):
+    h = sim_heap
+    # 1000 streams one after another: past the table's 256 slots only if retired ones go.
+    for i in range(1000):
+        p = h.alloc(4096, stream=0x1000 + i)
+        h.free(p, stream=0x1000 + i)
+        h.retire_stream(0x1000 + i)
+    h.retire_stream(0x99999)  # never seen: nothing to do
+    with pytest.raises(ValueError, match="never destroyed"):
+        h.retire_stream(None)
+    h.validate()
+
+
 class FakeTorchStream:
     cuda_stream = 7
 

@@ -84,11 +84,13 @@ cuma_status cuma_cudabe_mem_info(cuma_backend *be, uint64_t *free_bytes, uint64_
     return st;
 }
 
-/* An event from the pool, creating one when the pool is empty. Context current. */
-static cuma_status event_take(cuda_be *b, uint32_t *out) {
-    if (b->free_event != NO_EVENT) {
-        *out = b->free_event;
-        b->free_event = b->events[*out].next;
+/* An event of context ctx from the pool, creating one when the pool has none. The primary
+ * context current. */
+static cuma_status event_take(cuda_be *b, CUcontext ctx, uint32_t *out) {
+    for (uint32_t *pi = &b->free_event; *pi != NO_EVENT; pi = &b->events[*pi].next) {
+        if (b->events[*pi].ctx != ctx) continue;
+        *out = *pi;
+        *pi = b->events[*out].next;
         return CUMA_OK;
     }
     if (b->nevents == b->capevents) {
@@ -98,9 +100,13 @@ static cuma_status event_take(cuda_be *b, uint32_t *out) {
         b->events = n, b->capevents = nc;
     }
     CUevent ev = NULL;
-    CUresult r = b->cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING);
-    if (r != CUDA_SUCCESS) return cuma_cudabe_check(r, "cuEventCreate");
-    b->events[b->nevents] = (cudabe_event){ev, NO_EVENT};
+    CUresult r = ctx == b->ctx ? CUDA_SUCCESS : b->cu->CtxSetCurrent(ctx);
+    if (r == CUDA_SUCCESS) {
+        r = b->cu->EventCreate(&ev, CU_EVENT_DISABLE_TIMING);
+        if (ctx != b->ctx) b->cu->CtxSetCurrent(b->ctx);
+    }
+    if (r != CUDA_SUCCESS) return cuma_cudabe_check(r, "cuEventCreate in context %p", (void *)ctx);
+    b->events[b->nevents] = (cudabe_event){ev, ctx, NO_EVENT};
     *out = b->nevents++;
     return CUMA_OK;
 }
@@ -115,8 +121,30 @@ cuma_status cuma_cudabe_event_record(cuma_backend *be, cuma_stream stream, uint6
     cudabe_ctx_guard g;
     cuma_status st = cudabe_ctx_enter(b, &g);
     if (st) return st;
+    /* Not on a capturing stream (the record would be a graph node, its event never complete),
+     * nor on the legacy stream while a blocking stream captures (the record would fail and
+     * break that capture): the fence waits until the capture is over. */
+    CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult cr = b->cu->StreamIsCapturing((CUstream)stream, &cs);
+    if (cr == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ||
+        (cr == CUDA_SUCCESS && cs != CU_STREAM_CAPTURE_STATUS_NONE)) {
+        cudabe_ctx_leave(b, &g);
+        return cuma_fail(CUMA_ERR_UNSUPPORTED,
+                         "no fence on stream %p while %s: it waits for the capture to end", stream,
+                         cr == CUDA_SUCCESS ? "it captures a graph" : "a blocking stream captures");
+    }
+    /* A stream of another context (another device's) gets an event of its own context. */
+    CUcontext sc = b->ctx;
+    CUstream cs_ = (CUstream)stream;
+    if (cs_ && cs_ != CU_STREAM_LEGACY && cs_ != CU_STREAM_PER_THREAD) {
+        CUresult gr = b->cu->StreamGetCtx(cs_, &sc);
+        if (gr != CUDA_SUCCESS) {
+            cudabe_ctx_leave(b, &g);
+            return cuma_cudabe_check(gr, "cuStreamGetCtx of stream %p", stream);
+        }
+    }
     uint32_t i = NO_EVENT;
-    st = event_take(b, &i);
+    st = event_take(b, sc, &i);
     if (st == CUMA_OK) {
         /* A NULL cuma_stream is the legacy default stream, as a NULL CUstream is. */
         CUresult r = b->cu->EventRecord(b->events[i].ev, (CUstream)stream);

@@ -55,7 +55,10 @@
     X(EventDestroy, cuEventDestroy_v2, (CUevent))                                                  \
     X(EventRecord, cuEventRecord, (CUevent, CUstream))                                             \
     X(EventQuery, cuEventQuery, (CUevent))                                                         \
-    X(EventSynchronize, cuEventSynchronize, (CUevent))
+    X(EventSynchronize, cuEventSynchronize, (CUevent))                                             \
+    X(StreamIsCapturing, cuStreamIsCapturing, (CUstream, CUstreamCaptureStatus *))                 \
+    X(StreamGetCtx, cuStreamGetCtx, (CUstream, CUcontext *))                                       \
+    X(ThreadExchangeStreamCaptureMode, cuThreadExchangeStreamCaptureMode, (CUstreamCaptureMode *))
 
 /* Our own pointer types (cuma_cu_Init_fn, ...): the header's prototypes are declarations of
  * functions we must never reference at link time. */

@@ -11,6 +11,13 @@
  * the driver) and puts the caller's back before returning, so cuma never changes which device
  * a program's next launch goes to.
  *
+ * Stream capture (CUDA graphs): while a stream captures, CUDA forbids "potentially unsafe" calls
+ * (synchronous allocation, queries) in the default capture mode, and a record on the legacy
+ * stream would break a blocking stream's capture. Every op therefore runs in the relaxed capture
+ * mode (cuThreadExchangeStreamCaptureMode around it, as PyTorch's allocator does), and a fence is
+ * never recorded on a capturing stream, nor on the legacy stream while a blocking stream captures
+ * (cuma_cudabe_event_record refuses; the core then asks again later).
+ *
  * Failed releases: a cleanup call that fails (cuMemRelease, cuMemUnmap, cuMemAddressFree,
  * cuMemFree) cannot report to the core, which has already forgotten the object. The backend
  * keeps such objects on a `stuck` list and retries them at the next related call and in
@@ -45,9 +52,13 @@ typedef struct cudabe_stuck {
 } cudabe_stuck;
 
 /* A pooled event: created on first need with CU_EVENT_DISABLE_TIMING (cheaper to record and
- * query), reused for every later fence, destroyed only with the backend. */
+ * query), reused for every later fence, destroyed only with the backend. An event can be
+ * recorded only on a stream of its own context, so each event belongs to one: the device's
+ * primary context, or the context of a stream of another device that the program named
+ * (cuma_record_stream with that stream). */
 typedef struct cudabe_event {
     CUevent ev;
+    CUcontext ctx;
     uint32_t next; /* free list */
 } cudabe_event;
 
@@ -81,20 +92,28 @@ typedef struct cuda_be {
 typedef struct cudabe_ctx_guard {
     CUcontext prev;
     int switched;
+    CUstreamCaptureMode mode; /* the caller's capture mode, while relaxed is set */
+    int relaxed;
 } cudabe_ctx_guard;
 
-/* Makes the primary context current for one op; cudabe_ctx_leave restores the caller's. Sets
- * no message: void ops and destroy run on failure paths whose message must survive. */
+/* Makes the primary context current for one op, in the relaxed capture mode; cudabe_ctx_leave
+ * restores the caller's context and mode. On failure nothing is left changed. Sets no message:
+ * void ops and destroy run on failure paths whose message must survive. */
 static inline CUresult cudabe_ctx_switch(const cuda_be *b, cudabe_ctx_guard *g) {
     CUcontext cur = NULL;
     g->switched = 0;
+    g->mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    g->relaxed = b->cu->ThreadExchangeStreamCaptureMode(&g->mode) == CUDA_SUCCESS;
     CUresult r = b->cu->CtxGetCurrent(&cur);
-    if (r != CUDA_SUCCESS || cur == b->ctx) return r;
-    r = b->cu->CtxSetCurrent(b->ctx);
-    if (r != CUDA_SUCCESS) return r;
-    g->prev = cur;
-    g->switched = 1;
-    return CUDA_SUCCESS;
+    if (r == CUDA_SUCCESS && cur != b->ctx) {
+        r = b->cu->CtxSetCurrent(b->ctx);
+        if (r == CUDA_SUCCESS) g->prev = cur, g->switched = 1;
+    }
+    if (r != CUDA_SUCCESS && g->relaxed) {
+        b->cu->ThreadExchangeStreamCaptureMode(&g->mode);
+        g->relaxed = 0;
+    }
+    return r;
 }
 
 static inline cuma_status cudabe_ctx_enter(const cuda_be *b, cudabe_ctx_guard *g) {
@@ -102,9 +121,10 @@ static inline cuma_status cudabe_ctx_enter(const cuda_be *b, cudabe_ctx_guard *g
     return r == CUDA_SUCCESS ? CUMA_OK : cuma_cuda_check(r, "making the primary context current");
 }
 
-static inline void cudabe_ctx_leave(const cuda_be *b, const cudabe_ctx_guard *g) {
+static inline void cudabe_ctx_leave(const cuda_be *b, cudabe_ctx_guard *g) {
     /* A failure leaves our context current: harmless to cuma, and nothing better to do. */
     if (g->switched) b->cu->CtxSetCurrent(g->prev);
+    if (g->relaxed) b->cu->ThreadExchangeStreamCaptureMode(&g->mode);
 }
 
 /* "what: CUDA_ERROR_... (...)" with a formatted `what`, built only on failure. */

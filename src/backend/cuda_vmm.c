@@ -270,6 +270,14 @@ cuma_status cuma_cudabe_init_vmm(cuda_be *b, const cuma_settings *s) {
     b->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     b->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     b->prop.location.id = b->dev;
+    /* Pages that NCCL, NVSHMEM or an InfiniBand adapter can register (GPUDirect RDMA), where the
+     * device allows asking for it; a driver that does not know the attribute says no. */
+    int rdma = 0;
+    if (b->cu->DeviceGetAttribute(&rdma,
+                                  CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                                  b->dev) == CUDA_SUCCESS &&
+        rdma)
+        b->prop.allocFlags.gpuDirectRDMACapable = 1;
     size_t gran = 0;
     cuma_status st = cuma_cudabe_check(
         b->cu->MemGetAllocationGranularity(&gran, &b->prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),

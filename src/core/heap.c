@@ -490,6 +490,8 @@ free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_
         return st;
     }
     int si = stream ? cuma_streams_index(&h->streams, stream) : b->stream;
+    /* The thread's next free on this stream can go fast (also after a retirement reset its map). */
+    if (tc && stream && si >= 0) cuma_tcache_note_stream(tc, stream, (unsigned)si);
     if (si < 0) si = b->stream; /* table full: the allocation stream still orders this free */
     cuma_map_remove(&h->live, a);
     h->c.frees++;
@@ -581,5 +583,26 @@ cuma_status cuma_record_stream(cuma_heap *heap, void *ptr, cuma_stream stream) {
         }
     }
     pthread_mutex_unlock(&h->lock);
+    return st;
+}
+
+cuma_status cuma_stream_retire(cuma_heap *heap, cuma_stream stream) {
+    if (!heap) return cuma_fail(CUMA_ERR_INVALID, "cuma_stream_retire: heap is NULL");
+    if (!stream)
+        return cuma_fail(CUMA_ERR_INVALID,
+                         "cuma_stream_retire: stream is NULL (the default stream never dies)");
+    if (atomic_load(&heap->inherited)) return cuma_heap_inherited(heap, "cuma_stream_retire");
+    cuma_heap *p = heap->primary;
+    cuma_status st = CUMA_OK;
+    unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
+    for (unsigned i = 0; i < n; i++) {
+        cuma_heap *a = p->arenas[i];
+        pthread_mutex_lock(&a->lock);
+        bool found;
+        cuma_status r = cuma_streams_retire(&a->streams, stream, &found);
+        if (found) atomic_fetch_add_explicit(&a->stream_gen, 1, memory_order_relaxed);
+        pthread_mutex_unlock(&a->lock);
+        if (r && !st) st = r;
+    }
     return st;
 }

@@ -146,6 +146,9 @@ struct cuma_heap {
     cuma_tcache *tcaches;
     _Atomic uint64_t manual_now; /* sim_clock:manual: the time cuma_sim_set_time set */
     _Atomic uint64_t coarse_now; /* the clock as of the last slow path (fast paths stamp with it) */
+    /* Bumped (under the lock) when a stream of this arena is retired: thread caches then forget
+     * which stream index their handles had (tcache.h), since a new stream may reuse the handle. */
+    _Atomic uint64_t stream_gen;
     /* This arena's c.requested and c.allocated (cuma_heap_publish) and its idle bytes as of its
      * last release policy run, indexed by CUMA_PUB_*: the totals of the whole heap are taken
      * from them without locks (peaks, max_cached). Written under this arena's lock, read by

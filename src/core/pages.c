@@ -1,6 +1,7 @@
 #include "pages.h"
 #include "error.h"
 
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -53,6 +54,10 @@ static void cache_remove(cuma_pages *pp, uint32_t i) {
 
 static void cache_push(cuma_pages *pp, uint32_t i, uint64_t now) {
     cuma_phys *p = &pp->phys[i];
+    /* The list is newest first: every caller reads its clock after the steps that push before
+     * it (alloc_slow reads it after the drains and after the out-of-memory ladder). Debug
+     * builds check it here, where a break would be made, not at the next cuma_validate. */
+    assert(pp->head == CUMA_NIL || now >= pp->phys[pp->head].idle_since);
     p->idle_since = now;
     p->prev = CUMA_NIL;
     p->next = pp->head;

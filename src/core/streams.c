@@ -26,12 +26,63 @@ void cuma_streams_destroy(cuma_streams *ss) {
     ss->slot = NULL;
 }
 
+static void retire(cuma_streams *ss, cuma_stream_slot *s, uint64_t wait_until);
+
 int cuma_streams_index(cuma_streams *ss, cuma_stream handle) {
-    for (unsigned i = 0; i < ss->n; i++)
-        if (ss->slot[i].handle == handle) return (int)i;
+    int reuse = -1;
+    for (unsigned i = 0; i < ss->n; i++) {
+        cuma_stream_slot *s = &ss->slot[i];
+        if (!s->dead) {
+            if (s->handle == handle) return (int)i;
+        } else if (s->fenced == s->last) {
+            /* Every dead slot is asked, not only up to the first drained one: a slot nobody
+             * asks about would never drain, and the table would grow with the device's lag. */
+            if (s->done < s->last) retire(ss, s, 0);
+            if (reuse < 0 && s->done == s->last) reuse = (int)i;
+        }
+    }
+    if (reuse >= 0) {
+        /* Every tag of the old stream is done (done == last): they stay known done for the new
+         * one, whose tags are all later. */
+        cuma_stream_slot *s = &ss->slot[reuse];
+        s->dead = false;
+        s->handle = handle;
+        s->nd_seq = s->nd_epoch = 0;
+        return reuse;
+    }
     if (ss->n == CUMA_MAX_STREAMS) return -1;
     ss->slot[ss->n].handle = handle;
     return (int)ss->n++;
+}
+
+cuma_status cuma_streams_retire(cuma_streams *ss, cuma_stream handle, bool *found) {
+    *found = false;
+    cuma_stream_slot *s = NULL;
+    for (unsigned i = 0; i < ss->n && !s; i++)
+        if (!ss->slot[i].dead && ss->slot[i].handle == handle) s = &ss->slot[i];
+    if (!s) return CUMA_OK;
+    *found = true;
+    /* The last fence covers the work still to come from memory the program holds, or that thread
+     * caches keep, which no tag counts: so it is recorded even when every tag is done. */
+    retire(ss, s, 0);
+    if (s->npending == CUMA_FENCE_RING) retire(ss, s, s->ring[s->head].covers);
+    s->dead = true;
+    s->last = ++ss->gseq;
+    if (s->npending == CUMA_FENCE_RING)
+        return cuma_fail(CUMA_ERR_BACKEND,
+                         "retiring stream %p: its fence ring stays full; memory freed on it is "
+                         "held for good",
+                         handle);
+    uint64_t ev;
+    cuma_status st = ss->be->ops->event_record(ss->be, handle, &ev);
+    if (st) return st;
+    s->ring[(s->head + s->npending) % CUMA_FENCE_RING].event = ev;
+    s->ring[(s->head + s->npending) % CUMA_FENCE_RING].covers = s->last;
+    s->npending++;
+    s->fenced = s->last;
+    ss->events_recorded++;
+    retire(ss, s, 0);
+    return CUMA_OK;
 }
 
 /* Retires completed events from the front of the ring, waiting for those that cover tags up to
@@ -59,9 +110,9 @@ static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
     if (s->done >= seq) return true;
     /* A full ring has no event for this tag yet: a wait first waits for the oldest event,
      * which frees a place for one that covers the tag. */
-    if (wait && s->fenced < seq && s->npending == CUMA_FENCE_RING)
+    if (wait && s->fenced < seq && s->npending == CUMA_FENCE_RING && !s->dead)
         retire(ss, s, s->ring[s->head].covers);
-    if (s->fenced < seq && s->npending < CUMA_FENCE_RING) {
+    if (s->fenced < seq && s->npending < CUMA_FENCE_RING && !s->dead) {
         uint64_t ev;
         if (ss->be->ops->event_record(ss->be, s->handle, &ev) == CUMA_OK) {
             s->ring[(s->head + s->npending) % CUMA_FENCE_RING].event = ev;
@@ -103,8 +154,9 @@ bool cuma_streams_validate(const cuma_streams *ss, const char **why) {
             if (c < prev || c <= s->done) return *why = "stream fence ring not increasing", false;
             prev = c;
         }
-        for (unsigned j = 0; j < i; j++)
-            if (ss->slot[j].handle == s->handle) return *why = "stream listed twice", false;
+        for (unsigned j = 0; j < i && !s->dead; j++)
+            if (!ss->slot[j].dead && ss->slot[j].handle == s->handle)
+                return *why = "stream listed twice", false;
     }
     return true;
 }

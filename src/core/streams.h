@@ -5,6 +5,14 @@
  * each event covers every free issued on its stream before it. So a program that frees and
  * reallocates on one stream records no event at all on its hot path.
  *
+ * Streams that die: a stream the program destroys is retired (cuma_streams_retire) while its
+ * handle is still valid: one last event is recorded on it, covering all the work it will ever
+ * run, and its slot becomes dead. A dead slot matches no handle (the driver may hand the same
+ * handle to a new stream), records no event, and tags every later free of memory allocated on
+ * it with that last fence. Once the last fence is complete every tag of the slot is known done,
+ * and a new stream may take the slot over: so a program that makes and destroys a stream per
+ * request runs in a table of a few slots.
+ *
  * Not thread-safe: the heap lock protects the whole table.
  */
 #ifndef CUMA_CORE_STREAMS_H
@@ -20,7 +28,8 @@
 #define CUMA_FENCE_RING  8
 
 /* Invariants: done <= fenced <= last (in gseq); the ring holds npending events with
- * non-decreasing `covers`, each > done. */
+ * non-decreasing `covers`, each > done; a dead slot has fenced == last unless its retirement
+ * could record no event (then its tags never complete: memory is held, never reused early). */
 typedef struct cuma_stream_slot {
     cuma_stream handle;
     uint64_t last;   /* gseq of the last free tagged with this stream */
@@ -33,6 +42,7 @@ typedef struct cuma_stream_slot {
     /* The device said gseq nd_seq was not done yet during epoch nd_epoch: later tags of this
      * stream are not done either, and are not asked about again in that epoch. */
     uint64_t nd_seq, nd_epoch;
+    bool dead; /* retired: the handle is gone (see above) */
 } cuma_stream_slot;
 
 typedef struct cuma_streams {
@@ -51,17 +61,26 @@ typedef struct cuma_streams {
 cuma_status cuma_streams_init(cuma_streams *ss, cuma_backend *be);
 void cuma_streams_destroy(cuma_streams *ss);
 
-/* The index of a stream, adding it on first sight; -1 when the table is full. */
+/* The index of a stream, adding it on first sight (in a drained dead slot if there is one); -1
+ * when the table is full. */
 int cuma_streams_index(cuma_streams *ss, cuma_stream handle);
+
+/* Retires the stream `handle` before the program destroys it: records its last fence and makes
+ * its slot dead. False when the table has no live slot for it (nothing to do). CUMA_OK, or the
+ * backend's failure to record the fence (the slot is dead all the same). */
+cuma_status cuma_streams_retire(cuma_streams *ss, cuma_stream handle, bool *found);
 
 /* A new allocator operation: what the device said about pending work may have changed. */
 static inline void cuma_streams_tick(cuma_streams *ss) {
     ss->epoch++;
 }
 
-/* Tags a free on stream index i: returns its gseq. */
+/* Tags a free on stream index i: returns its gseq. On a dead slot, its last fence: the memory's
+ * work was all on the stream, which ran nothing after it. */
 static inline uint64_t cuma_streams_note_free(cuma_streams *ss, unsigned i) {
-    return ss->slot[i].last = ++ss->gseq;
+    cuma_stream_slot *s = &ss->slot[i];
+    if (__builtin_expect(s->dead, 0)) return s->last;
+    return s->last = ++ss->gseq;
 }
 
 /* Whether a tag is known complete, without asking the device. Tag (any, 0) is clean. */

@@ -198,6 +198,8 @@ void cuma_tcache_tab_put(cuma_tcache *tc, uint64_t key, cuma_block *b, uint64_t 
 }
 
 void cuma_tcache_note_stream(cuma_tcache *tc, cuma_stream handle, unsigned index) {
+    uint64_t g = atomic_load_explicit(&tc->heap->stream_gen, memory_order_relaxed);
+    if (tc->stream_gen != g) tc->nstreams = 0, tc->stream_gen = g;
     if (cuma_tc_stream_index(tc, handle) >= 0 || tc->nstreams == CUMA_TC_STREAMS) return;
     tc->streams[tc->nstreams].handle = handle;
     tc->streams[tc->nstreams].index = (uint16_t)index;

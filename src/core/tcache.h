@@ -74,7 +74,8 @@ typedef struct cuma_tcache {
         uint16_t index;
     } streams[CUMA_TC_STREAMS]; /* owner: stream handle -> heap stream index */
     unsigned nstreams;
-    uint64_t held; /* owner: bytes it believes its bins hold */
+    uint64_t stream_gen; /* owner: the heap's stream_gen that `streams` is valid for */
+    uint64_t held;       /* owner: bytes it believes its bins hold */
     /* owner: the other arenas' published requested bytes as of this thread's last slow call.
      * The fast path's peak check reads them from here rather than from lines that threads in
      * those arenas keep writing. */
@@ -123,7 +124,8 @@ void cuma_tcache_drain(struct cuma_heap *h, cuma_tcache *tc,
                        void (*give)(struct cuma_heap *, cuma_block *));
 
 /* Slow-path hooks for the calling thread (heap lock held): remember a block it was handed and
- * the index of a stream it used, so that its next free and alloc can go fast. */
+ * the index of a stream it used, so that its next free and alloc can go fast (a stream map from
+ * before a stream's retirement is dropped first). */
 void cuma_tcache_note_alloc(cuma_tcache *tc, cuma_block *b, uint64_t addr);
 void cuma_tcache_note_stream(cuma_tcache *tc, cuma_stream handle, unsigned index);
 

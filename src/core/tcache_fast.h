@@ -61,6 +61,10 @@ static inline void cuma_tc_tab_remove(cuma_tcache *tc, cuma_tc_entry *e) {
 }
 
 static inline int cuma_tc_stream_index(const cuma_tcache *tc, cuma_stream s) {
+    /* A stream was retired since the map was made: its handle may name a new stream now. */
+    if (__builtin_expect(
+            tc->stream_gen != atomic_load_explicit(&tc->heap->stream_gen, memory_order_relaxed), 0))
+        return -1;
     for (unsigned i = 0; i < tc->nstreams; i++)
         if (tc->streams[i].handle == s) return tc->streams[i].index;
     return -1;

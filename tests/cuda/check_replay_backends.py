@@ -2,6 +2,9 @@
 """Replays the bundled traces on backend:sim and, through the fake driver, on backend:vmm and
 backend:segment. vmm must give exactly the sim's ratios (the same core over real driver calls);
 segment mode must serve every allocation (its ratios are reported: whole segments cost more).
+With FAKECUDA_EVENT_LAG set, the fake's events complete a few queries late, so memory freed on
+one stream becomes reusable elsewhere a little later than on the simulated device: vmm's figures
+then agree with the sim's within 1 % (failed allocations still exactly).
 
 usage: check_replay_backends.py CUMA FAKE_LIBCUDA TRACE..."""
 import json
@@ -22,6 +25,7 @@ def main():
     cuma, fake, traces = sys.argv[1], sys.argv[2], sys.argv[3:]
     env = dict(os.environ, CUMA_CUDA_LIBRARY=fake, FAKECUDA_CAPACITY="80G")
     env.pop("CUMA_CONF", None)
+    lagged = os.environ.get("FAKECUDA_EVENT_LAG", "0") not in ("", "0")
     bad = 0
     keys = ("overhead_ratio", "time_avg_ratio", "page_creates", "failed_allocs")
     for t in traces:
@@ -29,7 +33,9 @@ def main():
         for b, r in runs.items():
             print(os.path.basename(t), f"{b:8s}", " ".join(f"{k}={r[k]}" for k in keys))
         for k in keys:
-            if runs["vmm"][k] != runs["sim"][k]:
+            v, w = runs["vmm"][k], runs["sim"][k]
+            close = abs(v - w) <= 0.01 * max(abs(w), 1) if lagged and k != "failed_allocs" else v == w
+            if not close:
                 print(f"FAIL: {os.path.basename(t)}: vmm {k} {runs['vmm'][k]} != sim {runs['sim'][k]}")
                 bad += 1
         if runs["segment"]["failed_allocs"]:

@@ -380,6 +380,9 @@ static void test_vmm_ops(void) {
     CHECK_OK(o->page_create(be, &h1));
     CHECK_OK(o->page_create(be, &h2));
     CHECK(fakecuda_live("handles") == 2);
+    /* GPUDirect RDMA-capable pages (NCCL, InfiniBand) wherever the device reports support. */
+    const char *no_rdma = getenv("FAKECUDA_NO_RDMA");
+    CHECK(fakecuda_live("rdma_handles") == (no_rdma && *no_rdma == '1' ? 0 : 2));
     CHECK_OK(o->map(be, base, &h1, 1));
     CHECK_OK(o->map(be, base + 2 * MB, &h2, 1));
     pattern_fill((void *)(uintptr_t)base, 2 * MB, 7);
@@ -398,8 +401,11 @@ static void test_vmm_ops(void) {
     CHECK(fakecuda_live("handles") == 0 && fakecuda_live("mappings") == 0 &&
           fakecuda_live("reservations") == 0);
 
-    /* Events: a held stream's event stays pending; pooled events are reused, not recreated. */
+    /* Events: a held stream's event stays pending; pooled events are reused, not recreated.
+     * Exact answers need streams that complete at once (the lagged ctest variants set a lag). */
     CUstream a = stream_new();
+    fakecuda_stream_set_lag(NULL, 0);
+    fakecuda_stream_set_lag(a, 0);
     uint64_t e1, e2, e3;
     unsigned long creates0 = fakecuda_calls("cuEventCreate");
     CHECK_OK(o->event_record(be, NULL, &e1));
@@ -419,6 +425,15 @@ static void test_vmm_ops(void) {
     o->event_release(be, e3);
     CHECK(fakecuda_calls("cuEventCreate") == creates0 + 2);
     CHECK(fakecuda_live("events") == 2);
+    /* A device behind the host: the event answers "not yet" to its first two queries. */
+    fakecuda_stream_set_lag(a, 2);
+    CHECK_OK(o->event_record(be, a, &e3));
+    CHECK(o->event_query(be, e3) == 0 && o->event_query(be, e3) == 0);
+    CHECK(o->event_query(be, e3) == 1);
+    CHECK_OK(o->event_record(be, a, &e3));
+    CHECK_OK(o->event_wait(be, e3)); /* a wait completes it at once */
+    CHECK(o->event_query(be, e3) == 1);
+    o->event_release(be, e3);
 
     uint64_t m, fr, tot;
     CHECK_OK(o->managed_alloc(be, 3 * MB, &m));

@@ -44,7 +44,9 @@
  *   recorded on it stay pending until fakecuda_stream_release. Synchronize
  *   calls that would block on held work wait up to FAKECUDA_SYNC_TIMEOUT_MS
  *   (default 10000) for a release and then abort the process with a message:
- *   waiting on held work is a bug in the code under test.
+ *   waiting on held work is a bug in the code under test. A destroyed stream
+ *   or event is kept as a tombstone and any later use of it aborts the
+ *   process naming the call and the handle (undefined on the real driver).
  * - Fault injection: FAKECUDA_FAIL / fakecuda_set_fail ("cuMemCreate:3",
  *   "cuMemMap:*") make chosen calls return CUDA_ERROR_OUT_OF_MEMORY with no
  *   side effect. Call counters and live-object counters are kept per API.
@@ -165,18 +167,24 @@ static int parse_fail_spec(const char *spec, struct fc_fail_entry **out, size_t 
 static void load_config(void) {
     fc_cfg.ndev = (int)env_long("FAKECUDA_DEVICES", 1, 0, FC_MAX_DEVICES);
     fc_cfg.gran = env_size("FAKECUDA_GRANULARITY", 2ull << 20);
+    fc_cfg.rec_gran = env_size("FAKECUDA_RECOMMENDED_GRANULARITY", fc_cfg.gran);
     fc_cfg.capacity = env_size("FAKECUDA_CAPACITY", 80ull << 30);
     fc_cfg.host_memory = env_size("FAKECUDA_HOST_MEMORY", 4 * fc_cfg.capacity);
+    fc_cfg.no_rdma = env_long("FAKECUDA_NO_RDMA", 0, 0, 1) != 0;
     fc_cfg.no_vmm = env_long("FAKECUDA_NO_VMM", 0, 0, 1) != 0;
     fc_cfg.no_peer = env_long("FAKECUDA_NO_PEER", 0, 0, 1) != 0;
     fc_cfg.sync_timeout_ms = env_long("FAKECUDA_SYNC_TIMEOUT_MS", 10000, 1, 86400000L);
+    fc_cfg.event_lag = (unsigned)env_long("FAKECUDA_EVENT_LAG", 0, 0, 1000000L);
     long page = sysconf(_SC_PAGESIZE);
     if (fc_cfg.gran < (uint64_t)page || (fc_cfg.gran & (fc_cfg.gran - 1)))
         fc_die("FAKECUDA_GRANULARITY=%llu: must be a power of two >= the page size (%ld)",
                (unsigned long long)fc_cfg.gran, page);
-    if (fc_cfg.capacity == 0 || fc_cfg.capacity % fc_cfg.gran)
-        fc_die("FAKECUDA_CAPACITY=%llu: must be a non-zero multiple of the granularity (%llu)",
-               (unsigned long long)fc_cfg.capacity, (unsigned long long)fc_cfg.gran);
+    if (fc_cfg.rec_gran < fc_cfg.gran || (fc_cfg.rec_gran & (fc_cfg.rec_gran - 1)))
+        fc_die("FAKECUDA_RECOMMENDED_GRANULARITY=%llu: must be a power of two >= the "
+               "granularity (%llu)",
+               (unsigned long long)fc_cfg.rec_gran, (unsigned long long)fc_cfg.gran);
+    /* Any size, as real devices report (an H200: 143771 MiB, a multiple of neither). */
+    if (fc_cfg.capacity == 0) fc_die("FAKECUDA_CAPACITY=0: a device needs memory");
     const char *fail = getenv("FAKECUDA_FAIL");
     if (fail && *fail && parse_fail_spec(fail, &g_fail, &g_nfail) != 0)
         fc_die("FAKECUDA_FAIL=%s: bad spec (expected api:n or api:* separated by commas)", fail);
@@ -404,6 +412,9 @@ CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev) 
     case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS:
         v = 1;
         break;
+    case CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED:
+        v = !fc_cfg.no_vmm && !fc_cfg.no_rdma;
+        break;
     case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT:
         v = 2;
         break;
@@ -563,6 +574,10 @@ CUresult cuCtxGetDevice(CUdevice *device) {
     X(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "operation not permitted when stream is capturing")   \
     X(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "operation failed due to a previous error during "    \
                                              "capture")                                            \
+    X(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, "operation would make the legacy stream depend on a "    \
+                                          "capturing blocking stream")                             \
+    X(CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD, "attempt to terminate a thread-local capture "       \
+                                              "sequence from another thread")                      \
     X(CUDA_ERROR_CAPTURED_EVENT, "operation not permitted on an event last recorded in a "         \
                                  "capturing stream")                                               \
     X(CUDA_ERROR_TIMEOUT, "wait operation timed out")                                              \
@@ -696,6 +711,10 @@ static const struct fc_proc g_procs[] = {
     P("cuEventRecord", cuEventRecord, 2000),
     P("cuEventQuery", cuEventQuery, 2000),
     P("cuEventSynchronize", cuEventSynchronize, 2000),
+    P("cuStreamBeginCapture", cuStreamBeginCapture_v2, 10010),
+    P("cuStreamEndCapture", cuStreamEndCapture, 10000),
+    P("cuStreamIsCapturing", cuStreamIsCapturing, 10000),
+    P("cuThreadExchangeStreamCaptureMode", cuThreadExchangeStreamCaptureMode, 10010),
     P("cuMemsetD8", cuMemsetD8_v2, 3020),
     P("cuMemcpyHtoD", cuMemcpyHtoD_v2, 3020),
     P("cuMemcpyDtoH", cuMemcpyDtoH_v2, 3020),
@@ -708,6 +727,12 @@ static const struct fc_proc g_procs[] = {
 
 /* Works before cuInit, like the real driver (the runtime fetches cuInit
  * itself through it). Not-found symbols give CUDA_SUCCESS with *pfn = NULL. */
+/* FAKECUDA_PROC_TOOL=1: cuGetProcAddress("cuMemAlloc") hands out a wrapper of the fake's own, as
+ * a profiler or an injection library that wraps the driver's entry points does. */
+static CUresult tool_mem_alloc(CUdeviceptr *dptr, size_t bytesize) {
+    return cuMemAlloc_v2(dptr, bytesize);
+}
+
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                              CUdriverProcAddressQueryResult *symbolStatus) {
     FC_ENTER_NOINIT(GetProcAddress);
@@ -727,6 +752,11 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cu
         }
         st = *pfn ? CU_GET_PROC_ADDRESS_SUCCESS : CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
         break;
+    }
+    const char *tool = getenv("FAKECUDA_PROC_TOOL");
+    if (*pfn == (void *)cuMemAlloc_v2 && tool && !strcmp(tool, "1")) {
+        CUresult (*w)(CUdeviceptr *, size_t) = tool_mem_alloc;
+        memcpy(pfn, &w, sizeof *pfn);
     }
     if (symbolStatus) *symbolStatus = st;
     return CUDA_SUCCESS;
@@ -780,6 +810,7 @@ static long count_of(const struct fc_live_counts *counts, const char *kind, cons
         {"managed", offsetof(struct fc_live_counts, managed)},
         {"streams", offsetof(struct fc_live_counts, streams)},
         {"events", offsetof(struct fc_live_counts, events)},
+        {"rdma_handles", offsetof(struct fc_live_counts, rdma_handles)},
     };
     for (size_t i = 0; kind && i < sizeof kinds / sizeof kinds[0]; i++) {
         if (strcmp(kinds[i].name, kind) != 0) continue;

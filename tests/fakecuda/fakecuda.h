@@ -5,20 +5,31 @@
  *
  * Misuse of this API (unknown API or kind name, invalid stream, calling
  * stream functions before cuInit) is a bug in the test: the fake prints a
- * message to stderr and aborts.
+ * message to stderr and aborts. So is any use of a stream or event after it
+ * was destroyed (cuStreamDestroy / cuEventDestroy): undefined on the real
+ * driver, an abort naming the call and the handle here.
  *
  * Environment (read once, at the first call into the library; a malformed
  * value aborts the process with a message):
  *   FAKECUDA_DEVICES          number of devices, 0..64 (default 1)
  *   FAKECUDA_CAPACITY         bytes per device, suffix K/M/G/T (default 80G);
- *                             a multiple of the granularity
- *   FAKECUDA_GRANULARITY      power of two >= page size (default 2M)
+ *                             any size (real devices report sizes that are a
+ *                             multiple of no granularity)
+ *   FAKECUDA_GRANULARITY      minimum granularity, a power of two >= page
+ *                             size (default 2M)
+ *   FAKECUDA_RECOMMENDED_GRANULARITY  recommended granularity, a power of two
+ *                             >= the minimum (default: the minimum)
+ *   FAKECUDA_NO_RDMA=1        no GPUDirect RDMA with VMM memory: the attribute
+ *                             says 0 and cuMemCreate refuses
+ *                             gpuDirectRDMACapable
  *   FAKECUDA_HOST_MEMORY      bytes cuMemAllocManaged may hand out, all
  *                             devices together (default 4x the capacity)
  *   FAKECUDA_NO_VMM=1         no virtual memory management support
  *   FAKECUDA_NO_PEER=1        cuDeviceCanAccessPeer reports 0
  *   FAKECUDA_SYNC_TIMEOUT_MS  how long a synchronize waits for held work
  *                             before aborting (default 10000)
+ *   FAKECUDA_EVENT_LAG        every stream's completion lag (default 0; see
+ *                             fakecuda_stream_set_lag)
  *   FAKECUDA_FAIL             initial fault-injection spec (see below)
  */
 #ifndef CUMA_FAKECUDA_H
@@ -47,10 +58,21 @@ void fakecuda_stream_hold(CUstream s);
  * Complete all work recorded on `s` so far: every event recorded on it while
  * held becomes complete, the stream is no longer held, and threads blocked in
  * a synchronize call are woken. Also accepts a stream that was destroyed
- * while held (its events complete and the stream is then freed). Releasing a
- * stream that is not held is a no-op.
+ * while held (its events complete); holding or releasing a destroyed stream
+ * that is not held aborts. Releasing a stream that is not held is a no-op.
  */
 void fakecuda_stream_release(CUstream s);
+
+/*
+ * Make work recorded on `s` from now on complete late: an event recorded on it
+ * answers CUDA_ERROR_NOT_READY to its first `queries` cuEventQuery calls and
+ * completes at the next (a synchronize call completes it at once); a
+ * cuStreamQuery of the stream likewise. Completing an event completes every
+ * earlier record of its stream. 0 (the default unless FAKECUDA_EVENT_LAG says
+ * otherwise): complete when recorded. Pseudo streams as for
+ * fakecuda_stream_hold (CU_STREAM_PER_THREAD is the calling thread's).
+ */
+void fakecuda_stream_set_lag(CUstream s, unsigned queries);
 
 /*
  * Replace the fault-injection spec. Grammar (same as FAKECUDA_FAIL):
@@ -85,6 +107,7 @@ void fakecuda_reset_counters(void);
  *   "managed"      cuMemAllocManaged allocations not yet freed
  *   "streams"      cuStreamCreate streams not yet destroyed
  *   "events"       cuEventCreate events not yet destroyed
+ *   "rdma_handles" of "handles", those created gpuDirectRDMACapable
  */
 long fakecuda_live(const char *kind);
 

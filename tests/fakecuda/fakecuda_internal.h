@@ -64,6 +64,10 @@
     X(EventRecord)                                                                                 \
     X(EventQuery)                                                                                  \
     X(EventSynchronize)                                                                            \
+    X(StreamBeginCapture)                                                                          \
+    X(StreamEndCapture)                                                                            \
+    X(StreamIsCapturing)                                                                           \
+    X(ThreadExchangeStreamCaptureMode)                                                             \
     X(MemsetD8)                                                                                    \
     X(MemcpyHtoD)                                                                                  \
     X(MemcpyDtoH)                                                                                  \
@@ -82,11 +86,14 @@ enum fc_api {
 struct fc_config {
     int ndev;
     uint64_t capacity;
-    uint64_t gran;
+    uint64_t gran;     /* minimum allocation granularity */
+    uint64_t rec_gran; /* recommended granularity: a power-of-two multiple of gran */
+    int no_rdma;       /* FAKECUDA_NO_RDMA=1: no GPUDirect RDMA with VMM memory */
     uint64_t host_memory; /* what cuMemAllocManaged may hand out, all devices together */
     int no_vmm;
     int no_peer;
     long sync_timeout_ms;
+    unsigned event_lag; /* FAKECUDA_EVENT_LAG: every stream's initial completion lag */
 };
 
 /* Sorted vector of fixed-size elements whose first member is a uint64_t key. */
@@ -108,13 +115,37 @@ struct CUstream_st {
     int dev;
     unsigned flags;
     int held;      /* work in flight (set only by fakecuda_stream_hold) */
-    int destroyed; /* cuStreamDestroy'ed while held: kept until released */
+    int destroyed; /* cuStreamDestroy'ed: a tombstone, kept (never freed) so any use aborts */
     int pseudo;    /* per-device NULL/legacy or per-thread stream */
+    /* Late completion: work recorded on the stream is numbered (recorded) and complete up to
+     * `completed`; an event recorded on it completes after `lag` queries of it (or a
+     * synchronize), a cuStreamQuery after `lag` queries of the stream (qleft). */
+    uint64_t recorded, completed;
+    unsigned lag, qleft;
+    /* Stream capture (cuStreamBeginCapture): the mode it began in, the thread that began it,
+     * and whether a violation invalidated it. */
+    int capturing, cap_invalid;
+    CUstreamCaptureMode cap_mode;
+    pthread_t cap_thread;
+};
+
+/* What an event recorded on a stream waits for besides its own stream: the other side of the
+ * legacy stream's implicit synchronisation (see fakecuda_stream.c). */
+struct fc_snap {
+    struct CUstream_st *st;
+    uint64_t ticket;
 };
 
 struct CUevent_st {
     int dev;
     struct CUstream_st *pending; /* held stream it was recorded on, or NULL */
+    int destroyed;               /* cuEventDestroy'ed: a tombstone, like a stream's */
+    struct CUstream_st *on;      /* the stream of its last record (NULL: never recorded) */
+    uint64_t ticket;             /* its number among on's records */
+    unsigned left;               /* queries before it completes */
+    struct fc_snap *snap;        /* streams whose earlier work it also waits for */
+    int captured;                /* last recorded in a capturing stream */
+    size_t nsnap, capsnap;
 };
 
 struct fc_device {
@@ -124,11 +155,12 @@ struct fc_device {
     struct fc_vec free_ext;         /* struct fc_extent, sorted by offset */
     struct CUctx_st ctx;            /* the primary context */
     struct CUstream_st null_stream; /* NULL stream and CU_STREAM_LEGACY */
-    struct CUstream_st pt_stream;   /* CU_STREAM_PER_THREAD */
+    /* CU_STREAM_PER_THREAD is one stream per thread: see fakecuda_stream.c. */
 };
 
 struct fc_live_counts {
     long handles, mappings, reservations, allocs, managed, streams, events;
+    long rdma_handles; /* of `handles`, those created gpuDirectRDMACapable */
 };
 
 extern FC_HIDDEN struct fc_config fc_cfg;
@@ -182,7 +214,15 @@ FC_HIDDEN void fc_mem_reset_device_locked(int dev);
 FC_HIDDEN void fc_stream_init_device(struct fc_device *d, int dev);
 
 /* fakecuda_stream.c: CUDA_SUCCESS when s names a live stream (or a pseudo stream of the
- * current context), for the stream-ordered allocator in fakecuda_mem.c. Takes fc_mu. */
-FC_HIDDEN CUresult fc_stream_check(CUstream s);
+ * current context), for the stream-ordered allocator in fakecuda_mem.c; a destroyed stream
+ * aborts, naming `api`. Takes fc_mu. */
+FC_HIDDEN CUresult fc_stream_check(const char *api, CUstream s);
+
+/* fakecuda_stream.c: CUDA_SUCCESS, or CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (invalidating the
+ * captures that forbid it) when the calling thread may not make a potentially unsafe call now
+ * (see cuThreadExchangeStreamCaptureMode in cuda.h). fc_mu held. */
+FC_HIDDEN CUresult fc_capture_unsafe_locked(void);
+/* The same, taking fc_mu. */
+FC_HIDDEN CUresult fc_capture_unsafe(void);
 
 #endif /* CUMA_FAKECUDA_INTERNAL_H */

@@ -44,6 +44,7 @@ struct fc_slot { /* cuMemCreate handle */
     uint64_t off, size;
     uint32_t gen, next_free;
     int in_use, released, dev;
+    int rdma; /* created gpuDirectRDMACapable */
     long maps;
 };
 
@@ -293,8 +294,17 @@ static int range_known(uint64_t p, uint64_t n) {
 }
 
 static int check_prop(const CUmemAllocationProp *prop, CUresult *rc) {
+    static const unsigned char zero[sizeof prop->allocFlags.reserved] = {0};
+    /* Handle types this Linux fake can export: none, or a POSIX file descriptor. Allocation
+     * flags: no compression, RDMA only where the device reports it, no usage bits, reserved
+     * bytes zero; no Windows metadata. Anything else is refused, as a strict driver would. */
     if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
-        prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
+        prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+        (prop->requestedHandleTypes & ~(unsigned)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) ||
+        prop->win32HandleMetaData || prop->allocFlags.compressionType ||
+        prop->allocFlags.gpuDirectRDMACapable > 1 ||
+        (prop->allocFlags.gpuDirectRDMACapable && fc_cfg.no_rdma) || prop->allocFlags.usage ||
+        memcmp(prop->allocFlags.reserved, zero, sizeof zero)) {
         *rc = CUDA_ERROR_INVALID_VALUE;
         return -1;
     }
@@ -317,7 +327,8 @@ CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocatio
         return CUDA_ERROR_INVALID_VALUE;
     CUresult rc;
     if (check_prop(prop, &rc) != 0) return rc;
-    *granularity = (size_t)fc_cfg.gran;
+    *granularity =
+        (size_t)(option == CU_MEM_ALLOC_GRANULARITY_RECOMMENDED ? fc_cfg.rec_gran : fc_cfg.gran);
     return CUDA_SUCCESS;
 }
 
@@ -389,8 +400,10 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     s->released = 0;
     s->dev = prop->location.id;
     s->maps = 0;
+    s->rdma = prop->allocFlags.gpuDirectRDMACapable;
     d->used += size;
     fc_live_n.handles++;
+    fc_live_n.rdma_handles += s->rdma;
     *handle = ((uint64_t)s->gen << 32) | (idx + 1);
     fc_unlock();
     return CUDA_SUCCESS;
@@ -404,6 +417,7 @@ CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     if (s && !s->released) {
         s->released = 1;
         fc_live_n.handles--;
+        fc_live_n.rdma_handles -= s->rdma;
         if (s->maps == 0) slot_destroy((uint32_t)(s - g_slots));
         rc = CUDA_SUCCESS;
     }
@@ -565,7 +579,8 @@ out:
 
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     FC_ENTER(MemAlloc);
-    return block_alloc(dptr, bytesize, 0);
+    CUresult rc = fc_capture_unsafe(); /* a potentially unsafe call under stream capture */
+    return rc != CUDA_SUCCESS ? rc : block_alloc(dptr, bytesize, 0);
 }
 
 CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
@@ -579,7 +594,8 @@ static CUresult free_block(CUdeviceptr dptr);
 
 CUresult cuMemFree_v2(CUdeviceptr dptr) {
     FC_ENTER(MemFree);
-    return free_block(dptr);
+    CUresult rc = fc_capture_unsafe();
+    return rc != CUDA_SUCCESS ? rc : free_block(dptr);
 }
 
 static CUresult free_block(CUdeviceptr dptr) {
@@ -637,6 +653,7 @@ void fc_mem_reset_device_locked(int dev) {
         if (s->maps != 0) fc_die("internal error: a handle of a reset device is still mapped");
         if (!s->released) {
             fc_live_n.handles--;
+            fc_live_n.rdma_handles -= s->rdma;
             fc_reclaimed_n.handles++;
         }
         slot_destroy(k);
@@ -683,13 +700,13 @@ CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInByt
 
 CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
     FC_ENTER(MemAllocAsync);
-    CUresult rc = fc_stream_check(hStream);
+    CUresult rc = fc_stream_check("cuMemAllocAsync", hStream);
     return rc != CUDA_SUCCESS ? rc : block_alloc(dptr, bytesize, 0);
 }
 
 CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
     FC_ENTER(MemFreeAsync);
-    CUresult rc = fc_stream_check(hStream);
+    CUresult rc = fc_stream_check("cuMemFreeAsync", hStream);
     return rc != CUDA_SUCCESS ? rc : free_block(dptr);
 }
 

@@ -298,6 +298,42 @@ static void test_vmm(void) {
     CHECK(fakecuda_used_bytes(0) == 0);
 }
 
+/* cuMemCreate's properties are validated; RDMA-capable handles are counted. */
+static void test_props(void) {
+    g_section = "cuMemCreate properties";
+    int v = -1;
+    OK(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, 0));
+    CHECK(v == 1);
+    size_t gmin = 0, grec = 0;
+    CUmemAllocationProp p = prop_for(0);
+    OK(cuMemGetAllocationGranularity(&gmin, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    OK(cuMemGetAllocationGranularity(&grec, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+    CHECK(gmin == GRAN && grec == GRAN); /* FAKECUDA_RECOMMENDED_GRANULARITY unset */
+    CUmemGenericAllocationHandle h = 0;
+    p.allocFlags.gpuDirectRDMACapable = 1;
+    OK(cuMemCreate(&h, GRAN, &p, 0));
+    CHECK(fakecuda_live("rdma_handles") == 1);
+    OK(cuMemRelease(h));
+    CHECK(fakecuda_live("rdma_handles") == 0);
+    p.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    OK(cuMemCreate(&h, GRAN, &p, 0));
+    OK(cuMemRelease(h));
+    CUmemAllocationProp bad[5];
+    for (int i = 0; i < 5; i++) bad[i] = prop_for(0);
+    bad[0].requestedHandleTypes = CU_MEM_HANDLE_TYPE_WIN32;
+    bad[1].allocFlags.compressionType = CU_MEM_ALLOCATION_COMP_GENERIC;
+    bad[2].allocFlags.gpuDirectRDMACapable = 2;
+    bad[3].allocFlags.usage = 1;
+    bad[4].allocFlags.reserved[0] = 1;
+    for (int i = 0; i < 5; i++) {
+        CHECK_RC(cuMemCreate(&h, GRAN, &bad[i], 0), CUDA_ERROR_INVALID_VALUE);
+        size_t g;
+        CHECK_RC(cuMemGetAllocationGranularity(&g, &bad[i], CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                 CUDA_ERROR_INVALID_VALUE);
+    }
+    CHECK(fakecuda_live("handles") == 0);
+}
+
 static void test_release_while_mapped(void) {
     g_section = "release while mapped";
     CUdeviceptr base = reserve(8 * GRAN);
@@ -561,12 +597,15 @@ int main(int argc, char **argv) {
     test_devices();
     test_contexts();
     test_vmm();
+    test_props();
     test_release_while_mapped();
     test_capacity();
     test_alloc();
     test_fault_injection();
     test_reset();
     test_streams();
+    test_lag_and_default_streams();
+    test_capture();
     test_proc_address();
     test_exports_and_counters();
     test_threads();

@@ -193,6 +193,8 @@ static inline double now_ms(void) {
 /* ---- sections defined in test_fakecuda_streams.c ----------------------- */
 
 void test_streams(void);
+void test_lag_and_default_streams(void);
+void test_capture(void);
 void test_proc_address(void);
 void test_exports_and_counters(void);
 void test_threads(void);

@@ -52,21 +52,85 @@ static void check_blocks_until_release(CUstream s, CUevent e, int which) {
     OK(cuEventQuery(e));
 }
 
-/* Does fakecuda_stream_release(s) abort (s is not a live stream)? */
-static int child_release_aborts(CUstream s) {
+/* The uses of a destroyed handle that child_aborts tries. */
+enum dead_use {
+    USE_RELEASE,
+    USE_STREAM_QUERY,
+    USE_STREAM_SYNC,
+    USE_STREAM_DESTROY,
+    USE_RECORD_ON,
+    USE_WAIT_ON,
+    USE_ALLOC_ASYNC,
+    USE_EVENT_QUERY,
+    USE_EVENT_RECORD,
+    USE_EVENT_DESTROY,
+};
+
+/* Does `use` of stream s (or event e) abort the process, with a message naming `call`? */
+static int child_aborts(enum dead_use use, CUstream s, CUevent e, const char *call) {
     fflush(NULL);
+    int fd[2];
+    CHECK(pipe(fd) == 0);
     pid_t pid = fork();
     CHECK(pid >= 0);
     if (pid == 0) {
         struct rlimit no_core = {0, 0};
         setrlimit(RLIMIT_CORE, &no_core);
-        if (!freopen("/dev/null", "w", stderr)) _exit(3);
-        fakecuda_stream_release(s);
+        close(fd[0]);
+        if (dup2(fd[1], 2) < 0) _exit(3);
+        CUevent live = NULL;
+        CUdeviceptr p;
+        if (cuCtxSetCurrent(g_ctx0) != CUDA_SUCCESS || cuEventCreate(&live, 0) != CUDA_SUCCESS)
+            _exit(4);
+        switch (use) {
+        case USE_RELEASE:
+            fakecuda_stream_release(s);
+            break;
+        case USE_STREAM_QUERY:
+            cuStreamQuery(s);
+            break;
+        case USE_STREAM_SYNC:
+            cuStreamSynchronize(s);
+            break;
+        case USE_STREAM_DESTROY:
+            cuStreamDestroy(s);
+            break;
+        case USE_RECORD_ON:
+            cuEventRecord(live, s);
+            break;
+        case USE_WAIT_ON:
+            cuStreamWaitEvent(s, live, 0);
+            break;
+        case USE_ALLOC_ASYNC:
+            cuMemAllocAsync(&p, 4096, s);
+            break;
+        case USE_EVENT_QUERY:
+            cuEventQuery(e);
+            break;
+        case USE_EVENT_RECORD:
+            cuEventRecord(e, NULL);
+            break;
+        case USE_EVENT_DESTROY:
+            cuEventDestroy(e);
+            break;
+        }
         _exit(0);
     }
+    close(fd[1]);
+    char msg[512] = "";
+    size_t n = 0;
+    ssize_t r;
+    while (n < sizeof msg - 1 && (r = read(fd[0], msg + n, sizeof msg - 1 - n)) > 0) n += (size_t)r;
+    close(fd[0]);
     int st;
     CHECK(waitpid(pid, &st, 0) == pid);
-    return WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT;
+    char handle[32];
+    snprintf(handle, sizeof handle, "%p", use >= USE_EVENT_QUERY ? (void *)e : (void *)s);
+    return WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT && strstr(msg, call) && strstr(msg, handle);
+}
+
+static int child_release_aborts(CUstream s) {
+    return child_aborts(USE_RELEASE, s, NULL, "fakecuda_stream_release");
 }
 
 void test_streams(void) {
@@ -156,11 +220,11 @@ void test_streams(void) {
     OK(cuEventRecord(e2, s2));
     OK(cuStreamDestroy(s2));
     CHECK(fakecuda_live("streams") == 1);
-    CHECK_RC(cuStreamQuery(s2), CUDA_ERROR_INVALID_HANDLE);
+    CHECK(child_aborts(USE_STREAM_QUERY, s2, NULL, "cuStreamQuery"));
     CHECK_RC(cuEventQuery(e2), CUDA_ERROR_NOT_READY);
     fakecuda_stream_release(s2);
     OK(cuEventQuery(e2));
-    CHECK(child_release_aborts(s2)); /* the released zombie is gone */
+    CHECK(child_release_aborts(s2)); /* destroyed and no longer held: nothing to release */
 
     /* waiting on held work that is never released aborts the process */
     fakecuda_stream_hold(s);
@@ -181,11 +245,201 @@ void test_streams(void) {
     fakecuda_stream_release(s);
 
     OK(cuStreamDestroy(s));
-    CHECK_RC(cuStreamDestroy(s), CUDA_ERROR_INVALID_HANDLE);
     OK(cuEventDestroy(e));
     OK(cuEventDestroy(e2));
-    CHECK_RC(cuEventDestroy(e), CUDA_ERROR_INVALID_HANDLE);
+    /* Every use of a destroyed handle aborts, naming the call and the handle. */
+    CHECK(child_aborts(USE_STREAM_DESTROY, s, NULL, "cuStreamDestroy"));
+    CHECK(child_aborts(USE_STREAM_SYNC, s, NULL, "cuStreamSynchronize"));
+    CHECK(child_aborts(USE_RECORD_ON, s, NULL, "cuEventRecord"));
+    CHECK(child_aborts(USE_WAIT_ON, s, NULL, "cuStreamWaitEvent"));
+    CHECK(child_aborts(USE_ALLOC_ASYNC, s, NULL, "cuMemAllocAsync"));
+    CHECK(child_aborts(USE_EVENT_QUERY, NULL, e, "cuEventQuery"));
+    CHECK(child_aborts(USE_EVENT_RECORD, NULL, e, "cuEventRecord"));
+    CHECK(child_aborts(USE_EVENT_DESTROY, NULL, e, "cuEventDestroy"));
     CHECK(fakecuda_live("streams") == 0 && fakecuda_live("events") == 0);
+}
+
+static CUstream g_other_stream;
+
+static void *pt_other_thread(void *arg) {
+    CUevent e = arg;
+    if (cuCtxSetCurrent(g_ctx0) != CUDA_SUCCESS) return (void *)1;
+    /* This thread's per-thread stream is not the main thread's (which is held). */
+    if (cuStreamQuery(CU_STREAM_PER_THREAD) != CUDA_SUCCESS) return (void *)2;
+    if (cuEventRecord(e, CU_STREAM_PER_THREAD) != CUDA_SUCCESS) return (void *)3;
+    if (cuEventQuery(e) != CUDA_SUCCESS) return (void *)4;
+    return NULL;
+}
+
+void test_lag_and_default_streams(void) {
+    g_section = "late completion, default streams";
+    CUstream s, nb;
+    CUevent e, e2;
+    OK(cuStreamCreate(&s, 0));
+    OK(cuStreamCreate(&nb, CU_STREAM_NON_BLOCKING));
+    OK(cuEventCreate(&e, 0));
+    OK(cuEventCreate(&e2, 0));
+
+    /* A lag of 2: two "not ready" answers, then complete; completing a later record completes
+     * the earlier ones; synchronize calls complete at once. */
+    fakecuda_stream_set_lag(s, 2);
+    OK(cuEventRecord(e, s));
+    OK(cuEventRecord(e2, s));
+    CHECK_RC(cuEventQuery(e2), CUDA_ERROR_NOT_READY);
+    CHECK_RC(cuEventQuery(e2), CUDA_ERROR_NOT_READY);
+    OK(cuEventQuery(e2));
+    OK(cuEventQuery(e)); /* earlier work on the stream is done too */
+    OK(cuEventRecord(e, s));
+    CHECK_RC(cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+    OK(cuStreamSynchronize(s));
+    OK(cuEventQuery(e));
+    OK(cuEventRecord(e, s));
+    OK(cuEventSynchronize(e));
+    OK(cuEventQuery(e));
+    OK(cuEventRecord(e, s));
+    OK(cuCtxSynchronize());
+    OK(cuEventQuery(e));
+    fakecuda_stream_set_lag(s, 0);
+    OK(cuEventRecord(e, s));
+    OK(cuEventQuery(e));
+
+    /* The legacy stream waits for blocking streams' earlier work, not for non-blocking ones. */
+    fakecuda_stream_hold(s);
+    fakecuda_stream_hold(nb);
+    OK(cuEventRecord(e, CU_STREAM_LEGACY));
+    CHECK_RC(cuEventQuery(e), CUDA_ERROR_NOT_READY);
+    fakecuda_stream_release(s);
+    OK(cuEventQuery(e)); /* nb is still held: it does not count */
+    /* ... and a blocking stream's later work waits for the legacy stream. */
+    fakecuda_stream_hold(CU_STREAM_LEGACY);
+    OK(cuEventRecord(e, s));
+    CHECK_RC(cuEventQuery(e), CUDA_ERROR_NOT_READY);
+    OK(cuEventRecord(e2, nb));
+    fakecuda_stream_release(nb);
+    OK(cuEventQuery(e2)); /* non-blocking: on its own */
+    fakecuda_stream_release(CU_STREAM_LEGACY);
+    OK(cuEventQuery(e));
+    /* A lagging blocking stream: the legacy event completes its work when it completes. */
+    fakecuda_stream_set_lag(s, 5);
+    OK(cuEventRecord(e2, s));
+    OK(cuEventRecord(e, NULL));
+    OK(cuEventQuery(e)); /* the legacy stream itself has no lag */
+    OK(cuEventQuery(e2));
+    fakecuda_stream_set_lag(s, 0);
+
+    /* CU_STREAM_PER_THREAD: one stream per thread. */
+    fakecuda_stream_hold(CU_STREAM_PER_THREAD);
+    CHECK_RC(cuStreamQuery(CU_STREAM_PER_THREAD), CUDA_ERROR_NOT_READY);
+    pthread_t t;
+    void *res = (void *)1;
+    CHECK(pthread_create(&t, NULL, pt_other_thread, e) == 0);
+    CHECK(pthread_join(t, &res) == 0 && res == NULL);
+    /* A per-thread stream is blocking: the legacy stream waits for it. */
+    OK(cuEventRecord(e, CU_STREAM_LEGACY));
+    CHECK_RC(cuEventQuery(e), CUDA_ERROR_NOT_READY);
+    fakecuda_stream_release(CU_STREAM_PER_THREAD);
+    OK(cuEventQuery(e));
+    CHECK(fakecuda_live("streams") == 2); /* per-thread streams are not the program's */
+
+    OK(cuEventDestroy(e));
+    OK(cuEventDestroy(e2));
+    OK(cuStreamDestroy(s));
+    OK(cuStreamDestroy(nb));
+}
+
+static CUstreamCaptureMode set_mode(CUstreamCaptureMode m) {
+    OK(cuThreadExchangeStreamCaptureMode(&m));
+    return m;
+}
+
+static void *capture_other_thread(void *arg) {
+    (void)arg;
+    if (cuCtxSetCurrent(g_ctx0) != CUDA_SUCCESS) return (void *)1;
+    CUevent e;
+    if (cuEventCreate(&e, 0) != CUDA_SUCCESS) return (void *)2;
+    if (cuEventRecord(e, g_other_stream) != CUDA_SUCCESS) return (void *)3;
+    /* Another thread's global capture forbids this thread's unsafe calls in the global mode. */
+    if (cuEventQuery(e) != CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) return (void *)4;
+    CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    cuThreadExchangeStreamCaptureMode(&m);
+    CUresult r = cuEventQuery(e); /* thread-local: other threads' captures do not count */
+    cuThreadExchangeStreamCaptureMode(&m);
+    cuEventDestroy(e);
+    return r == CUDA_SUCCESS ? NULL : (void *)5;
+}
+
+void test_capture(void) {
+    g_section = "stream capture";
+    CUstream s, nb;
+    CUevent e, e2;
+    OK(cuStreamCreate(&s, 0));
+    OK(cuStreamCreate(&nb, CU_STREAM_NON_BLOCKING));
+    g_other_stream = nb;
+    OK(cuEventCreate(&e, 0));
+    OK(cuEventCreate(&e2, 0));
+    CUstreamCaptureStatus cs;
+    CUgraph g = NULL;
+    CHECK_RC(cuStreamBeginCapture(NULL, CU_STREAM_CAPTURE_MODE_GLOBAL),
+             CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    CHECK_RC(cuStreamEndCapture(s, &g), CUDA_ERROR_ILLEGAL_STATE);
+
+    /* An intact capture: events recorded in it are graph nodes, never complete. */
+    OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    OK(cuStreamIsCapturing(s, &cs));
+    CHECK(cs == CU_STREAM_CAPTURE_STATUS_ACTIVE);
+    OK(cuStreamIsCapturing(nb, &cs));
+    CHECK(cs == CU_STREAM_CAPTURE_STATUS_NONE);
+    CHECK_RC(cuStreamIsCapturing(NULL, &cs), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    OK(cuEventRecord(e, s));
+    CUstreamCaptureMode prev = set_mode(CU_STREAM_CAPTURE_MODE_RELAXED);
+    CHECK(prev == CU_STREAM_CAPTURE_MODE_GLOBAL);
+    CHECK_RC(cuEventQuery(e), CUDA_ERROR_CAPTURED_EVENT); /* even relaxed */
+    OK(cuEventRecord(e2, nb));
+    OK(cuEventQuery(e2)); /* relaxed: an unsafe call is allowed */
+    CUdeviceptr p;
+    OK(cuMemAlloc(&p, 4096));
+    OK(cuMemFree(p));
+    set_mode(prev);
+    OK(cuStreamEndCapture(s, &g));
+    CHECK(g != NULL);
+    /* Another thread's unsafe call in the global mode fails and invalidates the capture. */
+    OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    pthread_t t;
+    void *res = (void *)1;
+    CHECK(pthread_create(&t, NULL, capture_other_thread, NULL) == 0);
+    CHECK(pthread_join(t, &res) == 0 && res == NULL);
+    OK(cuStreamIsCapturing(s, &cs));
+    CHECK(cs == CU_STREAM_CAPTURE_STATUS_INVALIDATED);
+    CHECK_RC(cuStreamEndCapture(s, &g), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    CHECK(g == NULL);
+    CHECK_RC(cuEventQuery(e), CUDA_ERROR_CAPTURED_EVENT); /* for good */
+    CHECK_RC(cuEventSynchronize(e), CUDA_ERROR_CAPTURED_EVENT);
+    OK(cuEventRecord(e, s)); /* recorded again outside a capture: an event again */
+    OK(cuEventQuery(e));
+
+    /* The global mode: this thread's own unsafe call invalidates its capture. */
+    OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CHECK_RC(cuMemAlloc(&p, 4096), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    OK(cuStreamIsCapturing(s, &cs));
+    CHECK(cs == CU_STREAM_CAPTURE_STATUS_INVALIDATED);
+    CHECK_RC(cuStreamEndCapture(s, &g), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    CHECK(g == NULL);
+
+    /* A record on the legacy stream while a blocking stream captures. */
+    OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_RELAXED));
+    CHECK_RC(cuEventRecord(e2, CU_STREAM_LEGACY), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    CHECK_RC(cuStreamEndCapture(s, &g), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    /* ... a non-blocking stream's capture leaves the legacy stream alone. */
+    OK(cuStreamBeginCapture(nb, CU_STREAM_CAPTURE_MODE_RELAXED));
+    OK(cuEventRecord(e2, CU_STREAM_LEGACY));
+    OK(cuEventQuery(e2)); /* relaxed capture: not forbidden */
+    CHECK_RC(cuStreamSynchronize(nb), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    CHECK_RC(cuStreamEndCapture(nb, &g), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+
+    OK(cuEventDestroy(e));
+    OK(cuEventDestroy(e2));
+    OK(cuStreamDestroy(s));
+    OK(cuStreamDestroy(nb));
 }
 
 void test_proc_address(void) {

@@ -412,6 +412,46 @@ static void test_streams(void) {
     cuma_heap_destroy(h);
 }
 
+/* cuma_stream_retire: a destroyed stream's handle, given to a new stream by the driver, must not
+ * get memory the old stream's work still uses, from the heap or from a thread cache (whose map of
+ * handles to stream slots goes stale); memory allocated on the old stream and freed after it died
+ * waits for its work; and a stream per request does not fill the table. Thread caches on. */
+static void test_stream_retire(void) {
+    cuma_heap *h = heap_make("backend:sim,capacity:64M,sim_clock:manual,release_delay_ms:0");
+    cuma_stream A = (cuma_stream)(uintptr_t)0x1000, B = (cuma_stream)(uintptr_t)0x2000;
+    void *a, *b, *keep;
+    CHECK_OK(cuma_alloc(h, 4096, A, &a));
+    CHECK_OK(cuma_alloc(h, 8192, A, &keep));
+    CHECK_OK(cuma_sim_hold_stream(h, A));
+    CHECK_OK(cuma_free(h, a, A)); /* into this thread's cache */
+    CHECK_OK(cuma_alloc(h, 4096, A, &b));
+    CHECK(b == a); /* the cache hands it back on its own stream */
+    CHECK_OK(cuma_free(h, b, A));
+    CHECK_OK(cuma_stream_retire(h, A));
+    CHECK_OK(cuma_stream_retire(h, (cuma_stream)(uintptr_t)0x9999)); /* never seen: no-op */
+    CHECK(cuma_stream_retire(h, NULL) == CUMA_ERR_INVALID);
+    /* A new stream with the old handle: the old work still runs on a. */
+    CHECK_OK(cuma_alloc(h, 4096, A, &b));
+    CHECK(b != a);
+    CHECK_OK(cuma_free(h, b, A));
+    /* Allocated on the dead stream, freed after: B waits for the dead stream's work too. */
+    CHECK_OK(cuma_free(h, keep, NULL));
+    CHECK_OK(cuma_alloc(h, 8192, B, &b));
+    CHECK(b != keep);
+    CHECK_OK(cuma_free(h, b, B));
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_sim_release_stream(h, A));
+    /* 1000 streams one after another: every allocation is served. */
+    for (int i = 0; i < 1000; i++) {
+        cuma_stream s = (cuma_stream)(uintptr_t)(0x10000 + i * 16);
+        CHECK_OK(cuma_alloc(h, 4096, s, &b));
+        CHECK_OK(cuma_free(h, b, s));
+        CHECK_OK(cuma_stream_retire(h, s));
+    }
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
 static void test_json(void) {
     cuma_heap *h = make("capacity:64M,sim_clock:manual");
     char buf[4096];
@@ -575,6 +615,7 @@ int main(void) {
     test_oom_cross_heaps();
     test_oom_wait_is_bounded();
     test_streams();
+    test_stream_retire();
     test_json();
     printf("test_heap: all passed\n");
     return 0;

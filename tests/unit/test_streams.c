@@ -423,6 +423,59 @@ static void test_validate_detects(void) {
     teardown(&ss);
 }
 
+/* Retirement (cuma_streams_retire): one last event on the stream, a dead slot that matches no
+ * handle and records nothing, tags of later frees on it that wait for that event, and the slot
+ * taken over by a new stream (the same handle value included) once the event is done. */
+static void test_retire(void) {
+    cuma_streams ss;
+    setup(&ss);
+    bool found = true;
+    CHECK_OK(cuma_streams_retire(&ss, S(0xA), &found));
+    CHECK(!found && ss.n == 0); /* never seen: nothing to do */
+    unsigned a = (unsigned)cuma_streams_index(&ss, S(0xA)),
+             b = (unsigned)cuma_streams_index(&ss, S(0xB));
+    uint64_t qa = cuma_streams_note_free(&ss, a);
+    hold(S(0xA), true);
+    CHECK_OK(cuma_streams_retire(&ss, S(0xA), &found));
+    CHECK(found && ss.slot[a].dead && ss.events_recorded == 1);
+    CHECK(ss.slot[a].fenced == ss.slot[a].last && ss.slot[a].last > qa);
+    validate(&ss);
+    /* A later free of memory allocated on it waits for the last event; nothing new is recorded. */
+    uint64_t late = cuma_streams_note_free(&ss, a);
+    CHECK(late == ss.slot[a].last);
+    CHECK(!op_poll(&ss, a, late, false) && !op_poll(&ss, a, qa, false));
+    CHECK(ss.events_recorded == 1);
+    /* The handle is gone: its value names a new stream, in a new slot while the old one drains. */
+    int a2 = cuma_streams_index(&ss, S(0xA));
+    CHECK(a2 == 2 && ss.n == 3 && !ss.slot[a2].dead);
+    validate(&ss);
+    hold(S(0xA), false);
+    CHECK(op_poll(&ss, a, late, false) && cuma_fence_known_done(&ss, a, qa));
+    /* Drained: the next new stream takes the slot over, and the old tags stay done. */
+    int c = cuma_streams_index(&ss, S(0xC));
+    CHECK(c == (int)a && ss.n == 3 && !ss.slot[a].dead && ss.slot[a].handle == S(0xC));
+    CHECK(cuma_fence_known_done(&ss, a, late));
+    uint64_t qc = cuma_streams_note_free(&ss, a);
+    CHECK(qc > late && !cuma_fence_known_done(&ss, a, qc));
+    validate(&ss);
+    /* A stream per request, 10,000 of them, each with frees, some held while retired: the table
+     * stays at a few slots. */
+    for (int i = 0; i < 10000; i++) {
+        cuma_stream h = S(0x1000 + (i % 3)); /* the driver reuses handle values */
+        int k = cuma_streams_index(&ss, h);
+        CHECK(k >= 0);
+        cuma_streams_note_free(&ss, (unsigned)k);
+        if (i % 4 == 0) hold(h, true);
+        CHECK_OK(cuma_streams_retire(&ss, h, &found));
+        CHECK(found);
+        if (i % 4 == 0) hold(h, false);
+    }
+    CHECK(ss.n <= 6);
+    validate(&ss);
+    (void)b;
+    teardown(&ss);
+}
+
 int main(void) {
     test_table();
     test_lazy();
@@ -433,6 +486,7 @@ int main(void) {
     test_multi();
     test_join();
     test_validate_detects();
+    test_retire();
     printf("test_streams: all passed\n");
     return 0;
 }

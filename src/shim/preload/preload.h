@@ -33,6 +33,10 @@ CUresult CUDAAPI cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
 CUresult CUDAAPI cuDevicePrimaryCtxReset(CUdevice dev);
 CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev);
 
+/* Likewise cuStreamDestroy: the unversioned one is what CUDA before 4.0 fetches. */
+#undef cuStreamDestroy
+CUresult CUDAAPI cuStreamDestroy(CUstream hStream);
+
 /* The first cuGetProcAddress (CUDA 11.3 to 11.8 runtimes call it): cuda.h 12+ renames the name
  * to cuGetProcAddress_v2, whose extra argument this ABI lacks. */
 typedef CUresult(CUDAAPI *cuma_preload_gpa1_fn)(const char *, void **, int, cuuint64_t);
@@ -56,6 +60,8 @@ typedef CUresult(CUDAAPI *cuma_preload_gpa1_fn)(const char *, void **, int, cuui
     X(StreamSynchronize, cuStreamSynchronize, (CUstream))                                          \
     X(CtxGetDevice, cuCtxGetDevice, (CUdevice *))                                                  \
     X(StreamGetCtx, cuStreamGetCtx, (CUstream, CUcontext *))                                       \
+    X(StreamDestroy, cuStreamDestroy_v2, (CUstream))                                               \
+    X(StreamDestroyV1, cuStreamDestroy, (CUstream))                                                \
     X(DevicePrimaryCtxGetState, cuDevicePrimaryCtxGetState, (CUdevice, unsigned int *, int *))     \
     X(DevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice))                   \
     X(DevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2, (CUdevice))                           \

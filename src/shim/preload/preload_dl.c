@@ -329,6 +329,8 @@ MINE(reset, cuma_pl_DevicePrimaryCtxReset_fn, cuDevicePrimaryCtxReset_v2)
 MINE(reset1, cuma_pl_DevicePrimaryCtxResetV1_fn, cuDevicePrimaryCtxReset)
 MINE(release, cuma_pl_DevicePrimaryCtxRelease_fn, cuDevicePrimaryCtxRelease_v2)
 MINE(release1, cuma_pl_DevicePrimaryCtxReleaseV1_fn, cuDevicePrimaryCtxRelease)
+MINE(sdestroy, cuma_pl_StreamDestroy_fn, cuStreamDestroy_v2)
+MINE(sdestroy1, cuma_pl_StreamDestroyV1_fn, cuStreamDestroy)
 #undef MINE
 
 #define OFF(field) offsetof(cuma_preload_driver, field)
@@ -356,6 +358,9 @@ static const export_entry exports[] = {
      OFF(DevicePrimaryCtxRelease), mine_release},
     {"cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRelease", 7000, 11000, false,
      OFF(DevicePrimaryCtxReleaseV1), mine_release1},
+    /* A stream's destruction retires it in cuma first (preload_mem.c). */
+    {"cuStreamDestroy_v2", "cuStreamDestroy", 4000, 0, false, OFF(StreamDestroy), mine_sdestroy},
+    {"cuStreamDestroy", "cuStreamDestroy", 2000, 4000, false, OFF(StreamDestroyV1), mine_sdestroy1},
 };
 #undef OFF
 
@@ -372,11 +377,6 @@ static void substitute(const char *symbol, void **pfn, int version, cuuint64_t f
     const export_entry *pick = NULL;
     /* Only an answer that is one of the driver functions the shim wraps is replaced: a newer
      * ABI of the same name (a future _v3 at a newer version) is not the shim's to serve. */
-    const cuma_preload_driver *d = cuma_preload_driver_get();
-    bool known = false;
-    for (size_t i = 0; i < sizeof exports / sizeof exports[0] && !known; i++)
-        known = !strcmp(exports[i].base, symbol) && *pfn == real_of(d, &exports[i]);
-    if (!known) return;
     for (size_t i = 0; i < sizeof exports / sizeof exports[0]; i++) {
         const export_entry *e = &exports[i];
         if (strcmp(e->base, symbol) != 0) continue;
@@ -388,6 +388,24 @@ static void substitute(const char *symbol, void **pfn, int version, cuuint64_t f
         /* A function without a stream has no per-thread flavour: the plain one answers. The
          * table lists the plain flavour first, so a per-thread one found later wins. */
         if (!e->ptsz && !pick) pick = e;
+    }
+    if (!pick) return; /* an ABI the shim does not implement (the legacy 32-bit cuMemAlloc) */
+    const cuma_preload_driver *d = cuma_preload_driver_get();
+    bool known = false;
+    for (size_t i = 0; i < sizeof exports / sizeof exports[0] && !known; i++)
+        known = !strcmp(exports[i].base, symbol) && *pfn == real_of(d, &exports[i]);
+    if (!known) {
+        /* A request the shim would serve, answered with another function than the driver's: a
+         * tool (Nsight, an injection library) wraps the driver, or a newer ABI. The program then
+         * runs without cuma for that call: said once, since it would otherwise not know. */
+        static _Atomic bool told;
+        if (!atomic_exchange(&told, true))
+            cuma_preload_report("cuGetProcAddress(\"%s\") answered %p, which is not the driver's "
+                                "function (a tool such as Nsight or an injection library wraps "
+                                "the driver, or a newer ABI): cuma does not serve calls made "
+                                "through it (said once)",
+                                symbol, *pfn);
+        return;
     }
     if (pick) *pfn = pick->mine();
 }

@@ -505,6 +505,37 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstr
     return FORWARD(d, MemFreeAsyncPtsz, dptr, hStream);
 }
 
+/* ---- streams that die ---------------------------------------------------------------------- */
+
+/* cuma records its fences lazily, and keeps a slot per stream: a stream the program destroys is
+ * retired in its device's heap first, while the handle is valid (cuma_stream_retire: one last
+ * fence, and the slot free for the next stream once that is done). Then the driver destroys it.
+ * A stream of a device without a heap, and the pseudo streams, go straight to the driver. */
+static CUresult destroy_stream(CUresult(CUDAAPI *real)(CUstream), CUstream s) {
+    if (!real) return CUDA_ERROR_NOT_FOUND;
+    if (s && s != CU_STREAM_LEGACY && s != CU_STREAM_PER_THREAD && cuma_preload_routing()) {
+        const cuma_preload_driver *d = cuma_preload_driver_get();
+        CUcontext sc = NULL;
+        cuma_preload_pin pin;
+        cuma_heap *h;
+        if (d->StreamGetCtx && d->StreamGetCtx(s, &sc) == CUDA_SUCCESS &&
+            (h = pin_known_ctx(sc, &pin))) {
+            cuma_status st = cuma_stream_retire(h, s);
+            cuma_preload_pin_drop(&pin);
+            if (st != CUMA_OK) failed("cuStreamDestroy", st); /* reported; the stream still goes */
+        }
+    }
+    return real(s);
+}
+
+CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuStreamDestroy_v2(CUstream hStream) {
+    return destroy_stream(cuma_preload_driver_get()->StreamDestroy, hStream);
+}
+
+CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuStreamDestroy(CUstream hStream) {
+    return destroy_stream(cuma_preload_driver_get()->StreamDestroyV1, hStream);
+}
+
 /* ---- what the program is told about memory ------------------------------------------------- */
 
 /* The limit CUMA_CONF sets for a device of `capacity` bytes, as the heap computes it

@@ -1,0 +1,157 @@
+/* Streams that die, under LD_PRELOAD (run only with the shim routing, CUMA_CONF=limit:256M).
+ *
+ * A server makes a stream per request and destroys it after. cuma records its fences lazily and
+ * keeps a slot per stream; the shim must retire a stream in cuma before the driver destroys it,
+ * or cuma later records a fence on a destroyed stream (undefined on the real driver: the fake
+ * aborts, naming the call and the handle) and, after 256 streams, refuses every allocation on a
+ * new one.
+ *
+ *   test_preload_streams [tool]
+ *
+ * 1. Memory freed on a stream that is then destroyed, with its work still in flight (a held
+ *    stream), is reused by another stream once that work is done, from the same pages, and no
+ *    call touches the destroyed stream.
+ * 2. 10,000 streams, one after another, each allocating and freeing (stream-ordered and plain
+ *    frees, one block outliving its stream), half of them destroyed through the entry point
+ *    the runtime fetches with cuGetProcAddress: every allocation is served, and what cuma holds
+ *    of the driver (events, memory) stays bounded.
+ */
+#include "fakecuda.h"
+
+#include <cuda.h>
+#include <dlfcn.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MB (1024ull * 1024)
+
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);               \
+            abort();                                                                               \
+        }                                                                                          \
+    } while (0)
+
+#define CHECK_CU(expr)                                                                             \
+    do {                                                                                           \
+        CUresult r_ = (expr);                                                                      \
+        if (r_ != CUDA_SUCCESS) {                                                                  \
+            fprintf(stderr, "%s:%d: %s returned %d\n", __FILE__, __LINE__, #expr, (int)r_);        \
+            abort();                                                                               \
+        }                                                                                          \
+    } while (0)
+
+typedef CUresult(CUDAAPI *destroy_fn)(CUstream);
+
+static bool is_shim(const void *p) {
+    Dl_info info;
+    return p && dladdr(p, &info) && info.dli_fname && strstr(info.dli_fname, "libcuma_preload");
+}
+
+static void check_dead_stream_memory(void) {
+    CUstream s1, s2;
+    CHECK_CU(cuStreamCreate(&s1, CU_STREAM_NON_BLOCKING));
+    CHECK_CU(cuStreamCreate(&s2, CU_STREAM_NON_BLOCKING));
+    CUdeviceptr p, q;
+    /* 200 MiB of the 256 MiB limit: another 200 MiB fits only in the same memory. */
+    CHECK_CU(cuMemAllocAsync(&p, 200 * MB, s1));
+    fakecuda_stream_hold(s1); /* kernels on p still running */
+    CHECK_CU(cuMemFreeAsync(p, s1));
+    CHECK_CU(cuStreamDestroy_v2(s1));
+    size_t used = fakecuda_used_bytes(0);
+    fakecuda_stream_release(s1); /* the destroyed stream's work completes */
+    CHECK_CU(cuMemAllocAsync(&q, 200 * MB, s2));
+    CHECK(q == p && fakecuda_used_bytes(0) <= used);
+    CHECK_CU(cuMemFreeAsync(q, s2));
+    CHECK_CU(cuStreamSynchronize(s2));
+    CHECK_CU(cuStreamDestroy_v2(s2));
+    CHECK(fakecuda_live("streams") == 0);
+}
+
+static void check_stream_churn(void) {
+    void *fn = NULL;
+    CUdriverProcAddressQueryResult qr;
+    CHECK_CU(cuGetProcAddress("cuStreamDestroy", &fn, 12000, 0, &qr));
+    CHECK(is_shim(fn)); /* the runtime's cudaStreamDestroy comes to the shim too */
+    destroy_fn runtime_destroy;
+    memcpy(&runtime_destroy, &fn, sizeof fn);
+    long events = -1;
+    size_t used = 0;
+    CUdeviceptr outlive = 0;
+    for (int i = 0; i < 10000; i++) {
+        CUstream s;
+        CHECK_CU(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+        CUdeviceptr a, b, c;
+        CHECK_CU(cuMemAllocAsync(&a, 1 * MB + (size_t)(i % 7) * 4096, s));
+        CHECK_CU(cuMemAllocAsync(&b, 4096 + (size_t)(i % 3) * 512, s));
+        CHECK_CU(cuMemAlloc_v2(&c, 3 * MB));
+        CHECK_CU(cuMemsetD8_v2(a, (unsigned char)i, 4096));
+        if (i % 5 == 0) fakecuda_stream_hold(s); /* its work outlives it */
+        CHECK_CU(cuMemFreeAsync(a, s));
+        CHECK_CU(cuMemFree_v2(c));
+        if (outlive) CHECK_CU(cuMemFree_v2(outlive)); /* allocated on a stream now destroyed */
+        outlive = b;
+        CHECK_CU(i % 2 ? runtime_destroy(s) : cuStreamDestroy_v2(s));
+        if (i % 5 == 0) fakecuda_stream_release(s);
+        if (i == 300) events = fakecuda_live("events"), used = fakecuda_used_bytes(0);
+        if (i > 300 && i % 1000 == 0) {
+            /* Bounded: no fence event or page piles up per stream. */
+            CHECK(fakecuda_live("events") <= events + 8);
+            CHECK(fakecuda_used_bytes(0) <= used + 8 * MB);
+        }
+    }
+    CHECK_CU(cuMemFree_v2(outlive));
+    CHECK(fakecuda_live("streams") == 0);
+    CHECK(fakecuda_live("events") <= events + 8);
+    printf("10000 streams: %ld events live, %zu bytes used at the end\n", fakecuda_live("events"),
+           fakecuda_used_bytes(0));
+}
+
+/* FAKECUDA_PROC_TOOL=1: the driver's cuGetProcAddress hands out another cuMemAlloc, as a tool
+ * that wraps the driver does. The shim cannot serve calls made through it, and says so on stderr,
+ * once. */
+static int check_tool_warning(void) {
+    FILE *f = tmpfile();
+    CHECK(f != NULL);
+    fflush(stderr);
+    int saved = dup(2);
+    CHECK(saved >= 0 && dup2(fileno(f), 2) == 2);
+    void *fn = NULL, *fn2 = NULL;
+    CUdriverProcAddressQueryResult qr;
+    CHECK_CU(cuGetProcAddress("cuMemAlloc", &fn, 12000, 0, &qr));
+    CHECK_CU(cuGetProcAddress("cuMemAlloc", &fn2, 12000, 0, &qr));
+    CHECK_CU(cuGetProcAddress("cuMemFree", &fn2, 12000, 0, &qr));
+    CHECK(fn && !is_shim(fn) && is_shim(fn2)); /* only the wrapped one is left alone */
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    char buf[4096];
+    rewind(f);
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = 0;
+    fclose(f);
+    fputs(buf, stderr);
+    const char *m = strstr(buf, "cuGetProcAddress(\"cuMemAlloc\") answered");
+    CHECK(m && !strstr(m + 1, "cuGetProcAddress(")); /* once */
+    printf("test_preload_streams tool: warned once\n");
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    CHECK_CU(cuInit(0));
+    CUdevice dev;
+    CHECK_CU(cuDeviceGet(&dev, 0));
+    CUcontext primary;
+    CHECK_CU(cuDevicePrimaryCtxRetain(&primary, dev));
+    CHECK_CU(cuCtxSetCurrent(primary));
+    if (argc > 1 && !strcmp(argv[1], "tool")) return check_tool_warning();
+    CHECK(is_shim(dlsym(RTLD_DEFAULT, "cuStreamDestroy_v2")));
+    check_dead_stream_memory();
+    check_stream_churn();
+    printf("test_preload_streams: all checks passed\n");
+    return 0;
+}
