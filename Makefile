@@ -7,7 +7,7 @@ CMAKE_FLAGS ?=
 # Development and test builds treat warnings as errors; a plain cmake build (users, packagers) does not.
 DEV_FLAGS := -DCUMA_WERROR=ON
 
-.PHONY: all build run test test-unit test-asan test-tsan test-python bench format install clean
+.PHONY: all build run test test-unit test-asan test-tsan test-python test-builds test-pip test-deploy bench format install clean
 
 all: build
 
@@ -24,7 +24,7 @@ run: build
 # Every phase runs even when an earlier one failed; one summary at the end, and the exit status
 # is non-zero if any phase failed (scripts/test-all.sh). A phase is a test-NAME target below and
 # NAME in TEST_PHASES.
-TEST_PHASES ?= unit asan tsan python
+TEST_PHASES ?= unit asan tsan python builds pip deploy
 
 test:
 	@scripts/deps.sh test
@@ -44,6 +44,16 @@ test-tsan:
 	# test_fork_cases is left out: its children start threads (a default heap's release thread),
 	# which ThreadSanitizer does not support after a multi-threaded fork.
 	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 CUMA_STRESS_OPS=300000 ctest --output-on-failure -R '^(test_(stress|tcache|default_heap|arena|fork|ledger_inprocess|ledger_stress|heap)|trace_writer)' -E test_fork_cases
+
+# Release with gcc and RelWithDebInfo with clang, warnings as errors (scripts/ci-builds.sh).
+test-builds: ci-builds
+
+# pip install into a fresh venv from a clean clone, tests against the installed copy.
+test-pip: pip-check
+
+# The Kubernetes kit rendered and validated, the autoscaling signal through a real Prometheus,
+# and the Dockerfile linted with its build stage run on the host.
+test-deploy: deploy-check autoscale-check docker-check
 
 test-python: build
 	@if [ -d python/tests ]; then scripts/pytest.sh $(BUILD); else echo "no python tests yet"; fi

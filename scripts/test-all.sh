@@ -40,6 +40,9 @@ done
 printf '%-12s %-7s %7d s\n' all "$([ "$failed" -eq 0 ] && echo passed || echo failed)" "$total"
 if [ "$failed" -ne 0 ]; then
   echo "make test: $failed of ${#names[@]} phases failed"
-  exit 1
+else
+  echo "make test: all ${#names[@]} phases passed"
 fi
-echo "make test: all ${#names[@]} phases passed"
+# The plain closing line that test runners and CI read: it counts phases, not tests.
+echo "phases: $((${#names[@]} - failed)) passed, $failed failed"
+[ "$failed" -eq 0 ]

@@ -60,7 +60,7 @@ typedef struct conn {
 } conn;
 
 /* The invariants above (debug builds check them at every round). */
-static inline int conn_valid(const conn *c) {
+__attribute__((unused)) static inline int conn_valid(const conn *c) {
     if ((c->fd >= 0) != (c->state != C_FREE)) return 0;
     if ((c->in != NULL) != (c->state == C_READING) || c->in_len > REQUEST_MAX) return 0;
     if (c->state != C_WRITING) return !c->out && !c->body;
