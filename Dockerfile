@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # cuma's image: the `cuma` command (ps, top, stats, exporter, replay, ...), libcuma.so,
 # libcuma_preload.so, libcuma_torch.so, the headers and the Python package, on Debian 12.
 #   docker build -t cuma .

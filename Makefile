@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # The two set-up commands: `make run` (the main job) and `make test` (every test).
 # Both install what they need on a Debian machine first (scripts/deps.sh).
 JOBS ?= $(shell nproc)

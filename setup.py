@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Builds the native parts of the cuma package with the project's CMake.
 
 `pip install .` runs this through setuptools' PEP 517 backend (pyproject.toml). Before the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* cuma-bench: shared declarations.
  *
  *   bench_time.c    clocks (rdtsc or clock_gettime, calibrated), medians, percentiles, machine

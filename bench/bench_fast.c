@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The fast path: alloc+free pairs of one cached size, one or two threads on one heap (or on the
  * process's malloc); and the primitives cuma's hot path is built of. */
 #include "bench.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Pacing on the real clock (page_call_budget): a trace replayed pass after pass (sizes x16) as
  * fast as the machine goes, on a simulated device whose page calls spin 20 us each, with and
  * without pacing. test_pacing checks the same logic on the manual clock; this is the wall-clock

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Host allocators as peers. mimalloc and jemalloc replace malloc once loaded, so each peer is
  * measured in a child: this program re-executed (/proc/self/exe) with LD_PRELOAD naming the
  * library (none for glibc), a hidden --peer-child flag naming the allocator and the job, and

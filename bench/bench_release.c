@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The release section: how soon idle memory goes back to the device, on heaps with the real
  * clock and the release thread (sim_clock:real, release_thread:on: what a running program
  * has), watched from outside the heap through its statistics.

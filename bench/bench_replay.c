@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Trace replays: the trace is parsed and flattened into operations first; then only the
  * allocator calls run in the timed loop. Throughput (1 thread), per-operation latency and
  * scaling (2 threads, each replaying its own copy on the shared heap or malloc). */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Rows: collected while measuring, printed at the end as one table or as JSON lines, and sent
  * from a peer child to the parent as tab-separated lines. */
 #include "bench.h"

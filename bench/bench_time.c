@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Clocks, medians, percentiles, threads and the machine's description. */
 #include "bench.h"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* cuma-bench: how fast cuma hands out and takes back memory, next to glibc malloc, mimalloc and
  * jemalloc on the same operations.
  *

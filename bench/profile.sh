@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Instructions per operation of cuma's fast path and of a trace replay, counted by callgrind:
 # repeatable where wall-clock timings are not (a shared or noisy machine).
 #

@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # bench_smoke: runs cuma-bench --quick on one trace and checks that it prints every row, as
 # JSON and as the table. Timings are not checked (a benchmark is not a timed test).
 # usage: bench/smoke.sh BENCH TRACE.csv.gz

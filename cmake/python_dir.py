@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prints where the interpreter running it looks for pure-Python packages under an install
 prefix, relative to that prefix (for CMakeLists.txt's install of the cuma package)."""
 import os

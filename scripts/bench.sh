@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The speed benchmark: cuma's fast path and the bundled trace replays next to glibc malloc,
 # mimalloc and jemalloc, printed as one table (bench/README.md says what each row means).
 # usage: scripts/bench.sh [BUILD] [cuma-bench options...]    e.g. scripts/bench.sh build --json

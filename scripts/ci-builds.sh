@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The builds packagers and other compilers make, kept warning-free: Release with gcc (-O3, where
 # gcc's flow-dependent warnings such as -Wformat-truncation appear) and RelWithDebInfo with clang,
 # both with -DCUMA_WERROR=ON, each in a build directory of its own. Exits non-zero if either

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The Kubernetes kit (deploy/), offline: renders each kustomization with `kubectl kustomize`,
 # validates the objects against the Kubernetes API schemas and the sidecar's pod against the
 # baseline Pod Security Standard (deploy/validate/validate.mjs, Node.js with kubernetes-models

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs what building and testing cuma needs on a Debian machine, where it is missing.
 # usage: scripts/deps.sh [build|test|bench|deploy]   (each includes build)
 set -euo pipefail

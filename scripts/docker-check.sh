@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Checks the Dockerfile. Where a container builder works (docker with a daemon, podman or
 # buildah), builds the image and runs `cuma version` in it. Where none does (this project's CI
 # machine: a docker client without a daemon, no registry to pull debian:bookworm-slim from),

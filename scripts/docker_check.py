@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Checks the Dockerfile where no container builder runs (scripts/docker-check.sh).
 
 1. Lint: stages and COPY --from names, pinned base image (no :latest), apt-get install with

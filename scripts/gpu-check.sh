@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The GPU check: cuma on a machine with a real NVIDIA GPU, in one command of under 7 minutes.
 #
 #   1. Machine   nvidia-smi, driver, uname -m, nproc; asks the driver whether device 0 works

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The build stage of the Dockerfile: configures and builds cuma (Release, no tests) and installs
 # it under STAGE/PREFIX (DESTDIR), from where the image's last stage copies PREFIX.
 # scripts/docker-check.sh runs it on the host too, so the host check and the image build run the

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # What CI checks of the Python packaging, on a clean clone of the repository's HEAD (what CI
 # has; PIP_CHECK_WORKTREE=1 copies the working tree's tracked and unignored files instead):
 #   /usr/bin/python3 -m venv --system-site-packages v

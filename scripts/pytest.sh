@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Runs the Python package's tests against one build of libcuma.
 # usage: scripts/pytest.sh BUILD_DIR [pytest arguments...]
 # The package is imported from python/ (PYTHONPATH) and loads BUILD_DIR/lib/libcuma.so

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The main job: replays the bundled traces with the default policy and the buddy, side by side.
 set -euo pipefail
 build=${1:-build}

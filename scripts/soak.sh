@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The soak run (`make soak`): the randomized tests again and again, with new seeds, for
 # SOAK_MINUTES (default 10) in a build with AddressSanitizer + UBSan (build-asan): the stress test
 # in each of its configurations, the fork tests, the cross-process ledger stress, the release

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # `make test`: runs every test phase, each as `make test-PHASE`, even when an earlier one
 # failed, then prints one summary (phase, passed/failed, duration) and exits non-zero if any
 # phase failed. A phase whose build fails has failed. Each phase's own output (ctest's and

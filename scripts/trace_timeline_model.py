@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """A timeline of PyTorch's caching allocator rules on a trace, for `cuma plot --compare`.
 
 usage: trace_timeline_model.py [--scale K] [--tools DIR] --out DIR TRACE...

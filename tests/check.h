@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Test assertions that stay on in release builds and say what failed. */
 #ifndef CUMA_TESTS_CHECK_H
 #define CUMA_TESTS_CHECK_H

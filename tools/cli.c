@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* What every subcommand of the `cuma` command parses and reports the same way. */
 #include "cli.h"
 

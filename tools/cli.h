@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The `cuma` command: one main (cuma.c) dispatching to one function per subcommand.
  *
  * Each subcommand gets argv with argv[0] = its own name and returns the process exit status:

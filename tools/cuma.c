@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* main of the `cuma` command: a table of subcommands, so adding one (stats, ...) is one
  * function and one row. */
 #include "cli.h"

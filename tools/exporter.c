@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* `cuma exporter`: the ledger as Prometheus metrics, over HTTP or once to stdout.
  *
  * This file is the metrics' text and the command. A read of the ledger is rendered once into a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* `cuma exporter` inside: the metrics' text (exporter.c), the thread that reads the ledger
  * (exporter_sampler.c) and the HTTP server (exporter_server.c). The server never reads the
  * ledger itself: a read can wait seconds for the ledger's lock (a process stopped while holding

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The exporter's reader of the ledger: one thread that reads it when the server asks and keeps
  * the last good read's rendering. A read waits for the ledger's lock; when a process stopped
  * while holding it (Ctrl-Z, a debugger), the first read waits 2 s before it reads without the

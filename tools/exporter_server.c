@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The exporter's HTTP server: one thread with ppoll() over non-blocking sockets, so that no
  * client delays another, and no read of the ledger in it (exporter_sampler.c reads).
  *

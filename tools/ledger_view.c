@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* One read of a ledger for the operator's views (ps, top, stats, exporter) and their shared
  * helpers. */
 #include "ledger_view.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* What `cuma ps`, `cuma top`, `cuma stats` and `cuma exporter` share: one read of a ledger, its
  * heaps sorted by device then reserved bytes and summed per device, the JSON document of ps and
  * stats, and the formatting helpers their outputs need (sizes, names made printable, JSON

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* `cuma plot`: replay timelines (timeline.h) drawn as one self-contained SVG figure.
  *
  * One panel per timeline, stacked: requested bytes as a filled area, reserved as a line, cached

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* `cuma ps` and `cuma top`: the heaps of a ledger as a table, once or refreshed.
  *
  * Both read the ledger through cuma_ledger_snapshot (which also frees dead processes' slots),

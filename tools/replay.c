@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* `cuma replay`: replays RMM event logs on the simulated device.
  *
  * Each trace is replayed twice on fresh heaps with the same settings:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* `cuma stats`: every figure the ledger holds of a heap, one block per heap, or as JSON.
  *
  * ps and top keep to one row a heap; this is the view of one process's allocator from outside

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Timeline files: the sampling writer behind `cuma replay --timeline` and the strict reader
  * behind `cuma plot` (timeline.h). */
 #include "timeline.h"

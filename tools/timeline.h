@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Timelines: what a replay's heap held over the trace's time, as a small CSV file.
  *
  *   time_s,requested_bytes,reserved_bytes,cached_bytes,mapped_bytes

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Validates rendered manifests (kubectl kustomize output, multi-document YAML) offline:
 // 1. each object against the Kubernetes API schema of its apiVersion/kind (kubernetes-models,
 //    generated from the Kubernetes OpenAPI spec; ServiceMonitor from the Prometheus Operator's

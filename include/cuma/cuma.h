@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* cuma: a GPU memory manager.
  *
  * A heap hands out device memory for one device. It places allocations in a large virtual

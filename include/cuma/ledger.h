@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* cuma's cross-process ledger: the heaps of several processes that share GPUs.
  *
  * Every heap on a CUDA device (and a heap on the simulated device that names a ledger) has a

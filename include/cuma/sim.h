@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* cuma's simulated device: controls for tests and for `cuma replay`.
  *
  * A heap created with "backend:sim" runs on a simulated device of `capacity` bytes with pages

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* cuma as PyTorch's CUDA allocator.
  *
  * These are the entry points that torch.cuda.memory.CUDAPluggableAllocator loads by name (the

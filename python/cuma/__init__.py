@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cuma: a GPU memory manager, from Python.
 
 The package is pure Python over ctypes; it needs libcuma.so (found next to the package,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PYTORCH_CUDA_ALLOC_CONF in cuma's terms, for cuma.torch.enable().
 
 A program tuned for PyTorch's own allocator often carries PYTORCH_CUDA_ALLOC_CONF (for example

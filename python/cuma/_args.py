@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Argument checks for the C API: bad Python arguments fail here, with Python exceptions, before
 any C call (ctypes would wrap an int past its C type, or cut a str at a NUL)."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What a batch is and how it is split: the batch *plans* shared by DynamicBatcher (which
 splits along dim 0) and safe_forward (which splits along any dim).
 

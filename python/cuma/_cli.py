@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The `cuma` console entry point of a pip-installed package: runs the native `cuma` command
 bundled in the package (cuma/bin/cuma), with the same arguments, in place of this process."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DynamicBatcher: serves the batches of a loader in pieces that shrink on out-of-memory and
 grow back when memory allows, plus the context manager of its step().
 

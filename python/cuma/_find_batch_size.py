@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """find_batch_size: the largest batch size a step runs at without running out of memory,
 found by doubling and then bisecting. Re-exported by :mod:`cuma.adaptive`, with
 :data:`DEFAULT_BATCH_LIMIT`, its cap when it is given no limit.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The use count that lets Heap.close() race with the heap's other calls."""
 
 import _thread

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Finding and loading libcuma.so, and the ctypes prototypes of the C API.
 
 The library is loaded on first use, not at import, so ``import cuma`` never fails for want

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """TensorFlow's vocabulary for the default heaps: set_memory_growth and set_memory_limit,
 written into the default heaps' settings for heaps created from now on (and, for the limit,
 set on the heaps that exist). Those settings start from CUMA_CONF and replace it for the

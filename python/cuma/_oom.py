@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Recognising out-of-memory errors, and releasing memory between tries: the two things every
 helper of :mod:`cuma.adaptive` does when a try runs out of memory.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """safe_forward: a forward pass that survives out-of-memory by splitting its batch, with what
 only it needs: finding the tensors in its inputs and calling the model with them, joining the
 pieces' outputs into the unsplit run's output (or refusing where no joined value would be

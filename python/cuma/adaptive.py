@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Surviving out-of-memory: find a batch size that fits, shrink batches on the fly, split a
 forward pass, and TensorFlow-style memory settings.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CudaMemoryAllocator: the default heaps behind an allocator-object interface."""
 
 from .heap import _apply_default_conf, _device_arg, _int_arg, _ptr_arg, default_heap

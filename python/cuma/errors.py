@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Exceptions raised by cuma.
 
 Every failure of a libcuma call raises a :class:`CumaError` subclass chosen by the call's

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cuma heaps from Python: :class:`Heap` (a heap you own) and the process-wide default heaps.
 
 Pointers are plain ints (device addresses); streams are ints (a cudaStream_t's value, 0 for

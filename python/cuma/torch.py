@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cuma as PyTorch's CUDA allocator, and PyTorch-style statistics.
 
 ::

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared fixtures: every test starts with no default heaps, no CUMA_CONF and no settings given
 to the default heaps, and leaves none behind, since the default heaps are process-wide and read
 those when created."""

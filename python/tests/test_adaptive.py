@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cuma.adaptive on CPU PyTorch: out-of-memory is simulated by a model wrapper that raises
 PyTorch's OOM error when a batch holds more elements than a limit."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PYTORCH_CUDA_ALLOC_CONF under cuma.torch.enable(): options with a cuma equivalent become cuma
 settings, the others warn. enable() runs against a stand-in for a CUDA build of PyTorch; the
 default heap is simulated here, so enable() stops at its refusal of the simulated device, after

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Strings handed to C: a NUL inside one would end it there for C ("limit:1M\\0junk" read as
 "limit:1M"), and numbers that strtod takes but no setting documents (hex floats) are refused."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Heap.close() racing with other calls: it refuses new calls with HeapClosedError, waits
 for the calls under way, and never destroys the C heap under one (which crashed the
 interpreter: a SIGSEGV in 7 of 10 runs of the race below)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The process-wide default heaps and the PyTorch entry points of libcuma
 (src/shim/default_heap.c, src/shim/torch_alloc.c), called through ctypes, plus the Python
 layers over them: cuma.default_heap, cuma.on_oom, cuma.torch.memory_stats,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The GPU check's PyTorch scripts, run where they can run without a GPU: torch_trace.py (the
 allocation trace of torch_compare.py's training loop on the meta device) and torch_compare.py's
 CPU dry run. Tiny models, a few steps: they test the scripts, not the figures."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cuma.Heap on the simulated device: allocation, stats, trim, validate, errors, OOM
 callbacks, argument checks."""
 

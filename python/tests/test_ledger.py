@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Jobs sharing a device through the cross-process ledger, from Python: the pressure callback
 of a low-priority heap frees memory a high-priority heap needs; cuma.ledger() lists both; bad
 arguments raise. Simulated heaps in a ledger named for this test, removed afterwards."""

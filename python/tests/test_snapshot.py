@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Heap.snapshot() and cuma.torch.memory_snapshot() (cuma_snapshot_json): what holds a heap's
 memory, block by block, on the simulated device."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cuma.torch.enable() refuses clearly where it cannot work (Debian's torch 1.13 is a CPU
 build without CUDAPluggableAllocator), and the package loads lazily."""
 

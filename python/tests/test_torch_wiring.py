@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cuma.torch.enable() as far as it can go without a GPU: a stand-in for a CUDA build of
 PyTorch 2.x records what enable() hands to CUDAPluggableAllocator, and the default heap is on
 the fake CUDA driver (tests/fakecuda), so the path that refuses the simulated device is passed.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // churn: cuma on a real GPU, under kernels that write and verify every byte it hands out.
 //
 // Part 1 (churn): one heap (default conf "backend:vmm"), two non-blocking streams, a table of

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Is there a usable NVIDIA GPU? Asks the CUDA driver itself (libcuda.so.1 through ctypes).
 
 Prints one line and exits 0 when device 0 works:

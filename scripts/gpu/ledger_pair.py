@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Two jobs on one device through cuma's cross-process ledger, for the GPU check.
 
 A low-priority process ("holder") fills a share of the device and frees it, so that its heap

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A plain CUDA runtime program for the GPU check's LD_PRELOAD step: it knows nothing of cuma.
 // Run under LD_PRELOAD=libcuma_preload.so with CUMA_CONF=limit:SIZE it must see the limit as the
 // device's memory (cudaMemGetInfo), be refused beyond it (cudaErrorMemoryAllocation, no crash),

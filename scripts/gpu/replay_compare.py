@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Prints `cuma replay --json` output as a table and compares one run against a reference.
 
     replay_compare.py table RUN.jsonl [--label NAME]

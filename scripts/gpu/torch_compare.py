@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch's native CUDA allocator against cuma, on one variable-length training loop.
 
 The parent runs the same loop twice, each in a fresh process (an allocator can only be chosen

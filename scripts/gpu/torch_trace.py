@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The allocation trace of torch_compare.py's training loop, recorded without a GPU.
 
 Runs the loop of scripts/gpu/torch_compare.py (same model, same seed, same per-step

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Picks the backend a heap's settings name, and the simulated device in its place where the
  * settings ask for that fallback and no CUDA driver can be used. */
 #include "backend.h"

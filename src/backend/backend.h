@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The one interface between the device-independent core and a device.
  *
  * The core manages addresses and sizes only; everything that touches device memory, streams or

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Loads libcuda at run time: see cuda_driver.h for why. */
 #include "cuda_driver.h"
 #include "core/error.h"

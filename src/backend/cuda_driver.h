@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The CUDA driver, loaded at run time.
  *
  * libcuma has no link-time dependency on libcuda or libcudart: a machine without a GPU runs

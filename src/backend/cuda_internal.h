@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Shared internals of the CUDA backends (cuda_backend.c, cuda_vmm.c, cuda_segment.c).
  *
  * vmm: cuMemCreate/cuMemMap pages in a cuMemAddressReserve range. segment: whole cuMemAlloc

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The segment backend (whole cuMemAlloc segments, for devices without virtual memory
  * management) and the managed backend (whole cuMemAllocManaged segments, oversubscribable);
  * also the managed-memory fallback every CUDA backend offers. See cuda_internal.h. */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* A backend shared by several arenas of one heap: every call that changes backend state runs
  * under one mutex, because each arena calls it under its own lock only (backend.h promises a
  * backend a single caller at a time). now_ns and mem_info pass straight through: backends

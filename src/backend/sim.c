@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The simulated device: a capacity, a page granularity, streams that tests can hold busy, and a
  * clock that replays can drive. With host backing, pages are pieces of one sparse memfd mapped
  * into a PROT_NONE reservation, so data written through one mapping survives unmap and remap

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The cross-process ledger: a file in POSIX shared memory, one per user, with a slot per heap
  * (its file, layout and lock: ledger_file.c, ledger_shm.h); what heaps do in it.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The cross-process ledger (internal side): one slot per heap in POSIX shared memory, through
  * which heaps on one device admit their growth, post pressure requests and answer others'.
  * include/cuma/ledger.h is the public read side. */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* A backend whose device memory is admitted by the cross-process ledger: every page or segment
  * is counted in the heap's slot before it is taken from the device and uncounted after it went
  * back, so the ledger's figures are exact and no heap grows into memory another one holds or is

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The backend wrapper through which a heap's device memory is admitted by the ledger. */
 #ifndef CUMA_COORD_LEDGER_BACKEND_H
 #define CUMA_COORD_LEDGER_BACKEND_H

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The ledger's file: its name in shared memory, creating it, checking that it is ours and of
  * this layout, its lock, reading and writing it, and the process's one open file of it. */
 #include "ledger_shm.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The ledger's file (internal to src/coord): its layout, shared by ledger.c (what heaps do in
  * it) and ledger_file.c (naming, creating, checking, locking and reading it).
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Arenas: more locks for threads whose slow paths keep colliding on one.
  *
  * Thread caches serve most calls without a lock, but a request of a size no cache holds, a free

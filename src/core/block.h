@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* A block of the heap's address space: the unit the placement policies split and merge, and
  * the record behind every live pointer. Block metadata lives in host memory, never in the
  * device memory it describes. */

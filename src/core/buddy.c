@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The seed's placement policy: a binary buddy system.
  *
  * Every block is 512 << order bytes at an offset aligned to its size. A request takes the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The CUMA_CONF grammar: "key:value,key:value". One table describes every key, so parsing,
  * `cuma config` and the JSON dump cannot disagree. */
 #include "config.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The parsed settings of a heap: the CUMA_CONF grammar, with one table of keys in config.c. */
 #ifndef CUMA_CORE_CONFIG_H
 #define CUMA_CORE_CONFIG_H

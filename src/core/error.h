@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Per-thread error messages behind cuma_last_error(). */
 #ifndef CUMA_CORE_ERROR_H
 #define CUMA_CORE_ERROR_H

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Heaps across fork(): the child gets a copy of every heap, but only the thread that forked.
  *
  * A lock another thread held at the fork would stay held in the child forever, and its release

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* An open-addressing hash map from 64-bit keys to pointers (linear probing, backward-shift
  * deletion, so there are no tombstones and lookups stay short after heavy churn).
  * Not thread-safe: the owner's lock protects it. */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Allocation, free and the out-of-memory ladder (the life cycle is heap_life.c, the release
  * policy release.c). */
 #include "heap.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The heap: placement policy + pages + streams + release policy behind one lock.
  * Internal; the public surface is include/cuma/cuma.h. */
 #ifndef CUMA_CORE_HEAP_H

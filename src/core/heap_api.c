@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Heap calls around the core paths: limits, callbacks, lookups, validation, sim controls. */
 #include "coord/ledger_backend.h"
 #include "cuma/sim.h"

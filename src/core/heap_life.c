@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Heap life cycle: settings, backend, arenas' common parts, creation and destruction. */
 #include "coord/ledger.h"
 #include "error.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Physical pages under the virtual range: a page is mapped while at least one live allocation
  * overlaps it (a reference count per virtual page) and idles in the cache when the count drops
  * to zero.

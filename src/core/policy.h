@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Placement policies: where in the address space a block goes. A policy only manages offsets
  * and sizes inside the ranges it is given; it never touches memory or pages.
  *

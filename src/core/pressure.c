@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The heap's side of the cross-process ledger (src/coord): joining it at creation, asking the
  * other heaps for memory on the out-of-memory ladder, answering their requests from the release
  * thread, and the pressure callbacks. */

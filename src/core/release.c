@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The release policy: idle memory back to the device by age, cache size and fragmentation,
  * thread caches by age, trim and poll, and the thread that does it while the program makes no
  * call. */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Safe opening of the files that settings name (see safefile.h). The pre-check with lstat keeps
  * a device or FIFO at the name from being opened at all (opening a device can act on it); the
  * open itself (O_NOFOLLOW, O_NONBLOCK) and fstat on the descriptor settle what was really

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Opening the files a heap writes because a setting names them (`trace:FILE`, `oom_dump:FILE`).
  * The names come from a shared environment variable and often point into /tmp, where another
  * user may have planted something at the name first. What is guaranteed for the last component

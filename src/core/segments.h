@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Segment mode: for devices without virtual memory management (old drivers, some vGPUs) and
  * for managed memory. Physical memory comes in whole segments from the driver (cuMemAlloc);
  * the placement policy carves each segment as a range of its own, and a segment goes back to

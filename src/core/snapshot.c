@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Snapshot: what holds a heap's memory now, block by block (cuma_snapshot_json). PyTorch's own
  * torch.cuda.memory._snapshot() does not work under a pluggable allocator, and a job that ran
  * out of memory needs to see which blocks hold it.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Statistics: one snapshot struct and its JSON form. */
 #include "error.h"
 #include "strbuf.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* A bounded text buffer that counts what it could not hold, for the snprintf-style calls
  * (cuma_stats_json, cuma_config_describe) that report the length they needed. */
 #ifndef CUMA_CORE_STRBUF_H

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Stream fences: when may memory freed on one stream be reused by another, or unmapped?
  *
  * Every free gets a heap-wide sequence number (gseq) and is tagged (stream index, gseq).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "tcache.h"
 #include "heap.h"
 #include "tcache_fast.h"

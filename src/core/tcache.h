@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Per-thread caches: the fast path.
  *
  * A training loop frees and reallocates the same sizes over and over. A thread's cache keeps

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The thread caches' fast paths (tcache.h says how the caches work), inline in cuma_alloc and
  * cuma_free: a call into another file costs a frame and the saving of registers on every
  * alloc+free pair, a fifth of the pair's instructions. */

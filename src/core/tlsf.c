@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Good-fit placement: a two-level segregated fit (TLSF) index over free blocks, with a short
  * best-fit scan inside the bins it lands on.
  *

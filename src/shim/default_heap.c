@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The process-wide default heaps: one per device ordinal, created on first use.
  *
  * Framework entry points (the PyTorch allocator hooks, the LD_PRELOAD interposer, the Python

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Internal view of the default heaps (src/shim/default_heap.c) for the framework shims. */
 #ifndef CUMA_SHIM_DEFAULT_HEAP_H
 #define CUMA_SHIM_DEFAULT_HEAP_H

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* PyTorch's pluggable allocator entry points over the default heaps (include/cuma/torch.h).
  *
  * Thin on purpose: PyTorch calls malloc and free on every tensor, so they are one default

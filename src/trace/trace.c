@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Reader of RMM's CSV event log (see trace.h).
  *
  * The file is read line by line through zlib's gz* calls, which pass plain files through

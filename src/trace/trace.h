@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Reader of RAPIDS RMM's CSV event log, the trace format `cuma replay` consumes.
  *
  *   Thread,Time,Action,Pointer,Size,Stream

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Writer of RMM's CSV event log (see writer.h). zlib writes both forms: "wb1" compresses (fast:
  * a log is written while the program runs), "wbT" passes text through. */
 #include "writer.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Writer of RMM's CSV event log (the format trace.h reads): a heap with the `trace` setting
  * logs every allocation, failed allocation and free, so that a run on a GPU can be replayed
  * anywhere with `cuma replay`.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The cross-process ledger: admission between heaps of one device, pressure requests answered
  * by giving the cache back and by pressure callbacks, priorities and guarantees, dead processes
  * (their slots, a lock held at death), a victim that does not answer (timeout), a ledger that is

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* A group's ledger (ledger:@GROUP+NAME): the jobs of several users on one device share it. The
  * file is the group's (mode 0660), another member's process joins it and sees the others' heaps
  * (admission counts them), a process outside the group is refused naming it, and a file that

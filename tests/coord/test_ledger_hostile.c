@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* A ledger that other processes write nonsense into, truncate, or crowd: nothing they do to the
  * file crashes or hangs a heap; the worst is growth denied, which the heap counts and says.
  *

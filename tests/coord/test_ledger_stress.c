@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Several processes share one simulated device through the ledger at random: each allocates and
  * frees blocks of random sizes, priorities differ, the lowest has a guarantee, pressure callbacks
  * free half of a process's blocks, one process is killed in the middle. The parent samples the

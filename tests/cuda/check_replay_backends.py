@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Replays the bundled traces on backend:sim and, through the fake driver, on backend:vmm and
 backend:segment. vmm must give exactly the sim's ratios (the same core over real driver calls);
 segment mode must serve every allocation (its ratios are reported: whole segments cost more).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Helpers of the CUDA backend tests. They run against the fake driver (tests/fakecuda): its
  * "device" memory is host memory, so a test writes and reads cuma's pointers directly, and its
  * controls (fakecuda_*) count driver calls and live objects. The executables link the fake as

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The CUDA backends over the fake driver: the vmm heap end to end (data, driver call counts,
  * trim, destroy), busy streams, backend choice, context hygiene, and the backend ops one by one.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* cuma while a stream captures a CUDA graph (the fake driver's capture rules: tests/fakecuda).
  *
  *   test_cuda_capture vmm|segment

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Events of the right context (FAKECUDA_DEVICES=2): an event can only be recorded on a stream of
  * its own context (the fake refuses others with CUDA_ERROR_INVALID_HANDLE, as the driver does).
  * A block of device 0's heap that the program also uses on a stream of device 1

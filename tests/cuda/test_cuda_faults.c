@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Driver failures, one at a time: for each driver call the vmm heap makes and each position n
  * at which a fixed script of allocations, frees and trims makes it, the n-th call fails
  * (CUDA_ERROR_OUT_OF_MEMORY, no side effect). Every cuma call must return a status, the heap

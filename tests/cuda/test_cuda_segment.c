@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Segment mode over the fake driver: heaps on backend:segment (cuMemAlloc) and
  * backend:managed (cuMemAllocManaged). Data survives churn, a segment goes back with cuMemFree
  * once it is entirely free and trimmed, and nothing is left in the driver at the end.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End-to-end check of the autoscaling signal of deploy/ (the HPA of deploy/sidecar on the
 prometheus-adapter rules of deploy/adapter/config.yaml), with everything but Kubernetes real:
 

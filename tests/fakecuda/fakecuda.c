@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * fakecuda.c - a fake CUDA driver (libcuda.so.1) for cuma's tests.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * fakecuda.h - test-control API of the fake CUDA driver (libcuda.so.1 built
  * from tests/fakecuda). These functions are exported by the same library as

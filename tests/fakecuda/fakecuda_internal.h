@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * fakecuda_internal.h - state shared by the fake CUDA driver's source files.
  * Everything here is hidden (not exported from libcuda.so.1).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * fakecuda_mem.c - memory side of the fake CUDA driver: physical memory
  * (one sparse memfd per device), cuMemCreate handles, address reservations,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * fakecuda_stream.c - streams and events of the fake CUDA driver.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * test_fakecuda.c - self test of the fake CUDA driver (tests/fakecuda):
  * main, initialisation, devices, contexts and memory (VMM, capacity,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * test_fakecuda.h - shared by the self test of the fake CUDA driver
  * (test_fakecuda.c: main, devices, contexts and memory; test_fakecuda_streams.c:

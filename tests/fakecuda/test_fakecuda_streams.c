@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * test_fakecuda_streams.c - self test of the fake CUDA driver, continued:
  * streams and events, cuGetProcAddress, exported symbols and call counters,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Shared by the fuzz harnesses: an invariant that breaks aborts, so that libFuzzer saves the
  * input as a crash and the replay test (standalone_main.c) fails on it. */
 #ifndef CUMA_TESTS_FUZZ_H

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The settings string parser (CUMA_CONF, cuma_config_check) on any bytes.
  *
  * Invariants checked:

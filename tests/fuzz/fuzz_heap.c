@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* A heap on the simulated device driven by a sequence of calls decoded from the input, checked
  * against a model of what is live.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The ledger's file in shared memory (src/coord/ledger_file.c, ledger.c) read by
  * cuma_ledger_snapshot after someone scribbled over it.
  *

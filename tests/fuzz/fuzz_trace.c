@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The RMM CSV trace reader (src/trace/trace.c) on any bytes, plain or gzip.
  *
  * The reader takes a path only, so the input goes into an anonymous memory file, read back

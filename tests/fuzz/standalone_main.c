@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Runs a fuzz harness over saved inputs without libFuzzer: every file named on the command line,
  * and every file of every directory named there (in name order, so runs repeat exactly). Any
  * compiler builds it, so ctest replays the seed corpora and the saved crash reproducers on every

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # What `make install` gives a user, checked in a scratch prefix: a C program built with
 # pkg-config and one built with CMake's find_package(cuma) run against the installed library; the
 # installed `cuma` command runs; the installed Python package imports and finds the installed

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# SPDX-License-Identifier: Apache-2.0
 """Checks how the `cuma` command treats bad input, and its plain subcommands.
 
 usage: check_cli.py bad-input --cuma BIN --data DIR   (replay on malformed traces and settings)

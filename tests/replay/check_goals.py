@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# SPDX-License-Identifier: Apache-2.0
 """Checks `cuma replay` on one trace against the memory goals, measured from an ideal cache.
 
 usage: check_goals.py --cuma BIN [--policy NAME] [--scale K] [--delay-ms MS]

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# SPDX-License-Identifier: Apache-2.0
 """Checks `cuma replay --timeline` and `cuma plot` (docs/PLOTS.md).
 
 usage: check_timeline.py replay    --cuma BIN --out DIR [--scale K] TRACE...

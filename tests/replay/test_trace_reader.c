@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Unit test of the RMM trace reader (src/trace).
  *
  * usage: test_trace_reader DATA_DIR WORK_DIR [BUNDLED_TRACE]

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The `trace` setting: a heap logs every allocation, failed allocation and free in RMM's CSV
  * format, plain or gzip, from several threads, and the reader (and so `cuma replay`) reads it
  * back: every free matched to its allocation with the same size, failures as `allocate

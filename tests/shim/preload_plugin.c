@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Plugins for test_preload_loading, built twice (tests/shim/CMakeLists.txt):
  * - PLUGIN_SCOPE: looks driver entry points up through RTLD_DEFAULT from a library opened
  *   RTLD_LOCAL (as Python loads extension modules), whose own scope holds libcuda.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* A CUDA program that knows nothing of cuma, run with and without libcuma_preload.so.
  *
  * It links only the fake driver (tests/fakecuda: its controls count driver calls and live

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* How the shim behaves while libraries load (what tests/shim/test_preload.c cannot show):
  *   scope PLUGIN SHIM  a library opened RTLD_LOCAL that holds libcuda in its own scope finds the
  *                      driver through dlsym(RTLD_DEFAULT, ...): cuInit (the driver's) and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Streams that die, under LD_PRELOAD (run only with the shim routing, CUMA_CONF=limit:256M).
  *
  * A server makes a stream per request and destroys it after. cuma records its fences lazily and

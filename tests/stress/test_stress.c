@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Randomized multi-threaded stress test against a shadow model.
  *
  * Threads allocate and free (also each other's blocks, handed over through a shared exchange)

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# SPDX-License-Identifier: Apache-2.0
 """Checks that `cuma exporter` keeps answering scrapes when clients misbehave and when the
 ledger cannot be read.
 

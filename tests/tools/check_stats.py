@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The checks of `cuma stats` (text, JSON, PIDs, errors) against what ledger_fixture made;
 check_tools.py runs them with the others."""
 import json

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# SPDX-License-Identifier: Apache-2.0
 """Checks `cuma ps`, `cuma top`, `cuma stats` and `cuma exporter` against heaps with known
 figures.
 

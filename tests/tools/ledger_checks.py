@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the checks of the `cuma` command's ledger views share (check_tools.py, check_stats.py):
 the check function and its list of failures, running commands, the fixture's processes, and the
 figures a heap has in every view. Standard library only."""

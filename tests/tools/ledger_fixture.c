@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Heaps with known figures in a ledger, for the tests of `cuma ps`, `cuma top` and
  * `cuma exporter` (check_tools.py). Waits, holding them, until stdin reaches EOF.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libcuma_torch.so as PyTorch's pluggable allocator uses it: opened with dlopen, both entry
 // points looked up through its handle (cuma_torch_free comes from libcuma.so behind it), the
 // allocation called through a function pointer from C++. A failure must arrive as a C++

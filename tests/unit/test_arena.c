@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Arenas: routing of frees, one limit and one set of statistics over all arenas, the
  * out-of-memory path reaching other arenas' caches, settings every arena sees, and arenas made
  * by colliding threads (and not by a single thread). */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The CUMA_CONF grammar (src/core/config.c): every key of the table, sizes, bad values and the
  * messages that name them, none/never, whitespace, the order in which settings apply (defaults,
  * CUMA_CONF, cfg->conf), cuma_config_describe, cuma_config_check and cuma_settings_validate. */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The process-wide default heaps and the PyTorch entry points (src/shim): creation on first
  * use from many threads at once, no simulated device unasked without a driver (and the
  * backend_fallback:sim that asks for it), the hooks' edge cases, shutdown. */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Heaps across fork(): a child inherits every heap while other threads of the parent allocate,
  * free and release on them (and their release threads wait on their condition variables). The
  * child must be able to allocate, validate and destroy the heaps it got; the parent's heaps must

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* fork() cases beyond test_fork's locks, each in a child under alarm():
  *
  *   backing    a simulated device with host backing shares its pages with the child: the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The heap through its public API on the simulated device: placement, pages, cache, release
  * policy, OOM ladder, bad input. */
 #include "check.h"

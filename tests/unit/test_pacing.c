@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Pacing (page_call_budget): when the device's page calls take more than their share of the
  * time, idle pages stay where they are so that fewer move. A simulated device whose page calls
  * cost 20 us each (sim_call_us) replays a bundled trace (sizes x16) pass after pass on the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Physical pages under the virtual range (src/core/pages.c) on a host-backed simulated device of
  * 32 pages of 2 MiB under a 128-page virtual range: reference counts, the idle cache and reuse
  * in place, stealing an idle page for another virtual page, release by age and by cache cap,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The placement policies (src/core/tlsf.c, src/core/buddy.c) through cuma_policy_ops, each
  * over a stream table on a simulated device: rounding, ranges, 10^5 random allocations and
  * frees against a shadow list (no overlap, inside the range, big enough, aligned; validate()

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The release thread on a real clock, in the cases where it once missed its work: a large block
  * freed into the freeing thread's batch (thread caches on) must reach the device after
  * tcache_age_ms + release_delay_ms, also when the thread wakes every few ms for the ledger or the

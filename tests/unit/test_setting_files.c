@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The files that settings name (`trace:FILE`, `oom_dump:FILE`), often under a shared /tmp: what
  * another user planted at the name is never followed, opened or overwritten. A symbolic link
  * at the name (the file it points to stays as it was), a FIFO (nothing hangs: every case runs

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* cuma_snapshot_json: every figure against what the test allocated (sizes, addresses, streams,
  * arenas, the size buckets and the 32 largest in order), the totals against cuma_get_stats in
  * page mode, segment mode and the buddy, blocks in thread caches and blocks waiting on

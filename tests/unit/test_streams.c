@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Stream fences (src/core/streams.c) over the simulated device: the stream table, lazy event
  * recording (none until someone asks, one event for many frees), held streams, the event
  * ring, MULTI tags, cuma_fence_join and cuma_streams_validate. */

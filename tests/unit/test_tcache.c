@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The per-thread caches (fast path): reuse, accounting, double frees, frees from other threads,
  * flushes by trim, age and out-of-memory, thread exit. */
 #include "check.h"

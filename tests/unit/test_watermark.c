@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Device pressure (free_watermark): another program takes memory on the (simulated) device; while
  * the device's free memory is under the watermark, the heap's release thread gives back idle pages,
  * oldest first, just enough to lift it again, never pages under live bytes, and nothing while

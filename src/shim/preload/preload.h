@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Internals of libcuma_preload.so, the LD_PRELOAD interposer (docs/PRELOAD.md).
  *
  * preload_dl.c finds the real driver and the real dlsym, interposes dlsym and cuGetProcAddress,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The calls that end a primary context: cuDevicePrimaryCtxReset (cudaDeviceReset) and
  * cuDevicePrimaryCtxRelease, in both ABIs.
  *

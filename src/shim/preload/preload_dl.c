@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* How calls reach the shim: the real driver, dlsym, cuGetProcAddress.
  *
  * A program linked against libcuda calls the driver through the dynamic linker, so LD_PRELOAD

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The interposed allocation entry points: which calls go to cuma, and how.
  *
  * A call goes to cuma when the shim routes (CUMA_PRELOAD is not off, CUMA_CONF is valid and

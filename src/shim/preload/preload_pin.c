@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Pins: how a device reset knows that no thread still uses the heap it is about to destroy.
  *
  * A reset (cuDevicePrimaryCtxReset, preload_ctx.c) destroys the device's heap while other threads

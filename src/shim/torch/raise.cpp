@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libcuma_torch.so: the allocation entry point PyTorch should load (cuma.torch.enable() does).
 //
 // PyTorch's pluggable allocator keeps whatever its malloc function returns: a NULL becomes a
