@@ -37,7 +37,10 @@ test-unit: build
 test-asan:
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUMA_SANITIZE=address $(DEV_FLAGS) >/dev/null
 	cmake --build build-asan -j$(JOBS)
-	cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 CUMA_STRESS_OPS=400000 ctest --output-on-failure -j$(JOBS) -E 'replay_(goals|buddy)'
+	# Left to the normal build: the replay goals, and the driver variants that repeat a test's
+	# code paths with other timing or geometry (lagged replay comparison, the faults script on
+	# 4 MiB pages); the plain and lagged faults scripts and every other variant run here.
+	cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 CUMA_STRESS_OPS=400000 ctest --output-on-failure -j$(JOBS) -E '^(replay_(goals|buddy)_.*|replay_cuda_backends_lagged|test_cuda_faults_geometry.*)$$'
 
 test-tsan:
 	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUMA_SANITIZE=thread $(DEV_FLAGS) >/dev/null
@@ -90,6 +93,8 @@ clean:
 # UBSan, each run for FUZZ_SECONDS on its seed corpus; new inputs go to $(FUZZ_BUILD)/corpus,
 # crashes to $(FUZZ_BUILD)/crashes. `make test` replays the seeds only (fuzz_regress_*).
 FUZZ_SECONDS ?= 60
+# FUZZ_RUNS=N: each target runs N inputs instead (no time limit), e.g. FUZZ_RUNS=1000000.
+FUZZ_RUNS ?=
 FUZZ_BUILD ?= build-fuzz
 FUZZ_TARGETS ?= fuzz_config fuzz_trace fuzz_heap fuzz_ledger_file
 .PHONY: fuzz
@@ -99,11 +104,12 @@ fuzz:
 	cmake --build $(FUZZ_BUILD) -j$(JOBS) --target $(FUZZ_TARGETS)
 	@failed=; for t in $(FUZZ_TARGETS); do \
 		mkdir -p $(FUZZ_BUILD)/corpus/$$t $(FUZZ_BUILD)/crashes/$$t; \
-		echo "== $$t: $(FUZZ_SECONDS) s"; \
+		echo "== $$t: $(if $(FUZZ_RUNS),$(FUZZ_RUNS) runs,$(FUZZ_SECONDS) s)"; s=$$(date +%s); \
 		UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 $(FUZZ_BUILD)/tests/fuzz/$$t \
-			-max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+			$(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS)) -print_final_stats=1 \
 			-artifact_prefix=$(FUZZ_BUILD)/crashes/$$t/ \
 			$(FUZZ_BUILD)/corpus/$$t tests/fuzz/corpus/$$t || failed="$$failed $$t"; \
+		echo "== $$t: done in $$(( $$(date +%s) - s )) s"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "fuzz: findings in$$failed (see $(FUZZ_BUILD)/crashes)"; exit 1; fi
 
