@@ -16,6 +16,7 @@ import json
 import numbers
 import operator
 import os
+import signal
 import sys
 import threading
 import time
@@ -111,7 +112,7 @@ def _deliver_fatal(exc, what):
             # a helper raises it once the main thread is out of the callbacks.
             threading.Thread(target=_interrupt_main_later, args=(threading.get_ident(),), daemon=True).start()
         else:
-            _thread.interrupt_main()
+            _interrupt_main()
         return
     warnings.warn("%s raised %r, which cannot reach a Python caller from there" % (what, exc), RuntimeWarning)
 
@@ -203,7 +204,25 @@ def _interrupt_main_later(main_ident, wait_s=5.0):
         if frame is None:  # back in the code that called C (or beyond): it gets the interrupt
             break
         time.sleep(0.001)
-    _thread.interrupt_main()
+    _interrupt_main()
+
+
+def _interrupt_main():
+    """Raises KeyboardInterrupt in the main thread. Through the SIGINT handler where Python's
+    (or the program's own) is installed, as a Ctrl-C would; where SIGINT is ignored or left to
+    the system (a job that a shell without job control started in the background, or nohup'd
+    with SIGINT ignored), interrupt_main() does nothing, so the exception is set on the main
+    thread directly: it raised in a callback, and ignoring the signal must not drop it."""
+    try:
+        handled = callable(signal.getsignal(signal.SIGINT))
+    except ValueError:  # not a signal this platform has
+        handled = False
+    if handled:
+        _thread.interrupt_main()
+        return
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(threading.main_thread().ident), ctypes.py_object(KeyboardInterrupt)
+    )
 
 
 class Heap:
