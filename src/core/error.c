@@ -5,6 +5,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 /* One message per thread, so concurrent failures do not overwrite each other. */
 static _Thread_local char last_error[512];
@@ -24,6 +25,16 @@ cuma_status cuma_fail(cuma_status s, const char *fmt, ...) {
 
 void cuma_clear_error(void) {
     last_error[0] = 0;
+}
+
+void cuma_error_save(cuma_error_saved *out) {
+    _Static_assert(sizeof out->text == sizeof last_error, "one message size");
+    memcpy(out->text, last_error, sizeof last_error);
+}
+
+void cuma_error_restore(const cuma_error_saved *saved) {
+    memcpy(last_error, saved->text, sizeof last_error);
+    last_error[sizeof last_error - 1] = 0;
 }
 
 const char *cuma_last_error(void) {

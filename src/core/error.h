@@ -14,4 +14,13 @@ cuma_status cuma_fail(cuma_status s, const char *fmt, ...) __attribute__((format
 /* Clears the calling thread's message. */
 void cuma_clear_error(void);
 
+/* A copy of the calling thread's message. A failure path saves it before cleaning up: cleanup
+ * calls (the ledger's, say) clear or replace the message for their own best-effort steps, and
+ * the caller must still learn what failed first. */
+typedef struct cuma_error_saved {
+    char text[512];
+} cuma_error_saved;
+void cuma_error_save(cuma_error_saved *out);
+void cuma_error_restore(const cuma_error_saved *saved);
+
 #endif

@@ -245,9 +245,13 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     cuma_fork_track(h);
     *out = h;
     return CUMA_OK;
-fail_be:
+fail_be:;
+    /* The backend's teardown leaves the ledger, which clears the message for its own steps. */
+    cuma_error_saved why;
+    cuma_error_save(&why);
     cuma_trace_writer_close(h->tw);
     h->be->ops->destroy(h->be);
+    cuma_error_restore(&why);
 fail_free:
     free(h);
     return st;

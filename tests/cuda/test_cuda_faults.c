@@ -157,6 +157,10 @@ static unsigned long run(const char *spec, const char *count_api, bool recover, 
         /* Creation failed: a clear status, nothing half-built left in the driver. */
         CHECK(st.h == NULL);
         CHECK(s == CUMA_ERR_OOM || s == CUMA_ERR_BACKEND);
+        /* The driver's answer survives the cleanup (which leaves the ledger). */
+        if (!strstr(cuma_last_error(), "CUDA_ERROR_"))
+            fprintf(stderr, "under %s: heap creation failed (%s) saying \"%s\"\n", spec,
+                    cuma_status_string(s), cuma_last_error());
         CHECK(strstr(cuma_last_error(), "CUDA_ERROR_"));
         CHECK(fakecuda_set_fail(NULL) == 0);
         check_no_driver_objects();
