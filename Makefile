@@ -31,13 +31,8 @@ test:
 	@scripts/deps.sh test
 	@MAKE="$(MAKE)" scripts/test-all.sh $(TEST_PHASES)
 
-# preload_routed_segment_lagged is left out until its failure is fixed (issue 14's note): in 1
-# of 3 fresh-clone runs beside CPU hogs, cuMemsetD8 on the last byte of a block cuma served
-# (test_preload.c:429) returned CUDA_ERROR_INVALID_VALUE under event lag with segments.
-# `ctest -R preload_routed_segment_lagged --repeat until-fail:20` is the reproducer to run.
-KNOWN_FLAKY := preload_routed_segment_lagged
 test-unit: build
-	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) -E '^($(KNOWN_FLAKY))$$'
+	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 
 test-asan:
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUMA_SANITIZE=address $(DEV_FLAGS) >/dev/null
@@ -45,7 +40,7 @@ test-asan:
 	# Left to the normal build: the replay goals, and the driver variants that repeat a test's
 	# code paths with other timing or geometry (lagged replay comparison, the faults script on
 	# 4 MiB pages); the plain and lagged faults scripts and every other variant run here.
-	cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 CUMA_STRESS_OPS=400000 ctest --output-on-failure -j$(JOBS) -E '^(replay_(goals|buddy)_.*|replay_cuda_backends_lagged|test_cuda_faults_geometry.*|$(KNOWN_FLAKY))$$'
+	cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 CUMA_STRESS_OPS=400000 ctest --output-on-failure -j$(JOBS) -E '^(replay_(goals|buddy)_.*|replay_cuda_backends_lagged|test_cuda_faults_geometry.*)$$'
 
 test-tsan:
 	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUMA_SANITIZE=thread $(DEV_FLAGS) >/dev/null

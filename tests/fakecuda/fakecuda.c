@@ -34,7 +34,9 @@
  *   to the device that owns the mapped handle); cuMemUnmap puts the PROT_NONE
  *   reservation back. Data in a handle survives unmap + remap elsewhere.
  * - cuMemAlloc memory comes from the same memfd allocator, mapped read-write
- *   at a fresh granularity-aligned address. cuMemAllocManaged is anonymous
+ *   at a granularity-aligned address: where the last freed block or
+ *   reservation was when it fits there (the real driver reuses a freed
+ *   address at once), else a fresh one. cuMemAllocManaged is anonymous
  *   read-write memory of the current context, charged to no device: as on a
  *   Linux GPU with concurrent managed access, it may exceed device memory
  *   (the driver pages it in on use) up to host memory, FAKECUDA_HOST_MEMORY

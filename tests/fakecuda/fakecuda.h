@@ -128,6 +128,14 @@ long fakecuda_reclaimed(const char *kind);
  */
 size_t fakecuda_used_bytes(int device);
 
+/* Calls fn(addr, size, arg) in the freeing thread after each successful cuMemFree (of a
+ * cuMemAlloc or managed block) and cuMemAddressFree, once the range is free and before the call
+ * returns; fn NULL: none. The driver reuses a freed address for the next allocation placed
+ * without a hint, so a hook that allocates can force what another thread could do between the
+ * driver's free and the caller's next step. */
+void fakecuda_set_free_hook(void (*fn)(unsigned long long addr, unsigned long long size, void *arg),
+                            void *arg);
+
 /* Bytes of live cuMemAllocManaged allocations (rounded up to the granularity), all devices
  * together: host memory, bounded by FAKECUDA_HOST_MEMORY, not by any device's capacity. */
 size_t fakecuda_managed_bytes(void);

@@ -52,6 +52,32 @@ struct fc_slot { /* cuMemCreate handle */
 static struct fc_vec g_resv = {NULL, 0, 0, sizeof(struct fc_resv)};
 static struct fc_vec g_maps = {NULL, 0, 0, sizeof(struct fc_map)};
 static struct fc_vec g_blocks = {NULL, 0, 0, sizeof(struct fc_block)};
+
+/* The address of the block or reservation freed last: the next one placed without a hint goes
+ * there when it fits, as the real driver reuses a freed address at once. Code that keys anything
+ * on device addresses must then cope with one address meaning two allocations in quick
+ * succession. 0: none. Guarded by fc_mu. */
+static uint64_t g_last_freed_va;
+
+/* fakecuda_set_free_hook's function and argument. Guarded by fc_mu; called without it. */
+static void (*g_free_hook)(unsigned long long, unsigned long long, void *);
+static void *g_free_hook_arg;
+
+void fakecuda_set_free_hook(void (*fn)(unsigned long long addr, unsigned long long size, void *arg),
+                            void *arg) {
+    fc_lock();
+    g_free_hook = fn;
+    g_free_hook_arg = arg;
+    fc_unlock();
+}
+
+/* Runs the free hook for a range just freed; fc_mu held on entry, released on return. */
+static void free_hook_unlock(uint64_t addr, uint64_t size) {
+    void (*fn)(unsigned long long, unsigned long long, void *) = g_free_hook;
+    void *arg = g_free_hook_arg;
+    fc_unlock();
+    if (fn) fn(addr, size, arg);
+}
 static struct fc_slot *g_slots;
 static uint32_t g_nslots, g_capslots, g_free_head = UINT32_MAX;
 
@@ -189,6 +215,7 @@ static void phys_free(struct fc_device *d, uint64_t off, uint64_t size) {
 
 /* Reserve `size` bytes of PROT_NONE address space aligned to `align`. */
 static void *va_reserve(uint64_t size, uint64_t align, uint64_t hint) {
+    if (!hint) hint = g_last_freed_va;
     if (hint && hint % align == 0) {
         void *p = mmap((void *)(uintptr_t)hint, size, PROT_NONE,
                        RESERVE_FLAGS | MAP_FIXED_NOREPLACE, -1, 0);
@@ -367,10 +394,15 @@ CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
             munmap((void *)(uintptr_t)ptr, size);
             fc_vec_erase(&g_resv, i, 1);
             fc_live_n.reservations--;
+            g_last_freed_va = ptr;
             rc = CUDA_SUCCESS;
         }
     }
-    fc_unlock();
+    if (rc != CUDA_SUCCESS) {
+        fc_unlock();
+        return rc;
+    }
+    free_hook_unlock(ptr, size);
     return rc;
 }
 
@@ -617,7 +649,10 @@ static CUresult free_block(CUdeviceptr dptr) {
                 fc_live_n.allocs--;
             }
             fc_vec_erase(&g_blocks, i, 1);
+            g_last_freed_va = b.addr;
             rc = CUDA_SUCCESS;
+            free_hook_unlock(b.addr, b.size);
+            return rc;
         }
     }
     fc_unlock();

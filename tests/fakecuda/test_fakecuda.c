@@ -443,6 +443,41 @@ static void test_alloc(void) {
     CHECK(fakecuda_managed_bytes() == 0);
 }
 
+static unsigned long long g_hook_addr, g_hook_size;
+static int g_hook_calls;
+static void record_free(unsigned long long addr, unsigned long long size, void *arg) {
+    CHECK(arg == &g_hook_calls);
+    g_hook_addr = addr, g_hook_size = size;
+    g_hook_calls++;
+}
+
+/* A freed address is handed out again at once where the next block or reservation fits; the
+ * free hook sees each successful free, after it, and no failed one. */
+static void test_address_reuse(void) {
+    g_section = "address reuse, free hook";
+    CUdeviceptr p = 0, q = 0, r = 0, v = 0, w = 0;
+    OK(cuMemAlloc(&p, 3 * MiB));
+    fakecuda_set_free_hook(record_free, &g_hook_calls);
+    OK(cuMemFree(p));
+    CHECK(g_hook_calls == 1 && g_hook_addr == p && g_hook_size == 2 * GRAN);
+    CHECK_RC(cuMemFree(p), CUDA_ERROR_INVALID_VALUE);
+    CHECK(g_hook_calls == 1);
+    OK(cuMemAlloc(&q, GRAN)); /* fits where p was */
+    CHECK(q == p);
+    OK(cuMemAlloc(&r, GRAN)); /* p's address is taken: a fresh one */
+    CHECK(r != p);
+    OK(cuMemAddressReserve(&v, 4 * GRAN, 0, 0, 0));
+    OK(cuMemAddressFree(v, 4 * GRAN));
+    CHECK(g_hook_calls == 2 && g_hook_addr == v && g_hook_size == 4 * GRAN);
+    OK(cuMemAddressReserve(&w, 4 * GRAN, 0, 0, 0));
+    CHECK(w == v);
+    fakecuda_set_free_hook(NULL, NULL);
+    OK(cuMemAddressFree(w, 4 * GRAN));
+    OK(cuMemFree(q));
+    OK(cuMemFree(r));
+    CHECK(g_hook_calls == 2 && fakecuda_live("allocs") == 0);
+}
+
 /* A reset destroys device 0's memory (not device 1's, not the reservation): every old handle,
  * mapping and block is an error afterwards, and the retains it dropped can still be released. */
 static void test_reset(void) {
@@ -602,6 +637,7 @@ int main(int argc, char **argv) {
     test_release_while_mapped();
     test_capacity();
     test_alloc();
+    test_address_reuse();
     test_fault_injection();
     test_reset();
     test_streams();

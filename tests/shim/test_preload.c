@@ -460,6 +460,75 @@ static void check_reset_beside_device1(ctx_fn reset_fn) {
     CHECK(fakecuda_live("reservations") == 0 && fakecuda_used_bytes(1) == 0);
 }
 
+/* The driver hands a freed address out again at once (tests/fakecuda does too). A reset of
+ * device 0 gives its segments back; the free hook stands in for a thread on device 1 whose heap
+ * grows between the driver's free of one of them and the shim's next step, and gets the same
+ * address. That segment is device 1's: the program's free of a block in it must reach device 1's
+ * heap, not the driver (which would free the segment under cuma: a later block carved from it
+ * had no memory behind it, preload_routed_segment_lagged's rare failure). */
+typedef struct reuse_state {
+    CUdeviceptr target;     /* the address whose free the hook waits for */
+    CUcontext dev1;         /* device 1's primary context */
+    CUdeviceptr freed, got; /* the range freed (its base), and device 1's block */
+    size_t freed_size, size;
+    bool fired;
+    pthread_t watcher; /* set: a free by this thread of a range holding `got` is a failure */
+    bool watching, forwarded;
+} reuse_state;
+
+static void reuse_hook(unsigned long long addr, unsigned long long size, void *arg) {
+    reuse_state *r = arg;
+    if (r->watching && pthread_equal(pthread_self(), r->watcher) && r->got - addr < size)
+        r->forwarded = true;
+    if (r->fired || r->target - addr >= size) return;
+    r->fired = true;
+    r->freed = addr, r->freed_size = size;
+    CUcontext prev = NULL;
+    CHECK_CU(cuCtxGetCurrent(&prev));
+    CHECK_CU(cuCtxSetCurrent(r->dev1));
+    CHECK_CU(cuMemAlloc_v2(&r->got, r->size));
+    CHECK_CU(cuCtxSetCurrent(prev));
+}
+
+static void check_freed_address_reused(ctx_fn reset_fn) {
+    reuse_state r = {.size = 20 * MB};
+    CHECK_CU(cuDevicePrimaryCtxRetain(&r.dev1, 1));
+    CHECK_CU(cuCtxSetCurrent(r.dev1));
+    CUdeviceptr warm;
+    CHECK_CU(cuMemAlloc_v2(&warm, 4096)); /* device 1's heap exists before the reset */
+    CHECK_CU(cuCtxSetCurrent(primary));
+    CHECK_CU(cuMemAlloc_v2(&r.target, r.size)); /* a segment of its own */
+    CHECK_CU(cuMemFree_v2(r.target));           /* cached: the reset gives it back */
+    fakecuda_set_free_hook(reuse_hook, &r);
+    CHECK_CU(reset_fn(0));
+    retain_again(0);
+    CHECK(r.fired);
+    if (r.got - r.freed >= r.freed_size)
+        FAIL("device 1's block %#llx is not where the driver freed %#llx\n",
+             (unsigned long long)r.got, (unsigned long long)r.freed);
+    CHECK_CU(cuCtxSetCurrent(r.dev1));
+    touch(r.got, r.size, 0x5a);
+    r.watcher = pthread_self();
+    r.watching = true;
+    CHECK_CU(cuMemFree_v2(r.got));
+    r.watching = false;
+    fakecuda_set_free_hook(NULL, NULL);
+    if (r.forwarded)
+        FAIL("the free of device 1's block %#llx reached the driver, not cuma\n",
+             (unsigned long long)r.got);
+    CHECK_RES(cuMemFree_v2(r.got), CUDA_ERROR_INVALID_VALUE); /* still known as cuma's */
+    CUdeviceptr again;
+    CHECK_CU(cuMemAlloc_v2(&again, r.size));
+    touch(again, r.size, 0x5b);
+    CHECK_CU(cuMemFree_v2(again));
+    CHECK_CU(cuMemFree_v2(warm));
+    long before = fakecuda_reclaimed("handles") + fakecuda_reclaimed("allocs");
+    CHECK_CU(reset_fn(1));
+    CHECK(fakecuda_reclaimed("handles") + fakecuda_reclaimed("allocs") == before);
+    CHECK(fakecuda_used_bytes(1) == 0);
+    CHECK_CU(cuCtxSetCurrent(primary));
+}
+
 /* A reset while a call is inside the heap, blocked on work the device has not finished: the
  * reset must wait for it (preload_pin.c) before it destroys the heap. Thread A frees a block on a
  * stream S that is held (its pages idle, but fenced by S's work) and then asks for a block that
@@ -602,6 +671,7 @@ static void check_reset(void) {
     int ndev = 0;
     CHECK_CU(cuDeviceGetCount(&ndev));
     if (ndev >= 2) check_reset_beside_device1(by_gpa);
+    if (ndev >= 2 && routed && !vmm) check_freed_address_reused(by_gpa);
     check_reset_waits_for_pins(by_gpa);
     check_release(release_fn);
     dlclose(h);

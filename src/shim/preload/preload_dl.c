@@ -18,11 +18,13 @@
 
 #include "core/strbuf.h"
 
+#include <assert.h>
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -148,14 +150,39 @@ const cuma_preload_driver *cuma_preload_driver_get(void) {
 typedef struct owned_range {
     CUdeviceptr base;
     size_t size;
-    int dev; /* the device whose context cuma took it in; -1: unknown, never forgotten */
+    int dev;    /* the device whose context cuma took it in; -1: unknown, never forgotten */
+    bool dying; /* cuma is freeing it: the driver may already hand its addresses out again */
 } owned_range;
 
-/* Invariant: owned[0..nowned) is sorted by base and the ranges do not overlap (the driver never
- * hands out one address twice). All four guarded by owned_lock. */
+/* Invariant: owned[0..nowned) is sorted by base (equal bases: in the order added), and the
+ * ranges that are not dying do not overlap (the driver never hands out one address twice at a
+ * time). A dying range is one cuma's backend is giving back: marked before the driver's free,
+ * removed after it, because between the two the driver may give the same addresses to another
+ * thread's allocation, whose range must not be the one removed (that made a later free of it
+ * reach the driver, which freed a segment under cuma). ndying counts them; while it is nonzero
+ * a lookup scans every range. All five guarded by owned_lock. */
 static pthread_mutex_t owned_lock = PTHREAD_MUTEX_INITIALIZER;
 static owned_range *owned;
-static size_t nowned, capowned;
+static size_t nowned, capowned, ndying;
+
+#ifndef NDEBUG
+static void owned_validate(void) {
+    size_t dying = 0;
+    CUdeviceptr live_end = 0;
+    for (size_t i = 0; i < nowned; i++) {
+        assert(i == 0 || owned[i - 1].base <= owned[i].base);
+        if (owned[i].dying) {
+            dying++;
+            continue;
+        }
+        assert(owned[i].base >= live_end);
+        live_end = owned[i].base + owned[i].size;
+    }
+    assert(dying == ndying);
+}
+#else
+static void owned_validate(void) {}
+#endif
 
 /* The index of the first range whose base is > addr. owned_lock held. */
 static size_t owned_upper(CUdeviceptr addr) {
@@ -168,6 +195,14 @@ static size_t owned_upper(CUdeviceptr addr) {
             hi = mid;
     }
     return lo;
+}
+
+/* The range of base `base` that is (dying) or is not (!dying) being freed; SIZE_MAX: none.
+ * owned_lock held. */
+static size_t owned_find(CUdeviceptr base, bool dying) {
+    for (size_t i = owned_upper(base); i > 0 && owned[i - 1].base == base; i--)
+        if (owned[i - 1].dying == dying) return i - 1;
+    return SIZE_MAX;
 }
 
 static void owned_add(CUdeviceptr base, size_t size, int dev) {
@@ -185,18 +220,36 @@ static void owned_add(CUdeviceptr base, size_t size, int dev) {
     }
     size_t i = owned_upper(base);
     memmove(&owned[i + 1], &owned[i], (nowned - i) * sizeof *owned);
-    owned[i] = (owned_range){base, size, dev};
+    owned[i] = (owned_range){base, size, dev, false};
     nowned++;
+    owned_validate();
     pthread_mutex_unlock(&owned_lock);
 }
 
-static void owned_remove(CUdeviceptr base) {
+/* Marks the range at base dying before the driver frees it; false when none is known. */
+static bool owned_dying(CUdeviceptr base) {
     pthread_mutex_lock(&owned_lock);
-    size_t i = owned_upper(base);
-    if (i > 0 && owned[i - 1].base == base) {
-        memmove(&owned[i - 1], &owned[i], (nowned - i) * sizeof *owned);
-        nowned--;
+    size_t i = owned_find(base, false);
+    if (i != SIZE_MAX) owned[i].dying = true, ndying++;
+    owned_validate();
+    pthread_mutex_unlock(&owned_lock);
+    return i != SIZE_MAX;
+}
+
+/* After the driver's answer to the free of a range marked dying: gone (freed) or live again. */
+static void owned_settle(CUdeviceptr base, bool freed) {
+    pthread_mutex_lock(&owned_lock);
+    size_t i = owned_find(base, true);
+    if (i != SIZE_MAX) {
+        ndying--;
+        if (freed) {
+            memmove(&owned[i], &owned[i + 1], (nowned - i - 1) * sizeof *owned);
+            nowned--;
+        } else {
+            owned[i].dying = false;
+        }
     }
+    owned_validate();
     pthread_mutex_unlock(&owned_lock);
 }
 
@@ -208,9 +261,14 @@ void cuma_preload_owned_after_fork(void) {
 void cuma_preload_owned_forget(int dev) {
     pthread_mutex_lock(&owned_lock);
     size_t kept = 0;
-    for (size_t i = 0; i < nowned; i++)
-        if (owned[i].dev != dev) owned[kept++] = owned[i];
+    for (size_t i = 0; i < nowned; i++) {
+        if (owned[i].dev != dev)
+            owned[kept++] = owned[i];
+        else if (owned[i].dying)
+            ndying--;
+    }
     nowned = kept;
+    owned_validate();
     pthread_mutex_unlock(&owned_lock);
 }
 
@@ -218,7 +276,16 @@ bool cuma_preload_owned(CUdeviceptr addr, int *dev) {
     pthread_mutex_lock(&owned_lock);
     size_t i = owned_upper(addr);
     bool in = i > 0 && addr - owned[i - 1].base < owned[i - 1].size;
-    if (dev) *dev = in ? owned[i - 1].dev : -1;
+    int d = in ? owned[i - 1].dev : -1;
+    /* While a range is being freed, one below the nearest may still hold addr, and a live
+     * range holding it names the device better than a dying one. */
+    for (size_t k = 0; ndying && k < i && !(in && !owned[i - 1].dying); k++) {
+        if (addr - owned[k].base >= owned[k].size) continue;
+        if (!in || !owned[k].dying) d = owned[k].dev;
+        in = true;
+        if (!owned[k].dying) break;
+    }
+    if (dev) *dev = d;
     pthread_mutex_unlock(&owned_lock);
     return in;
 }
@@ -243,8 +310,9 @@ static CUresult CUDAAPI track_reserve(CUdeviceptr *ptr, size_t size, size_t alig
 static CUresult CUDAAPI track_address_free(CUdeviceptr ptr, size_t size) {
     const cuma_preload_driver *d = cuma_preload_driver_get();
     if (!d->MemAddressFree) return CUDA_ERROR_NOT_FOUND;
+    bool known = owned_dying(ptr);
     CUresult r = d->MemAddressFree(ptr, size);
-    if (r == CUDA_SUCCESS) owned_remove(ptr);
+    if (known) owned_settle(ptr, r == CUDA_SUCCESS);
     return r;
 }
 
@@ -267,8 +335,9 @@ static CUresult CUDAAPI track_alloc_managed(CUdeviceptr *dptr, size_t size, unsi
 static CUresult CUDAAPI track_free(CUdeviceptr dptr) {
     const cuma_preload_driver *d = cuma_preload_driver_get();
     if (!d->MemFree) return CUDA_ERROR_NOT_FOUND;
+    bool known = owned_dying(dptr);
     CUresult r = d->MemFree(dptr);
-    if (r == CUDA_SUCCESS) owned_remove(dptr);
+    if (known) owned_settle(dptr, r == CUDA_SUCCESS);
     return r;
 }
 
