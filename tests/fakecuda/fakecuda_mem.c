@@ -620,7 +620,8 @@ CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flag
     FC_ENTER(MemAllocManaged);
     if (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST)
         return CUDA_ERROR_INVALID_VALUE;
-    return block_alloc(dptr, bytesize, 1);
+    CUresult rc = fc_capture_unsafe(); /* potentially unsafe under capture, as cuMemAlloc */
+    return rc != CUDA_SUCCESS ? rc : block_alloc(dptr, bytesize, 1);
 }
 
 static CUresult free_block(CUdeviceptr dptr);

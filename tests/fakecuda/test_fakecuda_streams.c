@@ -425,6 +425,13 @@ void test_capture(void) {
     CHECK(cs == CU_STREAM_CAPTURE_STATUS_INVALIDATED);
     CHECK_RC(cuStreamEndCapture(s, &g), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
     CHECK(g == NULL);
+    /* ... and so does managed memory's (cuma's last rung of the out-of-memory ladder). */
+    OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CHECK_RC(cuMemAllocManaged(&p, 4096, CU_MEM_ATTACH_GLOBAL),
+             CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    OK(cuStreamIsCapturing(s, &cs));
+    CHECK(cs == CU_STREAM_CAPTURE_STATUS_INVALIDATED);
+    CHECK_RC(cuStreamEndCapture(s, &g), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
 
     /* A record on the legacy stream while a blocking stream captures. */
     OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_RELAXED));
