@@ -164,6 +164,11 @@ static double stats_age_s(const cuma_ledger_entry *e) {
 static double fragmentation(const cuma_ledger_entry *e) {
     return e->fragmentation;
 }
+/* From the two figures the heap publishes together (mapped and its stranded share), so that
+ * they agree; the share's parts per million leave it within a millionth of the mapped bytes. */
+static double stranded_bytes(const cuma_ledger_entry *e) {
+    return (double)e->mapped * e->fragmentation;
+}
 
 static void heap_family(exp_buf *b, const ledger_view *v, const heap_metric *hm,
                         int published_only) {
@@ -216,8 +221,13 @@ void exp_render_figures(exp_buf *b, const ledger_view *v) {
         heap_family(b, v, &alloc_metrics[m], 1);
     /* The ledger keeps parts per million: six decimals are exact. */
     heap_gauge(b, v, "cuma_fragmentation_ratio",
-               "Share of the mapped bytes not under live allocations (0 to 1).", 1, fragmentation,
-               6);
+               "Share of the in-use (mapped) bytes that no live allocation asked for: gaps "
+               "between live blocks (0 to 1; 0 with nothing live, however much is cached).",
+               1, fragmentation, 6);
+    heap_gauge(b, v, "cuma_stranded_bytes",
+               "In-use (mapped) bytes that no live allocation asked for: free, but usable only "
+               "by requests that fit in the gaps (cached bytes are not among them).",
+               1, stranded_bytes, 0);
     heap_gauge(b, v, "cuma_heap_stats_age_seconds",
                "Time since the heap last published its allocator figures (every 100 ms; as of "
                "the read).",

@@ -114,7 +114,10 @@ static void print_block(const cuma_ledger_entry *e) {
              ", trims %" PRIu64 ", time %s",
              e->page_creates, e->page_releases, e->maps, e->unmaps, e->trims,
              duration(e->page_call_ns, a, sizeof a));
-        line("fragmentation", "%.1f%%", e->fragmentation * 100.0);
+        line("fragmentation", "%.1f%% of in use: %s stranded between live blocks (cached: %s)",
+             e->fragmentation * 100.0,
+             view_size((uint64_t)((double)e->mapped * e->fragmentation + 0.5), a, sizeof a),
+             view_size(e->cached, b, sizeof b));
     } else {
         line("peaks", "reserved %s", view_size(e->peak_reserved, a, sizeof a));
         /* Said in words: zeros here would read as an idle heap. */

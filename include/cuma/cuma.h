@@ -187,14 +187,19 @@ typedef struct cuma_stats {
     uint64_t peak_allocated_bytes;
     uint64_t reserved_bytes; /* physical memory held from the device: mapped + cached */
     uint64_t peak_reserved_bytes;
-    uint64_t mapped_bytes;  /* pages under at least one live byte (in use), less those that only
-                               blocks in thread caches hold */
-    uint64_t cached_bytes;  /* idle pages kept for reuse, and the pages that only blocks freed
-                               into thread caches hold (segment mode: those blocks' bytes) */
-    uint64_t managed_bytes; /* live allocations served from managed memory */
-    uint64_t virtual_bytes; /* size of the reserved virtual ranges (one per arena) */
-    uint64_t limit_bytes;   /* effective limit on reserved bytes (device size if none; more
-                             * only on backend:managed) */
+    uint64_t mapped_bytes;   /* pages under at least one live byte (in use), less those that only
+                                blocks in thread caches hold */
+    uint64_t cached_bytes;   /* idle pages kept for reuse, and the pages that only blocks freed
+                                into thread caches hold (segment mode: those blocks' bytes):
+                                reusable at once and releasable, so not fragmentation */
+    uint64_t stranded_bytes; /* of mapped_bytes, what no live allocation asked for: the gaps
+                                between and around live blocks in pages they keep mapped, free
+                                but usable only by a request that fits in a gap (what really
+                                is fragmentation; segment mode: free bytes of segments in use) */
+    uint64_t managed_bytes;  /* live allocations served from managed memory */
+    uint64_t virtual_bytes;  /* size of the reserved virtual ranges (one per arena) */
+    uint64_t limit_bytes;    /* effective limit on reserved bytes (device size if none; more
+                              * only on backend:managed) */
     uint64_t device_total_bytes; /* device memory as the backend reports it */
     uint64_t device_free_bytes;
     uint64_t page_size;
@@ -214,7 +219,8 @@ typedef struct cuma_stats {
     uint64_t map_runs;          /* map calls: runs of consecutive pages made accessible at once */
     uint64_t unmap_runs;        /* unmap calls: runs of adjacent pages (moved pages' old places,
                                    released pages) */
-    uint64_t page_call_ns;      /* time spent in the device's page calls (on a manual clock only the sim's sim_call_us) */
+    uint64_t page_call_ns;      /* time spent in the device's page calls (on a manual clock only the
+                                   sim's sim_call_us) */
     double remap_keep;          /* idle share of the memory in use pacing keeps in place now */
     /* Idle pages mapped at a new address while the device still had work on their old one,
      * from the same stream (the old mapping goes when that work is done), and times the host
@@ -226,7 +232,8 @@ typedef struct cuma_stats {
     uint64_t trims;           /* cuma_trim calls and OOM cache releases */
     /* Idle bytes given back because the device's free memory was under free_watermark. */
     uint64_t watermark_released_bytes;
-    double fragmentation; /* share of mapped bytes not under live allocations */
+    double fragmentation; /* stranded_bytes / mapped_bytes (0 to 1): 0 on a heap with nothing
+                             live, however much it caches */
     uint64_t arenas; /* arenas the heap has made (1 until threads kept colliding: `arenas` key) */
     /* The cross-process ledger (cuma/ledger.h); zero when the heap is in none. */
     uint64_t ledger_denials;       /* growths the ledger refused (others held the memory) */

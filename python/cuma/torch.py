@@ -301,7 +301,8 @@ def memory_summary(device=0):
         ("OOMs (callbacks reached) / failed", "%s / %s" % (s.get("num_ooms"), s.get("cuma.failed_allocs"))),
         ("Pages created / released", "%s / %s" % (s.get("num_device_alloc"), s.get("num_device_free"))),
         ("Page maps / unmaps", "%s / %s" % (s.get("cuma.maps"), s.get("cuma.unmaps"))),
-        ("Fragmentation (mapped not live)", "%.2f%%" % (100.0 * (s.get("cuma.fragmentation") or 0.0))),
+        ("Stranded (in-use pages, not live)", "%s (%.2f%% of in use)" % (
+            _fmt_bytes(s.get("cuma.stranded_bytes")), 100.0 * (s.get("cuma.fragmentation") or 0.0))),
     ]
     if s.get("cuma.ledger"):  # sharing the GPU with other jobs: what passed between them
         counts.append(("Ledger denials / asks of others", "%s / %s" % (

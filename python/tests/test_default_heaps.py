@@ -238,6 +238,9 @@ def test_memory_stats_uses_pytorch_key_names(monkeypatch, lib):
     assert s["cuma.page_creates"] == 2 and "cuma.fragmentation" in s
     text = ctorch.memory_summary(0)
     assert "Reserved memory" in text and "backend: sim" in text and "4.00 MiB" in text
+    # Nothing live: nothing stranded, however much is cached.
+    assert s["cuma.stranded_bytes"] == 0 and s["cuma.fragmentation"] == 0
+    assert "Stranded (in-use pages, not live)" in text and "0 B (0.00% of in use)" in text
 
 
 def test_memory_stats_counts_ooms_and_retries(monkeypatch):

@@ -154,13 +154,25 @@ static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si
     return CUMA_OK;
 }
 
+/* The message says what was free but unusable: the stranded bytes of this arena's pages in use
+ * (gaps between live blocks, none of them large enough), the question users of an allocator ask
+ * first after an out-of-memory. h's lock held. */
 static cuma_status fail_oom(cuma_heap *h, cuma_status st, size_t size) {
+    uint64_t reserved, cached, mapped;
+    cuma_heap_memory(h, &reserved, &cached, &mapped);
+    int64_t tq, ta, tn;
+    uint64_t tallocs, tfrees;
+    cuma_tcache_sums(h, &tq, &ta, &tn, &tallocs, &tfrees);
+    uint64_t live = h->c.requested + (uint64_t)tq;
+    uint64_t stranded = mapped > live ? mapped - live : 0;
     return cuma_fail(st,
                      "out of memory: %zu bytes requested; %" PRIu64 " reserved (%" PRIu64
-                     " cached) of a %" PRIu64 "-byte limit, %" PRIu64 " bytes live (%s)",
+                     " cached) of a %" PRIu64 "-byte limit, %" PRIu64 " bytes live (%s); %" PRIu64
+                     " bytes free but stranded in pages that live blocks keep mapped, in "
+                     "gaps too small for this request",
                      size, cuma_heap_reserved_all(h), cuma_heap_cached(h), h->limit_bytes,
                      (uint64_t)cuma_heap_total(h->primary, CUMA_PUB_REQUESTED),
-                     st == CUMA_ERR_LIMIT ? "limit reached" : "device full");
+                     st == CUMA_ERR_LIMIT ? "limit reached" : "device full", stranded);
 }
 
 /* The out-of-memory ladder: release the cache and retry, call the callbacks and retry, fall

@@ -87,9 +87,10 @@ void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s) {
     if (s->peak_allocated_bytes < s->allocated_bytes) s->peak_allocated_bytes = s->allocated_bytes;
     s->peak_reserved_bytes = atomic_load(&h->peak_res);
     if (s->peak_reserved_bytes < s->reserved_bytes) s->peak_reserved_bytes = s->reserved_bytes;
-    s->fragmentation =
-        s->mapped_bytes ? 1.0 - (double)s->requested_bytes / (double)s->mapped_bytes : 0.0;
-    if (s->fragmentation < 0) s->fragmentation = 0;
+    /* Requested bytes exceed mapped ones only in a moment between two arenas' counts. */
+    s->stranded_bytes =
+        s->mapped_bytes > s->requested_bytes ? s->mapped_bytes - s->requested_bytes : 0;
+    s->fragmentation = s->mapped_bytes ? (double)s->stranded_bytes / (double)s->mapped_bytes : 0.0;
 }
 
 cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
@@ -144,6 +145,7 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(peak_reserved_bytes);
     U(mapped_bytes);
     U(cached_bytes);
+    U(stranded_bytes);
     U(managed_bytes);
     U(virtual_bytes);
     U(limit_bytes);

@@ -362,6 +362,11 @@ def check_metrics(text, made, what, errors=0, up=1, stale=0, unlocked=0):
     check(types.get("cuma_fragmentation_ratio") == "gauge" and set(got) == set(want) and
           all(abs(got[k][0] - want[k][0]) < 1e-9 and got[k][1] == want[k][1] for k in want),
           "%s: cuma_fragmentation_ratio" % what, (got, want))
+    got = heap_series(get, "cuma_stranded_bytes", what)
+    want = {heap_id(h): (float(round(h["stats"]["mapped"] * ledger_fragmentation(h["stats"]))),
+                         "sim") for h in published}
+    check(types.get("cuma_stranded_bytes") == "gauge" and got == want,
+          "%s: cuma_stranded_bytes of the heaps that published" % what, (got, want))
     got = heap_series(get, "cuma_heap_stats_age_seconds", what)
     check(types.get("cuma_heap_stats_age_seconds") == "gauge" and
           set(got) == {heap_id(h) for h in published} and

@@ -128,6 +128,17 @@ static void test_limit_and_max_cached(void) {
     CHECK(heap_stats(h).cached_bytes == 2 * MB); /* the cap released the rest at once */
     CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &q));
     CHECK_OK(cuma_free(h, q, NULL));
+    /* Seven 1 MiB blocks, each alone in its own page: 7 MiB stranded, and a 2 MiB request
+     * finds no room. The message says how much was free but unusable. */
+    void *small[8];
+    for (int i = 0; i < 8; i++) CHECK_OK(cuma_alloc(h, 1 * MB, NULL, &small[i]));
+    for (int i = 1; i < 8; i += 2) CHECK_OK(cuma_free(h, small[i], NULL));
+    cuma_stats s = heap_stats(h);
+    CHECK(s.mapped_bytes == 8 * MB && s.requested_bytes == 4 * MB);
+    CHECK(s.stranded_bytes == 4 * MB && s.fragmentation == 0.5);
+    CHECK_ST(cuma_alloc(h, 2 * MB + 1, NULL, &q), CUMA_ERR_LIMIT);
+    CHECK(strstr(cuma_last_error(), "; 4194304 bytes free but stranded"));
+    for (int i = 0; i < 8; i += 2) CHECK_OK(cuma_free(h, small[i], NULL));
     CHECK_OK(cuma_set_limit(h, 4 * MB));
     CHECK(heap_stats(h).reserved_bytes <= 4 * MB);
     CHECK_OK(cuma_validate(h));
