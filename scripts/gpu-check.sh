@@ -2,13 +2,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # The GPU check: cuma on a machine with a real NVIDIA GPU, in one command of under 7 minutes.
 #
-#   1. Machine   nvidia-smi, driver, uname -m, nproc; asks the driver whether device 0 works
+#   1. Machine   nvidia-smi (device 0's compute mode first), driver, uname -m, nproc, the python3
+#                every Python step runs (and its torch); asks the driver whether device 0 works
 #   2. Build     cmake into build-gpu (scripts/deps.sh build first if cmake, cc or zlib.h is
 #                missing; without apt network that is reported)
 #   3. Tests     ctest on the fake driver (-E 'replay_'); `cuma replay --scale 16` of the bundled
 #                traces on backend:sim, on backend:vmm over the fake driver, and over the real
 #                driver on backend:vmm (overhead_ratio and time_avg_ratio must equal the sim's
-#                within 0.001) and backend:segment (must serve every allocation)
+#                within 0.001 on the fake driver, 0.015 on the real one, whose events complete
+#                late: LAG_TOL) and backend:segment (must serve every allocation)
 #   4. CUDA      scripts/gpu/churn.cu (nvcc, libcuma.a): kernels write and verify patterns in
 #                cuma blocks on two streams while blocks churn (vmm; vmm with a 5 ms release
 #                delay; segment), then micro-benchmarks of the driver's VMM calls and of cuma
@@ -33,7 +35,8 @@
 #                last, with what is left of the budget
 #
 # Every step runs, each under its own timeout and within one overall budget (--budget, 420 s);
-# a summary table of PASS/FAIL/SKIP ends the output. Exit status 1 if any step FAILed, else 0.
+# a step the budget leaves no time for is SKIP (saying so), not FAIL; a summary table of
+# PASS/FAIL/SKIP ends the output. Exit status 1 if any step FAILed, else 0.
 # Without a GPU the GPU steps SKIP, saying why, and the script exits 0; --require-gpu turns
 # those SKIPs into FAILs.
 #
@@ -154,6 +157,7 @@ NO_TIME="the time budget (${BUDGET}s) is spent"
 # ---- 1. machine -----------------------------------------------------------------------------
 
 HAVE_GPU=0
+COMPUTE_MODE=""
 GPU_LINE=""
 NO_GPU_WHY=""
 
@@ -162,6 +166,10 @@ step_machine() {
   step_start
   if command -v nvidia-smi >/dev/null 2>&1; then
     timeout 20 nvidia-smi -L || echo "nvidia-smi -L failed"
+    # The compute mode first: under Exclusive_Process the ledger step's second process on
+    # device 0 cannot make a context, and its failure says nothing about cuma.
+    COMPUTE_MODE=$(timeout 20 nvidia-smi -i 0 --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -1)
+    echo "compute mode (device 0): ${COMPUTE_MODE:-unknown}"
     timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,pstate,clocks.sm,clocks.max.sm \
       --format=csv || true
   else
@@ -175,7 +183,8 @@ step_machine() {
   NVCC=${NVCC:-$(command -v nvcc || true)}
   [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
   echo "nvcc: ${NVCC:-none} $( [ -n "$NVCC" ] && "$NVCC" --version 2>/dev/null | grep -o 'release [0-9.]*' )"
-  echo "python3: $(command -v python3 || echo none) $(python3 --version 2>&1)"
+  echo "python3 (every Python step runs it): $(command -v python3 || echo none) $(python3 --version 2>&1)$(
+    python3 -c 'import torch; print(", torch", torch.__version__, "cuda", torch.version.cuda)' 2>/dev/null)"
   echo "budget: ${BUDGET}s; require GPU: $([ "$REQUIRE_GPU" = 1 ] && echo yes || echo no)"
   # Whether the GPU steps can run: the driver itself is asked (libcuma loads libcuda.so.1 too).
   local probe
@@ -259,10 +268,10 @@ step_build() {
   echo "\$ cmake -S . -B $BUILD -DCMAKE_BUILD_TYPE=RelWithDebInfo ${gen[*]} ${ZLIB_ARGS[*]}"
   echo "\$ cmake --build $BUILD -j$JOBS   (compiler output in $blog)"
   local rc=0
-  if ! t=$(tmo 90); then record build FAIL "$NO_TIME"; return; fi
+  if ! t=$(tmo 90); then record build SKIP "$NO_TIME"; return; fi
   quiet "$t" "$blog" cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${gen[@]}" "${ZLIB_ARGS[@]}" || rc=$?
   if [ $rc -eq 0 ]; then
-    if ! t=$(tmo 240); then record build FAIL "$NO_TIME"; return; fi
+    if ! t=$(tmo 240); then record build SKIP "$NO_TIME"; return; fi
     quiet "$t" "$blog" cmake --build "$BUILD" -j"$JOBS" || rc=$?
   fi
   if [ $rc -eq 0 ] && [ -x "$BUILD/bin/cuma" ] && [ -f "$BUILD/lib/libcuma.a" ] && [ -f "$BUILD/lib/libcuma.so" ]; then
@@ -338,9 +347,9 @@ start_churn_build() {
 step_ctest() {
   section "3a. Test suite on the fake driver: ctest --test-dir $BUILD -j $JOBS -E 'replay_'"
   step_start
-  if [ "$BUILD_OK" != 1 ]; then record "ctest (fake driver)" SKIP "needs the build, which failed"; return; fi
+  if [ "$BUILD_OK" != 1 ]; then record "ctest (fake driver)" SKIP "needs the build (failed or left out)"; return; fi
   local t rc=0
-  if ! t=$(tmo 150); then record "ctest (fake driver)" FAIL "$NO_TIME"; return; fi
+  if ! t=$(tmo 150); then record "ctest (fake driver)" SKIP "$NO_TIME"; return; fi
   run "$t" "$WORK/ctest.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY \
     ctest --test-dir "$BUILD" -j "$JOBS" -E 'replay_' --output-on-failure || rc=$?
   local line
@@ -370,13 +379,20 @@ replay() {
   return $rc
 }
 
-# compare_to_sim NAME LABEL [--info]: the run against the sim's, one summary row.
+# The real driver's events complete some microseconds after they are recorded, which the
+# replay's clock does not see: memory freed on a stream is then reusable a poll later than in the
+# sim, as with the fake's FAKECUDA_EVENT_LAG, whose replays (tests/cuda/check_replay_backends.py)
+# stay within 1% of the sim's ratios. So the real driver's ratios may differ by 0.015 (1% of a
+# ratio up to 1.5); the fake driver's, whose events complete at once, by 0.001.
+LAG_TOL=0.015
+
+# compare_to_sim NAME LABEL [--info] [gpu] [TOL]: the run against the sim's, one summary row.
 compare_to_sim() {
-  local name=$1 label=$2 info=${3:-} gpu=${4:-} ref=sim args=()
+  local name=$1 label=$2 info=${3:-} gpu=${4:-} tol=${5:-0.001} ref=sim args=()
   if [ "$info" = --info ]; then ref=simseg args=(--info); fi
   local out rc worst
   out=$(python3 scripts/gpu/replay_compare.py compare "$WORK/replay-$ref.jsonl" "$WORK/replay-$label.jsonl" \
-        --tol 0.001 --ref-label "$ref" --label "$label" "${args[@]}" 2>&1)
+        --tol "$tol" --ref-label "$ref" --label "$label" "${args[@]}" 2>&1)
   rc=$?
   echo "$out"
   worst=$(echo "$out" | grep -o 'largest ratio difference: [0-9.]*' | awk '{print $4}')
@@ -385,7 +401,7 @@ compare_to_sim() {
   elif [ "$info" = --info ]; then
     record "$name" PASS "served every allocation; ratios differ from sim_segments:on by up to ${worst:-?} (info)" "$gpu"
   else
-    record "$name" PASS "same ratios as sim (largest difference ${worst:-?})" "$gpu"
+    record "$name" PASS "same ratios as sim within $tol (largest difference ${worst:-?})" "$gpu"
   fi
 }
 
@@ -393,10 +409,10 @@ step_replays() {
   section "3b. Replays: cuma replay --scale 16 --conf <backend>,release_delay_ms:1000 tests/data/*.csv.gz"
   step_start
   if [ "$BUILD_OK" != 1 ]; then
-    record "replay sim" SKIP "needs the build, which failed"
-    record "replay vmm (fake driver) = sim" SKIP "needs the build, which failed"
-    record "replay vmm (real driver) = sim" SKIP "needs the build, which failed" gpu
-    record "replay segment (real driver)" SKIP "needs the build, which failed" gpu
+    record "replay sim" SKIP "needs the build (failed or left out)"
+    record "replay vmm (fake driver) = sim" SKIP "needs the build (failed or left out)"
+    record "replay vmm (real driver) = sim" SKIP "needs the build (failed or left out)" gpu
+    record "replay segment (real driver)" SKIP "needs the build (failed or left out)" gpu
     return
   fi
   if ! command -v python3 >/dev/null 2>&1; then
@@ -407,6 +423,7 @@ step_replays() {
   echo "-- backend:sim (the reference)"
   replay sim 60 backend:sim,release_delay_ms:1000; rc=$?
   if [ $rc -eq 0 ]; then record "replay sim" PASS "$(wc -l <"$WORK/replay-sim.jsonl") traces"
+  elif [ $rc -eq 125 ]; then record "replay sim" SKIP "$NO_TIME"
   else record "replay sim" FAIL "cuma replay $(why_rc $rc 60)"; fi
 
   step_start
@@ -417,7 +434,8 @@ step_replays() {
     record "replay vmm (fake driver) = sim" SKIP "no fake driver built (cuda.h missing?)"
   else
     replay fakevmm 90 backend:vmm,release_delay_ms:1000 CUMA_CUDA_LIBRARY="$PWD/$fake" FAKECUDA_CAPACITY=80G; rc=$?
-    if [ $rc -ne 0 ]; then record "replay vmm (fake driver) = sim" FAIL "cuma replay exit $rc"
+    if [ $rc -eq 125 ]; then record "replay vmm (fake driver) = sim" SKIP "$NO_TIME"
+    elif [ $rc -ne 0 ]; then record "replay vmm (fake driver) = sim" FAIL "cuma replay exit $rc"
     else compare_to_sim "replay vmm (fake driver) = sim" fakevmm; fi
   fi
 
@@ -429,8 +447,9 @@ step_replays() {
     record "replay vmm (real driver) = sim" SKIP "no GPU" gpu
   else
     replay vmm 120 backend:vmm,release_delay_ms:1000; rc=$?
-    if [ $rc -ne 0 ]; then record "replay vmm (real driver) = sim" FAIL "cuma replay $(why_rc $rc 120)"
-    else compare_to_sim "replay vmm (real driver) = sim" vmm "" gpu; fi
+    if [ $rc -eq 125 ]; then record "replay vmm (real driver) = sim" SKIP "$NO_TIME"
+    elif [ $rc -ne 0 ]; then record "replay vmm (real driver) = sim" FAIL "cuma replay $(why_rc $rc 120)"
+    else compare_to_sim "replay vmm (real driver) = sim" vmm "" gpu "$LAG_TOL"; fi
   fi
 
   step_start
@@ -442,7 +461,8 @@ step_replays() {
   else
     replay simseg 60 backend:sim,sim_segments:on,release_delay_ms:1000 >/dev/null
     replay segment 90 backend:segment,release_delay_ms:1000; rc=$?
-    if [ $rc -ne 0 ]; then record "replay segment (real driver)" FAIL "cuma replay $(why_rc $rc 90)"
+    if [ $rc -eq 125 ]; then record "replay segment (real driver)" SKIP "$NO_TIME"
+    elif [ $rc -ne 0 ]; then record "replay segment (real driver)" FAIL "cuma replay $(why_rc $rc 90)"
     else compare_to_sim "replay segment (real driver)" segment --info gpu; fi
   fi
   # One file for $OUT: every run's JSON lines, each tagged with its run.
@@ -462,9 +482,9 @@ CHURN_BUILT=0
 step_churn_build() {
   section "4a. Build scripts/gpu/churn.cu (nvcc, $BUILD/lib/libcuma.a, -lcuda)"
   step_start
-  if [ "$BUILD_OK" != 1 ]; then record "churn.cu builds" SKIP "needs the build, which failed"; return; fi
+  if [ "$BUILD_OK" != 1 ]; then record "churn.cu builds" SKIP "needs the build (failed or left out)"; return; fi
   if [ -z "${NVCC:-}" ]; then record "churn.cu builds" SKIP "no nvcc (CUDA toolkit) here" gpu; return; fi
-  if [ -z "$CHURN_PID" ]; then record "churn.cu builds" FAIL "$NO_TIME"; return; fi
+  if [ -z "$CHURN_PID" ]; then record "churn.cu builds" SKIP "$NO_TIME"; return; fi
   local rc=0
   wait "$CHURN_PID" || rc=$?
   cat "$WORK/churn-build.log"
@@ -486,7 +506,7 @@ churn_run() {
   echo "-- $name"
   if [ "$HAVE_GPU" != 1 ]; then echo "SKIP: no GPU: $NO_GPU_WHY"; record "$name" SKIP "no GPU" gpu; return; fi
   if [ "$CHURN_BUILT" != 1 ]; then record "$name" SKIP "churn.cu did not build" gpu; return; fi
-  if ! t=$(tmo "$want"); then record "$name" FAIL "$NO_TIME"; return; fi
+  if ! t=$(tmo "$want"); then record "$name" SKIP "$NO_TIME"; return; fi
   local n0 res
   n0=$(wc -l <"$WORK/churn.log")
   run "$t" "$WORK/churn.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY "$CHURN" "$@" || rc=$?
@@ -529,8 +549,8 @@ step_torch() {
     record "$name" SKIP "no PyTorch with CUDA: ${why:-exit $rc}" gpu
     return
   fi
-  if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build, which failed" gpu; return; fi
-  if ! t=$(tmo 240); then record "$name" FAIL "$NO_TIME"; return; fi
+  if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build (failed or left out)" gpu; return; fi
+  if ! t=$(tmo 240); then record "$name" SKIP "$NO_TIME"; return; fi
   rc=0
   # The native and cuma runs (judged) come first and share what is left of t, each up to 100 s;
   # the reported-only runs (remap_threshold, the trace) get the rest, or are left out. An
@@ -559,7 +579,7 @@ step_bench() {
   step_start
   local name="bench replays (CPU)"
   if [ "$BUILD_OK" != 1 ] || [ ! -x "$BUILD/bin/cuma-bench" ]; then
-    record "$name" SKIP "needs the build, which failed"
+    record "$name" SKIP "needs the build (failed or left out)"
     return
   fi
   if ! t=$(tmo 60); then record "$name" SKIP "$NO_TIME"; return; fi
@@ -582,7 +602,7 @@ step_preload() {
   [ -n "$CHURN_PID" ] && { wait "$CHURN_PID" 2>/dev/null; cat "$WORK/churn-build.log" >>"$WORK/preload.log"; }
   if [ ! -x "$PRELOAD_CHECK" ]; then record "$name" SKIP "preload_check.cu did not build (churn.log)" gpu; return; fi
   if [ ! -f "$BUILD/lib/libcuma_preload.so" ]; then record "$name" FAIL "no $BUILD/lib/libcuma_preload.so"; return; fi
-  if ! t=$(tmo 60); then record "$name" SKIP "$NO_TIME" gpu; return; fi
+  if ! t=$(tmo 60); then record "$name" SKIP "$NO_TIME"; return; fi
   local rc=0 res
   echo "-- without the shim (the driver's figures)"
   run "$((t / 2))" "$WORK/preload.log" env -u CUMA_CONF -u LD_PRELOAD "$PRELOAD_CHECK" || true
@@ -601,8 +621,13 @@ step_ledger() {
   step_start
   local name="ledger: two processes, one GPU"
   if [ "$HAVE_GPU" != 1 ]; then record "$name" SKIP "no GPU: $NO_GPU_WHY" gpu; return; fi
-  if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build, which failed" gpu; return; fi
-  if ! t=$(tmo 90); then record "$name" SKIP "$NO_TIME" gpu; return; fi
+  if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build (failed or left out)" gpu; return; fi
+  case "$COMPUTE_MODE" in
+    Exclusive_Process|Prohibited)
+      record "$name" SKIP "device 0's compute mode is $COMPUTE_MODE: a second process cannot use it" gpu
+      return ;;
+  esac
+  if ! t=$(tmo 90); then record "$name" SKIP "$NO_TIME"; return; fi
   local rc=0
   run "$t" "$WORK/ledger.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
     CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
