@@ -678,6 +678,41 @@ static void run_twodev(void) {
     test_ctx_close(&t);
 }
 
+/* A context that takes device memory of its own (FAKECUDA_CONTEXT_MB, as real ones take hundreds
+ * of MiB): the device reports its whole size, but the heap can hold only what is left, runs out
+ * of memory cleanly there, and goes on. Both backends, since each asks the driver differently. */
+static void run_context_memory(const char *backend) {
+    const char *e = getenv("FAKECUDA_CONTEXT_MB");
+    CHECK(e && atol(e) > 0);
+    const uint64_t ctx = (uint64_t)atol(e) * MB, cap = capacity_env();
+    char conf[160];
+    snprintf(conf, sizeof conf, "backend:%s,ledger:off,release_delay_ms:never", backend);
+    cuma_config cfg = {.conf = conf, .flags = CUMA_CONFIG_NO_ENV};
+    cuma_heap *h = NULL;
+    CHECK_OK(cuma_heap_create(&cfg, &h));
+    cuma_stats s;
+    CHECK_OK(cuma_get_stats(h, &s));
+    CHECK(s.device_total_bytes == cap && s.device_free_bytes == cap - ctx);
+    void *p[256];
+    unsigned n = 0;
+    cuma_status st = CUMA_OK;
+    while (n < 256 && (st = cuma_alloc(h, 16 * MB, NULL, &p[n])) == CUMA_OK) n++;
+    CHECK(st == CUMA_ERR_OOM && strstr(cuma_last_error(), "out of memory"));
+    CHECK_OK(cuma_get_stats(h, &s));
+    /* Filled to what the context leaves (within a segment or page of it), never beyond. */
+    CHECK(s.reserved_bytes <= cap - ctx && s.reserved_bytes + 32 * MB > cap - ctx);
+    CHECK((uint64_t)n * 16 * MB <= cap - ctx);
+    CHECK_OK(cuma_validate(h));
+    for (unsigned i = 0; i < n; i++) CHECK_OK(cuma_free(h, p[i], NULL));
+    CHECK_OK(cuma_trim(h, 0));
+    CHECK_OK(cuma_get_stats(h, &s));
+    CHECK(s.reserved_bytes == 0 && s.device_free_bytes == cap - ctx);
+    CHECK_OK(cuma_alloc(h, 16 * MB, NULL, &p[0])); /* and goes on */
+    CHECK_OK(cuma_free(h, p[0], NULL));
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "";
     watchdog(240, mode[0] ? mode : "the default run");
@@ -695,6 +730,11 @@ int main(int argc, char **argv) {
         test_ctx_close(&t);
     } else if (!strcmp(mode, "twodev")) {
         run_twodev();
+    } else if (!strcmp(mode, "ctxmem")) {
+        test_ctx t = test_ctx_open(0);
+        run_context_memory("vmm");
+        run_context_memory("segment");
+        test_ctx_close(&t);
     } else {
         test_ctx t = test_ctx_open(0);
         test_auto("vmm");

@@ -55,7 +55,10 @@
  *   side effect. Call counters and live-object counters are kept per API.
  * - Other environment: FAKECUDA_NO_VMM=1 (VMM attribute 0, cuMemCreate and
  *   cuMemGetAllocationGranularity return CUDA_ERROR_NOT_SUPPORTED),
- *   FAKECUDA_NO_PEER=1 (cuDeviceCanAccessPeer reports 0).
+ *   FAKECUDA_NO_PEER=1 (cuDeviceCanAccessPeer reports 0), FAKECUDA_CONTEXT_MB
+ *   (device memory an active primary context takes, as a real one takes
+ *   hundreds of MiB: cuMemGetInfo's free and every allocation's room are
+ *   less by it; fakecuda_used_bytes counts allocations only).
  *
  * One global mutex (fc_mu) protects all state; fc_cv is signalled when held
  * work completes. Source files: fakecuda.c (configuration, counters, fault
@@ -178,6 +181,10 @@ static void load_config(void) {
     fc_cfg.no_peer = env_long("FAKECUDA_NO_PEER", 0, 0, 1) != 0;
     fc_cfg.sync_timeout_ms = env_long("FAKECUDA_SYNC_TIMEOUT_MS", 10000, 1, 86400000L);
     fc_cfg.event_lag = (unsigned)env_long("FAKECUDA_EVENT_LAG", 0, 0, 1000000L);
+    fc_cfg.ctx_bytes = (uint64_t)env_long("FAKECUDA_CONTEXT_MB", 0, 0, 1L << 30) << 20;
+    if (fc_cfg.ctx_bytes > fc_cfg.capacity)
+        fc_die("FAKECUDA_CONTEXT_MB: %llu MiB is more than the capacity",
+               (unsigned long long)(fc_cfg.ctx_bytes >> 20));
     long page = sysconf(_SC_PAGESIZE);
     if (fc_cfg.gran < (uint64_t)page || (fc_cfg.gran & (fc_cfg.gran - 1)))
         fc_die("FAKECUDA_GRANULARITY=%llu: must be a power of two >= the page size (%ld)",
@@ -450,8 +457,15 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
     fc_lock();
-    fc_dev[dev].ctx.refcount++;
-    *pctx = &fc_dev[dev].ctx;
+    struct fc_device *d = &fc_dev[dev];
+    /* An inactive context comes back with its own memory, which the device must have room for
+     * (with the driver, the first CUDA call of a process on a full device fails this way). */
+    if (d->ctx.refcount == 0 && fc_cfg.ctx_bytes > fc_cfg.capacity - d->used) {
+        fc_unlock();
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    d->ctx.refcount++;
+    *pctx = &d->ctx;
     fc_unlock();
     return CUDA_SUCCESS;
 }

@@ -87,14 +87,15 @@ enum fc_api {
 struct fc_config {
     int ndev;
     uint64_t capacity;
-    uint64_t gran;     /* minimum allocation granularity */
-    uint64_t rec_gran; /* recommended granularity: a power-of-two multiple of gran */
-    int no_rdma;       /* FAKECUDA_NO_RDMA=1: no GPUDirect RDMA with VMM memory */
+    uint64_t gran;        /* minimum allocation granularity */
+    uint64_t rec_gran;    /* recommended granularity: a power-of-two multiple of gran */
+    int no_rdma;          /* FAKECUDA_NO_RDMA=1: no GPUDirect RDMA with VMM memory */
     uint64_t host_memory; /* what cuMemAllocManaged may hand out, all devices together */
     int no_vmm;
     int no_peer;
     long sync_timeout_ms;
     unsigned event_lag; /* FAKECUDA_EVENT_LAG: every stream's initial completion lag */
+    uint64_t ctx_bytes; /* FAKECUDA_CONTEXT_MB: device memory an active primary context takes */
 };
 
 /* Sorted vector of fixed-size elements whose first member is a uint64_t key. */
@@ -165,6 +166,11 @@ struct fc_live_counts {
 };
 
 extern FC_HIDDEN struct fc_config fc_cfg;
+
+/* Device memory d's own context takes while it is active (fc_mu held). */
+static inline uint64_t fc_ctx_charge(const struct fc_device *d) {
+    return d->ctx.refcount > 0 ? fc_cfg.ctx_bytes : 0;
+}
 /* Bytes of live cuMemAllocManaged blocks (host memory, not any device's; under fc_mu). */
 extern FC_HIDDEN uint64_t fc_managed_used;
 extern FC_HIDDEN pthread_mutex_t fc_mu;

@@ -145,7 +145,8 @@ static int valid_dev(int dev) {
     return dev >= 0 && dev < fc_cfg.ndev;
 }
 static int charge_ok(const struct fc_device *d, uint64_t size) {
-    return size <= fc_cfg.capacity - d->used;
+    uint64_t taken = d->used + fc_ctx_charge(d);
+    return taken <= fc_cfg.capacity && size <= fc_cfg.capacity - taken;
 }
 
 int fc_mem_init_device(struct fc_device *d) {
@@ -763,7 +764,8 @@ CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
     fc_lock();
     CUresult rc = fc_current_dev_locked(&dev);
     if (rc == CUDA_SUCCESS) {
-        *free = (size_t)(fc_cfg.capacity - fc_dev[dev].used);
+        uint64_t taken = fc_dev[dev].used + fc_ctx_charge(&fc_dev[dev]);
+        *free = (size_t)(taken < fc_cfg.capacity ? fc_cfg.capacity - taken : 0);
         *total = (size_t)fc_cfg.capacity;
     }
     fc_unlock();
