@@ -75,7 +75,8 @@ typedef struct cuma_counters {
  * the live blocks' requests, and pub[] holds counters.requested / allocated; the
  * policy, pages and streams hold their own invariants. Across arenas (all locks held):
  * pages.own_reserved of the first arena is the sum of the arenas' pages.nreserved; arenas'
- * virtual ranges do not overlap. */
+ * virtual ranges do not overlap. First arena (cuma_pools_check, pool locks): pool_count,
+ * pool_bytes, pool_blocks and pool_in_use are the sums over the pools on pool_list. */
 struct cuma_heap {
     /* Read by the threads of every arena on every call, written only while the heap is built
      * or an arena is added: its own cache lines, apart from what the slow path writes (the

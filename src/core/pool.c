@@ -140,10 +140,10 @@ cuma_status cuma_pool_create(cuma_heap *heap, size_t size, size_t count, cuma_st
     p->next = heap->pool_list;
     if (p->next) p->next->prev = p;
     heap->pool_list = p;
-    pthread_mutex_unlock(&heap->pool_lock);
     atomic_fetch_add(&heap->pool_count, 1);
     atomic_fetch_add(&heap->pool_bytes, count * stride);
     atomic_fetch_add(&heap->pool_blocks, count);
+    pthread_mutex_unlock(&heap->pool_lock);
     *out = p;
     return CUMA_OK;
 }
@@ -169,10 +169,10 @@ cuma_status cuma_pool_destroy(cuma_pool *p) {
     else
         h->pool_list = p->next;
     if (p->next) p->next->prev = p->prev;
-    pthread_mutex_unlock(&h->pool_lock);
     atomic_fetch_sub(&h->pool_count, 1);
     atomic_fetch_sub(&h->pool_bytes, (uint64_t)p->count * p->stride);
     atomic_fetch_sub(&h->pool_blocks, p->count);
+    pthread_mutex_unlock(&h->pool_lock);
     pool_free_host(p);
     return CUMA_OK;
 }
@@ -264,6 +264,26 @@ void cuma_pools_destroy_all(cuma_heap *h) {
     atomic_store(&h->pool_bytes, 0);
     atomic_store(&h->pool_blocks, 0);
     atomic_store(&h->pool_in_use, 0);
+}
+
+const char *cuma_pools_check(cuma_heap *h) {
+    uint64_t n = 0, bytes = 0, blocks = 0, out = 0;
+    const char *why = NULL;
+    pthread_mutex_lock(&h->pool_lock);
+    for (cuma_pool *p = h->pool_list; p && !why; p = p->next) {
+        if (p->heap != h || (p->next && p->next->prev != p) || (!p->prev) != (p == h->pool_list))
+            why = "the heap's pool list is broken";
+        pthread_mutex_lock(&p->lock);
+        if (!why) why = check(p);
+        n++, bytes += (uint64_t)p->count * p->stride, blocks += p->count;
+        out += p->count - p->nfree;
+        pthread_mutex_unlock(&p->lock);
+    }
+    pthread_mutex_unlock(&h->pool_lock);
+    if (!why && (n != atomic_load(&h->pool_count) || bytes != atomic_load(&h->pool_bytes) ||
+                 blocks != atomic_load(&h->pool_blocks) || out != atomic_load(&h->pool_in_use)))
+        why = "the heap's pool figures differ from its pools' sums";
+    return why;
 }
 
 void cuma_pools_prefork(cuma_heap *h) {

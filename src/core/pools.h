@@ -13,6 +13,10 @@ struct cuma_heap;
  * with the heap's memory, only the host side is freed here. No other call may race with it. */
 void cuma_pools_destroy_all(struct cuma_heap *h);
 
+/* The heap's pool figures against its pool list (cuma_validate; no arena lock held): NULL, or
+ * the broken invariant. Exact while no other thread is inside a pool call on the heap. */
+const char *cuma_pools_check(struct cuma_heap *h);
+
 /* fork(): takes h's pool list lock, then every pool's lock (fork.c, after the heap's leaf
  * locks); and lets them go again, in reverse, in the parent and the child. */
 void cuma_pools_prefork(struct cuma_heap *h);

@@ -2,6 +2,7 @@
 /* Fixed-size pools (cuma/pool.h) on the simulated device: blocks and reuse, constant work per
  * call (counted), misuse, the heap's figures, threads sharing a pool, fork, heap destruction. */
 #include "check.h"
+#include "core/heap.h"
 #include "core/pools.h"
 #include "cuma/pool.h"
 #include "cuma/sim.h"
@@ -180,6 +181,12 @@ static void test_misuse(void) {
     CHECK_OK(cuma_pool_info(p, NULL, NULL, &used));
     CHECK(used == 2 && heap_stats(h).pool_blocks_in_use == 3);
     CHECK_OK(cuma_pool_validate(p));
+    CHECK_OK(cuma_validate(h));           /* the heap's pool figures are its two pools' sums */
+    atomic_fetch_add(&h->pool_in_use, 1); /* a figure off by one: cuma_validate says so */
+    CHECK_ST(cuma_validate(h), CUMA_ERR_CORRUPT);
+    CHECK(strstr(cuma_last_error(), "pool figures differ"));
+    atomic_fetch_sub(&h->pool_in_use, 1);
+    CHECK_OK(cuma_validate(h));
     /* Destroy with blocks out: refused, saying how many, and the pool goes on working. */
     CHECK_ST(cuma_pool_destroy(p), CUMA_ERR_INVALID);
     CHECK(strstr(cuma_last_error(), "2 of the pool's 8 blocks are still allocated"));
