@@ -244,6 +244,13 @@ typedef struct cuma_stats {
      * other heaps hold or are guaranteed (and, above this heap's guarantee, what heaps of higher
      * priority wait for) and less what it holds. UINT64_MAX when it is in no ledger. */
     uint64_t ledger_room_bytes;
+    /* Fixed-size pools on the heap (cuma/pool.h). Each pool's carve is one live allocation, in
+     * allocated_bytes and active_allocs above; the blocks handed out of it are not allocations
+     * (num_allocs and active_allocs do not count them). */
+    uint64_t pools;              /* pools that exist */
+    uint64_t pool_bytes;         /* bytes their carves hold: count * stride of each pool */
+    uint64_t pool_blocks;        /* blocks in all pools */
+    uint64_t pool_blocks_in_use; /* blocks handed out by cuma_pool_alloc and not freed */
 } cuma_stats;
 
 cuma_status cuma_get_stats(cuma_heap *heap, cuma_stats *out);

@@ -5,7 +5,8 @@ The package is pure Python over ctypes; it needs libcuma.so (found next to the p
 through $CUMA_LIBRARY, in the source tree's build/lib, or on the library path) and nothing
 else. PyTorch is optional and imported only by the helpers that need it.
 
-- :class:`Heap`: a heap of your own on any backend (``cuma.Heap("backend:sim,capacity:1G")``).
+- :class:`Heap`: a heap of your own on any backend (``cuma.Heap("backend:sim,capacity:1G")``);
+  :meth:`Heap.pool` gives a :class:`Pool` of fixed-size blocks carved from it once.
 - :func:`default_heap`, :func:`on_oom`: the process-wide heaps (the ones PyTorch uses).
 - :func:`on_pressure`, :func:`ledger`: jobs sharing a GPU (the cross-process ledger): a callback
   for when a job of higher priority needs memory (:func:`remove_pressure` removes it), and the
@@ -50,6 +51,7 @@ from .heap import (
     remove_pressure,
     shutdown_default_heaps,
 )
+from ._pool import Pool
 from .allocator import CudaMemoryAllocator
 from . import adaptive
 from . import torch
@@ -66,6 +68,7 @@ def library_path():
 
 __all__ = [
     "Heap",
+    "Pool",
     "default_heap",
     "on_oom",
     "remove_oom",

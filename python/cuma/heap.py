@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 import ctypes
 
 from . import _lib
@@ -36,6 +37,7 @@ from ._args import (  # noqa: F401  (re-exported: allocator.py and torch.py impo
     _u64_arg,
 )
 from ._guard import _Guard, _in_use
+from ._pool import Pool
 from .errors import ConfigError, HeapClosedError
 
 __all__ = [
@@ -261,6 +263,7 @@ class Heap:
         self._callbacks = {}  # id -> (ctypes function, cell holding the Python callable)
         self._retired = []  # ctypes functions of removed callbacks (see remove_oom)
         self._tls = threading.local()  # .frame: the Heap.alloc in progress on this thread
+        self._pools = weakref.WeakSet()  # the open Pools of this heap (the C heap frees them)
 
     @classmethod
     def _borrow(cls, handle, device):
@@ -304,6 +307,7 @@ class Heap:
             return
         try:
             h, self._h = self._h, None
+            _detach_pools(self)
             if h is not None:
                 _lib.lib().cuma_heap_destroy(h)
             with self._cb_lock:
@@ -415,6 +419,17 @@ class Heap:
         out = ctypes.c_size_t()
         _lib.check(_lib.lib().cuma_block_size(self._handle(), ptr, ctypes.byref(out)))
         return out.value
+
+    @_in_use
+    def pool(self, size, count, stream=0):
+        """A :class:`cuma.Pool` of ``count`` blocks of ``size`` bytes, carved from this heap at
+        once as one allocation usable on ``stream`` and kept until the pool is closed:
+        ``pool.alloc()`` / ``pool.free(ptr)`` take constant time without the heap's lock. For
+        intermediate results of one fixed size (batch-norm statistics, scratch). Raises
+        InvalidArgumentError for size 0, count 0 or a size * count that overflows, and
+        OutOfMemoryError (or LimitExceededError) when the heap cannot hold the carve. Closing
+        the heap frees its pools."""
+        return Pool(self, size, count, stream)
 
     # --- release policy and limits ---
 
@@ -655,6 +670,14 @@ def _retire(heap, key):
         heap._retired.append(fn)
 
 
+def _detach_pools(heap):
+    """The C heap is about to free the pools still on it: their wrappers forget them (no call
+    on the heap, so none on a pool, is under way)."""
+    for p in list(heap._pools):
+        p._detach()
+    heap._pools.clear()
+
+
 def _drop_callbacks(heap):
     """Forgets every callback of a heap that C no longer calls (closed or shut down)."""
     for fn, cell in heap._callbacks.values():
@@ -811,6 +834,7 @@ def shutdown_default_heaps():
             _lib.lib().cuma_default_heaps_shutdown()
             for w in closing:
                 w._h = None
+                _detach_pools(w)
                 with w._cb_lock:
                     _drop_callbacks(w)
             _defaults.clear()

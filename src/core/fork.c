@@ -12,14 +12,15 @@
  *
  * Lock order (the same everywhere): fork_lock, each heap's arena_lock, the thread caches'
  * registry lock, each heap's arena locks in arena order, its oom_lock and managed_lock, its
- * shared backend's lock, then the ledger's mapping list and the trace writers' locks (a heap
- * logs under its arena's lock). A child drops the trace logs it inherited (they are the
- * parent's files) and logs nothing. No file is opened under any of these locks (a trace log is
- * opened between two short holds of the writers' list lock, writer.c's claim), so a fork never
- * waits for a slow open; the only system calls under them are a log's writes and its close. Nothing here runs with a heap lock
- * held; heap creation and destruction take fork_lock alone. A heap's oom_run (held while a
- * thread runs its OOM callbacks, which may take long, or fork) is not taken: it starts free in
- * the child, whose copy of the callbacks' thread does not exist.
+ * pool list lock and then each of its pools' locks (pool.c), its shared backend's lock, then the
+ * ledger's mapping list and the trace writers' locks (a heap logs under its arena's lock). A child
+ * drops the trace logs it inherited (they are the parent's files) and logs nothing. No file is
+ * opened under any of these locks (a trace log is opened between two short holds of the writers'
+ * list lock, writer.c's claim), so a fork never waits for a slow open; the only system calls under
+ * them are a log's writes and its close. Nothing here runs with a heap lock held; heap creation and
+ * destruction take fork_lock alone. A heap's oom_run (held while a thread runs its OOM callbacks,
+ * which may take long, or fork) is not taken: it starts free in the child, whose copy of the
+ * callbacks' thread does not exist.
  *
  * What a child may do with an inherited heap depends on the device: a simulated heap works as
  * it did; a heap whose memory is the parent's (CUDA memory, which a forked child cannot use
@@ -29,6 +30,7 @@
 #include "coord/ledger.h"
 #include "error.h"
 #include "heap.h"
+#include "pools.h"
 #include "tcache.h"
 #include "trace/writer.h"
 
@@ -52,6 +54,7 @@ static void prepare(void) {
         for (unsigned i = 0, n = arenas_of(h); i < n; i++) pthread_mutex_lock(&h->arenas[i]->lock);
         pthread_mutex_lock(&h->oom_lock);
         pthread_mutex_lock(&h->managed_lock);
+        cuma_pools_prefork(h);
         cuma_backend_lock(h->be);
     }
     cuma_ledger_prefork();
@@ -80,6 +83,7 @@ static void release(bool child) {
             }
         }
         cuma_backend_unlock(h->be);
+        cuma_pools_postfork(h);
         pthread_mutex_unlock(&h->managed_lock);
         pthread_mutex_unlock(&h->oom_lock);
         for (unsigned i = arenas_of(h); i-- > 0;) {

@@ -75,7 +75,8 @@ typedef struct cuma_counters {
  * the live blocks' requests, and pub[] holds counters.requested / allocated; the
  * policy, pages and streams hold their own invariants. Across arenas (all locks held):
  * pages.own_reserved of the first arena is the sum of the arenas' pages.nreserved; arenas'
- * virtual ranges do not overlap. */
+ * virtual ranges do not overlap. First arena (cuma_pools_check, pool locks): pool_count,
+ * pool_bytes, pool_blocks and pool_in_use are the sums over the pools on pool_list. */
 struct cuma_heap {
     /* Read by the threads of every arena on every call, written only while the heap is built
      * or an arena is added: its own cache lines, apart from what the slow path writes (the
@@ -135,6 +136,13 @@ struct cuma_heap {
      * c.managed, c.managed_fallbacks and the frees of managed memory). */
     pthread_mutex_t managed_lock;
     pthread_mutex_t arena_lock; /* first arena only: see narenas */
+    /* First arena only: fixed-size pools (pool.c). pool_lock (a leaf lock, never held with a
+     * pool's own lock taken after it except by fork.c) guards the list; the figures are atomic
+     * (a pool's calls change pool_in_use under the pool's lock alone) and are the sums over
+     * the pools on the list: pools, their carves' bytes, their blocks, their blocks out. */
+    pthread_mutex_t pool_lock;
+    struct cuma_pool *pool_list;
+    _Atomic uint64_t pool_count, pool_bytes, pool_blocks, pool_in_use;
     /* Thread caches (tcache.h): settings constant after creation; the list under the lock. */
     bool tc_on;
     bool tlsf;         /* the default policy (its rounding is inline in cuma_alloc) */

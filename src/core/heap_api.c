@@ -4,6 +4,7 @@
 #include "cuma/sim.h"
 #include "error.h"
 #include "heap.h"
+#include "pools.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -243,6 +244,7 @@ cuma_status cuma_validate(cuma_heap *h) {
     }
     for (unsigned i = n; i-- > 0;) pthread_mutex_unlock(&h->arenas[i]->lock);
     pthread_mutex_unlock(&h->arena_lock);
+    if (!st && !why) why = cuma_pools_check(h); /* takes the pools' locks: after the arenas' */
     if (why) st = cuma_fail(CUMA_ERR_CORRUPT, "cuma_validate: %s", why);
     return st;
 }

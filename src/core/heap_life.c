@@ -3,6 +3,7 @@
 #include "coord/ledger.h"
 #include "error.h"
 #include "heap.h"
+#include "pools.h"
 #include "trace/writer.h"
 
 #include <stdio.h>
@@ -231,12 +232,14 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     pthread_mutex_init(&h->oom_lock, NULL);
     pthread_mutex_init(&h->oom_run, NULL);
     pthread_mutex_init(&h->managed_lock, NULL);
+    pthread_mutex_init(&h->pool_lock, NULL);
     st = cuma_heap_build(h);
     if (st) {
         pthread_mutex_destroy(&h->arena_lock);
         pthread_mutex_destroy(&h->oom_lock);
         pthread_mutex_destroy(&h->oom_run);
         pthread_mutex_destroy(&h->managed_lock);
+        pthread_mutex_destroy(&h->pool_lock);
         cuma_map_destroy(&h->managed);
         goto fail_be;
     }
@@ -266,6 +269,7 @@ static bool free_managed(void *ctx, uint64_t key, void *val) {
 void cuma_heap_destroy(cuma_heap *h) {
     if (!h) return;
     cuma_fork_untrack(h);
+    cuma_pools_destroy_all(h); /* host side only: the carves go with the arenas below */
     /* Every release thread first: each reads all arenas' figures (max_cached is the heap's),
      * so none may run while an arena is freed. */
     for (unsigned i = atomic_load(&h->narenas); i-- > 0;) stop_thread(h->arenas[i]);
@@ -282,6 +286,7 @@ void cuma_heap_destroy(cuma_heap *h) {
     pthread_mutex_destroy(&h->oom_lock);
     pthread_mutex_destroy(&h->oom_run);
     pthread_mutex_destroy(&h->managed_lock);
+    pthread_mutex_destroy(&h->pool_lock);
     cuma_trace_writer_close(h->tw);
     free(h);
 }

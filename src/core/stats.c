@@ -80,6 +80,10 @@ void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s) {
     s->managed_fallbacks = h->c.managed_fallbacks;
     pthread_mutex_unlock(&h->managed_lock);
     s->arenas = n;
+    s->pools = atomic_load(&h->pool_count);
+    s->pool_bytes = atomic_load(&h->pool_bytes);
+    s->pool_blocks = atomic_load(&h->pool_blocks);
+    s->pool_blocks_in_use = atomic_load(&h->pool_in_use);
     s->page_size = h->vmm ? h->pages.page_size : h->be->page_size;
     s->peak_requested_bytes = atomic_load(&h->peak_req);
     if (s->peak_requested_bytes < s->requested_bytes) s->peak_requested_bytes = s->requested_bytes;
@@ -178,6 +182,10 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(pressure_asks);
     U(pressure_given_bytes);
     U(pressure_callbacks);
+    U(pools);
+    U(pool_bytes);
+    U(pool_blocks);
+    U(pool_blocks_in_use);
     if (h->ledger) U(ledger_room_bytes);
 #undef U
     if (h->ledger) {
