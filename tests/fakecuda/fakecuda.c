@@ -58,7 +58,12 @@
  *   FAKECUDA_NO_PEER=1 (cuDeviceCanAccessPeer reports 0), FAKECUDA_CONTEXT_MB
  *   (device memory an active primary context takes, as a real one takes
  *   hundreds of MiB: cuMemGetInfo's free and every allocation's room are
- *   less by it; fakecuda_used_bytes counts allocations only).
+ *   less by it; fakecuda_used_bytes counts allocations only),
+ *   FAKECUDA_VMM_CALL_US (each cuMemCreate, cuMemRelease, cuMemMap,
+ *   cuMemUnmap and cuMemSetAccess sleeps that long: calls that are not
+ *   free), FAKECUDA_SYNC_VMM=1 (cuMemUnmap and cuMemSetAccess first wait
+ *   for all work of the current device, completing it, as synchronous
+ *   calls do; on held work this waits, and aborts past the timeout).
  *
  * One global mutex (fc_mu) protects all state; fc_cv is signalled when held
  * work completes. Source files: fakecuda.c (configuration, counters, fault
@@ -182,6 +187,8 @@ static void load_config(void) {
     fc_cfg.sync_timeout_ms = env_long("FAKECUDA_SYNC_TIMEOUT_MS", 10000, 1, 86400000L);
     fc_cfg.event_lag = (unsigned)env_long("FAKECUDA_EVENT_LAG", 0, 0, 1000000L);
     fc_cfg.ctx_bytes = (uint64_t)env_long("FAKECUDA_CONTEXT_MB", 0, 0, 1L << 30) << 20;
+    fc_cfg.vmm_call_us = env_long("FAKECUDA_VMM_CALL_US", 0, 0, 1000000L);
+    fc_cfg.sync_vmm = env_long("FAKECUDA_SYNC_VMM", 0, 0, 1) != 0;
     if (fc_cfg.ctx_bytes > fc_cfg.capacity)
         fc_die("FAKECUDA_CONTEXT_MB: %llu MiB is more than the capacity",
                (unsigned long long)(fc_cfg.ctx_bytes >> 20));

@@ -96,6 +96,8 @@ struct fc_config {
     long sync_timeout_ms;
     unsigned event_lag; /* FAKECUDA_EVENT_LAG: every stream's initial completion lag */
     uint64_t ctx_bytes; /* FAKECUDA_CONTEXT_MB: device memory an active primary context takes */
+    long vmm_call_us;   /* FAKECUDA_VMM_CALL_US: what each VMM call costs, slept */
+    int sync_vmm;       /* FAKECUDA_SYNC_VMM=1: cuMemUnmap and cuMemSetAccess wait for the device */
 };
 
 /* Sorted vector of fixed-size elements whose first member is a uint64_t key. */
@@ -231,5 +233,9 @@ FC_HIDDEN CUresult fc_stream_check(const char *api, CUstream s);
 FC_HIDDEN CUresult fc_capture_unsafe_locked(void);
 /* The same, taking fc_mu. */
 FC_HIDDEN CUresult fc_capture_unsafe(void);
+/* The cost of a VMM call (FAKECUDA_VMM_CALL_US), and with `sync` and FAKECUDA_SYNC_VMM, the wait
+ * of a synchronous one for the current device's work: cuda.h's cuMemUnmap and cuMemSetAccess
+ * are synchronous with respect to the device. Called without fc_mu. */
+FC_HIDDEN void fc_vmm_call(const char *api, int sync);
 
 #endif /* CUMA_FAKECUDA_INTERNAL_H */

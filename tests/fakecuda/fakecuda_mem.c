@@ -410,6 +410,7 @@ CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                      const CUmemAllocationProp *prop, unsigned long long flags) {
     FC_ENTER(MemCreate);
+    fc_vmm_call("cuMemCreate", 0);
     if (fc_cfg.no_vmm) return CUDA_ERROR_NOT_SUPPORTED;
     if (!handle || !prop || size == 0 || !aligned(size) || flags) return CUDA_ERROR_INVALID_VALUE;
     CUresult rc;
@@ -445,6 +446,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     FC_ENTER(MemRelease);
+    fc_vmm_call("cuMemRelease", 0);
     CUresult rc = CUDA_ERROR_INVALID_VALUE;
     fc_lock();
     struct fc_slot *s = slot_lookup(handle);
@@ -462,6 +464,7 @@ CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
 CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                   unsigned long long flags) {
     FC_ENTER(MemMap);
+    fc_vmm_call("cuMemMap", 0);
     if (flags || ptr == 0 || size == 0 || !aligned(ptr) || !aligned(size) || !aligned(offset) ||
         ptr > UINT64_MAX - size)
         return CUDA_ERROR_INVALID_VALUE;
@@ -499,6 +502,7 @@ out:
 
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     FC_ENTER(MemUnmap);
+    fc_vmm_call("cuMemUnmap", 1);
     if (ptr == 0 || size == 0 || ptr > UINT64_MAX - size) return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = CUDA_ERROR_INVALID_VALUE;
     fc_lock();
@@ -539,6 +543,7 @@ static int access_prot(CUmemAccess_flags f) {
 
 CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
     FC_ENTER(MemSetAccess);
+    fc_vmm_call("cuMemSetAccess", 1);
     if (!desc || count == 0 || ptr == 0 || size == 0 || !aligned(ptr) || !aligned(size) ||
         ptr > UINT64_MAX - size)
         return CUDA_ERROR_INVALID_VALUE;

@@ -364,6 +364,26 @@ static int device_busy(const void *arg) {
     return 0;
 }
 
+void fc_vmm_call(const char *api, int sync) {
+    if (fc_cfg.vmm_call_us > 0) {
+        struct timespec ts = {fc_cfg.vmm_call_us / 1000000, (fc_cfg.vmm_call_us % 1000000) * 1000};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
+    }
+    if (!sync || !fc_cfg.sync_vmm) return;
+    int dev;
+    fc_lock();
+    if (fc_current_dev_locked(&dev) == CUDA_SUCCESS) {
+        wait_idle(api, device_busy, &dev);
+        complete_to(&fc_dev[dev].null_stream, fc_dev[dev].null_stream.recorded);
+        for (size_t i = 0; i < g_streams.n; i++) {
+            struct CUstream_st *st = ((struct fc_ref *)fc_vec_at(&g_streams, i))->obj;
+            if (st->dev == dev) complete_to(st, st->recorded);
+        }
+    }
+    fc_unlock();
+}
+
 /* ---- streams ----------------------------------------------------------------- */
 
 CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
