@@ -220,6 +220,7 @@ static cuma_status push_text(vm *v, uint32_t kind, size_t n) {
 static cuma_status add_items(vm *v, uint32_t c, size_t from) {
     cuma_pickle_node *nd = &v->p->node[c];
     size_t count = v->sp - from;
+    if (count == 0) return CUMA_OK; /* an empty APPENDS, SETITEMS, TUPLE, LIST or DICT */
     if (count > UINT32_MAX - 2 * (size_t)nd->n)
         return over(v, "items in one container", UINT32_MAX / 2);
     size_t have = nd->kind == CUMA_PK_DICT ? 2 * (size_t)nd->n : nd->n;
