@@ -317,16 +317,29 @@ static cuma_status read_segments(conv *c, int64_t segs, int device, const named 
     return CUMA_OK;
 }
 
+/* Signed sums that stop at the ends instead of overflowing: sizes come from the file. */
+static int64_t sat_add(int64_t a, int64_t b) {
+    if (b > 0 && a > INT64_MAX - b) return INT64_MAX;
+    if (b < 0 && a < INT64_MIN - b) return INT64_MIN;
+    return a + b;
+}
+
+/* The change an event makes to the reserved bytes. */
+static int64_t reserved_delta(const rec *r) {
+    int64_t sz = r->size > INT64_MAX ? INT64_MAX : (int64_t)r->size;
+    if (r->a == A_SEG_ALLOC || r->a == A_SEG_MAP) return sz;
+    if (r->a == A_SEG_FREE || r->a == A_SEG_UNMAP) return -sz;
+    return 0;
+}
+
 /* PyTorch's reserved bytes over the trace: known at the dump, so walked back from there. */
 static void recorded_reserved(const conv *c, uint64_t reserved_end, int has_times,
                               cuma_trace_recorded *out) {
-    int64_t level = (int64_t)(reserved_end > INT64_MAX ? INT64_MAX : reserved_end);
+    int64_t level = reserved_end > INT64_MAX ? INT64_MAX : (int64_t)reserved_end;
     int64_t peak = level;
     for (size_t i = c->n; i-- > 0;) {
-        const rec *r = &c->r[i];
-        int64_t sz = (int64_t)(r->size > INT64_MAX / 4 ? INT64_MAX / 4 : r->size);
-        if (r->a == A_SEG_ALLOC || r->a == A_SEG_MAP) level -= sz;
-        if (r->a == A_SEG_FREE || r->a == A_SEG_UNMAP) level += sz;
+        int64_t d = reserved_delta(&c->r[i]);
+        level = sat_add(level, d == INT64_MIN ? INT64_MAX : -d);
         if (level > peak) peak = level;
     }
     /* level is now what was reserved before the first event; walk forward for the average. */
@@ -340,12 +353,11 @@ static void recorded_reserved(const conv *c, uint64_t reserved_end, int has_time
         uint64_t t = r->time_us > t_prev ? r->time_us : t_prev;
         integral += (double)(level > 0 ? level : 0) * (double)(t - t_prev);
         t_prev = t;
-        int64_t sz = (int64_t)(r->size > INT64_MAX / 4 ? INT64_MAX / 4 : r->size);
-        if (r->a == A_SEG_ALLOC || r->a == A_SEG_MAP) level += sz;
-        if (r->a == A_SEG_FREE || r->a == A_SEG_UNMAP) level -= sz;
+        level = sat_add(level, reserved_delta(r));
     }
     if (t_prev > t_first) {
-        out->time_avg_reserved = (uint64_t)(integral / (double)(t_prev - t_first));
+        double avg = integral / (double)(t_prev - t_first);
+        out->time_avg_reserved = avg >= 0x1p63 ? (uint64_t)INT64_MAX : (uint64_t)avg;
         out->has_time_avg = 1;
     }
 }
