@@ -39,8 +39,9 @@ const char *cli_shown(const char *text, char *buf, size_t len);
 /* Kept here so `cuma help replay` and replay's own error path print the same text. */
 #define CUMA_REPLAY_USAGE                                                                          \
     "usage: cuma replay [--conf STR] [--scale K] [--policy NAME] [--json] [--timeline DIR]\n"      \
-    "                   [--max-events N] TRACE...\n"                                               \
-    "  Replays RMM CSV event logs (plain or .gz) on the simulated device, twice per trace:\n"      \
+    "                   [--max-events N] [--device N] TRACE...\n"                                  \
+    "  Replays RMM CSV event logs and PyTorch memory snapshots (_dump_snapshot() pickles; plain\n" \
+    "  or .gz, told apart by content) on the simulated device, twice per trace:\n"                 \
     "  once driving the heap's clock with the trace's timestamps to measure memory, once\n"        \
     "  without stats calls to time the alloc/free path.\n"                                         \
     "  --conf STR     settings appended after backend:sim,sim_clock:manual (they win)\n"           \
@@ -49,6 +50,8 @@ const char *cli_shown(const char *text, char *buf, size_t len);
     "                 traces to GPU scale)\n"                                                      \
     "  --max-events N refuse a trace of more than N events (default 16777216, about 768 MiB\n"     \
     "                 of host memory; a small .gz can hold far more lines than memory)\n"          \
+    "  --device N     a snapshot's device to replay (default: the one with the most events);\n"    \
+    "                 its recorded peak (and time-averaged) reserved bytes are printed too\n"      \
     "  --json         one JSON object per trace and line instead of the table\n"                   \
     "  --timeline DIR also write DIR/NAME.timeline.csv per trace (NAME: the file name without\n"   \
     "                 .gz/.csv): requested, reserved, cached and mapped bytes over trace time,\n"  \

@@ -28,7 +28,7 @@ static int cmd_help(int argc, char **argv);
     "                exit with status 2\n"
 
 static const subcommand commands[] = {
-    {"replay", cuma_cmd_replay, "replay RMM traces on the simulated device and measure them",
+    {"replay", cuma_cmd_replay, "replay RMM traces or PyTorch snapshots on the simulated device",
      CUMA_REPLAY_USAGE},
     {"plot", cuma_cmd_plot, "draw replay timelines as an SVG figure", CUMA_PLOT_USAGE},
     {"ps", cuma_cmd_ps, "list the live heaps of the ledger, by device", CUMA_PS_USAGE},

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-/* `cuma replay`: replays RMM event logs on the simulated device.
+/* `cuma replay`: replays RMM event logs and PyTorch memory snapshots on the simulated device.
  *
  * Each trace is replayed twice on fresh heaps with the same settings:
  *  1. measuring: the heap's clock follows the trace's timestamps, so time-based release acts as
@@ -39,6 +39,7 @@ typedef struct options {
     int json;
     const char *timeline_dir; /* --timeline: where the .timeline.csv files go (NULL: none) */
     uint64_t max_events;      /* --max-events: the reader's limit a trace */
+    int device;               /* --device: a snapshot's device (-1: the one with most events) */
 } options;
 
 /* What one trace's replay measured. Integrals are in byte-microseconds. */
@@ -53,6 +54,8 @@ typedef struct result {
     uint64_t zero_allocs;      /* allocations of 0 bytes: nothing to replay */
     uint64_t peak_requested, peak_reserved, end_reserved;
     double int_requested, int_reserved;
+    uint64_t span_us;         /* the clock's last time: the span the integrals cover */
+    const cuma_trace *trace;  /* its format and recorded figures */
     int64_t release_delay_ms; /* -1: the heap never releases by time */
     int64_t lag_ms;           /* sim_lag_ms: the simulated device runs this far behind */
     int device;               /* a CUDA backend: its events may complete late too */
@@ -277,6 +280,7 @@ static int measure(const cuma_trace *t, const char *conf, uint64_t scale, void *
             rc = heap_error(t->path, t->n, "end-of-trace release");
         } else {
             r->measured = 1;
+            r->span_us = now_us;
             r->end_reserved = r->final.reserved_bytes;
             /* A transient peak inside one call is real device memory too. */
             if (r->final.peak_reserved_bytes > r->peak_reserved)
@@ -356,6 +360,28 @@ static void print_json_string(const char *s) {
     putchar('"');
 }
 
+/* The replay's reserved bytes averaged over the trace's span (0 for a trace of one instant). */
+static uint64_t time_avg_reserved(const result *r) {
+    return r->span_us ? (uint64_t)(r->int_reserved / (double)r->span_us) : 0;
+}
+
+/* Where the trace came from, and what a snapshot says PyTorch itself reserved. */
+static void print_json_source(const result *r) {
+    const cuma_trace *t = r->trace;
+    int snap = t->format == CUMA_TRACE_TORCH_SNAPSHOT;
+    printf(",\"format\":\"%s\",\"time_avg_reserved_bytes\":%llu,\"synthetic_times\":%s",
+           snap ? "torch_snapshot" : "rmm_csv", (unsigned long long)time_avg_reserved(r),
+           t->synthetic_times ? "true" : "false");
+    if (!snap) return;
+    printf(",\"device\":%d,\"preexisting_blocks\":%zu,\"recorded_peak_reserved_bytes\":%llu,"
+           "\"recorded_time_avg_reserved_bytes\":",
+           t->device, t->preexisting, (unsigned long long)t->recorded.peak_reserved);
+    if (t->recorded.has_time_avg && !t->synthetic_times)
+        printf("%llu", (unsigned long long)t->recorded.time_avg_reserved);
+    else
+        printf("null");
+}
+
 static void print_json(const result *r, const options *o, const char *conf) {
     const cuma_stats *s = &r->final;
     printf("{\"trace\":");
@@ -390,6 +416,7 @@ static void print_json(const result *r, const options *o, const char *conf) {
     print_json_string(r->policy);
     printf(",\"scale\":%llu,\"conf\":", (unsigned long long)o->scale);
     print_json_string(conf);
+    print_json_source(r);
     printf("}\n");
 }
 
@@ -405,6 +432,15 @@ static void print_row(const result *r, int *header_done) {
            ratio(r->int_reserved, r->int_requested), MIB(r->end_reserved),
            (unsigned long long)r->final.page_creates, (unsigned long long)r->failed_allocs,
            r->ns_per_op);
+    const cuma_trace *t = r->trace;
+    if (t->format == CUMA_TRACE_TORCH_SNAPSHOT) {
+        printf("  %s: device %d, recorded by PyTorch: peak reserved %.1f MiB", base_name(r->path),
+               t->device, MIB(t->recorded.peak_reserved));
+        if (t->recorded.has_time_avg && !t->synthetic_times)
+            printf(", time-avg reserved %.1f MiB", MIB(t->recorded.time_avg_reserved));
+        printf("; replayed: peak reserved %.1f MiB, time-avg reserved %.1f MiB\n",
+               MIB(r->peak_reserved), MIB(time_avg_reserved(r)));
+    }
     /* Said on stderr so the table stays machine-readable by column. */
     if (r->unmatched_frees || r->skipped_failures || r->zero_allocs)
         cli_eprintf("cuma replay: %s: skipped %llu unmatched frees, %llu allocate failures, %llu "
@@ -440,10 +476,15 @@ static int timeline_dir_ok(const char *dir) {
 
 static int replay_one(const char *path, const char *conf, const options *o, int *header_done) {
     cuma_trace t;
-    if (cuma_trace_load_max(path, (size_t)o->max_events, &t) != CUMA_OK) {
+    cuma_trace_opts lo = {.max_events = (size_t)o->max_events, .device = o->device};
+    if (cuma_trace_load_opts(path, &lo, &t) != CUMA_OK) {
         cli_eprintf("cuma replay: %s\n", cuma_last_error());
         return CUMA_EXIT_USAGE;
     }
+    if (t.synthetic_times)
+        cli_eprintf("cuma replay: %s: warning: the snapshot has no time_us: events are spaced "
+                    "1 ms apart, so time-based release and time averages mean nothing\n",
+                    path);
     /* One slot per event, indexed like the trace, so matching a free costs one load. */
     void **ptrs = calloc(t.n ? t.n : 1, sizeof *ptrs);
     if (!ptrs) {
@@ -451,7 +492,7 @@ static int replay_one(const char *path, const char *conf, const options *o, int 
         cuma_trace_free(&t);
         return CUMA_EXIT_FAIL;
     }
-    result r = {.path = path, .events = t.n};
+    result r = {.path = path, .events = t.n, .trace = &t};
     tl_writer tl = {0};
     int rc = o->timeline_dir ? open_timeline(&tl, o->timeline_dir, &t) : CUMA_EXIT_OK;
     if (rc == CUMA_EXIT_OK) rc = measure(&t, conf, o->scale, ptrs, &r, tl.f ? &tl : NULL);
@@ -519,6 +560,16 @@ static int parse_args(int argc, char **argv, options *o, char **traces, int *ntr
                 rc = cli_usage_error("replay", CUMA_REPLAY_USAGE,
                                      "--max-events wants an integer from 1 to %llu, not '%s'",
                                      (unsigned long long)MAX_EVENTS_CAP, v);
+        } else if ((v = cli_option(argc, argv, &i, "--device", &missing)) != NULL) {
+            uint64_t d;
+            /* parse_scale takes 1 and up; a device may be 0. */
+            if (!strcmp(v, "0"))
+                o->device = 0;
+            else if (!parse_scale(v, &d) && d < 1024)
+                o->device = (int)d;
+            else
+                rc = cli_usage_error("replay", CUMA_REPLAY_USAGE,
+                                     "--device wants a device number from 0 to 1023, not '%s'", v);
         } else if ((v = cli_option(argc, argv, &i, "--scale", &missing)) != NULL) {
             if (parse_scale(v, &o->scale))
                 rc = cli_usage_error("replay", CUMA_REPLAY_USAGE,
@@ -536,7 +587,7 @@ static int parse_args(int argc, char **argv, options *o, char **traces, int *ntr
 
 int cuma_cmd_replay(int argc, char **argv) {
     if (cli_wants_help(argc, argv, CUMA_REPLAY_USAGE)) return CUMA_EXIT_OK;
-    options o = {.scale = 1, .max_events = CUMA_TRACE_MAX_EVENTS};
+    options o = {.scale = 1, .max_events = CUMA_TRACE_MAX_EVENTS, .device = -1};
     int ntraces = 0;
     char **traces = malloc((size_t)argc * sizeof *traces), *conf = NULL;
     int rc = traces ? parse_args(argc, argv, &o, traces, &ntraces) : CUMA_EXIT_FAIL;

@@ -9,6 +9,8 @@
  */
 #include "trace.h"
 
+#include "snapshot_pickle.h"
+
 #include "core/error.h"
 
 #include <errno.h>
@@ -422,10 +424,58 @@ cuma_status cuma_trace_load(const char *path, cuma_trace *out) {
 }
 
 cuma_status cuma_trace_load_max(const char *path, size_t max_events, cuma_trace *out) {
+    cuma_trace_opts o = {.max_events = max_events, .device = -1};
+    if (!max_events) {
+        if (out) memset(out, 0, sizeof *out);
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_trace_load: max_events 0 is not from 1 to %zu",
+                         SIZE_MAX / 2 / sizeof(cuma_trace_event));
+    }
+    return cuma_trace_load_opts(path, &o, out);
+}
+
+cuma_status cuma_trace_link(cuma_trace *t) {
+    ptrmap live;
+    if (map_init(&live, 1024) != 0)
+        return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", t->path ? t->path : "trace");
+    t->unmatched_frees = 0;
+    for (size_t i = 0; i < t->n; i++) {
+        cuma_trace_event *e = &t->ev[i];
+        e->match = -1;
+        if (e->action == CUMA_TRACE_ALLOC) {
+            if (map_put(&live, e->ptr, (int64_t)i) != 0) {
+                free(live.s);
+                return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory",
+                                 t->path ? t->path : "trace");
+            }
+        } else if (e->action == CUMA_TRACE_FREE) {
+            int64_t a = map_take(&live, e->ptr);
+            if (a >= 0) {
+                e->match = a;
+                t->ev[a].match = (int64_t)i;
+            } else {
+                t->unmatched_frees++;
+            }
+        }
+    }
+    free(live.s);
+    return CUMA_OK;
+}
+
+/* The first byte after decompression, pushed back so the readers see it again (no seek, so
+ * a pipe works too); -1 for an empty or unreadable file (the reader reports which). */
+static int first_byte(gzFile gz) {
+    int c = gzgetc(gz);
+    if (c >= 0 && gzungetc(c, gz) != c) return -2;
+    return c < 0 ? -1 : c;
+}
+
+cuma_status cuma_trace_load_opts(const char *path, const cuma_trace_opts *o, cuma_trace *out) {
     if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_trace_load: out is NULL");
     memset(out, 0, sizeof *out);
     if (!path) return cuma_fail(CUMA_ERR_INVALID, "cuma_trace_load: path is NULL");
-    if (!max_events || max_events > SIZE_MAX / 2 / sizeof(cuma_trace_event))
+    size_t max_events = o && o->max_events ? o->max_events : CUMA_TRACE_MAX_EVENTS;
+    int device = o ? o->device : -1;
+    if (max_events > SIZE_MAX / 2 / sizeof(cuma_trace_event))
         return cuma_fail(CUMA_ERR_INVALID, "cuma_trace_load: max_events %zu is not from 1 to %zu",
                          max_events, SIZE_MAX / 2 / sizeof(cuma_trace_event));
 
@@ -441,7 +491,15 @@ cuma_status cuma_trace_load_max(const char *path, size_t max_events, cuma_trace 
 
     loader L = {.path = path, .max_events = max_events};
     cuma_status st = CUMA_OK;
-    if (map_init(&L.live, 1024) != 0) st = cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", path);
+    int first = first_byte(gz);
+    if (first == 0x80) {
+        st = cuma_snapshot_read(gz, path, max_events, device, out);
+        gzclose(gz);
+        return st;
+    }
+    if (first == -2) st = cuma_fail(CUMA_ERR_OOM, "%s: out of host memory reading the file", path);
+    if (st == CUMA_OK && map_init(&L.live, 1024) != 0)
+        st = cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", path);
     if (st == CUMA_OK) st = read_all(&L, gz);
     gzclose(gz); /* closes fd too */
     free(L.live.s);
@@ -462,6 +520,7 @@ cuma_status cuma_trace_load_max(const char *path, size_t max_events, cuma_trace 
     out->ev = L.ev;
     out->n = L.n;
     out->unmatched_frees = L.unmatched;
+    out->format = CUMA_TRACE_RMM_CSV;
     return CUMA_OK;
 }
 

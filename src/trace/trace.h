@@ -1,5 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-/* Reader of RAPIDS RMM's CSV event log, the trace format `cuma replay` consumes.
+/* Reader of the traces `cuma replay` consumes: RAPIDS RMM's CSV event log, and PyTorch's CUDA
+ * memory snapshots (a pickle from torch.cuda.memory._dump_snapshot(), read by
+ * snapshot_pickle.c; see cuma_trace_load_opts). The format is told by the content: a
+ * (decompressed) first byte 0x80, pickle's PROTO, is a snapshot; anything else is CSV.
  *
  *   Thread,Time,Action,Pointer,Size,Stream
  *   0,00:00:00:000108,allocate,0x7f0000000400,472,0
@@ -44,12 +47,38 @@ typedef struct cuma_trace_event {
     int64_t match;
 } cuma_trace_event;
 
+typedef enum {
+    CUMA_TRACE_RMM_CSV = 0,
+    CUMA_TRACE_TORCH_SNAPSHOT = 1,
+} cuma_trace_format;
+
+/* What a PyTorch snapshot says its own allocator reserved from the driver (segment_alloc,
+ * segment_free, segment_map, segment_unmap, and the segments alive at the dump). */
+typedef struct cuma_trace_recorded {
+    int valid;                  /* 0: the trace carries no such figures (RMM CSV) */
+    uint64_t peak_reserved;     /* bytes */
+    uint64_t time_avg_reserved; /* bytes, averaged over the trace's time span; 0 without times */
+    int has_time_avg;           /* time_avg_reserved means something */
+} cuma_trace_recorded;
+
 typedef struct cuma_trace {
     char *path;           /* as passed to cuma_trace_load (owned copy) */
     cuma_trace_event *ev; /* n events in file order */
     size_t n;
     size_t unmatched_frees; /* FREE events with match == -1 */
+    uint32_t format;        /* cuma_trace_format */
+    int device;             /* a snapshot: the device whose events these are; 0 for CSV */
+    int synthetic_times;    /* the file had no times: events are spaced evenly, so time-based
+                             * figures (release by time, time averages) mean nothing */
+    size_t preexisting;     /* ALLOC events added at time 0 for blocks alive before recording */
+    cuma_trace_recorded recorded;
 } cuma_trace;
+
+/* How to load: cuma_trace_load_opts. */
+typedef struct cuma_trace_opts {
+    size_t max_events; /* 0: CUMA_TRACE_MAX_EVENTS */
+    int device;        /* a snapshot's device; -1: the one with the most events */
+} cuma_trace_opts;
 
 /* The largest hour a Time field may have (over a year of logging); a larger one is malformed. */
 #define CUMA_TRACE_MAX_HOURS 9999u
@@ -70,6 +99,19 @@ cuma_status cuma_trace_load(const char *path, cuma_trace *out);
 /* cuma_trace_load with another limit on events (1 to SIZE_MAX / 96; CUMA_ERR_INVALID else). The
  * memory a load takes is about 48 bytes an event, plus 16 a live allocation. */
 cuma_status cuma_trace_load_max(const char *path, size_t max_events, cuma_trace *out);
+
+/* cuma_trace_load with options. A snapshot's events: alloc -> ALLOC; free_completed -> FREE,
+ * or free_requested when no free_completed of the block follows; oom -> ALLOC_FAIL; the rest
+ * (segment_*, snapshot, ...) only feed `recorded`. Blocks alive before recording (active in the
+ * dump's segments but never allocated in the trace, or freed without an allocation) are
+ * ALLOCs at time 0. Times are microseconds since the first event. CUMA_ERR_PARSE also for a
+ * pickle the reader refuses (pickle.h) or one that is no snapshot; CUMA_ERR_INVALID for a
+ * device the snapshot does not have. */
+cuma_status cuma_trace_load_opts(const char *path, const cuma_trace_opts *o, cuma_trace *out);
+
+/* Sets every event's match and t->unmatched_frees from the actions and pointers, as the CSV
+ * reader links them. CUMA_ERR_OOM. */
+cuma_status cuma_trace_link(cuma_trace *t);
 
 /* Frees what cuma_trace_load allocated and empties *t. NULL and an empty trace are fine. */
 void cuma_trace_free(cuma_trace *t);
