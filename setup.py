@@ -4,7 +4,8 @@
 `pip install .` runs this through setuptools' PEP 517 backend (pyproject.toml). Before the
 Python files are copied, CMake configures and builds libcuma, libcuma_preload.so,
 libcuma_torch.so (where a C++ compiler exists), libcuma_torch_c10-<torch version>.so (where
-this interpreter's PyTorch has its C++ headers) and the `cuma` command in a build directory of
+this interpreter's PyTorch has its C++ headers; its sources go along as cuma/_c10src, for a
+build at run time against another PyTorch) and the `cuma` command in a build directory of
 setuptools' own, and they are copied into the package: the library under its soname,
 cuma/libcuma.so.0 (the name libcuma_torch.so asks for through $ORIGIN, and one the package's
 library search tries next to itself, so the process maps one copy), the command as
@@ -74,6 +75,14 @@ class build_native(build_py):
             if os.path.exists(os.path.join(lib, name)):
                 self._copy(os.path.join(lib, name), os.path.join(pkg, name))
         self._copy(os.path.join(cmake_dir, "bin", "cuma"), os.path.join(pkg, "bin", "cuma"))
+        # The sources cuma/_torch_c10.py builds libcuma_torch_c10 from at run time, for a
+        # PyTorch other than the one (if any) found here.
+        src = os.path.join(pkg, "_c10src")
+        os.makedirs(os.path.join(src, "cuma"), exist_ok=True)
+        for name in ("raise_c10.cpp", "failure_text.h"):
+            self._copy(os.path.join(ROOT, "src", "shim", "torch", name), os.path.join(src, name))
+        for name in ("cuma.h", "torch.h"):
+            self._copy(os.path.join(ROOT, "include", "cuma", name), os.path.join(src, "cuma", name))
 
     @staticmethod
     def _has_target(cmake_dir, target):

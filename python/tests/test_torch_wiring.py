@@ -9,6 +9,7 @@ else libcuma_torch.so) is checked here too."""
 
 import ctypes
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -152,3 +153,75 @@ def test_an_unloadable_c10_library_warns_and_falls_back(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="cannot be loaded.*not torch.cuda.OutOfMemoryError"):
         path, name = cuma.torch._entry_points("2.5.1")
     assert (path, name) == (str(tmp_path / "libcuma_torch.so"), "cuma_torch_raising_malloc")
+
+
+def _real_torch_with_headers():
+    torch = pytest.importorskip("torch")
+    root = os.path.dirname(torch.__file__)
+    if not os.path.isfile(os.path.join(root, "include", "c10", "util", "Exception.h")):
+        pytest.skip("this PyTorch has no C++ headers (Debian: libtorch-dev)")
+    if shutil.which(os.environ.get("CXX") or "c++") is None:
+        pytest.skip("no C++ compiler")
+    return torch
+
+
+def test_run_time_build_for_a_torch_libcuma_was_not_built_against(tmp_path, monkeypatch):
+    """A pip user's PyTorch: built once into the cache, found there the next time, picked by
+    enable()'s _entry_points, and raising PyTorch's type (checked by test_torch_c10 in C++)."""
+    torch = _real_torch_with_headers()
+    from cuma import _torch_c10
+
+    monkeypatch.setenv("CUMA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("CUMA_TORCH_C10_BUILD", raising=False)
+    libcuma = _lib.path()
+    built = _torch_c10.library(torch, libcuma)
+    assert built and os.path.dirname(built) == str(tmp_path / "cache"), os.listdir(tmp_path / "cache")
+    assert os.path.basename(built).startswith("libcuma_torch_c10-%s-" % torch.__version__)
+    mtime = os.stat(built).st_mtime_ns
+    assert _torch_c10.library(torch, libcuma) == built and os.stat(built).st_mtime_ns == mtime
+    # Where libcuma has none for this version, _entry_points takes the built one.
+    other = tmp_path / "lib"
+    other.mkdir()
+    (other / "libcuma_torch.so").write_bytes(b"")
+    monkeypatch.setattr(_lib, "path", lambda: str(other / "libcuma.so"))
+    monkeypatch.setattr(_torch_c10, "library", lambda t, p: built)
+    assert cuma.torch._entry_points(torch.__version__, torch) == (built, "cuma_torch_raising_malloc")
+    test = os.path.join(os.path.dirname(os.path.dirname(libcuma)), "tests", "torch", "test_torch_c10")
+    if os.path.exists(test):
+        env = dict(os.environ, CUMA_CONF="backend:sim,capacity:64M")
+        r = subprocess.run([test, built, torch.__version__], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_run_time_build_without_a_compiler_is_silently_skipped(tmp_path, monkeypatch, recwarn):
+    torch = _real_torch_with_headers()
+    from cuma import _torch_c10
+
+    monkeypatch.setenv("CUMA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert _torch_c10.library(torch, _lib.path()) is None
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("CUMA_TORCH_C10_BUILD", "0")
+    assert _torch_c10.library(torch, _lib.path()) is None
+    assert not os.path.exists(tmp_path / "cache") and not recwarn.list
+
+
+def test_a_failed_run_time_build_is_not_retried(tmp_path, monkeypatch):
+    """A compiler that fails: its output is kept beside the library's name, and the next call
+    does not run it again."""
+    torch = _real_torch_with_headers()
+    from cuma import _torch_c10
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "cxx"
+    fake.write_text("#!/bin/sh\necho run >> %s\necho 'cxx: broken' >&2\nexit 1\n" % calls)
+    fake.chmod(0o755)
+    monkeypatch.setenv("CUMA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.delenv("CUMA_TORCH_C10_BUILD", raising=False)
+    assert _torch_c10.library(torch, _lib.path()) is None
+    assert _torch_c10.library(torch, _lib.path()) is None
+    assert calls.read_text() == "run\n"
+    failed = [f for f in os.listdir(tmp_path / "cache") if f.endswith(".failed")]
+    assert len(failed) == 1 and b"cxx: broken" in (tmp_path / "cache" / failed[0]).read_bytes()
+    assert [f for f in os.listdir(tmp_path / "cache") if not f.endswith(".failed")] == []
