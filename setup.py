@@ -3,7 +3,9 @@
 
 `pip install .` runs this through setuptools' PEP 517 backend (pyproject.toml). Before the
 Python files are copied, CMake configures and builds libcuma, libcuma_preload.so,
-libcuma_torch.so (where a C++ compiler exists) and the `cuma` command in a build directory of
+libcuma_torch.so (where a C++ compiler exists), libcuma_torch_c10-<torch version>.so (where
+this interpreter's PyTorch has its C++ headers; its sources go along as cuma/_c10src, for a
+build at run time against another PyTorch) and the `cuma` command in a build directory of
 setuptools' own, and they are copied into the package: the library under its soname,
 cuma/libcuma.so.0 (the name libcuma_torch.so asks for through $ORIGIN, and one the package's
 library search tries next to itself, so the process maps one copy), the command as
@@ -51,10 +53,14 @@ class build_native(build_py):
             "-DCMAKE_BUILD_TYPE=Release",
             "-DCUMA_BUILD_TESTS=OFF",
             "-DCUMA_PYTHON_DIR=",  # the package is installed by pip, not by CMake
+            # libcuma_torch_c10 is built against the PyTorch of the interpreter installing
+            # the package (under build isolation that one usually has none: it is skipped).
+            "-DCUMA_PYTHON=" + sys.executable,
         ] + os.environ.get("CUMA_CMAKE_ARGS", "").split()
         self._run(args)
         targets = ["cuma_shared", "cuma_cli"]
-        for opt in ("cuma_preload", "cuma_torch"):  # built where CUDA headers / C++ exist
+        # Built where CUDA headers / C++ / PyTorch's C++ headers exist.
+        for opt in ("cuma_preload", "cuma_torch", "cuma_torch_c10"):
             if self._has_target(cmake_dir, opt):
                 targets.append(opt)
         jobs = os.environ.get("CUMA_BUILD_JOBS") or str(os.cpu_count() or 1)
@@ -64,10 +70,19 @@ class build_native(build_py):
         lib = os.path.join(cmake_dir, "lib")
         # Real files only: a wheel cannot hold symbolic links.
         self._copy(os.path.join(lib, "libcuma.so.0"), os.path.join(pkg, "libcuma.so.0"))
-        for name in ("libcuma_preload.so", "libcuma_torch.so"):
+        c10 = [n for n in os.listdir(lib) if n.startswith("libcuma_torch_c10-") and n.endswith(".so")]
+        for name in ["libcuma_preload.so", "libcuma_torch.so"] + c10:
             if os.path.exists(os.path.join(lib, name)):
                 self._copy(os.path.join(lib, name), os.path.join(pkg, name))
         self._copy(os.path.join(cmake_dir, "bin", "cuma"), os.path.join(pkg, "bin", "cuma"))
+        # The sources cuma/_torch_c10.py builds libcuma_torch_c10 from at run time, for a
+        # PyTorch other than the one (if any) found here.
+        src = os.path.join(pkg, "_c10src")
+        os.makedirs(os.path.join(src, "cuma"), exist_ok=True)
+        for name in ("raise_c10.cpp", "failure_text.h"):
+            self._copy(os.path.join(ROOT, "src", "shim", "torch", name), os.path.join(src, name))
+        for name in ("cuma.h", "torch.h"):
+            self._copy(os.path.join(ROOT, "include", "cuma", name), os.path.join(src, "cuma", name))
 
     @staticmethod
     def _has_target(cmake_dir, target):

@@ -10,8 +10,11 @@
  *
  * libcuma_torch.so (built where a C++ compiler is found) holds cuma_torch_raising_malloc, which
  * throws a C++ exception on failure: PyTorch raises it as a RuntimeError whose text starts with
- * "CUDA out of memory." for an out-of-memory, and carries cuma's reason. PyTorch keeps a NULL
- * from a pluggable allocator as a tensor without storage, and never raises its own
+ * "CUDA out of memory." for an out-of-memory, and carries cuma's reason.
+ * libcuma_torch_c10-<torch version>.so (built where PyTorch's C++ headers are found) holds the
+ * same function throwing PyTorch's c10::OutOfMemoryError for an out-of-memory instead, which
+ * PyTorch raises as torch.cuda.OutOfMemoryError; cuma.torch.enable() prefers it. PyTorch keeps
+ * a NULL from a pluggable allocator as a tensor without storage, and never raises its own
  * OutOfMemoryError for one, so cuma_torch_malloc (the same call returning NULL) is for callers
  * that check the pointer; with PyTorch it leaves only its line on stderr to say why.
  *

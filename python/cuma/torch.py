@@ -78,10 +78,11 @@ def enable(conf=None):
     use, in place of CUMA_CONF (the environment is not changed: other heaps and child processes
     still read CUMA_CONF). Must be called before CUDA is initialised (the first CUDA tensor,
     but also torch.cuda.set_device(), current_device() or get_device_name() initialise it):
-    PyTorch refuses to swap an initialised allocator. An allocation cuma cannot serve raises a
-    RuntimeError whose text starts with "CUDA out of memory." and gives cuma's reason (PyTorch
-    raises its own torch.cuda.OutOfMemoryError for its own allocator only);
-    cuma.adaptive.is_oom() recognises both. Raises RuntimeError, saying exactly why, when this
+    PyTorch refuses to swap an initialised allocator. An allocation cuma cannot serve raises
+    torch.cuda.OutOfMemoryError (a RuntimeError) where libcuma_torch_c10 was built for this
+    PyTorch (see _entry_points), else a plain RuntimeError; either way its text starts with
+    "CUDA out of memory." and gives cuma's reason, and cuma.adaptive.is_oom() recognises it.
+    Raises RuntimeError, saying exactly why, when this
     PyTorch has no CUDA or no CUDAPluggableAllocator (PyTorch < 2.0, CPU-only builds), when
     CUDA memory was already allocated, or when the default heap is on the simulated device
     (its addresses are not device memory: PyTorch's kernels would fault on them).
@@ -138,7 +139,7 @@ def enable(conf=None):
                 "addresses are not device memory. Build libcuma with the CUDA backends and run where "
                 "a CUDA driver is present, or set CUMA_CONF=backend:vmm" % backend
             )
-        lib_path, malloc_name = _entry_points()
+        lib_path, malloc_name = _entry_points(getattr(torch, "__version__", None), torch)
         alloc = mem.CUDAPluggableAllocator(lib_path, malloc_name, "cuma_torch_free")
         _hooks = _wire_hooks(alloc)
         try:
@@ -153,14 +154,41 @@ def enable(conf=None):
         return alloc
 
 
-def _entry_points():
-    """The library PyTorch should load and its allocation function: libcuma_torch.so (next to
-    libcuma.so), whose allocation raises a RuntimeError starting "CUDA out of memory." with
-    cuma's reason when it fails. PyTorch keeps a NULL from a pluggable allocator as a tensor
-    without storage, which fails later saying nothing of memory, so the plain C entry point is
-    only the fallback for a libcuma built without a C++ compiler (with a warning)."""
+def _entry_points(torch_version=None, torch=None):
+    """The library PyTorch should load and its allocation function.
+
+    First libcuma_torch_c10-<torch_version>.so (next to libcuma.so, built where PyTorch's C++
+    headers were found), whose allocation raises PyTorch's own torch.cuda.OutOfMemoryError (a
+    RuntimeError) when cuma has no room, so that PyTorch's recovery paths and callers catching
+    that type work as with PyTorch's allocator. It is compiled against one PyTorch's ABI, hence
+    the version in its name: another PyTorch never loads it. Where there is none for this
+    version and `torch` (the module) is given, one built for it at run time (cuma/_torch_c10.py:
+    once per PyTorch and libcuma, with the system C++ compiler, into a per-user cache; nothing,
+    silently, without a compiler or PyTorch's headers). Then libcuma_torch.so, whose allocation
+    raises a RuntimeError starting "CUDA out of memory." with cuma's reason. PyTorch keeps a
+    NULL from a pluggable allocator as a tensor without storage, which fails later saying
+    nothing of memory, so the plain C entry point is only the fallback for a libcuma built
+    without a C++ compiler (with a warning)."""
     lib_path = _lib.path()
-    raising = os.path.join(os.path.dirname(lib_path), "libcuma_torch.so")
+    lib_dir = os.path.dirname(lib_path)
+    if torch_version:
+        c10 = os.path.join(lib_dir, "libcuma_torch_c10-%s.so" % torch_version)
+        if not os.path.exists(c10) and torch is not None:
+            from . import _torch_c10
+
+            c10 = _torch_c10.library(torch, lib_path) or c10
+        if os.path.exists(c10):
+            try:
+                ctypes.CDLL(c10)  # PyTorch's dlopen would fail the same way, with less to say
+                return c10, "cuma_torch_raising_malloc"
+            except OSError as e:
+                warnings.warn(
+                    "cuma.torch.enable(): %s cannot be loaded (%s): out-of-memory errors will be a "
+                    "RuntimeError, not torch.cuda.OutOfMemoryError" % (c10, e),
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+    raising = os.path.join(lib_dir, "libcuma_torch.so")
     if os.path.exists(raising):
         return raising, "cuma_torch_raising_malloc"
     warnings.warn(
