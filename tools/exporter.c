@@ -100,7 +100,10 @@ static const heap_metric alloc_metrics[] = {
      "Allocations that did not fit at once and went down the out-of-memory ladder (cache "
      "released, then the others' memory, callbacks, managed memory).",
      F(alloc_retries)},
-    {"cuma_ooms_total", "counter", "Allocations that reached the heap's OOM callbacks.", F(ooms)},
+    {"cuma_ooms_total", "counter",
+     "Allocations still out of memory after the cache releases (those that reach the OOM "
+     "callbacks, whether or not the heap has any).",
+     F(ooms)},
     {"cuma_oom_callbacks_total", "counter", "OOM callback invocations.", F(oom_callbacks)},
     {"cuma_managed_fallbacks_total", "counter", "Allocations served from managed memory.",
      F(managed_fallbacks)},

@@ -209,7 +209,9 @@ typedef struct cuma_stats {
     uint64_t failed_allocs;     /* allocations that returned an error */
     uint64_t num_alloc_retries; /* allocations that released the cache and tried again (as
                                    PyTorch counts them: whether or not the retry succeeded) */
-    uint64_t num_ooms;          /* allocations that reached the OOM callbacks */
+    uint64_t num_ooms;          /* allocations still out of memory after the cache releases: the
+                                   ones that reached the OOM callbacks, whether or not any is
+                                   registered (managed memory may still serve them) */
     uint64_t oom_callbacks;     /* callback invocations */
     uint64_t managed_fallbacks; /* allocations served from managed memory */
     uint64_t page_creates;      /* physical pages obtained from the device */

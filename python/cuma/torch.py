@@ -326,7 +326,7 @@ def memory_summary(device=0):
         ("Live allocations", s.get("allocation.all.current")),
         ("Allocations / frees", "%s / %s" % (s.get("allocation.all.allocated"), s.get("allocation.all.freed"))),
         ("Alloc retries (cache released)", s.get("num_alloc_retries")),
-        ("OOMs (callbacks reached) / failed", "%s / %s" % (s.get("num_ooms"), s.get("cuma.failed_allocs"))),
+        ("OOMs (after cache release) / failed", "%s / %s" % (s.get("num_ooms"), s.get("cuma.failed_allocs"))),
         ("Pages created / released", "%s / %s" % (s.get("num_device_alloc"), s.get("num_device_free"))),
         ("Page maps / unmaps", "%s / %s" % (s.get("cuma.maps"), s.get("cuma.unmaps"))),
         ("Stranded (in-use pages, not live)", "%s (%.2f%% of in use)" % (

@@ -266,7 +266,6 @@ static cuma_status run_oom_callbacks(cuma_heap *h, cuma_status st, size_t size, 
     int ncb = p->oom.n;
     memcpy(cbs, p->oom.s, sizeof cbs);
     pthread_mutex_unlock(&p->oom_lock);
-    if (ncb) h->c.ooms++;
     oom_frame frame = {p, oom_frames};
     oom_frames = &frame;
     for (int i = 0; i < ncb; i++) {
@@ -329,6 +328,10 @@ static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n
         st = try_alloc(h, size, n, si, now(h), out);
         if (!is_oom(st)) return st;
     }
+    /* Still out of memory: counted whether or not callbacks are registered, so that an
+     * autoscaler watching the count sees a job that registered none run out too (one failed
+     * 1,841 allocations with a count of 0). */
+    h->c.ooms++;
     st = run_oom_callbacks(h, st, size, n, si, stream, out);
     if (!is_oom(st)) return st;
     /* The ladder released the cache first: what is idle now are the pages the failed attempts made

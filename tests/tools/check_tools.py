@@ -68,7 +68,7 @@ def expected_by_hand(pid_sim, pid_raw):
                       alloc_retries=0, ooms=0, oom_callbacks=0, trims=0, fragmentation=0.0)
     c["stats"] = dict(common, allocated=9 * MB, mapped=10 * MB, peak_requested=13 * MB,
                       active_allocs=2, num_allocs=4, num_frees=2, failed_allocs=1,
-                      alloc_retries=2, ooms=1, oom_callbacks=2, trims=3, fragmentation=0.1)
+                      alloc_retries=2, ooms=2, oom_callbacks=2, trims=3, fragmentation=0.1)
     return [a, b, c, x, y]
 
 

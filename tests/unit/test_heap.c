@@ -124,6 +124,8 @@ static void test_limit_and_max_cached(void) {
     CHECK_OK(cuma_alloc(h, 6 * MB, NULL, &p));
     CHECK_ST(cuma_alloc(h, 4 * MB, NULL, &q), CUMA_ERR_LIMIT);
     CHECK(strstr(cuma_last_error(), "limit"));
+    /* Counted as an out-of-memory though no callback is registered (what autoscalers watch). */
+    CHECK(heap_stats(h).num_ooms == 1 && heap_stats(h).failed_allocs == 1);
     CHECK_OK(cuma_free(h, p, NULL));
     CHECK(heap_stats(h).cached_bytes == 2 * MB); /* the cap released the rest at once */
     CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &q));
