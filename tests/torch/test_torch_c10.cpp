@@ -6,7 +6,7 @@
 // a failure that is not memory must stay a std::runtime_error.
 //
 //   test_torch_c10 LIBCUMA_TORCH_C10 TORCH_VERSION   (CUMA_CONF: a 64 MiB simulated device)
-#include "cuma/torch.h"
+#include "torch_test.h"
 
 #include <c10/util/Exception.h>
 
@@ -16,16 +16,6 @@
 #include <stdexcept>
 #include <string>
 
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c);             \
-            std::abort();                                                                          \
-        }                                                                                          \
-    } while (0)
-
-typedef void *(*malloc_fn)(size_t, int, cudaStream_t); // PyTorch's declaration
-typedef void (*free_fn)(void *, size_t, int, cudaStream_t);
 typedef const char *(*version_fn)(void);
 
 enum caught { NOTHING, C10_OOM, RUNTIME_ERROR };

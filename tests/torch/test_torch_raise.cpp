@@ -6,7 +6,7 @@
 // memory.") with cuma's reason; success, size 0 and frees must behave as the C entry points.
 //
 //   test_torch_raise LIBCUMA_TORCH   (CUMA_CONF: a 64 MiB simulated device, set by ctest)
-#include "cuma/torch.h"
+#include "torch_test.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -15,16 +15,6 @@
 #include <stdexcept>
 #include <string>
 
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c);             \
-            std::abort();                                                                          \
-        }                                                                                          \
-    } while (0)
-
-typedef void *(*malloc_fn)(size_t, int, cudaStream_t); // PyTorch's declaration
-typedef void (*free_fn)(void *, size_t, int, cudaStream_t);
 
 // What the allocation threw (empty: it did not throw).
 static std::string thrown(malloc_fn fn, size_t size, int device, void **out) {
