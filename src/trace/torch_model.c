@@ -55,6 +55,28 @@ uint64_t cuma_tm_segment_size(uint64_t rounded) {
 
 /* ---- blocks and pools ----------------------------------------------------------------------- */
 
+/* Host memory for what one malloc or free may add (two block slots, one pool entry), taken
+ * before anything changes, so the steps after it cannot fail halfway. -1: out of memory. */
+static int reserve(cuma_tm *m, cuma_tm_pool *p) {
+    if (m->nb + 2 > m->capb) {
+        size_t cap = m->capb ? m->capb * 2 : 256;
+        if (cap > INT32_MAX) return -1;
+        cuma_tm_block *nb = realloc(m->b, cap * sizeof *nb);
+        if (!nb) return -1;
+        m->b = nb;
+        m->capb = cap;
+    }
+    if (p->n + 1 > p->cap) {
+        size_t cap = p->cap ? p->cap * 2 : 64;
+        int32_t *ids = realloc(p->ids, cap * sizeof *ids);
+        if (!ids) return -1;
+        p->ids = ids;
+        p->cap = cap;
+    }
+    return 0;
+}
+
+/* A fresh slot (room was reserved). */
 static int32_t new_block(cuma_tm *m) {
     if (m->spare >= 0) {
         int32_t id = m->spare;
@@ -63,14 +85,7 @@ static int32_t new_block(cuma_tm *m) {
         m->b[id].in_use = 1;
         return id;
     }
-    if (m->nb == m->capb) {
-        size_t cap = m->capb ? m->capb * 2 : 256;
-        if (cap > INT32_MAX) return -1;
-        cuma_tm_block *nb = realloc(m->b, cap * sizeof *nb);
-        if (!nb) return -1;
-        m->b = nb;
-        m->capb = cap;
-    }
+    assert(m->nb < m->capb);
     int32_t id = (int32_t)m->nb++;
     memset(&m->b[id], 0, sizeof m->b[id]);
     m->b[id].in_use = 1;
@@ -105,22 +120,16 @@ static size_t lower_bound(const cuma_tm *m, const cuma_tm_pool *p, uint64_t stre
     return lo;
 }
 
-static int pool_insert(cuma_tm *m, int32_t id) {
+/* Puts free block id in its pool (room was reserved). */
+static void pool_insert(cuma_tm *m, int32_t id) {
     cuma_tm_block *b = &m->b[id];
     cuma_tm_pool *p = &m->pool[b->large];
-    if (p->n == p->cap) {
-        size_t cap = p->cap ? p->cap * 2 : 64;
-        int32_t *ids = realloc(p->ids, cap * sizeof *ids);
-        if (!ids) return -1;
-        p->ids = ids;
-        p->cap = cap;
-    }
+    assert(p->n < p->cap);
     size_t at = lower_bound(m, p, b->stream, b->size, b->addr);
     memmove(p->ids + at + 1, p->ids + at, (p->n - at) * sizeof *p->ids);
     p->ids[at] = id;
     p->n++;
     b->gc_base = p->calls - b->gc_count;
-    return 0;
 }
 
 static void pool_remove_at(cuma_tm *m, cuma_tm_pool *p, size_t at) {
@@ -152,7 +161,6 @@ static int32_t alloc_segment(cuma_tm *m, uint64_t size, uint64_t stream, int lar
     uint64_t limit = reserve_limit(&m->conf);
     if (limit && (size > limit || m->st.reserved > limit - size)) return -1;
     int32_t id = new_block(m);
-    if (id < 0) return -1;
     cuma_tm_block *b = &m->b[id];
     b->addr = m->next_addr;
     b->size = size;
@@ -272,12 +280,16 @@ static int should_split(const cuma_tm *m, const cuma_tm_block *b, uint64_t round
 
 cuma_status cuma_tm_malloc(cuma_tm *m, uint64_t size, uint64_t stream, int32_t *id) {
     *id = -1;
-    if (size == 0 || size > ((uint64_t)1 << 62))
-        return cuma_fail(CUMA_ERR_INVALID, "pytorch model: bad request size %llu",
+    if (size == 0) return cuma_fail(CUMA_ERR_INVALID, "pytorch model: a request of 0 bytes");
+    if (size > CUMA_TM_MAX_REQUEST) { /* no device has it: a failed allocation */
+        m->st.failed_allocs++;
+        return cuma_fail(CUMA_ERR_OOM, "pytorch model: a request of %llu bytes is over 4 EiB",
                          (unsigned long long)size);
+    }
     uint64_t rounded = cuma_tm_round_size(&m->conf, size);
     int large = rounded > CUMA_TM_SMALL_SIZE;
     cuma_tm_pool *p = &m->pool[large];
+    if (reserve(m, p)) return cuma_fail(CUMA_ERR_OOM, "pytorch model: out of host memory");
     int32_t got = take_free_block(m, p, stream, rounded);
     if (got < 0) {
         uint64_t seg = cuma_tm_segment_size(rounded);
@@ -301,10 +313,6 @@ cuma_status cuma_tm_malloc(cuma_tm *m, uint64_t size, uint64_t stream, int32_t *
     }
     if (should_split(m, &m->b[got], rounded)) {
         int32_t rest = new_block(m);
-        if (rest < 0) { /* host memory: the block goes back to its pool as it was */
-            (void)pool_insert(m, got);
-            return cuma_fail(CUMA_ERR_OOM, "pytorch model: out of host memory");
-        }
         cuma_tm_block *b = &m->b[got], *r = &m->b[rest];
         *r = *b;
         r->addr = b->addr + rounded;
@@ -314,8 +322,7 @@ cuma_status cuma_tm_malloc(cuma_tm *m, uint64_t size, uint64_t stream, int32_t *
         if (r->next >= 0) m->b[r->next].prev = rest;
         b->size = rounded;
         b->next = rest;
-        if (pool_insert(m, rest))
-            return cuma_fail(CUMA_ERR_OOM, "pytorch model: out of host memory");
+        pool_insert(m, rest);
     }
     cuma_tm_block *b = &m->b[got];
     b->allocated = 1;
@@ -349,6 +356,8 @@ static void merge(cuma_tm *m, int32_t id, int32_t nb) {
 cuma_status cuma_tm_free(cuma_tm *m, int32_t id) {
     if (id < 0 || (size_t)id >= m->nb || !m->b[id].in_use || !m->b[id].allocated)
         return cuma_fail(CUMA_ERR_BAD_POINTER, "pytorch model: block %d is not allocated", (int)id);
+    if (reserve(m, &m->pool[m->b[id].large]))
+        return cuma_fail(CUMA_ERR_OOM, "pytorch model: out of host memory");
     cuma_tm_block *b = &m->b[id];
     m->st.allocated -= b->size;
     m->st.requested -= b->requested;
@@ -357,7 +366,7 @@ cuma_status cuma_tm_free(cuma_tm *m, int32_t id) {
     b->requested = 0;
     if (b->prev >= 0 && !m->b[b->prev].allocated) merge(m, id, m->b[id].prev);
     if (m->b[id].next >= 0 && !m->b[m->b[id].next].allocated) merge(m, id, m->b[id].next);
-    if (pool_insert(m, id)) return cuma_fail(CUMA_ERR_OOM, "pytorch model: out of host memory");
+    pool_insert(m, id);
     CHECK_MODEL(m);
     return CUMA_OK;
 }

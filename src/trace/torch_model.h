@@ -37,6 +37,7 @@
 #define CUMA_TM_ROUND_LARGE    ((uint64_t)2 << 20)
 #define CUMA_TM_DIV_INTERVALS  16 /* roundup_power2_divisions: 1 MiB, 2 MiB, ... 32 GiB and up */
 #define CUMA_TM_NO_SPLIT_LIMIT UINT64_MAX
+#define CUMA_TM_MAX_REQUEST    ((uint64_t)1 << 62) /* larger requests fail (no overflow) */
 
 /* The allocator's settings (PYTORCH_CUDA_ALLOC_CONF, cuma_tm_conf_parse). */
 typedef struct cuma_tm_conf {
@@ -112,8 +113,8 @@ uint64_t cuma_tm_round_size(const cuma_tm_conf *c, uint64_t size);
 uint64_t cuma_tm_segment_size(uint64_t rounded);
 
 /* Allocates `size` (> 0) bytes on `stream`: *id is the block (its addr and size in m->b[*id]).
- * CUMA_ERR_OOM: the capacity cannot hold it even after freeing the cache (counted in
- * failed_allocs; *id is -1). CUMA_ERR_INVALID: size 0 or one that overflows. */
+ * CUMA_ERR_OOM: the capacity cannot hold it even after freeing the cache, or it is over
+ * CUMA_TM_MAX_REQUEST (counted in failed_allocs; *id is -1). CUMA_ERR_INVALID: size 0. */
 cuma_status cuma_tm_malloc(cuma_tm *m, uint64_t size, uint64_t stream, int32_t *id);
 /* Frees block id (from cuma_tm_malloc). CUMA_ERR_BAD_POINTER for an id that is no allocated
  * block (nothing changes). */

@@ -249,6 +249,8 @@ static void test_conf_errors(void) {
     give(&m, a);
     CHECK_ST(cuma_tm_free(&m, a), CUMA_ERR_BAD_POINTER);
     CHECK_ST(cuma_tm_malloc(&m, 0, 0, &a), CUMA_ERR_INVALID);
+    CHECK_ST(cuma_tm_malloc(&m, UINT64_MAX, 0, &a), CUMA_ERR_OOM); /* no overflow */
+    CHECK(a == -1 && m.st.failed_allocs == 1 && m.st.reserved == 2 * MIB);
     CHECK_OK(cuma_tm_validate(&m));
     cuma_tm_destroy(&m);
 }
