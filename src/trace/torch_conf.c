@@ -60,7 +60,8 @@ static cuma_status division(const char *key, const char *s, uint32_t *out) {
 }
 
 /* "[256:1,512:2,>:8]": sizes in MiB (powers of two) to division counts; the first entry also
- * covers the sizes below it, ">" every interval after the last one named. */
+ * covers the sizes below it, ">" every interval after the last one named (after the first,
+ * 1 MiB, when none is: as PyTorch does). */
 static cuma_status division_list(char *list, uint32_t *div) {
     int first = 1;
     unsigned last = 0;
@@ -78,7 +79,7 @@ static cuma_status division_list(char *list, uint32_t *div) {
         cuma_status st = division("roundup_power2_divisions", colon + 1, &n);
         if (st != CUMA_OK) return st;
         if (!strcmp(it, ">")) {
-            for (unsigned i = first ? 0 : last + 1; i < CUMA_TM_DIV_INTERVALS; i++) div[i] = n;
+            for (unsigned i = last + 1; i < CUMA_TM_DIV_INTERVALS; i++) div[i] = n;
             continue;
         }
         uint64_t mb;

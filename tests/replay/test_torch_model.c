@@ -54,6 +54,8 @@ static void test_rounding(void) {
           c.divisions[15] == 8);
     CHECK(cuma_tm_round_size(&c, 2 * MIB + 1) == 3 * MIB);             /* halves of 2..4 MiB */
     CHECK(cuma_tm_round_size(&c, 4 * MIB + 1) == 4 * MIB + 512 * KIB); /* eighths */
+    c = conf_of("roundup_power2_divisions:[>:4]", 0); /* ">" alone: from 2 MiB up */
+    CHECK(c.divisions[0] == 0 && c.divisions[1] == 4 && c.divisions[15] == 4);
 }
 
 static void test_segment_sizes(void) {
