@@ -146,13 +146,12 @@ static cuma_status apply(cuma_tm_conf *c, char *key, char *val) {
         for (unsigned i = 0; i < CUMA_TM_DIV_INTERVALS; i++) c->divisions[i] = n;
     } else if (!strcmp(key, "expandable_segments")) {
         if (!strcasecmp(val, "true") || !strcmp(val, "1"))
-            return cuma_fail(CUMA_ERR_CONFIG, "pytorch conf: expandable_segments:True is not "
-                                              "modelled (policy pytorch models fixed segments)");
-        if (strcasecmp(val, "false") && strcmp(val, "0"))
+            c->expandable = 1;
+        else if (!strcasecmp(val, "false") || !strcmp(val, "0"))
+            c->expandable = 0;
+        else
             return cuma_fail(CUMA_ERR_CONFIG,
-                             "pytorch conf: expandable_segments: '%s' is not "
-                             "True or False",
-                             val);
+                             "pytorch conf: expandable_segments: '%s' is not True or False", val);
     } else if (!strcmp(key, "backend")) {
         if (strcmp(val, "native"))
             return cuma_fail(CUMA_ERR_CONFIG,

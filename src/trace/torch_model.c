@@ -147,6 +147,66 @@ static void pool_remove(cuma_tm *m, int32_t id) {
     pool_remove_at(m, p, at);
 }
 
+/* Expandable segments' unmapped blocks, sorted by (stream, address). */
+static size_t um_lower_bound(const cuma_tm *m, const cuma_tm_pool *p, uint64_t stream,
+                             uint64_t addr) {
+    size_t lo = 0, hi = p->n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        const cuma_tm_block *b = &m->b[p->ids[mid]];
+        if (b->stream < stream || (b->stream == stream && b->addr < addr))
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* Room for one more unmapped block in pool `large`'s set. -1: out of host memory. */
+static int um_reserve(cuma_tm *m, int large) {
+    cuma_tm_pool *p = &m->unmapped[large];
+    if (p->n < p->cap) return 0;
+    size_t cap = p->cap ? p->cap * 2 : 16;
+    int32_t *ids = realloc(p->ids, cap * sizeof *ids);
+    if (!ids) return -1;
+    p->ids = ids;
+    p->cap = cap;
+    return 0;
+}
+
+/* Puts unmapped block id in its set (room was reserved). */
+static void um_insert(cuma_tm *m, int32_t id) {
+    cuma_tm_block *b = &m->b[id];
+    cuma_tm_pool *p = &m->unmapped[b->large];
+    assert(p->n < p->cap);
+    size_t at = um_lower_bound(m, p, b->stream, b->addr);
+    memmove(p->ids + at + 1, p->ids + at, (p->n - at) * sizeof *p->ids);
+    p->ids[at] = id;
+    p->n++;
+}
+
+static void um_remove(cuma_tm *m, int32_t id) {
+    cuma_tm_block *b = &m->b[id];
+    cuma_tm_pool *p = &m->unmapped[b->large];
+    size_t at = um_lower_bound(m, p, b->stream, b->addr);
+    assert(at < p->n && p->ids[at] == id);
+    memmove(p->ids + at, p->ids + at + 1, (p->n - at - 1) * sizeof *p->ids);
+    p->n--;
+}
+
+/* A free block leaves its set: the pool (mapped) or the unmapped blocks. */
+static void detach(cuma_tm *m, int32_t id) {
+    if (m->b[id].mapped)
+        pool_remove(m, id);
+    else
+        um_remove(m, id);
+}
+
+/* Whether block nb is a neighbour that a free block of mapping state `mapped` merges with. */
+static int mergeable(const cuma_tm *m, int32_t nb, int mapped) {
+    return nb >= 0 && !m->b[nb].allocated && m->b[nb].mapped == mapped;
+}
+
 /* ---- segments ------------------------------------------------------------------------------- */
 
 /* The cap on reserved bytes: the capacity, cut by the memory fraction. 0: none. */
@@ -167,6 +227,7 @@ static int32_t alloc_segment(cuma_tm *m, uint64_t size, uint64_t stream, int lar
     b->stream = stream;
     b->prev = b->next = -1;
     b->large = (uint8_t)large;
+    b->mapped = 1;
     m->next_addr += (size + SEGMENT_ALIGN - 1) / SEGMENT_ALIGN * SEGMENT_ALIGN;
     m->st.reserved += size;
     if (m->st.reserved > m->st.peak_reserved) m->st.peak_reserved = m->st.reserved;
@@ -183,13 +244,32 @@ static void release_at(cuma_tm *m, cuma_tm_pool *p, size_t at) {
     drop_block(m, id);
 }
 
+/* A fixed segment that is one free block. */
 static int whole(const cuma_tm_block *b) {
-    return b->prev < 0 && b->next < 0;
+    return b->prev < 0 && b->next < 0 && !b->expandable;
 }
 
+static int unmap_block(cuma_tm *m, int32_t id);
+
+/* Frees the pool's whole fixed segments and unmaps the free pages of its expandable ones. */
 static void release_pool(cuma_tm *m, cuma_tm_pool *p) {
-    for (size_t i = p->n; i-- > 0;)
-        if (whole(&m->b[p->ids[i]])) release_at(m, p, i);
+    size_t n_exp = 0;
+    for (size_t i = p->n; i-- > 0;) {
+        if (whole(&m->b[p->ids[i]]))
+            release_at(m, p, i);
+        else
+            n_exp += m->b[p->ids[i]].expandable;
+    }
+    if (!n_exp) return;
+    /* Unmapping changes the pool, so the blocks are gathered first. */
+    int32_t *ids = malloc(n_exp * sizeof *ids);
+    if (!ids) return; /* host memory: they stay cached */
+    size_t k = 0;
+    for (size_t i = 0; i < p->n; i++)
+        if (m->b[p->ids[i]].expandable) ids[k++] = p->ids[i];
+    for (size_t i = 0; i < k && !unmap_block(m, ids[i]); i++) {
+    }
+    free(ids);
 }
 
 void cuma_tm_empty_cache(cuma_tm *m) {
@@ -272,9 +352,18 @@ static int32_t take_free_block(cuma_tm *m, cuma_tm_pool *p, uint64_t stream, uin
     return id;
 }
 
+static int32_t try_expandable(cuma_tm *m, uint64_t stream, int large, uint64_t rounded);
+
+/* New device memory for a request: a fixed segment of `seg` bytes, or pages of an expandable
+ * segment. -1: it does not fit. */
+static int32_t new_memory(cuma_tm *m, uint64_t seg, uint64_t rounded, uint64_t stream, int large) {
+    if (m->conf.expandable) return try_expandable(m, stream, large, rounded);
+    return alloc_segment(m, seg, stream, large);
+}
+
 static int should_split(const cuma_tm *m, const cuma_tm_block *b, uint64_t rounded) {
     uint64_t rest = b->size - rounded;
-    if (!b->large) return rest >= CUMA_TM_MIN_BLOCK;
+    if (!b->large || b->expandable) return rest >= CUMA_TM_MIN_BLOCK;
     return rounded < m->conf.max_split_size && rest > CUMA_TM_SMALL_SIZE;
 }
 
@@ -294,15 +383,15 @@ cuma_status cuma_tm_malloc(cuma_tm *m, uint64_t size, uint64_t stream, int32_t *
     if (got < 0) {
         uint64_t seg = cuma_tm_segment_size(rounded);
         collect(m);
-        got = alloc_segment(m, seg, stream, large);
+        got = new_memory(m, seg, rounded, stream, large);
         if (got < 0 && release_oversize(m, p, stream, rounded)) {
             m->st.oversize_releases++;
-            got = alloc_segment(m, seg, stream, large);
+            got = new_memory(m, seg, rounded, stream, large);
         }
         if (got < 0) {
             cuma_tm_empty_cache(m);
             m->st.full_releases++;
-            got = alloc_segment(m, seg, stream, large);
+            got = new_memory(m, seg, rounded, stream, large);
         }
         if (got < 0) {
             m->st.failed_allocs++;
@@ -340,7 +429,7 @@ cuma_status cuma_tm_malloc(cuma_tm *m, uint64_t size, uint64_t stream, int32_t *
 /* Absorbs free neighbour `nb` of block `id` (nb leaves its pool and is dropped). */
 static void merge(cuma_tm *m, int32_t id, int32_t nb) {
     cuma_tm_block *b = &m->b[id], *n = &m->b[nb];
-    pool_remove(m, nb);
+    detach(m, nb);
     if (n->addr < b->addr) {
         b->addr = n->addr;
         b->prev = n->prev;
@@ -364,11 +453,167 @@ cuma_status cuma_tm_free(cuma_tm *m, int32_t id) {
     m->st.frees++;
     b->allocated = 0;
     b->requested = 0;
-    if (b->prev >= 0 && !m->b[b->prev].allocated) merge(m, id, m->b[id].prev);
-    if (m->b[id].next >= 0 && !m->b[m->b[id].next].allocated) merge(m, id, m->b[id].next);
+    if (mergeable(m, b->prev, 1)) merge(m, id, m->b[id].prev);
+    if (mergeable(m, m->b[id].next, 1)) merge(m, id, m->b[id].next);
     pool_insert(m, id);
     CHECK_MODEL(m);
     return CUMA_OK;
+}
+
+/* ---- expandable segments -------------------------------------------------------------------- */
+
+/* With expandable_segments, each (stream, pool) gets a virtual range 9/8 of the device
+ * (1 TiB when unlimited) whose pages (2 MiB small, 20 MiB large) are mapped as requests need
+ * them; a request takes the free and unmapped room it needs at the range's end, and releasing
+ * the cache unmaps the pages wholly inside free blocks. Reserved bytes are mapped bytes. */
+#define EXP_VA_UNLIMITED ((uint64_t)1 << 40)
+
+static uint64_t page_of(int large) {
+    return large ? CUMA_TM_LARGE_BUFFER : CUMA_TM_SMALL_BUFFER;
+}
+
+/* A new expandable range for (stream, pool), one unmapped block; -1: out of host memory. */
+static int32_t new_expandable(cuma_tm *m, uint64_t stream, int large) {
+    /* A device and an eighth, room for pages moved to the end (1 TiB when unlimited). */
+    uint64_t page = page_of(large),
+             va = m->conf.capacity ? m->conf.capacity + m->conf.capacity / 8 : EXP_VA_UNLIMITED;
+    va = (va + page - 1) / page * page;
+    if (reserve(m, &m->pool[large]) || um_reserve(m, large)) return -1;
+    /* Bases are multiples of 20 MiB, so pages of either size start at multiples of their size. */
+    uint64_t base =
+        (m->next_addr + CUMA_TM_LARGE_BUFFER - 1) / CUMA_TM_LARGE_BUFFER * CUMA_TM_LARGE_BUFFER;
+    int32_t id = new_block(m);
+    cuma_tm_block *b = &m->b[id];
+    b->addr = base;
+    b->size = va;
+    b->stream = stream;
+    b->prev = b->next = -1;
+    b->large = (uint8_t)large;
+    b->expandable = 1;
+    m->next_addr = base + va + SEGMENT_ALIGN;
+    um_insert(m, id);
+    return id;
+}
+
+/* The first block of a run of free (mapped or not) blocks of at least `size` bytes that holds
+ * an unmapped block of the stream, starting at the free block before it if any; else a new
+ * range. -1: out of host memory. */
+static int32_t find_expandable(cuma_tm *m, uint64_t stream, int large, uint64_t size) {
+    const cuma_tm_pool *u = &m->unmapped[large];
+    for (size_t at = um_lower_bound(m, u, stream, 0);
+         at < u->n && m->b[u->ids[at]].stream == stream; at++) {
+        int32_t c = u->ids[at];
+        if (m->b[c].prev >= 0 && !m->b[m->b[c].prev].allocated) c = m->b[c].prev;
+        uint64_t bytes = 0;
+        for (int32_t x = c; x >= 0 && bytes < size && !m->b[x].allocated; x = m->b[x].next)
+            bytes += m->b[x].size;
+        if (bytes >= size) return c;
+    }
+    return new_expandable(m, stream, large);
+}
+
+/* Maps the pages under the first `size` bytes of unmapped block id; the mapped part merges with
+ * free mapped neighbours (keeping id) into the pool. -1: over the capacity, or host memory. */
+static int map_block(cuma_tm *m, int32_t id, uint64_t size) {
+    cuma_tm_block *b = &m->b[id];
+    assert(!b->mapped && !b->allocated);
+    uint64_t page = page_of(b->large), end = (b->addr + size + page - 1) / page * page;
+    if (end > b->addr + b->size) end = b->addr + b->size;
+    uint64_t len = end - b->addr, limit = reserve_limit(&m->conf);
+    if (limit && (len > limit || m->st.reserved > limit - len)) return -1;
+    if (reserve(m, &m->pool[b->large]) || um_reserve(m, b->large)) return -1;
+    b = &m->b[id];
+    um_remove(m, id);
+    b->mapped = 1;
+    if (len < b->size) { /* the rest stays unmapped */
+        int32_t rest = new_block(m);
+        cuma_tm_block *r = &m->b[rest];
+        b = &m->b[id];
+        *r = *b;
+        r->addr = b->addr + len;
+        r->size = b->size - len;
+        r->mapped = 0;
+        r->prev = id;
+        if (r->next >= 0) m->b[r->next].prev = rest;
+        b->next = rest;
+        b->size = len;
+        um_insert(m, rest);
+    }
+    if (mergeable(m, b->prev, 1)) merge(m, id, b->prev);
+    if (mergeable(m, m->b[id].next, 1)) merge(m, id, m->b[id].next);
+    m->b[id].gc_count = 0;
+    pool_insert(m, id);
+    m->st.reserved += len;
+    if (m->st.reserved > m->st.peak_reserved) m->st.peak_reserved = m->st.reserved;
+    m->st.segments_created++;
+    return 0;
+}
+
+/* Unmaps the pages wholly inside free mapped block id (in its pool); partial pages at its ends
+ * stay mapped free blocks. -1: out of host memory (nothing changed). */
+static int unmap_block(cuma_tm *m, int32_t id) {
+    cuma_tm_block *b = &m->b[id];
+    assert(b->mapped && !b->allocated && b->expandable);
+    uint64_t page = page_of(b->large);
+    uint64_t begin = (b->addr + page - 1) / page * page;
+    uint64_t end = (b->addr + b->size) / page * page;
+    if (end <= begin) return 0;
+    if (reserve(m, &m->pool[b->large]) || um_reserve(m, b->large)) return -1;
+    b = &m->b[id];
+    pool_remove(m, id);
+    if (begin > b->addr) { /* a mapped piece before */
+        int32_t nb = new_block(m);
+        cuma_tm_block *x = &m->b[nb];
+        b = &m->b[id];
+        *x = *b;
+        x->size = begin - b->addr;
+        x->next = id;
+        if (x->prev >= 0) m->b[x->prev].next = nb;
+        b->prev = nb;
+        b->addr = begin;
+        b->size -= x->size;
+        pool_insert(m, nb);
+    }
+    if (end < b->addr + b->size) { /* and after */
+        int32_t nb = new_block(m);
+        cuma_tm_block *x = &m->b[nb];
+        b = &m->b[id];
+        *x = *b;
+        x->addr = end;
+        x->size = b->addr + b->size - end;
+        x->prev = id;
+        if (x->next >= 0) m->b[x->next].prev = nb;
+        b->next = nb;
+        b->size = end - b->addr;
+        pool_insert(m, nb);
+    }
+    b->mapped = 0;
+    m->st.reserved -= b->size;
+    m->st.segments_released++;
+    if (mergeable(m, b->prev, 0)) merge(m, id, b->prev);
+    if (mergeable(m, m->b[id].next, 0)) merge(m, id, m->b[id].next);
+    um_insert(m, id);
+    return 0;
+}
+
+/* A block of at least `rounded` bytes from an expandable range, out of its pool, or -1. */
+static int32_t try_expandable(cuma_tm *m, uint64_t stream, int large, uint64_t rounded) {
+    int32_t c = find_expandable(m, stream, large, rounded);
+    if (c < 0) return -1;
+    if (!m->b[c].mapped) {
+        uint64_t want = m->b[c].size < rounded ? m->b[c].size : rounded;
+        if (map_block(m, c, want)) return -1;
+    }
+    while (m->b[c].size < rounded) { /* free mapped, then unmapped: map more of it */
+        int32_t nx = m->b[c].next;
+        assert(nx >= 0 && !m->b[nx].mapped && !m->b[nx].allocated);
+        uint64_t rest = rounded - m->b[c].size;
+        if (map_block(m, nx, rest < m->b[nx].size ? rest : m->b[nx].size)) return -1;
+        c = nx; /* it took c in */
+    }
+    pool_remove(m, c);
+    m->b[c].gc_count = 0;
+    return c;
 }
 
 /* ---- life and checks ------------------------------------------------------------------------ */
@@ -385,57 +630,73 @@ void cuma_tm_destroy(cuma_tm *m) {
     free(m->b);
     free(m->pool[0].ids);
     free(m->pool[1].ids);
+    free(m->unmapped[0].ids);
+    free(m->unmapped[1].ids);
     memset(m, 0, sizeof *m);
 }
 
 cuma_status cuma_tm_validate(const cuma_tm *m) {
-    uint64_t reserved = 0, allocated = 0, free_blocks = 0;
+    uint64_t reserved = 0, allocated = 0, free_mapped = 0, unmapped = 0;
     for (size_t i = 0; i < m->nb; i++) {
         const cuma_tm_block *b = &m->b[i];
         if (!b->in_use) continue;
-        if (b->size % CUMA_TM_MIN_BLOCK || !b->size)
-            return cuma_fail(CUMA_ERR_CORRUPT, "pytorch model: block %zu has size %llu", i,
-                             (unsigned long long)b->size);
+        if (b->size % CUMA_TM_MIN_BLOCK || !b->size || (b->allocated && !b->mapped))
+            return cuma_fail(CUMA_ERR_CORRUPT, "pytorch model: block %zu has size %llu, %s", i,
+                             (unsigned long long)b->size, b->mapped ? "mapped" : "unmapped");
         if (b->prev < 0) { /* a segment's first block: walk the segment */
             uint64_t end = b->addr;
             for (int32_t j = (int32_t)i, last = -1; j >= 0; last = j, j = m->b[j].next) {
                 const cuma_tm_block *s = &m->b[j];
-                if (s->addr != end || s->prev != last || s->large != b->large)
+                if (s->addr != end || s->prev != last || s->large != b->large ||
+                    s->expandable != b->expandable)
                     return cuma_fail(CUMA_ERR_CORRUPT,
-                                     "pytorch model: segment at %llu is broken "
-                                     "at block %d",
+                                     "pytorch model: segment at %llu is broken at block %d",
                                      (unsigned long long)b->addr, (int)j);
-                if (!s->allocated && s->next >= 0 && !m->b[s->next].allocated)
+                if (!s->allocated && mergeable(m, s->next, s->mapped))
                     return cuma_fail(CUMA_ERR_CORRUPT,
-                                     "pytorch model: free blocks %d and %d "
-                                     "are not merged",
-                                     (int)j, (int)s->next);
+                                     "pytorch model: free blocks %d and %d are not merged", (int)j,
+                                     (int)s->next);
                 end += s->size;
+                if (s->mapped) reserved += s->size;
             }
-            reserved += end - b->addr;
         }
         if (b->allocated)
             allocated += b->size;
+        else if (b->mapped)
+            free_mapped++;
         else
-            free_blocks++;
+            unmapped++;
     }
     if (reserved != m->st.reserved || allocated != m->st.allocated)
         return cuma_fail(CUMA_ERR_CORRUPT,
-                         "pytorch model: reserved %llu/allocated %llu, counted "
-                         "%llu/%llu",
+                         "pytorch model: reserved %llu/allocated %llu, counted %llu/%llu",
                          (unsigned long long)m->st.reserved, (unsigned long long)m->st.allocated,
                          (unsigned long long)reserved, (unsigned long long)allocated);
-    if (free_blocks != m->pool[0].n + m->pool[1].n)
-        return cuma_fail(CUMA_ERR_CORRUPT, "pytorch model: %llu free blocks, %zu in pools",
-                         (unsigned long long)free_blocks, m->pool[0].n + m->pool[1].n);
-    for (int k = 0; k < 2; k++)
+    if (free_mapped != m->pool[0].n + m->pool[1].n ||
+        unmapped != m->unmapped[0].n + m->unmapped[1].n)
+        return cuma_fail(CUMA_ERR_CORRUPT,
+                         "pytorch model: %llu free and %llu unmapped blocks, %zu and %zu in sets",
+                         (unsigned long long)free_mapped, (unsigned long long)unmapped,
+                         m->pool[0].n + m->pool[1].n, m->unmapped[0].n + m->unmapped[1].n);
+    for (int k = 0; k < 2; k++) {
         for (size_t i = 0; i < m->pool[k].n; i++) {
             const cuma_tm_block *b = &m->b[m->pool[k].ids[i]];
-            if (b->allocated || b->large != k)
+            if (b->allocated || !b->mapped || b->large != k)
                 return cuma_fail(CUMA_ERR_CORRUPT, "pytorch model: pool %d holds a wrong block", k);
             if (i && key_cmp(&m->b[m->pool[k].ids[i - 1]], b->stream, b->size, b->addr) >= 0)
                 return cuma_fail(CUMA_ERR_CORRUPT, "pytorch model: pool %d is out of order", k);
         }
+        for (size_t i = 0; i < m->unmapped[k].n; i++) {
+            const cuma_tm_block *b = &m->b[m->unmapped[k].ids[i]], *a;
+            if (b->allocated || b->mapped || b->large != k || !b->expandable)
+                return cuma_fail(CUMA_ERR_CORRUPT,
+                                 "pytorch model: unmapped set %d holds a wrong block", k);
+            if (i && ((a = &m->b[m->unmapped[k].ids[i - 1]])->stream > b->stream ||
+                      (a->stream == b->stream && a->addr >= b->addr)))
+                return cuma_fail(CUMA_ERR_CORRUPT, "pytorch model: unmapped set %d is out of order",
+                                 k);
+        }
+    }
     return CUMA_OK;
 }
 

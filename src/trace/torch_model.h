@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-/* A model of PyTorch's CUDA caching allocator (its native backend, expandable segments off),
+/* A model of PyTorch's CUDA caching allocator (its native backend, with or without expandable
+ * segments),
  * for `cuma replay --policy pytorch`: it takes a trace's alloc/free events and tells what
  * PyTorch would have reserved from the driver. It is no allocator: no memory is touched, the
  * "device" is a counter of reserved bytes that hands out made-up addresses. The rules it follows
@@ -18,7 +19,11 @@
  *    (max_split_size set) and retry, then free every whole cached segment and retry, then fail;
  *  - garbage_collection_threshold (with a capacity and per_process_memory_fraction, as PyTorch
  *    has it only with a fraction set): before a new segment, while reserved is over threshold x
- *    fraction x capacity, free whole cached large segments that are the oldest on average.
+ *    fraction x capacity, free whole cached large segments that are the oldest on average;
+ *  - expandable_segments:True: each (stream, pool) maps 2 MiB (small) or 20 MiB (large) pages
+ *    of one virtual range as needed; a request that no free block fits takes the free and
+ *    unmapped room at the range's end, blocks split whenever the rest is 512 bytes or more, and
+ *    releasing the cache unmaps the pages wholly inside free blocks.
  *
  * Thread safety: none; a model belongs to one thread. */
 #ifndef CUMA_TRACE_TORCH_MODEL_H
@@ -47,6 +52,7 @@ typedef struct cuma_tm_conf {
     double memory_fraction;          /* per_process_memory_fraction; 0: not set */
     uint32_t divisions[CUMA_TM_DIV_INTERVALS]; /* 0 or 1: round to 512 bytes */
     uint64_t capacity;                         /* device bytes; 0: unlimited */
+    int expandable;                            /* expandable_segments:True */
 } cuma_tm_conf;
 
 /* The defaults: PyTorch's with an unlimited device. */
@@ -60,9 +66,11 @@ void cuma_tm_conf_default(cuma_tm_conf *c);
 cuma_status cuma_tm_conf_parse(cuma_tm_conf *c, const char *text);
 
 /* One block: a piece of a segment, allocated or free (then in its pool).
- * Invariants (cuma_tm_validate): the blocks of a segment tile it in address order through
- * prev/next; a free block is in the pool its segment belongs to, an allocated one in none; no
- * two neighbours are both free; sizes are multiples of 512. */
+ * Invariants (cuma_tm_validate): the blocks of a segment (or expandable range) tile it in
+ * address order through prev/next; a free mapped block is in the pool its segment belongs to,
+ * an unmapped one in its unmapped set, an allocated one (always mapped) in none; no two
+ * neighbours are both free with the same mapping; sizes are multiples of 512; reserved is the
+ * sum of mapped blocks. */
 typedef struct cuma_tm_block {
     uint64_t addr, size;
     uint64_t requested; /* the caller's size (allocated blocks) */
@@ -72,7 +80,9 @@ typedef struct cuma_tm_block {
     uint64_t gc_base;   /* while free: the pool's call count minus gc_count */
     uint8_t large;      /* its pool */
     uint8_t allocated;
-    uint8_t in_use; /* the slot holds a block (else on the spare list) */
+    uint8_t mapped;     /* backed by device memory (always, outside expandable segments) */
+    uint8_t expandable; /* part of an expandable segment's range */
+    uint8_t in_use;     /* the slot holds a block (else on the spare list) */
 } cuma_tm_block;
 
 /* A pool's free blocks sorted by (stream, size, address). */
@@ -97,8 +107,9 @@ typedef struct cuma_tm {
     cuma_tm_conf conf;
     cuma_tm_block *b;
     size_t nb, capb;
-    int32_t spare;        /* first free slot (chained through next), -1: none */
-    cuma_tm_pool pool[2]; /* [0] small, [1] large */
+    int32_t spare;            /* first free slot (chained through next), -1: none */
+    cuma_tm_pool pool[2];     /* [0] small, [1] large: free mapped blocks */
+    cuma_tm_pool unmapped[2]; /* expandable ranges' unmapped blocks, by (stream, address) */
     uint64_t next_addr;
     cuma_tm_stats st;
 } cuma_tm;

@@ -232,7 +232,7 @@ static void test_conf_errors(void) {
                          "roundup_power2_divisions:3",
                          "roundup_power2_divisions:[3:2]",
                          "roundup_power2_divisions:[4:2",
-                         "expandable_segments:True",
+                         "expandable_segments:maybe",
                          "backend:cudaMallocAsync",
                          "novalue",
                          "per_process_memory_fraction:2"};
@@ -257,13 +257,59 @@ static void test_conf_errors(void) {
     cuma_tm_destroy(&m);
 }
 
+static void test_expandable(void) {
+    cuma_tm_conf c = conf_of("expandable_segments:True", 0);
+    CHECK(c.expandable);
+    cuma_tm m;
+    CHECK_OK(cuma_tm_init(&m, &c));
+    int32_t a = take(&m, 5 * MIB, 0); /* one 20 MiB page of a new range; the rest splits off */
+    CHECK(m.st.reserved == 20 * MIB && m.b[a].size == 5 * MIB && m.pool[1].n == 1);
+    int32_t b = take(&m, 30 * MIB, 0); /* the free 15 MiB and one more page */
+    CHECK(m.st.reserved == 40 * MIB && m.b[b].addr == m.b[a].addr + 5 * MIB);
+    CHECK(m.st.segments_created == 2);
+    give(&m, a);
+    give(&m, b);
+    CHECK(m.pool[1].n == 1 && m.b[m.pool[1].ids[0]].size == 40 * MIB);
+    int32_t d = take(&m, 38 * MIB, 0); /* fits the mapped pages: nothing new */
+    CHECK(m.st.reserved == 40 * MIB);
+    give(&m, d);
+    cuma_tm_empty_cache(&m); /* every page is unmapped; the range is one unmapped block again */
+    CHECK(m.st.reserved == 0 && m.pool[1].n == 0 && m.unmapped[1].n == 1);
+    int32_t s1 = take(&m, 1000, 0); /* small pool: 2 MiB pages of their own range */
+    CHECK(m.st.reserved == 2 * MIB && m.unmapped[0].n == 1 && m.b[s1].size == 1024);
+    cuma_tm_destroy(&m);
+
+    /* A cached 30 MiB segment does not hold 40 MiB; expandable pages do. */
+    uint64_t peak[2];
+    for (int e = 0; e < 2; e++) {
+        c = conf_of(e ? "expandable_segments:True" : "", 0);
+        CHECK_OK(cuma_tm_init(&m, &c));
+        give(&m, take(&m, 30 * MIB, 0));
+        take(&m, 40 * MIB, 0);
+        peak[e] = m.st.peak_reserved;
+        cuma_tm_destroy(&m);
+    }
+    CHECK(peak[0] == 70 * MIB && peak[1] == 40 * MIB);
+
+    /* Over the capacity: the other stream's free pages are unmapped, then it fits. */
+    c = conf_of("expandable_segments:True", 60 * MIB);
+    CHECK_OK(cuma_tm_init(&m, &c));
+    give(&m, take(&m, 50 * MIB, 0));
+    CHECK(m.st.reserved == 60 * MIB);
+    take(&m, 10 * MIB, 1);
+    CHECK(m.st.reserved == 20 * MIB && m.st.full_releases == 1 && m.st.failed_allocs == 0);
+    int32_t x;
+    CHECK_ST(cuma_tm_malloc(&m, 60 * MIB, 1, &x), CUMA_ERR_OOM); /* 20 + 60 > 60 */
+    CHECK_OK(cuma_tm_validate(&m));
+    CHECK(m.st.reserved <= 60 * MIB && m.st.failed_allocs == 1);
+    cuma_tm_destroy(&m);
+}
+
 /* Random sizes (small, large, oversize) on three streams with a capacity, validated after
  * every call. */
-static void test_random(void) {
+static void test_random(const char *text) {
     unsigned long long seed = test_seed();
-    cuma_tm_conf c = conf_of("max_split_size_mb:64,garbage_collection_threshold:0.7,"
-                             "per_process_memory_fraction:0.9",
-                             2048 * MIB);
+    cuma_tm_conf c = conf_of(text, 2048 * MIB);
     cuma_tm m;
     CHECK_OK(cuma_tm_init(&m, &c));
     int32_t live[256];
@@ -320,7 +366,10 @@ int main(int argc, char **argv) {
     test_oom_retry();
     test_gc();
     test_conf_errors();
-    test_random();
+    test_expandable();
+    test_random("max_split_size_mb:64,garbage_collection_threshold:0.7,"
+                "per_process_memory_fraction:0.9");
+    test_random("expandable_segments:True");
     for (int i = 1; i < argc; i++) test_snapshot(argv[i]);
     printf("test_torch_model: ok\n");
     return 0;
