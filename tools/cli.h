@@ -48,7 +48,7 @@ const char *cli_shown(const char *text, char *buf, size_t len);
     "  --conf STR     settings appended after backend:sim,sim_clock:manual (they win)\n"           \
     "  --policy NAME  shorthand for --conf policy:NAME\n"                                          \
     "                 (pytorch: a model of PyTorch's caching allocator instead of a heap,\n"       \
-    "                 docs/PYTORCH_MODEL.md)\n"                                                    \
+    "                 docs/PYTORCH_MODEL.md; pytorch_expandable: with expandable_segments)\n"      \
     "  --pytorch-conf STR  the model's settings, PYTORCH_CUDA_ALLOC_CONF syntax\n"                 \
     "                 (max_split_size_mb, roundup_power2_divisions, "                              \
     "garbage_collection_threshold,\n"                                                              \

@@ -510,6 +510,13 @@ static int replay_heap(cuma_trace *tp, const char *conf, const options *o, int *
     return rc;
 }
 
+/* Whether the policy name of len bytes at p is the PyTorch model's (pytorch, pytorch_expandable).
+ */
+static int is_torch(const char *p, size_t len) {
+    return (len == 7 && !strncmp(p, "pytorch", 7)) ||
+           (len == 18 && !strncmp(p, "pytorch_expandable", 18));
+}
+
 /* conf with policy:NAME after it (malloc'ed), or NULL. */
 static char *with_policy(const char *conf, const char *name, size_t len) {
     size_t n = strlen(conf);
@@ -524,8 +531,10 @@ static int replay_compare(cuma_trace *t, const char *conf, const options *o, int
     for (const char *p = o->compare; *p;) {
         size_t len = strcspn(p, ",");
         int rc;
-        if (len == 7 && !strncmp(p, "pytorch", 7)) {
-            rc = replay_torch(t, &o->torch_conf, o->torch_text, o->json, header_done);
+        if (is_torch(p, len)) {
+            cuma_tm_conf c = o->torch_conf;
+            if (len > 7) c.expandable = 1;
+            rc = replay_torch(t, &c, o->torch_text, o->json, header_done);
         } else {
             char *c = with_policy(conf, p, len);
             rc = c ? replay_heap(t, c, o, header_done) : CUMA_EXIT_FAIL;
@@ -562,13 +571,11 @@ static int replay_one(const char *path, const char *conf, const options *o, int 
 /* --policy NAME is --conf policy:NAME; the core checks the name with the rest. */
 static int add_policy(options *o, const char *name) {
     char piece[64];
-    if (!strcmp(name, "pytorch")) {
+    if (!strcmp(name, "pytorch") || !strcmp(name, "pytorch_expandable")) {
         o->torch = 1;
+        if (name[7]) o->torch_conf.expandable = 1;
         return CUMA_EXIT_OK;
     }
-    if (!strcmp(name, "pytorch_expandable"))
-        return cli_usage_error("replay", CUMA_REPLAY_USAGE,
-                               "policy pytorch_expandable (expandable segments) is not modelled");
     if (!*name || strchr(name, ',') || strlen(name) > 40)
         return cli_usage_error("replay", CUMA_REPLAY_USAGE, "bad policy name '%s'", name);
     snprintf(piece, sizeof piece, "policy:%s", name);
@@ -693,7 +700,7 @@ int cuma_cmd_replay(int argc, char **argv) {
     /* Every heap policy --compare names is checked before anything runs. */
     for (const char *p = o.compare; rc == CUMA_EXIT_OK && p && *p;) {
         size_t len = strcspn(p, ",");
-        if (!(len == 7 && !strncmp(p, "pytorch", 7))) {
+        if (!is_torch(p, len)) {
             char *c = with_policy(conf, p, len);
             if (!c) {
                 rc = CUMA_EXIT_FAIL;

@@ -40,15 +40,15 @@ static void print_json(const cuma_trace *t, const cuma_tm_result *r, const cuma_
            (unsigned long long)s->segments_created, (unsigned long long)s->segments_released,
            (unsigned long long)s->oversize_releases, (unsigned long long)s->full_releases,
            (unsigned long long)s->gc_releases);
-    printf("\"capacity_bytes\":%llu,\"policy\":\"pytorch\",\"pytorch_conf\":",
-           (unsigned long long)c->capacity);
+    printf("\"capacity_bytes\":%llu,\"policy\":\"%s\",\"pytorch_conf\":",
+           (unsigned long long)c->capacity, c->expandable ? "pytorch_expandable" : "pytorch");
     replay_json_string(conf_text ? conf_text : "");
     replay_json_source(t, avg);
     printf("}\n");
 }
 
-static void print_row(const cuma_trace *t, const cuma_tm_result *r, uint64_t avg,
-                      int *header_done) {
+static void print_row(const cuma_trace *t, const cuma_tm_result *r, const cuma_tm_conf *c,
+                      uint64_t avg, int *header_done) {
     const cuma_tm_stats *s = &r->st;
     if (!*header_done) {
         printf("%-24s %8s %9s %9s %8s %8s %9s %8s %7s %8s\n", "trace", "events", "req MiB",
@@ -61,10 +61,10 @@ static void print_row(const cuma_trace *t, const cuma_tm_result *r, uint64_t avg
            ratio(r->int_reserved, r->int_requested), MIB(r->end_reserved),
            (unsigned long long)s->segments_created, (unsigned long long)s->failed_allocs, "-");
     if (t->format == CUMA_TRACE_TORCH_SNAPSHOT)
-        printf("  %s: policy pytorch (model): peak reserved %.1f MiB, time-avg %.1f MiB; "
+        printf("  %s: policy %s (model): peak reserved %.1f MiB, time-avg %.1f MiB; "
                "recorded by PyTorch: peak reserved %.1f MiB\n",
-               replay_base_name(t->path), MIB(s->peak_reserved), MIB(avg),
-               MIB(t->recorded.peak_reserved));
+               replay_base_name(t->path), c->expandable ? "pytorch_expandable" : "pytorch",
+               MIB(s->peak_reserved), MIB(avg), MIB(t->recorded.peak_reserved));
 }
 
 int replay_torch(const cuma_trace *t, const cuma_tm_conf *c, const char *conf_text, int json,
@@ -79,7 +79,7 @@ int replay_torch(const cuma_trace *t, const cuma_tm_conf *c, const char *conf_te
     if (json)
         print_json(t, &r, c, conf_text, avg);
     else
-        print_row(t, &r, avg, header_done);
+        print_row(t, &r, c, avg, header_done);
     fflush(stdout);
     return CUMA_EXIT_OK;
 }

@@ -46,6 +46,22 @@ def main():
             fail("%s: --compare: exit %d, %s %s" % (name, rc, out, err))
         if lines[0]["peak_reserved_bytes"] != model:
             fail("%s: --compare's pytorch line differs from --policy pytorch" % name)
+    # Expandable segments: the same traces with the policy named, and the same figures through
+    # --pytorch-conf expandable_segments:True.
+    for name in SNAPSHOTS:
+        path = os.path.join(a.data, name)
+        rc, out, err = run(a.cuma, "--compare", "pytorch,pytorch_expandable", "--json", path)
+        lines = [json.loads(l) for l in out.splitlines()]
+        if rc != 0 or [l["policy"] for l in lines] != ["pytorch", "pytorch_expandable"]:
+            fail("%s: pytorch_expandable: exit %d, %s %s" % (name, rc, out, err))
+        fixed, exp = lines[0]["peak_reserved_bytes"], lines[1]["peak_reserved_bytes"]
+        print("%s: expandable %d, fixed %d" % (name, exp, fixed))
+        if exp < lines[1]["peak_requested_bytes"] or lines[1]["failed_allocs"]:
+            fail("%s: pytorch_expandable: %s" % (name, lines[1]))
+        rc, out2, err = run(a.cuma, "--policy", "pytorch", "--pytorch-conf",
+                            "expandable_segments:True", "--json", path)
+        if rc != 0 or json.loads(out2)["peak_reserved_bytes"] != exp:
+            fail("%s: expandable_segments:True differs from pytorch_expandable" % name)
     # A small capacity: the model frees its cache, then fails what still does not fit.
     rc, out, err = run(a.cuma, "--policy", "pytorch", "--capacity", "1G", "--json",
                        os.path.join(a.data, SNAPSHOTS[1]))
@@ -56,8 +72,8 @@ def main():
     bad = [
         (["--policy", "pytorch", "--pytorch-conf", "max_split_size_mb:5"], "max_split_size_mb"),
         (["--policy", "pytorch", "--pytorch-conf", "nonsense:1"], "nonsense"),
-        (["--policy", "pytorch", "--pytorch-conf", "expandable_segments:True"], "expandable"),
-        (["--policy", "pytorch_expandable"], "pytorch_expandable"),
+        (["--policy", "pytorch", "--pytorch-conf", "expandable_segments:yes"], "expandable"),
+        (["--policy", "pytorch_expandable", "--timeline", "/tmp"], "--timeline"),
         (["--policy", "pytorch", "--capacity", "12Q"], "--capacity"),
         (["--compare", "pytorch,bogus"], "bogus"),
         (["--compare", "pytorch,,tlsf"], "--compare"),
