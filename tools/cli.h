@@ -39,13 +39,23 @@ const char *cli_shown(const char *text, char *buf, size_t len);
 /* Kept here so `cuma help replay` and replay's own error path print the same text. */
 #define CUMA_REPLAY_USAGE                                                                          \
     "usage: cuma replay [--conf STR] [--scale K] [--policy NAME] [--json] [--timeline DIR]\n"      \
-    "                   [--max-events N] [--device N] TRACE...\n"                                  \
+    "                   [--max-events N] [--device N] [--pytorch-conf STR] [--capacity BYTES]\n"   \
+    "                   [--compare P1,P2,...] TRACE...\n"                                          \
     "  Replays RMM CSV event logs and PyTorch memory snapshots (_dump_snapshot() pickles; plain\n" \
     "  or .gz, told apart by content) on the simulated device, twice per trace:\n"                 \
     "  once driving the heap's clock with the trace's timestamps to measure memory, once\n"        \
     "  without stats calls to time the alloc/free path.\n"                                         \
     "  --conf STR     settings appended after backend:sim,sim_clock:manual (they win)\n"           \
     "  --policy NAME  shorthand for --conf policy:NAME\n"                                          \
+    "                 (pytorch: a model of PyTorch's caching allocator instead of a heap,\n"       \
+    "                 docs/PYTORCH_MODEL.md; pytorch_expandable: with expandable_segments)\n"      \
+    "  --pytorch-conf STR  the model's settings, PYTORCH_CUDA_ALLOC_CONF syntax\n"                 \
+    "                 (max_split_size_mb, roundup_power2_divisions, "                              \
+    "garbage_collection_threshold,\n"                                                              \
+    "                 max_non_split_rounding_mb, per_process_memory_fraction)\n"                   \
+    "  --capacity BYTES  the model's device size (K/M/G/T suffixes; default unlimited)\n"          \
+    "  --compare LIST replay each trace once per policy in LIST (pytorch or a heap policy),\n"     \
+    "                 one JSON line or row each with its policy\n"                                 \
     "  --scale K      multiply every size by the positive integer K (16 brings the bundled\n"      \
     "                 traces to GPU scale)\n"                                                      \
     "  --max-events N refuse a trace of more than N events (default 16777216, about 768 MiB\n"     \

@@ -12,6 +12,7 @@
  * slice of time; pass 2 is untouched by it.
  */
 #include "cli.h"
+#include "replay.h"
 #include "timeline.h"
 
 #include "cuma/cuma.h"
@@ -40,6 +41,10 @@ typedef struct options {
     const char *timeline_dir; /* --timeline: where the .timeline.csv files go (NULL: none) */
     uint64_t max_events;      /* --max-events: the reader's limit a trace */
     int device;               /* --device: a snapshot's device (-1: the one with most events) */
+    int torch;                /* --policy pytorch: the PyTorch allocator model, no heap */
+    const char *torch_text;   /* --pytorch-conf, as given */
+    cuma_tm_conf torch_conf;  /* the model's settings: --pytorch-conf and --capacity */
+    const char *compare;      /* --compare: policies, comma-separated (NULL: none) */
 } options;
 
 /* What one trace's replay measured. Integrals are in byte-microseconds. */
@@ -80,10 +85,12 @@ static int append_conf(char **list, const char *piece) {
     return 0;
 }
 
-static const char *base_name(const char *path) {
+const char *replay_base_name(const char *path) {
     const char *slash = strrchr(path, '/');
     return slash ? slash + 1 : path;
 }
+
+#define base_name replay_base_name
 
 /* size * scale, or 0 when the product does not fit a size_t (counted as a failed alloc). */
 static size_t scaled(uint64_t size, uint64_t scale) {
@@ -346,7 +353,7 @@ static double ratio(double num, double den) {
 
 #define MIB(x) ((double)(x) / (1024.0 * 1024.0))
 
-static void print_json_string(const char *s) {
+void replay_json_string(const char *s) {
     putchar('"');
     for (; *s; s++) {
         unsigned char c = (unsigned char)*s;
@@ -366,11 +373,10 @@ static uint64_t time_avg_reserved(const result *r) {
 }
 
 /* Where the trace came from, and what a snapshot says PyTorch itself reserved. */
-static void print_json_source(const result *r) {
-    const cuma_trace *t = r->trace;
+void replay_json_source(const cuma_trace *t, uint64_t time_avg) {
     int snap = t->format == CUMA_TRACE_TORCH_SNAPSHOT;
     printf(",\"format\":\"%s\",\"time_avg_reserved_bytes\":%llu,\"synthetic_times\":%s",
-           snap ? "torch_snapshot" : "rmm_csv", (unsigned long long)time_avg_reserved(r),
+           snap ? "torch_snapshot" : "rmm_csv", (unsigned long long)time_avg,
            t->synthetic_times ? "true" : "false");
     if (!snap) return;
     printf(",\"device\":%d,\"preexisting_blocks\":%zu,\"recorded_peak_reserved_bytes\":%llu,"
@@ -385,9 +391,9 @@ static void print_json_source(const result *r) {
 static void print_json(const result *r, const options *o, const char *conf) {
     const cuma_stats *s = &r->final;
     printf("{\"trace\":");
-    print_json_string(base_name(r->path));
+    replay_json_string(base_name(r->path));
     printf(",\"path\":");
-    print_json_string(r->path);
+    replay_json_string(r->path);
     printf(",\"events\":%zu,\"allocs\":%llu,\"frees\":%llu,\"failed_allocs\":%llu,"
            "\"heap_failed_allocs\":%llu,\"trace_alloc_failures\":%llu,\"unmatched_frees\":%llu,"
            "\"orphan_frees\":%llu,\"zero_size_allocs\":%llu,",
@@ -413,10 +419,10 @@ static void print_json(const result *r, const options *o, const char *conf) {
            (unsigned long long)s->events_recorded, (unsigned long long)s->event_queries,
            (unsigned long long)s->num_alloc_retries, (long long)r->release_delay_ms,
            (long long)r->lag_ms, (unsigned long long)r->ops, r->ns_per_op);
-    print_json_string(r->policy);
+    replay_json_string(r->policy);
     printf(",\"scale\":%llu,\"conf\":", (unsigned long long)o->scale);
-    print_json_string(conf);
-    print_json_source(r);
+    replay_json_string(conf);
+    replay_json_source(r->trace, time_avg_reserved(r));
     printf("}\n");
 }
 
@@ -474,22 +480,14 @@ static int timeline_dir_ok(const char *dir) {
     return 1;
 }
 
-static int replay_one(const char *path, const char *conf, const options *o, int *header_done) {
-    cuma_trace t;
-    cuma_trace_opts lo = {.max_events = (size_t)o->max_events, .device = o->device};
-    if (cuma_trace_load_opts(path, &lo, &t) != CUMA_OK) {
-        cli_eprintf("cuma replay: %s\n", cuma_last_error());
-        return CUMA_EXIT_USAGE;
-    }
-    if (t.synthetic_times)
-        cli_eprintf("cuma replay: %s: warning: the snapshot has no time_us: events are spaced "
-                    "1 ms apart, so time-based release and time averages mean nothing\n",
-                    path);
+/* The trace replayed on a cuma heap with settings conf. */
+static int replay_heap(cuma_trace *tp, const char *conf, const options *o, int *header_done) {
+    cuma_trace t = *tp;
+    const char *path = t.path;
     /* One slot per event, indexed like the trace, so matching a free costs one load. */
     void **ptrs = calloc(t.n ? t.n : 1, sizeof *ptrs);
     if (!ptrs) {
         cli_eprintf("cuma replay: %s: out of memory\n", path);
-        cuma_trace_free(&t);
         return CUMA_EXIT_FAIL;
     }
     result r = {.path = path, .events = t.n, .trace = &t};
@@ -509,6 +507,63 @@ static int replay_one(const char *path, const char *conf, const options *o, int 
         fflush(stdout);
     }
     free(ptrs);
+    return rc;
+}
+
+/* Whether the policy name of len bytes at p is the PyTorch model's (pytorch, pytorch_expandable).
+ */
+static int is_torch(const char *p, size_t len) {
+    return (len == 7 && !strncmp(p, "pytorch", 7)) ||
+           (len == 18 && !strncmp(p, "pytorch_expandable", 18));
+}
+
+/* conf with policy:NAME after it (malloc'ed), or NULL. */
+static char *with_policy(const char *conf, const char *name, size_t len) {
+    size_t n = strlen(conf);
+    char *s = malloc(n + len + 9);
+    if (s) snprintf(s, n + len + 9, "%s,policy:%.*s", conf, (int)len, name);
+    return s;
+}
+
+/* --compare: the trace once per policy named, each a JSON line or row with its policy. */
+static int replay_compare(cuma_trace *t, const char *conf, const options *o, int *header_done) {
+    int worst = CUMA_EXIT_OK;
+    for (const char *p = o->compare; *p;) {
+        size_t len = strcspn(p, ",");
+        int rc;
+        if (is_torch(p, len)) {
+            cuma_tm_conf c = o->torch_conf;
+            if (len > 7) c.expandable = 1;
+            rc = replay_torch(t, &c, o->torch_text, o->json, header_done);
+        } else {
+            char *c = with_policy(conf, p, len);
+            rc = c ? replay_heap(t, c, o, header_done) : CUMA_EXIT_FAIL;
+            free(c);
+        }
+        if (rc > worst) worst = rc;
+        p += len + (p[len] == ',');
+    }
+    return worst;
+}
+
+static int replay_one(const char *path, const char *conf, const options *o, int *header_done) {
+    cuma_trace t;
+    cuma_trace_opts lo = {.max_events = (size_t)o->max_events, .device = o->device};
+    if (cuma_trace_load_opts(path, &lo, &t) != CUMA_OK) {
+        cli_eprintf("cuma replay: %s\n", cuma_last_error());
+        return CUMA_EXIT_USAGE;
+    }
+    if (t.synthetic_times)
+        cli_eprintf("cuma replay: %s: warning: the snapshot has no time_us: events are spaced "
+                    "1 ms apart, so time-based release and time averages mean nothing\n",
+                    path);
+    int rc;
+    if (o->compare)
+        rc = replay_compare(&t, conf, o, header_done);
+    else if (o->torch)
+        rc = replay_torch(&t, &o->torch_conf, o->torch_text, o->json, header_done);
+    else
+        rc = replay_heap(&t, conf, o, header_done);
     cuma_trace_free(&t);
     return rc;
 }
@@ -516,6 +571,11 @@ static int replay_one(const char *path, const char *conf, const options *o, int 
 /* --policy NAME is --conf policy:NAME; the core checks the name with the rest. */
 static int add_policy(options *o, const char *name) {
     char piece[64];
+    if (!strcmp(name, "pytorch") || !strcmp(name, "pytorch_expandable")) {
+        o->torch = 1;
+        if (name[7]) o->torch_conf.expandable = 1;
+        return CUMA_EXIT_OK;
+    }
     if (!*name || strchr(name, ',') || strlen(name) > 40)
         return cli_usage_error("replay", CUMA_REPLAY_USAGE, "bad policy name '%s'", name);
     snprintf(piece, sizeof piece, "policy:%s", name);
@@ -531,6 +591,23 @@ static int parse_scale(const char *s, uint64_t *out) {
     unsigned long long v = strtoull(s, &end, 10);
     if (*end || v == 0 || v == ULLONG_MAX) return -1;
     *out = v;
+    return 0;
+}
+
+/* "80G", "512M", "1048576": bytes (K, M, G, T are powers of 1024). */
+static int parse_bytes(const char *s, uint64_t *out) {
+    char *end;
+    if (*s < '0' || *s > '9') return -1;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    unsigned shift = 0;
+    if (*end == 'K' || *end == 'k') shift = 10;
+    if (*end == 'M' || *end == 'm') shift = 20;
+    if (*end == 'G' || *end == 'g') shift = 30;
+    if (*end == 'T' || *end == 't') shift = 40;
+    if (shift) end++;
+    if (*end || errno || v == 0 || v > (UINT64_MAX >> shift)) return -1;
+    *out = (uint64_t)v << shift;
     return 0;
 }
 
@@ -551,6 +628,22 @@ static int parse_args(int argc, char **argv, options *o, char **traces, int *ntr
             if (append_conf(&o->user_conf, v)) rc = CUMA_EXIT_FAIL;
         } else if ((v = cli_option(argc, argv, &i, "--policy", &missing)) != NULL) {
             rc = add_policy(o, v);
+        } else if ((v = cli_option(argc, argv, &i, "--pytorch-conf", &missing)) != NULL) {
+            o->torch_text = v;
+            if (cuma_tm_conf_parse(&o->torch_conf, v) != CUMA_OK)
+                rc = cli_usage_error("replay", CUMA_REPLAY_USAGE, "--pytorch-conf: %s",
+                                     cuma_last_error());
+        } else if ((v = cli_option(argc, argv, &i, "--capacity", &missing)) != NULL) {
+            if (parse_bytes(v, &o->torch_conf.capacity))
+                rc = cli_usage_error("replay", CUMA_REPLAY_USAGE,
+                                     "--capacity wants bytes (a positive integer, K/M/G/T "
+                                     "suffix for KiB..TiB), not '%s'",
+                                     v);
+        } else if ((v = cli_option(argc, argv, &i, "--compare", &missing)) != NULL) {
+            if (!*v || strstr(v, ",,") || v[0] == ',' || v[strlen(v) - 1] == ',' || strlen(v) > 200)
+                rc = cli_usage_error("replay", CUMA_REPLAY_USAGE,
+                                     "--compare wants policy names, comma-separated, not '%s'", v);
+            o->compare = v;
         } else if ((v = cli_option(argc, argv, &i, "--timeline", &missing)) != NULL) {
             if (!*v)
                 rc = cli_usage_error("replay", CUMA_REPLAY_USAGE, "--timeline wants a directory");
@@ -588,6 +681,7 @@ static int parse_args(int argc, char **argv, options *o, char **traces, int *ntr
 int cuma_cmd_replay(int argc, char **argv) {
     if (cli_wants_help(argc, argv, CUMA_REPLAY_USAGE)) return CUMA_EXIT_OK;
     options o = {.scale = 1, .max_events = CUMA_TRACE_MAX_EVENTS, .device = -1};
+    cuma_tm_conf_default(&o.torch_conf);
     int ntraces = 0;
     char **traces = malloc((size_t)argc * sizeof *traces), *conf = NULL;
     int rc = traces ? parse_args(argc, argv, &o, traces, &ntraces) : CUMA_EXIT_FAIL;
@@ -599,6 +693,24 @@ int cuma_cmd_replay(int argc, char **argv) {
     if (rc == CUMA_EXIT_OK && cuma_config_check(conf) != CUMA_OK) {
         cli_eprintf("cuma replay: bad settings (--conf, --policy): %s\n", cuma_last_error());
         rc = CUMA_EXIT_USAGE;
+    }
+    if (rc == CUMA_EXIT_OK && o.torch && !o.compare && (o.scale != 1 || o.timeline_dir))
+        rc = cli_usage_error("replay", CUMA_REPLAY_USAGE,
+                             "--policy pytorch (the model) takes no --scale or --timeline");
+    /* Every heap policy --compare names is checked before anything runs. */
+    for (const char *p = o.compare; rc == CUMA_EXIT_OK && p && *p;) {
+        size_t len = strcspn(p, ",");
+        if (!is_torch(p, len)) {
+            char *c = with_policy(conf, p, len);
+            if (!c) {
+                rc = CUMA_EXIT_FAIL;
+            } else if (cuma_config_check(c) != CUMA_OK) {
+                cli_eprintf("cuma replay: --compare: %s\n", cuma_last_error());
+                rc = CUMA_EXIT_USAGE;
+            }
+            free(c);
+        }
+        p += len + (p[len] == ',');
     }
     if (rc == CUMA_EXIT_OK && o.timeline_dir && !timeline_dir_ok(o.timeline_dir))
         rc = CUMA_EXIT_USAGE;

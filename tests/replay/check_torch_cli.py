@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""`cuma replay --policy pytorch` and `--compare` on the bundled snapshots: the model's peak
+reserved within 3% of what PyTorch recorded, one JSON line per compared policy, and bad model
+options refused with exit 2 before anything is replayed.
+
+usage: check_torch_cli.py --cuma CUMA --data DIR
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+SNAPSHOTS = ("snapshot_small_lm_5steps.pickle.gz", "snapshot_toy_attention.pickle.gz")
+
+
+def run(cuma, *args):
+    p = subprocess.run([cuma, "replay", *args], capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def fail(msg):
+    print("FAIL: " + msg)
+    sys.exit(1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cuma", required=True)
+    ap.add_argument("--data", required=True)
+    a = ap.parse_args()
+    for name in SNAPSHOTS:
+        path = os.path.join(a.data, name)
+        rc, out, err = run(a.cuma, "--policy", "pytorch", "--json", path)
+        if rc != 0:
+            fail("%s: exit %d: %s" % (name, rc, err))
+        d = json.loads(out)
+        model, rec = d["peak_reserved_bytes"], d["recorded_peak_reserved_bytes"]
+        print("%s: model %d recorded %d (%+.2f%%)" % (name, model, rec, 100.0 * (model / rec - 1)))
+        if d["policy"] != "pytorch" or abs(model / rec - 1) > 0.03 or d["failed_allocs"]:
+            fail("%s: %s" % (name, out))
+        rc, out, err = run(a.cuma, "--compare", "pytorch,tlsf,buddy", "--json", path)
+        lines = [json.loads(l) for l in out.splitlines()]
+        if rc != 0 or [l["policy"] for l in lines] != ["pytorch", "tlsf", "buddy"]:
+            fail("%s: --compare: exit %d, %s %s" % (name, rc, out, err))
+        if lines[0]["peak_reserved_bytes"] != model:
+            fail("%s: --compare's pytorch line differs from --policy pytorch" % name)
+    # Expandable segments: the same traces with the policy named, and the same figures through
+    # --pytorch-conf expandable_segments:True.
+    for name in SNAPSHOTS:
+        path = os.path.join(a.data, name)
+        rc, out, err = run(a.cuma, "--compare", "pytorch,pytorch_expandable", "--json", path)
+        lines = [json.loads(l) for l in out.splitlines()]
+        if rc != 0 or [l["policy"] for l in lines] != ["pytorch", "pytorch_expandable"]:
+            fail("%s: pytorch_expandable: exit %d, %s %s" % (name, rc, out, err))
+        fixed, exp = lines[0]["peak_reserved_bytes"], lines[1]["peak_reserved_bytes"]
+        print("%s: expandable %d, fixed %d" % (name, exp, fixed))
+        if exp < lines[1]["peak_requested_bytes"] or lines[1]["failed_allocs"]:
+            fail("%s: pytorch_expandable: %s" % (name, lines[1]))
+        rc, out2, err = run(a.cuma, "--policy", "pytorch", "--pytorch-conf",
+                            "expandable_segments:True", "--json", path)
+        if rc != 0 or json.loads(out2)["peak_reserved_bytes"] != exp:
+            fail("%s: expandable_segments:True differs from pytorch_expandable" % name)
+    # A small capacity: the model frees its cache, then fails what still does not fit.
+    rc, out, err = run(a.cuma, "--policy", "pytorch", "--capacity", "1G", "--json",
+                       os.path.join(a.data, SNAPSHOTS[1]))
+    d = json.loads(out)
+    if rc != 0 or d["failed_allocs"] == 0 or d["peak_reserved_bytes"] > 1 << 30:
+        fail("--capacity 1G: exit %d, %s" % (rc, out))
+    path = os.path.join(a.data, SNAPSHOTS[1])
+    bad = [
+        (["--policy", "pytorch", "--pytorch-conf", "max_split_size_mb:5"], "max_split_size_mb"),
+        (["--policy", "pytorch", "--pytorch-conf", "nonsense:1"], "nonsense"),
+        (["--policy", "pytorch", "--pytorch-conf", "expandable_segments:yes"], "expandable"),
+        (["--policy", "pytorch_expandable", "--timeline", "/tmp"], "--timeline"),
+        (["--policy", "pytorch", "--capacity", "12Q"], "--capacity"),
+        (["--compare", "pytorch,bogus"], "bogus"),
+        (["--compare", "pytorch,,tlsf"], "--compare"),
+        (["--policy", "pytorch", "--scale", "2"], "--scale"),
+    ]
+    for args, word in bad:
+        rc, out, err = run(a.cuma, *args, path)
+        if rc != 2 or out or word not in err:
+            fail("%s: wanted exit 2, no output and %r in the message; got %d %r %r"
+                 % (args, word, rc, out, err))
+    print("check_torch_cli: ok")
+
+
+if __name__ == "__main__":
+    main()
