@@ -69,7 +69,7 @@ static const char *check(const cuma_pool *p) {
 }
 
 /* What one call on block i must have left (lock held). */
-static inline bool check_one(const cuma_pool *p, uint32_t i, bool out) {
+__attribute__((unused)) static inline bool check_one(const cuma_pool *p, uint32_t i, bool out) {
     return p->nfree <= p->count && i < p->count && p->out[i] == out &&
            (out || (p->nfree && p->stack[p->nfree - 1] == i));
 }

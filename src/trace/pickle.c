@@ -194,7 +194,7 @@ static cuma_status push_new(vm *v, uint32_t kind, uint32_t *idx) {
 }
 
 static cuma_status push_int(vm *v, uint32_t kind, int64_t x) {
-    uint32_t i;
+    uint32_t i = 0; /* set when push_new succeeds; 0 keeps gcc's Release build quiet */
     cuma_status st = push_new(v, kind, &i);
     if (st == CUMA_OK) v->p->node[i].u.i = x;
     return st;
@@ -206,7 +206,7 @@ static cuma_status push_text(vm *v, uint32_t kind, size_t n) {
     cuma_pickle *p = v->p;
     if ((st = grow(v, (void **)&p->text, &v->text_cap, p->text_len + n + 1, 1)) != CUMA_OK)
         return st;
-    uint32_t i;
+    uint32_t i = 0;
     if ((st = push_new(v, kind, &i)) != CUMA_OK) return st;
     memcpy(p->text + p->text_len, v->buf + v->pos, n);
     p->node[i].u.s.off = p->text_len;
@@ -255,7 +255,7 @@ static cuma_status fill(vm *v, size_t from, uint32_t want) {
 
 /* A tuple or list made of the values since `from`. */
 static cuma_status collect(vm *v, size_t from, uint32_t kind) {
-    uint32_t t;
+    uint32_t t = 0;
     cuma_status st = new_node(v, kind, &t);
     if (st != CUMA_OK) return st;
     if (kind == CUMA_PK_DICT && (v->sp - from) % 2) return bad(v, "a key without its value");

@@ -93,7 +93,7 @@ static cuma_status field(const conv *c, uint32_t d, const char *what, size_t i, 
 /* An int field >= 0; absent: *present 0 (an error when present is NULL). */
 static cuma_status uint_field(const conv *c, uint32_t d, const char *what, size_t i,
                               const char *key, uint64_t *out, int *present) {
-    int64_t v;
+    int64_t v = -1;
     cuma_status st = field(c, d, what, i, key, &v);
     if (st != CUMA_OK) return st;
     const cuma_pickle_node *nd = node(c, v);

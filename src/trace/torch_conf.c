@@ -75,7 +75,7 @@ static cuma_status division_list(char *list, uint32_t *div) {
             return cuma_fail(CUMA_ERR_CONFIG,
                              "pytorch conf: roundup_power2_divisions: '%s' is not SIZE_MB:N", it);
         *colon = '\0';
-        uint32_t n;
+        uint32_t n = 0;
         cuma_status st = division("roundup_power2_divisions", colon + 1, &n);
         if (st != CUMA_OK) return st;
         if (!strcmp(it, ">")) {
@@ -140,7 +140,7 @@ static cuma_status apply(cuma_tm_conf *c, char *key, char *val) {
             val[len - 1] = '\0';
             return division_list(val + 1, c->divisions);
         }
-        uint32_t n;
+        uint32_t n = 0;
         cuma_status st = division(key, val, &n);
         if (st != CUMA_OK) return st;
         for (unsigned i = 0; i < CUMA_TM_DIV_INTERVALS; i++) c->divisions[i] = n;
