@@ -12,6 +12,7 @@
  * slice of time; pass 2 is untouched by it.
  */
 #include "cli.h"
+#include "progress.h"
 #include "replay.h"
 #include "timeline.h"
 
@@ -196,7 +197,10 @@ static int measure(const cuma_trace *t, const char *conf, uint64_t scale, void *
 
     uint64_t now_us = 0, requested = 0, reserved = 0, retry_ns = 0;
     cuma_stats s;
+    cli_progress prog;
+    cli_progress_init(&prog, base_name(t->path), t->n);
     for (size_t i = 0; i < t->n && rc == CUMA_EXIT_OK; i++) {
+        cli_progress_step(&prog, i);
         const cuma_trace_event *e = &t->ev[i];
         /* Threads interleave, so a time may step back; the heap's clock may not. */
         uint64_t when = e->time_us > now_us ? e->time_us : now_us;
@@ -277,6 +281,7 @@ static int measure(const cuma_trace *t, const char *conf, uint64_t scale, void *
         if (requested > r->peak_requested) r->peak_requested = requested;
         if (reserved > r->peak_reserved) r->peak_reserved = reserved;
     }
+    cli_progress_done(&prog);
 
     if (rc == CUMA_EXIT_OK) {
         /* Let the idle delay run out after the last event, then see what the heap kept. */
