@@ -135,12 +135,25 @@ static void label_value(exp_buf *b, const char *s) {
 /* The labels of a heap. slot makes the series unique: one process may have several heaps on a
  * device at one priority, and samples with equal label sets are rejected by Prometheus. backend
  * is fixed when the heap joins, so it adds no series; empty for a slot that names none. */
+/* A label only where the heap has the value (a name from Kubernetes). */
+static void opt_label(exp_buf *b, const char *name, const char *v) {
+    if (!v[0]) return;
+    exp_printf(b, ",%s=\"", name);
+    label_value(b, v);
+    exp_printf(b, "\"");
+}
+
 static void heap_labels(exp_buf *b, const cuma_ledger_entry *e) {
     exp_printf(b, "{backend=\"");
     label_value(b, e->backend);
-    exp_printf(b, "\",device=\"");
+    exp_printf(b, "\"");
+    opt_label(b, "container", e->container);
+    exp_printf(b, ",device=\"");
     label_value(b, e->device);
-    exp_printf(b, "\",pid=\"%d\",process=\"", e->pid);
+    exp_printf(b, "\"");
+    opt_label(b, "namespace", e->pod_namespace);
+    opt_label(b, "pod", e->pod);
+    exp_printf(b, ",pid=\"%d\",process=\"", e->pid);
     label_value(b, e->process);
     exp_printf(b, "\",priority=\"%d\",slot=\"%u\"}", e->priority, e->slot);
 }

@@ -61,8 +61,13 @@ typedef struct cuma_ledger_entry {
     uint64_t page_creates, page_releases, maps, unmaps, trims;
     uint64_t page_call_ns;
     uint64_t arenas;
-    double fragmentation; /* share of mapped bytes not under live allocations */
+    double fragmentation; /* stranded share of the mapped bytes (cuma_stats.fragmentation) */
     uint64_t stats_age_ns;
+    /* Kubernetes: the process's POD_NAME, POD_NAMESPACE and CONTAINER_NAME when it joined
+     * (empty outside a pod, or where the manifest does not set them). */
+    char pod[64];
+    char pod_namespace[64];
+    char container[64];
 } cuma_ledger_entry;
 
 /* The live heaps of a ledger (name NULL, "on" or "auto": the user's ledger; else the name the

@@ -89,7 +89,9 @@ class LedgerEntry(ctypes.Structure):
             "page_call_ns",
             "arenas",
         )
-    ] + [("fragmentation", ctypes.c_double), ("stats_age_ns", ctypes.c_uint64)]
+    ] + [("fragmentation", ctypes.c_double), ("stats_age_ns", ctypes.c_uint64)] + [
+        (name, ctypes.c_char * 64) for name in ("pod", "pod_namespace", "container")
+    ]
 
 
 class Config(ctypes.Structure):

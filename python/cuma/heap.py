@@ -774,7 +774,8 @@ def ledger(name=None):
     managed, active_allocs, num_allocs, num_frees, failed_allocs, alloc_retries, ooms,
     oom_callbacks, managed_fallbacks, page_creates, page_releases, maps, unmaps, trims,
     page_call_ns, arenas, fragmentation; stats_age_ns says how old they are, None before the
-    first). Raises CumaIOError (naming the path) when no heap has made that ledger."""
+    first), and pod, pod_namespace, container (the process's POD_NAME, POD_NAMESPACE and
+    CONTAINER_NAME when it joined; "" outside Kubernetes). Raises CumaIOError (naming the path) when no heap has made that ledger."""
     if name is not None and not isinstance(name, str):
         raise TypeError("name must be a str or None, not %s" % type(name).__name__)
     lib = _lib.lib()
@@ -793,6 +794,8 @@ def ledger(name=None):
         d["process"] = e.process.decode(errors="replace")
         d["device"] = e.device.decode(errors="replace")
         d["backend"] = e.backend.decode(errors="replace")
+        for k in ("pod", "pod_namespace", "container"):
+            d[k] = getattr(e, k).decode(errors="replace")
         if d["stats_age_ns"] == 2**64 - 1:
             d["stats_age_ns"] = None
         out.append(d)

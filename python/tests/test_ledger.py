@@ -74,6 +74,23 @@ def test_pressure_callback_frees_for_higher_priority(ledger_name):
     assert cuma.ledger(ledger_name) == []
 
 
+def test_ledger_names_the_pod(ledger_name, monkeypatch):
+    # The downward API's variables, read when the heap joins: the exporter's pod labels.
+    monkeypatch.setenv("POD_NAME", "trainer-7f9c4")
+    monkeypatch.setenv("POD_NAMESPACE", "ml-jobs")
+    monkeypatch.setenv("CONTAINER_NAME", "x" * 100)  # cut to fit, never overflowing
+    with _heap(ledger_name, ""):
+        (e,) = cuma.ledger(ledger_name)
+        assert e["pod"] == "trainer-7f9c4" and e["pod_namespace"] == "ml-jobs"
+        assert e["container"] == "x" * 63
+    monkeypatch.delenv("POD_NAME")
+    monkeypatch.delenv("POD_NAMESPACE")
+    monkeypatch.delenv("CONTAINER_NAME")
+    with _heap(ledger_name, ""):
+        (e,) = cuma.ledger(ledger_name)
+        assert e["pod"] == "" and e["pod_namespace"] == "" and e["container"] == ""
+
+
 def test_ledger_errors(ledger_name):
     with pytest.raises(cuma.CumaIOError, match="no heap has joined it"):
         cuma.ledger("pytest-nobody-made-this-%d" % os.getpid())

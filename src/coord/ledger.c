@@ -108,6 +108,12 @@ static bool alive(const ledger_slot *s) {
     return !st || !s->start || st == s->start; /* unreadable: trust kill */
 }
 
+/* A name from the environment, cut to fit (Kubernetes names are at most 63 bytes). */
+static void env_name(char *out, size_t n, const char *var) {
+    const char *v = getenv(var);
+    snprintf(out, n, "%s", v ? v : "");
+}
+
 static void clear_slot(ledger_slot *s) {
     atomic_store_explicit(&s->state, 0, memory_order_release);
     s->pid = 0;
@@ -117,6 +123,9 @@ static void clear_slot(ledger_slot *s) {
     memset(s->process, 0, sizeof s->process);
     memset(s->device, 0, sizeof s->device);
     memset(s->backend, 0, sizeof s->backend);
+    memset(s->pod, 0, sizeof s->pod);
+    memset(s->pod_namespace, 0, sizeof s->pod_namespace);
+    memset(s->container, 0, sizeof s->container);
     s->capacity = s->guarantee = 0;
     atomic_store(&s->limit, 0);
     atomic_store(&s->reserved, 0);
@@ -427,6 +436,9 @@ cuma_status cuma_ledger_join(const cuma_ledger_join_info *in, cuma_ledger **out)
     read_comm(s->process, sizeof s->process);
     snprintf(s->device, sizeof s->device, "%s", in->device);
     snprintf(s->backend, sizeof s->backend, "%s", in->backend ? in->backend : "");
+    env_name(s->pod, sizeof s->pod, "POD_NAME");
+    env_name(s->pod_namespace, sizeof s->pod_namespace, "POD_NAMESPACE");
+    env_name(s->container, sizeof s->container, "CONTAINER_NAME");
     s->capacity = in->capacity;
     s->guarantee = in->guarantee;
     atomic_store(&s->limit, in->limit);
@@ -642,6 +654,12 @@ static void entry_of(const ledger_slot *s, unsigned i, uint64_t now, cuma_ledger
     e->process[sizeof e->process - 1] = 0;
     memcpy(e->device, s->device, sizeof e->device);
     e->device[sizeof e->device - 1] = 0;
+    memcpy(e->pod, s->pod, sizeof e->pod);
+    e->pod[sizeof e->pod - 1] = 0;
+    memcpy(e->pod_namespace, s->pod_namespace, sizeof e->pod_namespace);
+    e->pod_namespace[sizeof e->pod_namespace - 1] = 0;
+    memcpy(e->container, s->container, sizeof e->container);
+    e->container[sizeof e->container - 1] = 0;
     e->capacity = s->capacity;
     e->guarantee = s->guarantee;
     e->limit = atomic_load(&s->limit);

@@ -20,7 +20,7 @@
 #include <time.h>
 
 #define LEDGER_MAGIC   0x3152474c414d5543ull /* "CUMALGR1" */
-#define LEDGER_VERSION 3u                    /* 3: no in-file mutex, a lock generation */
+#define LEDGER_VERSION 4u /* 3: no in-file mutex, a lock generation; 4: Kubernetes names */
 #define LEDGER_SLOTS   256u
 
 /* The allocator figures of a slot's stat[] (cuma_ledger_entry's of the same names); fragmentation
@@ -83,6 +83,10 @@ typedef struct ledger_slot {
      * negative for long). stats_ns: CLOCK_MONOTONIC of the last publication, 0 = none. */
     _Atomic uint64_t stat[LEDGER_ST_N];
     _Atomic uint64_t stats_ns;
+    /* Where the process runs in Kubernetes (POD_NAME, POD_NAMESPACE, CONTAINER_NAME, which the
+     * manifests set from the downward API; empty outside), written once at join, so that the
+     * exporter's series join with the pod's. */
+    char pod[64], pod_namespace[64], container[64];
     uint64_t spare[6];
 } ledger_slot;
 

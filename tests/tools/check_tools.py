@@ -28,7 +28,7 @@ import sys
 import time
 
 from check_stats import check_stats, check_stats_doc, stats_json
-from ledger_checks import (FIELDS, MB, RAW_DEVICE, STEP_ALLOCS, Lines, check, device_totals, env,
+from ledger_checks import (FIELDS, MB, POD, RAW_DEVICE, STEP_ALLOCS, Lines, check, device_totals, env,
                            failures, key, ledger_fragmentation, run, shm_path, start_fixture,
                            stop_fixture)
 
@@ -284,7 +284,10 @@ ALLOC_METRICS = {
     "cuma_allocated_bytes": ("gauge", "allocated"), "cuma_mapped_bytes": ("gauge", "mapped"),
     "cuma_managed_bytes": ("gauge", "managed"),
 }
-HEAP_LABELS = {"backend", "device", "pid", "process", "priority", "slot"}
+HEAP_LABELS = {"backend", "container", "device", "namespace", "pid", "pod", "process", "priority",
+               "slot"}
+POD_LABELS = {"pod": POD["POD_NAME"], "namespace": POD["POD_NAMESPACE"],
+              "container": POD["CONTAINER_NAME"]}
 DEVICE_METRICS = {
     "cuma_device_capacity_bytes": "capacity", "cuma_device_reserved_bytes": "reserved",
     "cuma_device_cached_bytes": "cached", "cuma_device_guaranteed_bytes": "guaranteed",
@@ -296,8 +299,8 @@ def heap_series(get, fam, what):
     """A heap family's samples by (pid, device, priority, process); checks their labels."""
     got = {}
     for lab, v in get.get(fam, []):
-        if set(lab) != HEAP_LABELS:
-            check(False, "%s: %s labels" % (what, fam), lab)
+        if set(lab) != HEAP_LABELS or any(lab[k] != v for k, v in POD_LABELS.items()):
+            check(False, "%s: %s labels (the pod's names too)" % (what, fam), lab)
             continue
         got[(int(lab["pid"]), lab["device"], int(lab["priority"]), lab["process"])] = (
             v, lab["backend"])

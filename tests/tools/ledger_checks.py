@@ -21,9 +21,15 @@ def check(cond, what, detail=""):
     return cond
 
 
+# What every process the checks start is told of its pod (the downward API's variables, which
+# the machine running the tests may set to its own values): each heap's series carry them.
+POD = {"POD_NAME": "trainer-7f9c4", "POD_NAMESPACE": "ml-jobs", "CONTAINER_NAME": "train"}
+
+
 def env():
     e = dict(os.environ)
     e.pop("CUMA_CONF", None)  # the user's settings must not change the test
+    e.update(POD)
     return e
 
 
