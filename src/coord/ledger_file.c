@@ -368,30 +368,41 @@ cuma_status cuma_ledger_claim_slot(ledger_file *f, unsigned i, const ledger_slot
 
 /* ---- opening -------------------------------------------------------------------------------- */
 
-/* Makes a group's ledger file /dev/shm<n> appear whole: made under a private, random name
- * (O_EXCL: a file planted at a guessed name is never used), given to the group with mode 0660,
- * then linked to its name (if another process made it meanwhile, that one stays). A file made
- * in place would first be its maker's alone (the new file's group is the process's, the umask
- * may take g+rw): a member opening it then was refused, and a maker killed before fixing it left
- * a file nobody else may remove from the sticky /dev/shm. */
-static cuma_status make_group_file(const char *n, long gid, const char *path) {
-    char tmp[128], final[96];
+/* Makes the ledger file at path appear whole, its header written: made under a private, random
+ * name in the same directory (O_EXCL: a file planted at a guessed name is never used), given to
+ * the group with mode 0660 for a group's ledger (gid >= 0), given this layout's size and header,
+ * then linked to its name (if another process made it meanwhile, that one stays). A file made in
+ * place was seen by readers before its header was written (they took it for a file that is no
+ * ledger), and a group's was first its maker's alone (the new file's group is the process's, the
+ * umask may take g+rw): a member opening it then was refused, and a maker killed before fixing it
+ * left a file nobody else may remove from the sticky /dev/shm. */
+static cuma_status make_file(const char *path, long gid) {
+    char tmp[192];
     uint64_t r[2] = {0, 0};
     if (getrandom(r, sizeof r, 0) != (ssize_t)sizeof r)
         r[0] = cuma_ledger_now_ns() ^ ((uint64_t)getpid() << 32), r[1] = (uint64_t)(uintptr_t)tmp;
-    snprintf(tmp, sizeof tmp, "/dev/shm/.cuma-new-%016llx%016llx", (unsigned long long)r[0],
-             (unsigned long long)r[1]);
-    snprintf(final, sizeof final, "/dev/shm%s", n);
+    const char *slash = strrchr(path, '/');
+    int dlen = slash ? (int)(slash - path) : 0;
+    if ((size_t)snprintf(tmp, sizeof tmp, "%.*s/.cuma-new-%016llx%016llx", dlen, path,
+                         (unsigned long long)r[0], (unsigned long long)r[1]) >= sizeof tmp)
+        return cuma_fail(CUMA_ERR_INVALID, "ledger %s: its path is too long", path);
     int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0)
-        return cuma_fail(CUMA_ERR_IO, "ledger %s: making it in /dev/shm (%s): %s", path, tmp,
-                         strerror(errno));
+        return cuma_fail(CUMA_ERR_IO, "ledger %s: making it (%s): %s", path, tmp, strerror(errno));
     cuma_status st = CUMA_OK;
-    if (fchown(fd, (uid_t)-1, (gid_t)gid) || fchmod(fd, 0660))
+    if (gid >= 0 && (fchown(fd, (uid_t)-1, (gid_t)gid) || fchmod(fd, 0660)))
         st = cuma_fail(CUMA_ERR_IO, "ledger %s: giving it to group %ld: %s", path, gid,
                        strerror(errno));
+    ledger_shm *h = st ? NULL : calloc(1, sizeof *h);
+    if (!st && !h) st = cuma_fail(CUMA_ERR_OOM, "ledger %s: no host memory for its header", path);
+    if (!st) {
+        cuma_ledger_init_header(h);
+        if (ftruncate(fd, (off_t)LEDGER_BYTES) || !write_at(fd, h, sizeof *h, 0))
+            st = cuma_fail(CUMA_ERR_IO, "ledger %s: writing its header: %s", path, strerror(errno));
+    }
+    free(h);
     close(fd);
-    if (!st && link(tmp, final) && errno != EEXIST)
+    if (!st && link(tmp, path) && errno != EEXIST)
         st = cuma_fail(CUMA_ERR_IO, "ledger %s: %s", path, strerror(errno));
     unlink(tmp);
     return st;
@@ -404,8 +415,9 @@ static bool all_zero(const void *p, size_t n) {
     return true;
 }
 
-/* Makes the file's header where it has none (the ledger lock held): a file of zeros (just made,
- * or its maker died before writing the header; the lock's generation aside) of this layout's
+/* Makes the file's header where it has none (the ledger lock held): a file of zeros (made in
+ * place by an older cuma, which may have died before writing the header; the lock's generation
+ * aside) of this layout's
  * size at most is given the layout. Anything else without a header is refused and left as it
  * is: live heaps may use its slots (a process that zeroed the magic under them must not have the
  * next joiner wipe them). */
@@ -449,16 +461,11 @@ static cuma_status open_ledger(const char *name, bool create, ledger_file *f) {
                          name, (unsigned)geteuid(), gid);
     /* O_NOFOLLOW: a link planted at the name leads nowhere of another's choosing. */
     int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW;
-    int fd;
-    if (gid >= 0) {
+    int fd = open(path, flags);
+    if (fd < 0 && errno == ENOENT && create) {
+        st = make_file(path, gid);
+        if (st) return st;
         fd = open(path, flags);
-        if (fd < 0 && errno == ENOENT && create) {
-            st = make_group_file(n, gid, path);
-            if (st) return st;
-            fd = open(path, flags);
-        }
-    } else {
-        fd = open(path, flags | (create ? O_CREAT : 0), 0600);
     }
     if (fd < 0)
         return cuma_fail(CUMA_ERR_IO, "ledger %s: %s%s", path,
@@ -487,6 +494,11 @@ static cuma_status open_ledger(const char *name, bool create, ledger_file *f) {
     if (!st) return CUMA_OK;
     if (sb.st_size == 0 && !create)
         return cuma_fail(CUMA_ERR_IO, "ledger %s is empty (no heap has joined it)", path);
+    /* Zeros of this layout's size at most: made in place by an older cuma that has not written
+     * the header yet (or died first); the next heap to join makes it. */
+    atomic_store(&f->img->lockgen, 0); /* a joiner's lock may have counted in the zeros */
+    if (!create && (uint64_t)sb.st_size <= LEDGER_BYTES && all_zero(f->img, (size_t)sb.st_size))
+        return cuma_fail(CUMA_ERR_IO, "ledger %s has no header yet (being made)", path);
     if (!create || atomic_load(&f->img->magic) == LEDGER_MAGIC) return st;
     cuma_clear_error();
     if (!cuma_ledger_lock(f)) {

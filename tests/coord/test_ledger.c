@@ -472,7 +472,7 @@ static void test_bad_files(void) {
         CHECK(fstat(fd, &sb) == 0 && sb.st_size == 16); /* left as it was */
     }
     cuma_heap *good = ledger_heap("");
-    size_t size;
+    size_t size, size_n;
     {
         char gp[128];
         struct stat sb;
@@ -488,8 +488,11 @@ static void test_bad_files(void) {
     m[1] = 99;
     CHECK_ST(cuma_heap_create(&cfg, &x), CUMA_ERR_CORRUPT);
     CHECK(strstr(cuma_last_error(), "layout version 99"));
-    /* No magic at all (a creator that died before finishing): initialised again. */
+    /* No magic at all (a creator of an older cuma that died before finishing): a reader is
+     * told it is being made; the next heap makes it again. */
     memset(m, 0, size);
+    CHECK_ST(cuma_ledger_snapshot(name, NULL, 0, &size_n), CUMA_ERR_IO);
+    CHECK(strstr(cuma_last_error(), "being made") && strstr(cuma_last_error(), path));
     CHECK_OK(cuma_heap_create(&cfg, &x));
     cuma_heap_destroy(x);
     munmap(m, size);
