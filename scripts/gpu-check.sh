@@ -33,6 +33,10 @@
 #                idle, a high-priority one takes 60% (must get it from the other's cache), then
 #                the same with the memory in use (freed by the holder's pressure callback);
 #                last, with what is left of the budget
+#   9. Guard     scripts/gpu/memory_guard_check.py: cuma.adaptive.MemoryGuard on 8 transformer
+#                layers, offload and recompute at watermarks 0 and 512 MiB with room for half
+#                the activations: peak reserved and step time against the plain run, losses
+#                equal; SKIP without PyTorch+CUDA; with what is left of the budget
 #
 # Every step runs, each under its own timeout and within one overall budget (--budget, 420 s);
 # a step the budget leaves no time for is SKIP (saying so), not FAIL; a summary table of
@@ -78,8 +82,8 @@ while [ $# -gt 0 ]; do
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu-check: --budget wants seconds, not '$BUDGET'" >&2; exit 2 ;; esac
 for s in ${ONLY//,/ }; do
-  case "$s" in ctest|replays|churn|bench|torch|ledger|preload) ;;
-    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, ledger, preload)" >&2; exit 2 ;;
+  case "$s" in ctest|replays|churn|bench|torch|ledger|preload|guard) ;;
+    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, ledger, preload, guard)" >&2; exit 2 ;;
   esac
 done
 # wanted STEP: whether --only leaves the step in.
@@ -710,6 +714,28 @@ EOF
   [ "$nfail" -eq 0 ]
 }
 
+step_guard() {
+  section "9. Guard: MemoryGuard on a transformer (scripts/gpu/memory_guard_check.py)"
+  step_start
+  local name="guard: activations kept off the device"
+  if [ "$NO_TORCH" = 1 ]; then record "$name" SKIP "--no-torch" gpu; return; fi
+  if [ "$HAVE_GPU" != 1 ]; then record "$name" SKIP "no GPU: $NO_GPU_WHY" gpu; return; fi
+  if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build (failed or left out)" gpu; return; fi
+  if ! t=$(tmo 60); then record "$name" SKIP "$NO_TIME"; return; fi
+  local rc=0
+  run "$t" "$WORK/guard.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
+    CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
+    python3 scripts/gpu/memory_guard_check.py || rc=$?
+  local res
+  res=$(grep 'GUARD RESULT' "$WORK/guard.log" | tail -1)
+  res=${res#GUARD RESULT: }
+  case $rc in
+    0) record "$name" PASS "$res" gpu ;;
+    3) record "$name" SKIP "$res" gpu ;;
+    *) record "$name" FAIL "$(why_rc $rc "$t")${res:+: $res}" gpu ;;
+  esac
+}
+
 main() {
   echo "cuma GPU check: $(git log -1 --format='%h %s' 2>/dev/null | cut -c1-100) ($(date -u '+%Y-%m-%d %H:%M:%S UTC'))"
   [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && echo "(the working tree has uncommitted changes)"
@@ -726,6 +752,7 @@ main() {
   wanted bench && step_bench
   wanted preload && step_preload
   wanted ledger && step_ledger
+  wanted guard && step_guard
   summary
 }
 

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Surviving out-of-memory: find a batch size that fits, shrink batches on the fly, split a
-forward pass, and TensorFlow-style memory settings.
+forward pass, keep activations off the device while memory is tight, and TensorFlow-style memory
+settings.
 
 These helpers work with any allocator (PyTorch's own, or cuma after cuma.torch.enable()) and
 recognise every common out-of-memory error (:func:`is_oom`). Any other error passes through
@@ -19,7 +20,9 @@ the like keep working):
   DynamicBatcher and safe_forward), and the size check every helper makes;
 - :mod:`cuma._dynamic_batcher`: :class:`DynamicBatcher`;
 - :mod:`cuma._safe_forward`: :func:`safe_forward`, with its output joining and CPU copy;
-- :mod:`cuma._memory_settings`: :func:`set_memory_growth` and :func:`set_memory_limit`.
+- :mod:`cuma._memory_settings`: :func:`set_memory_growth` and :func:`set_memory_limit`;
+- :mod:`cuma._memory_guard`: :class:`MemoryGuard` (activations offloaded or recomputed while
+  memory is tight).
 
 The helpers look each other up in those modules, not here: to replace one for a test
 (``release_memory``, say), patch it where it is used (``cuma._find_batch_size``,
@@ -61,6 +64,7 @@ from ._safe_forward import (  # noqa: F401
     safe_forward,
 )
 from ._memory_settings import set_memory_growth, set_memory_limit
+from ._memory_guard import MemoryGuard
 
 __all__ = [
     "is_oom",
@@ -71,4 +75,5 @@ __all__ = [
     "safe_forward",
     "set_memory_growth",
     "set_memory_limit",
+    "MemoryGuard",
 ]

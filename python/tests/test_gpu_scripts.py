@@ -95,3 +95,17 @@ def test_torch_compare_total_timeout_runs_the_judged_runs_first(tmp_path):
     for mode in ("cuma_alt", "cuma_trace"):
         assert "the %s run is left out" % mode in p.stdout
         assert "== %s run" % mode not in p.stdout
+
+
+def test_memory_guard_check_dry_run():
+    """The GPU check's guard step on the CPU: both modes guard blocks, and the losses of the
+    guarded runs equal the plain run's."""
+    p = run([os.path.join(SCRIPTS, "memory_guard_check.py"), "--device", "cpu", "--steps", "3",
+             "--warmup", "1", "--batch", "2", "--length", "16", "--d-model", "32", "--layers", "3",
+             "--heads", "2"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "GUARD RESULT: PASS (dry run)" in p.stdout
+    for mode in ("offload", "recompute"):
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith(mode + ",")]
+        assert len(lines) == 2 and all("loss same" in ln for ln in lines), p.stdout
+        assert all("0 of 3 blocks guarded" not in ln for ln in lines), p.stdout
