@@ -7,6 +7,7 @@
  * thread that reads the ledger is exporter_sampler.c, the HTTP server exporter_server.c. */
 #include "cli.h"
 #include "exporter.h"
+#include "gpu_ids.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -143,14 +144,24 @@ static void opt_label(exp_buf *b, const char *name, const char *v) {
     exp_printf(b, "\"");
 }
 
-static void heap_labels(exp_buf *b, const cuma_ledger_entry *e) {
-    exp_printf(b, "{backend=\"");
+/* A device's labels: UUID (the device cuma names: "GPU-..." as DCGM exporter's UUID label, or
+ * "sim"), then DCGM's gpu index and device node where the driver's files name the GPU. DCGM's
+ * `device` is the node ("nvidia0"), so cuma's device string goes under UUID, not device. */
+static void device_labels(exp_buf *b, const char *device, const gpu_table *g, int comma) {
+    exp_printf(b, "%sUUID=\"", comma ? "," : "");
+    label_value(b, device);
+    exp_printf(b, "\"");
+    const gpu_id *id = gpu_ids_find(g, device);
+    if (id) exp_printf(b, ",device=\"nvidia%d\",gpu=\"%d\"", id->minor, id->index);
+}
+
+static void heap_labels(exp_buf *b, const cuma_ledger_entry *e, const gpu_table *g) {
+    exp_printf(b, "{");
+    device_labels(b, e->device, g, 0);
+    exp_printf(b, ",backend=\"");
     label_value(b, e->backend);
     exp_printf(b, "\"");
     opt_label(b, "container", e->container);
-    exp_printf(b, ",device=\"");
-    label_value(b, e->device);
-    exp_printf(b, "\"");
     opt_label(b, "namespace", e->pod_namespace);
     opt_label(b, "pod", e->pod);
     exp_printf(b, ",pid=\"%d\",process=\"", e->pid);
@@ -159,14 +170,14 @@ static void heap_labels(exp_buf *b, const cuma_ledger_entry *e) {
 }
 
 /* A per-heap gauge of a value computed from the entry (an age, a ratio), with `decimals`. */
-static void heap_gauge(exp_buf *b, const ledger_view *v, const char *name, const char *help,
-                       int published_only, double (*value)(const cuma_ledger_entry *),
-                       int decimals) {
+static void heap_gauge(exp_buf *b, const ledger_view *v, const gpu_table *g, const char *name,
+                       const char *help, int published_only,
+                       double (*value)(const cuma_ledger_entry *), int decimals) {
     family(b, name, "gauge", help);
     for (size_t i = 0; i < v->nheaps; i++) {
         if (published_only && !view_has_stats(&v->heaps[i])) continue;
         exp_printf(b, "%s", name);
-        heap_labels(b, &v->heaps[i]);
+        heap_labels(b, &v->heaps[i], g);
         exp_printf(b, " %.*f\n", decimals, value(&v->heaps[i]));
     }
 }
@@ -186,13 +197,13 @@ static double stranded_bytes(const cuma_ledger_entry *e) {
     return (double)e->mapped * e->fragmentation;
 }
 
-static void heap_family(exp_buf *b, const ledger_view *v, const heap_metric *hm,
+static void heap_family(exp_buf *b, const ledger_view *v, const gpu_table *g, const heap_metric *hm,
                         int published_only) {
     family(b, hm->name, hm->type, hm->help);
     for (size_t i = 0; i < v->nheaps; i++) {
         if (published_only && !view_has_stats(&v->heaps[i])) continue;
         exp_printf(b, "%s", hm->name);
-        heap_labels(b, &v->heaps[i]);
+        heap_labels(b, &v->heaps[i], g);
         exp_printf(b, " %" PRIu64 "\n", *(const uint64_t *)((const char *)&v->heaps[i] + hm->off));
     }
 }
@@ -201,50 +212,54 @@ static void heap_family(exp_buf *b, const ledger_view *v, const heap_metric *hm,
 #define HEAP_COUNT ((size_t)-1)
 
 /* A per-device gauge: the uint64_t at `off` in view_device, or the number of heaps. */
-static void device_family(exp_buf *b, const ledger_view *v, const char *name, const char *help,
-                          size_t off) {
+static void device_family(exp_buf *b, const ledger_view *v, const gpu_table *g, const char *name,
+                          const char *help, size_t off) {
     family(b, name, "gauge", help);
     for (size_t k = 0; k < v->ndevices; k++) {
         const view_device *d = &v->devices[k];
         uint64_t x =
             off == HEAP_COUNT ? (uint64_t)d->count : *(const uint64_t *)((const char *)d + off);
-        exp_printf(b, "%s{device=\"", name);
-        label_value(b, d->device);
-        exp_printf(b, "\"} %" PRIu64 "\n", x);
+        exp_printf(b, "%s{", name);
+        device_labels(b, d->device, g, 0);
+        exp_printf(b, "} %" PRIu64 "\n", x);
     }
 }
 
 void exp_render_figures(exp_buf *b, const ledger_view *v) {
-    device_family(b, v, "cuma_device_capacity_bytes", "The device's memory.",
+    /* Read at every read of the ledger, off the server's path: a few small files. */
+    gpu_table gt;
+    const gpu_table *g = &gt;
+    gpu_ids_read(NULL, &gt);
+    device_family(b, v, g, "cuma_device_capacity_bytes", "The device's memory.",
                   offsetof(view_device, capacity));
-    device_family(b, v, "cuma_device_reserved_bytes", "Memory all heaps hold on the device.",
+    device_family(b, v, g, "cuma_device_reserved_bytes", "Memory all heaps hold on the device.",
                   offsetof(view_device, reserved));
-    device_family(b, v, "cuma_device_cached_bytes", "Idle memory in all heaps' caches.",
+    device_family(b, v, g, "cuma_device_cached_bytes", "Idle memory in all heaps' caches.",
                   offsetof(view_device, cached));
-    device_family(b, v, "cuma_device_guaranteed_bytes", "The sum of the heaps' guarantees.",
+    device_family(b, v, g, "cuma_device_guaranteed_bytes", "The sum of the heaps' guarantees.",
                   offsetof(view_device, guaranteed));
-    device_family(b, v, "cuma_device_free_bytes",
+    device_family(b, v, g, "cuma_device_free_bytes",
                   "Capacity minus what heaps hold or are guaranteed, as admission counts it.",
                   offsetof(view_device, free));
-    device_family(b, v, "cuma_device_heaps", "Live heaps on the device.", HEAP_COUNT);
+    device_family(b, v, g, "cuma_device_heaps", "Live heaps on the device.", HEAP_COUNT);
     for (size_t m = 0; m < sizeof heap_metrics / sizeof heap_metrics[0]; m++)
-        heap_family(b, v, &heap_metrics[m], 0);
-    heap_gauge(b, v, "cuma_heap_publish_age_seconds",
+        heap_family(b, v, g, &heap_metrics[m], 0);
+    heap_gauge(b, v, g, "cuma_heap_publish_age_seconds",
                "Time since the heap last published its cached and requested bytes (as of the "
                "read).",
                0, publish_age_s, 3);
     for (size_t m = 0; m < sizeof alloc_metrics / sizeof alloc_metrics[0]; m++)
-        heap_family(b, v, &alloc_metrics[m], 1);
+        heap_family(b, v, g, &alloc_metrics[m], 1);
     /* The ledger keeps parts per million: six decimals are exact. */
-    heap_gauge(b, v, "cuma_fragmentation_ratio",
+    heap_gauge(b, v, g, "cuma_fragmentation_ratio",
                "Share of the in-use (mapped) bytes that no live allocation asked for: gaps "
                "between live blocks (0 to 1; 0 with nothing live, however much is cached).",
                1, fragmentation, 6);
-    heap_gauge(b, v, "cuma_stranded_bytes",
+    heap_gauge(b, v, g, "cuma_stranded_bytes",
                "In-use (mapped) bytes that no live allocation asked for: free, but usable only "
                "by requests that fit in the gaps (cached bytes are not among them).",
                1, stranded_bytes, 0);
-    heap_gauge(b, v, "cuma_heap_stats_age_seconds",
+    heap_gauge(b, v, g, "cuma_heap_stats_age_seconds",
                "Time since the heap last published its allocator figures (every 100 ms; as of "
                "the read).",
                1, stats_age_s, 3);

@@ -28,7 +28,7 @@ import sys
 import time
 
 from check_stats import check_stats, check_stats_doc, stats_json
-from ledger_checks import (FIELDS, MB, POD, RAW_DEVICE, STEP_ALLOCS, Lines, check, device_totals, env,
+from ledger_checks import (FIELDS, MB, POD, RAW_DEVICE, RAW_GPU_LABELS, STEP_ALLOCS, Lines, check, device_totals, env,
                            failures, key, ledger_fragmentation, run, shm_path, start_fixture,
                            stop_fixture)
 
@@ -284,7 +284,7 @@ ALLOC_METRICS = {
     "cuma_allocated_bytes": ("gauge", "allocated"), "cuma_mapped_bytes": ("gauge", "mapped"),
     "cuma_managed_bytes": ("gauge", "managed"),
 }
-HEAP_LABELS = {"backend", "container", "device", "namespace", "pid", "pod", "process", "priority",
+HEAP_LABELS = {"UUID", "backend", "container", "namespace", "pid", "pod", "process", "priority",
                "slot"}
 POD_LABELS = {"pod": POD["POD_NAME"], "namespace": POD["POD_NAMESPACE"],
               "container": POD["CONTAINER_NAME"]}
@@ -295,14 +295,22 @@ DEVICE_METRICS = {
 }
 
 
+def gpu_labels_ok(lab, base):
+    """A GPU the driver's files name has DCGM's gpu and device labels beside UUID; others
+    (the simulated device) have UUID alone."""
+    extra = RAW_GPU_LABELS if lab.get("UUID") == RAW_DEVICE else {}
+    return set(lab) == base | set(extra) and all(lab[k] == v for k, v in extra.items())
+
+
 def heap_series(get, fam, what):
     """A heap family's samples by (pid, device, priority, process); checks their labels."""
     got = {}
     for lab, v in get.get(fam, []):
-        if set(lab) != HEAP_LABELS or any(lab[k] != v for k, v in POD_LABELS.items()):
-            check(False, "%s: %s labels (the pod's names too)" % (what, fam), lab)
+        if not gpu_labels_ok(lab, HEAP_LABELS) or any(lab[k] != v for k, v in POD_LABELS.items()):
+            check(False, "%s: %s labels (the pod's names too, DCGM's gpu and device)" % (what, fam),
+                  lab)
             continue
-        got[(int(lab["pid"]), lab["device"], int(lab["priority"]), lab["process"])] = (
+        got[(int(lab["pid"]), lab["UUID"], int(lab["priority"]), lab["process"])] = (
             v, lab["backend"])
     return got
 
@@ -376,7 +384,10 @@ def check_metrics(text, made, what, errors=0, up=1, stale=0, unlocked=0):
           all(0 <= v < 5 for v, _ in got.values()), "%s: cuma_heap_stats_age_seconds" % what, got)
     totals = device_totals(made)
     for fam, field in sorted(DEVICE_METRICS.items()):
-        got = {lab.get("device"): v for lab, v in get.get(fam, [])}
+        check(all(gpu_labels_ok(lab, {"UUID"}) for lab, _ in get.get(fam, [])),
+              "%s: %s labels (UUID; DCGM's gpu and device where known)" % (what, fam),
+              get.get(fam))
+        got = {lab.get("UUID"): v for lab, v in get.get(fam, [])}
         want = {d: float(t[field]) for d, t in totals.items()}
         check(got == want, "%s: %s" % (what, fam), (got, want))
     ages = [v for _, v in get.get("cuma_heap_publish_age_seconds", [])]

@@ -2,16 +2,34 @@
 """What the checks of the `cuma` command's ledger views share (check_tools.py, check_stats.py):
 the check function and its list of failures, running commands, the fixture's processes, and the
 figures a heap has in every view. Standard library only."""
+import atexit
 import json
 import os
 import select
+import shutil
 import subprocess
+import tempfile
 import time
 
 MB = 1024 * 1024
 STEP_ALLOCS = 200  # ledger_fixture.c's
 RAW_DEVICE = "GPU-cuma-fixture-0001"
 failures = []
+
+# The NVIDIA driver's /proc/driver/nvidia/gpus as the exporter reads it (CUMA_NVIDIA_PROC): the
+# fixture's raw device is minor 3 at the second bus location, so DCGM would call it gpu="1",
+# device="nvidia3"; the other GPU has no heap, and a file without a UUID is left out.
+RAW_GPU_LABELS = {"gpu": "1", "device": "nvidia3"}
+NVIDIA_PROC = tempfile.mkdtemp(prefix="cuma-nvidia-proc-")
+atexit.register(shutil.rmtree, NVIDIA_PROC, True)
+for bus, uuid, minor in (("0000:41:00.0", RAW_DEVICE, 3), ("0000:18:00.0", "GPU-other-0000", 0),
+                         ("0000:c1:00.0", None, 7)):
+    os.makedirs(os.path.join(NVIDIA_PROC, bus))
+    with open(os.path.join(NVIDIA_PROC, bus, "information"), "w") as f:
+        f.write("Model: \t\t NVIDIA H200\nIRQ:   \t\t 123\n")
+        if uuid:
+            f.write("GPU UUID: \t %s\n" % uuid)
+        f.write("Bus Type: \t PCIe\nBus Location: \t %s\nDevice Minor: \t %d\n" % (bus, minor))
 
 
 def check(cond, what, detail=""):
@@ -30,6 +48,7 @@ def env():
     e = dict(os.environ)
     e.pop("CUMA_CONF", None)  # the user's settings must not change the test
     e.update(POD)
+    e["CUMA_NVIDIA_PROC"] = NVIDIA_PROC
     return e
 
 
