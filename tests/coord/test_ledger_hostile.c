@@ -280,7 +280,11 @@ static void test_group_temp(void) {
     for (int i = 0; i < 4; i++) unlink(planted[i]);
 }
 
-/* NPROC processes, released at once, each make a heap in the ledger, grow it and leave. */
+/* NPROC processes, released at once, each make a heap in the ledger, grow it and leave. More
+ * processes than slots: how many are live at once is the scheduler's choice (under ASan beside
+ * a CPU hog, 37 of 300 once found all 256 slots taken), so a join may be refused for that and
+ * nothing else, and at most NPROC - LEDGER_SLOTS can be (a refused one never holds a slot, and
+ * each refusal saw LEDGER_SLOTS others holding one). */
 #define NPROC 300
 static void test_crowd(void) {
     unlink(path);
@@ -322,7 +326,7 @@ static void test_crowd(void) {
     }
     fprintf(stderr, "crowd: %d processes, %d failed, %d found all %u slots taken\n", NPROC, failed,
             full, LEDGER_SLOTS);
-    CHECK(failed == 0 && full == 0);
+    CHECK(failed == 0 && full <= NPROC - (int)LEDGER_SLOTS);
     unlink(path);
 }
 
