@@ -4,6 +4,7 @@
 #include "config.h"
 #include "coord/ledger.h"
 #include "error.h"
+#include "marks.h"
 #include "strbuf.h"
 #include "trace/writer.h"
 
@@ -167,6 +168,11 @@ static const key_desc keys[] = {
      "how long an allocation that does not fit waits for other heaps in the ledger to give "
      "memory back before the OOM callbacks; 0 = do not ask them (never is refused: a request "
      "no heap answers would wait forever)"},
+    {"nvtx", K_BOOL, F(nvtx), "off", NULL,
+     "mark the slow paths (page calls, releases, the out-of-memory ladder and its rungs, fence "
+     "waits, the ledger) as NVTX ranges in a \"cuma\" domain, for Nsight Systems (`nsys profile`; "
+     "docs/NSIGHT.md); without a tool attached they cost a call each; refused by a libcuma built "
+     "without the CUDA toolkit's nvtx3 headers"},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])
@@ -501,6 +507,8 @@ cuma_status cuma_settings_validate(const cuma_settings *s) {
     if (s->arenas < 1 || s->arenas > CUMA_MAX_ARENAS)
         return cuma_fail(CUMA_ERR_CONFIG, "arenas %d is not between 1 and %d", s->arenas,
                          CUMA_MAX_ARENAS);
+    if (s->nvtx && cuma_marks_missing())
+        return cuma_fail(CUMA_ERR_CONFIG, "nvtx:on: %s", cuma_marks_missing());
     return CUMA_OK;
 }
 

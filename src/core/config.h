@@ -15,7 +15,7 @@
  * multiple of page_size; 0 <= memory_fraction <= 1; 0 <= fragmentation_threshold <= 1;
  * 0 <= remap_threshold <= 1;
  * virtual_size == 0 (derived) or >= capacity; backend, backend_fallback and policy are known
- * names. */
+ * names; nvtx only where this libcuma can push ranges. */
 typedef struct cuma_settings {
     char backend[16];               /* sim, vmm, segment, managed, auto */
     bool backend_named;             /* a settings string named the backend (else: implicit auto) */
@@ -54,6 +54,7 @@ typedef struct cuma_settings {
     int priority;                   /* in the ledger: higher wins */
     uint64_t guarantee;             /* in the ledger: device bytes nobody takes from the heap */
     int64_t pressure_timeout_ms;    /* how long a growth waits for others to give memory */
+    bool nvtx;                      /* slow paths as NVTX ranges (core/marks.h) */
     int device;
 } cuma_settings;
 

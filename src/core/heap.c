@@ -4,6 +4,7 @@
 #include "heap.h"
 #include "trace/writer.h"
 #include "error.h"
+#include "marks.h"
 #include "tcache_fast.h"
 
 #include <errno.h>
@@ -236,6 +237,9 @@ static bool wait_oom_run(cuma_heap *p) {
     return r == 0;
 }
 
+static cuma_status call_oom_callbacks(cuma_heap *h, cuma_status st, size_t size, uint64_t n,
+                                      unsigned si, cuma_stream stream, cuma_block **out);
+
 /* The callbacks' rung (arena lock held on entry and exit, dropped meanwhile). They run on one
  * thread at a time per heap, so that a callback needs no locking of its own and several threads
  * out of memory at once do not each shed the program's caches: a thread that finds another
@@ -250,6 +254,16 @@ static cuma_status run_oom_callbacks(cuma_heap *h, cuma_status st, size_t size, 
     bool any = p->oom.n > 0;
     pthread_mutex_unlock(&p->oom_lock);
     if (!any) return st;
+    cuma_mark_push(h->set.nvtx, CUMA_MARK_OOM_CALLBACKS);
+    st = call_oom_callbacks(h, st, size, n, si, stream, out);
+    cuma_mark_pop(h->set.nvtx);
+    return st;
+}
+
+/* run_oom_callbacks once some are registered. */
+static cuma_status call_oom_callbacks(cuma_heap *h, cuma_status st, size_t size, uint64_t n,
+                                      unsigned si, cuma_stream stream, cuma_block **out) {
+    cuma_heap *p = h->primary;
     if (pthread_mutex_trylock(&p->oom_run) != 0) {
         if (oom_frames) return st;
         pthread_mutex_unlock(&h->lock);
@@ -287,7 +301,10 @@ static bool managed_take(cuma_heap *h, size_t size, uint64_t *managed_addr) {
     cuma_heap *p = h->primary;
     if (!h->set.managed_fallback || !(h->be->caps & CUMA_CAP_MANAGED)) return false;
     uint64_t addr;
-    if (h->be->ops->managed_alloc(h->be, size, &addr) != CUMA_OK) return false;
+    cuma_mark_push(h->set.nvtx, CUMA_MARK_OOM_MANAGED);
+    cuma_status st = h->be->ops->managed_alloc(h->be, size, &addr);
+    cuma_mark_pop(h->set.nvtx);
+    if (st != CUMA_OK) return false;
     pthread_mutex_lock(&p->managed_lock);
     bool put = cuma_map_put(&p->managed, addr, (void *)(uintptr_t)size);
     if (put) {
@@ -304,28 +321,46 @@ static bool managed_take(cuma_heap *h, size_t size, uint64_t *managed_addr) {
 
 /* The out-of-memory ladder: release the cache (this arena's, then the other arenas') and retry,
  * call the callbacks and retry, fall back to managed memory, then fail. Called with the arena's
- * lock held; callbacks run without it. */
+ * lock held; callbacks run without it. With nvtx:on the ladder is one range, each rung taken a
+ * range inside it. */
+static cuma_status ladder(cuma_heap *h, cuma_status st, size_t size, uint64_t n, unsigned si,
+                          cuma_stream stream, cuma_block **out, uint64_t *managed_addr);
 static cuma_status recover(cuma_heap *h, cuma_status st, size_t size, uint64_t n, unsigned si,
                            cuma_stream stream, cuma_block **out, uint64_t *managed_addr) {
     if (!is_oom(st)) return st;
+    cuma_mark_push(h->set.nvtx, CUMA_MARK_OOM);
+    st = ladder(h, st, size, n, si, stream, out, managed_addr);
+    cuma_mark_pop(h->set.nvtx);
+    return st;
+}
+
+static cuma_status ladder(cuma_heap *h, cuma_status st, size_t size, uint64_t n, unsigned si,
+                          cuma_stream stream, cuma_block **out, uint64_t *managed_addr) {
     cuma_heap *p = h->primary;
+    bool marks = h->set.nvtx;
     /* A growth refused part-way (a limit, a full device, the ledger) held its pages for a
      * moment: the peak says so, before the cache release below gives them back. */
     raise_peak(&p->peak_res, cuma_heap_reserved_all(h));
     h->c.retries++;
     h->c.trims++;
+    cuma_mark_push(marks, CUMA_MARK_OOM_CACHE);
     cuma_heap_release_idle(h, 0);
     st = try_alloc(h, size, n, si, now(h), out);
+    cuma_mark_pop(marks);
     if (!is_oom(st)) return st;
     if (atomic_load(&p->narenas) > 1) {
+        cuma_mark_push(marks, CUMA_MARK_OOM_ARENAS);
         release_other_arenas(h);
         st = try_alloc(h, size, n, si, now(h), out);
+        cuma_mark_pop(marks);
         if (!is_oom(st)) return st;
     }
     /* Other processes' heaps on the device may give memory back (not beyond the heap's own
      * limit: nobody can help there). */
-    if (st == CUMA_ERR_OOM && cuma_heap_ledger_reclaim(h, n)) {
-        st = try_alloc(h, size, n, si, now(h), out);
+    if (st == CUMA_ERR_OOM && p->ledger && p->set.pressure_timeout_ms > 0) {
+        cuma_mark_push(marks, CUMA_MARK_OOM_LEDGER);
+        if (cuma_heap_ledger_reclaim(h, n)) st = try_alloc(h, size, n, si, now(h), out);
+        cuma_mark_pop(marks);
         if (!is_oom(st)) return st;
     }
     /* Still out of memory: counted whether or not callbacks are registered, so that an

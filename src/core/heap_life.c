@@ -3,6 +3,7 @@
 #include "coord/ledger.h"
 #include "error.h"
 #include "heap.h"
+#include "marks.h"
 #include "pools.h"
 #include "trace/writer.h"
 
@@ -67,6 +68,9 @@ cuma_status cuma_heap_build(cuma_heap *h) {
             h->be->name);
     st = cuma_streams_init(&h->streams, h->be);
     if (st) return st;
+    /* The tables keep their own copy of nvtx:on, the one flag their slow paths test. */
+    if (h->set.nvtx) cuma_marks_init();
+    h->streams.marks = h->set.nvtx;
     const cuma_policy_ops *pol = buddy ? &cuma_buddy_ops : &cuma_tlsf_ops;
     st = pol->create(&h->pol, &h->streams, h->vmm ? CUMA_POLICY_KEEP_TOP_CLEAN : 0);
     if (st) goto fail_streams;
@@ -86,10 +90,12 @@ cuma_status cuma_heap_build(cuma_heap *h) {
         cuma_pages_policy(&h->pages, h->set.remap_threshold, h->set.page_call_budget,
                           !h->set.sim_clock_manual || cuma_simbe_costed_clock(h->be));
         h->pages.shared = &h->primary->pages.own_reserved;
+        h->pages.marks = h->set.nvtx;
         st = h->pol->ops->add_range(h->pol, 0, h->va_size);
         if (st) goto fail_pages;
     } else {
         cuma_segs_init(&h->segs, h->be, &h->streams, h->pol, h->set.segment_size);
+        h->segs.marks = h->set.nvtx;
     }
     cuma_map_init(&h->live);
     h->release_delay_ns = h->set.release_delay_ms < 0 ? -1 : h->set.release_delay_ms * 1000000;

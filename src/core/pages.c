@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "pages.h"
 #include "error.h"
+#include "marks.h"
 
 #include <assert.h>
 #include <stdlib.h>
@@ -83,37 +84,39 @@ void cuma_pages_policy(cuma_pages *pp, double remap_threshold, double budget, bo
 
 /* ---- the backend's page calls, timed -------------------------------------------------------- */
 
-static uint64_t call_start(const cuma_pages *pp) {
+static uint64_t call_start(const cuma_pages *pp, enum cuma_mark m) {
+    cuma_mark_push(pp->marks, m);
     return pp->timed ? pp->be->ops->now_ns(pp->be) : 0;
 }
 
 static void call_end(cuma_pages *pp, uint64_t t0) {
     if (pp->timed) pp->call_ns += pp->be->ops->now_ns(pp->be) - t0;
+    cuma_mark_pop(pp->marks);
 }
 
 static cuma_status be_unmap(cuma_pages *pp, uint32_t v, uint32_t n) {
-    uint64_t t0 = call_start(pp);
+    uint64_t t0 = call_start(pp, CUMA_MARK_PAGE_UNMAP);
     cuma_status st = pp->be->ops->unmap(pp->be, va_addr(pp, v), n);
     call_end(pp, t0);
     return st;
 }
 
 static cuma_status be_map(cuma_pages *pp, uint32_t v, const uint64_t *handles, uint32_t n) {
-    uint64_t t0 = call_start(pp);
+    uint64_t t0 = call_start(pp, CUMA_MARK_PAGE_MAP);
     cuma_status st = pp->be->ops->map(pp->be, va_addr(pp, v), handles, n);
     call_end(pp, t0);
     return st;
 }
 
 static cuma_status be_create(cuma_pages *pp, uint64_t *handle) {
-    uint64_t t0 = call_start(pp);
+    uint64_t t0 = call_start(pp, CUMA_MARK_PAGE_CREATE);
     cuma_status st = pp->be->ops->page_create(pp->be, handle);
     call_end(pp, t0);
     return st;
 }
 
 static void be_release(cuma_pages *pp, uint64_t handle) {
-    uint64_t t0 = call_start(pp);
+    uint64_t t0 = call_start(pp, CUMA_MARK_PAGE_RELEASE);
     pp->be->ops->page_release(pp->be, handle);
     call_end(pp, t0);
 }

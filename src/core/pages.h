@@ -102,6 +102,7 @@ typedef struct cuma_pages {
     uint64_t map_runs;     /* backend map calls: runs of consecutive pages mapped together */
     uint64_t unmap_runs;   /* backend unmap calls (moved pages' old places, released pages) */
     uint64_t early_remaps; /* ghosts made: pages mapped anew before their old work was done */
+    bool marks;            /* nvtx:on: the page calls are NVTX ranges (marks.h); constant */
     uint64_t remap_waits;  /* times backing a ghost's virtual page waited for the device */
 } cuma_pages;
 

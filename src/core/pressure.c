@@ -5,6 +5,7 @@
 #include "coord/ledger_backend.h"
 #include "error.h"
 #include "heap.h"
+#include "marks.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -130,6 +131,7 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
     uint64_t shrink;
     if (!cuma_ledger_asked(l, &cache, &shrink, &fresh)) return;
     pthread_mutex_unlock(&p->lock);
+    cuma_mark_push(p->set.nvtx, CUMA_MARK_LEDGER_ANSWER);
     uint64_t gave = 0, calls = 0;
     if (cache) {
         /* Idle memory first, thread caches' pending frees included; then what is still in use
@@ -153,6 +155,7 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
     }
     cuma_heap_ledger_publish(p);
     cuma_ledger_gave(l, gave, calls);
+    cuma_mark_pop(p->set.nvtx);
     pthread_mutex_lock(&p->lock);
 }
 

@@ -4,6 +4,7 @@
  * call. */
 #include "error.h"
 #include "heap.h"
+#include "marks.h"
 
 #include <time.h>
 
@@ -30,6 +31,7 @@ static void age_tcaches(cuma_heap *h, uint64_t t) {
 
 void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_cached_bytes,
                        uint64_t age_keep_bytes, bool wait) {
+    cuma_mark_push(h->set.nvtx, CUMA_MARK_RELEASE);
     if (h->vmm) {
         uint64_t ps = h->pages.page_size;
         cuma_pages_release(&h->pages, t, delay_ns,
@@ -42,6 +44,7 @@ void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_
      * cross-process ledger read it. */
     atomic_store_explicit(&h->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(h),
                           memory_order_relaxed);
+    cuma_mark_pop(h->set.nvtx);
 }
 
 /* fragmentation_threshold: idle memory past its delay stays while it is at most this share of
@@ -117,7 +120,9 @@ void cuma_heap_release_all(cuma_heap *h, uint64_t keep_bytes, bool count_trim) {
 cuma_status cuma_trim(cuma_heap *h, size_t keep_bytes) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_trim: heap is NULL");
     if (atomic_load(&h->inherited)) return cuma_heap_inherited(h, "cuma_trim");
+    cuma_mark_push(h->set.nvtx, CUMA_MARK_TRIM);
     cuma_heap_release_all(h, keep_bytes, true);
+    cuma_mark_pop(h->set.nvtx);
     return CUMA_OK;
 }
 
@@ -253,7 +258,10 @@ void *cuma_heap_release_thread(void *arg) {
         }
         uint64_t now = cuma_heap_now(h);
         if (!h->stopping && (woken || now >= policy_at)) {
+            /* The pass holds the heap lock: a timeline shows it against the program's calls. */
+            cuma_mark_push(h->set.nvtx, CUMA_MARK_RELEASE_PASS);
             cuma_heap_release_policy(h, now);
+            cuma_mark_pop(h->set.nvtx);
             policy_at = UINT64_MAX;
         }
         if (!h->stopping && h->ledger) cuma_heap_ledger_poll(h);

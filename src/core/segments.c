@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "segments.h"
 #include "error.h"
+#include "marks.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -77,7 +78,9 @@ static cuma_status add_segment(cuma_segs *sg, uint64_t size, cuma_seg **out) {
     cuma_seg *s = calloc(1, sizeof *s);
     if (!s) return cuma_fail(CUMA_ERR_OOM, "no host memory for a segment record");
     uint64_t addr;
+    cuma_mark_push(sg->marks, CUMA_MARK_SEG_ALLOC);
     cuma_status st = sg->be->ops->seg_alloc(sg->be, size, &addr);
+    cuma_mark_pop(sg->marks);
     if (st) {
         free(s);
         return st;
@@ -136,7 +139,9 @@ uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64
         idle_remove(sg, s);
         sg->pol->ops->remove_range(sg->pol, w);
         cuma_map_remove(&sg->byaddr, s->addr);
+        cuma_mark_push(sg->marks, CUMA_MARK_SEG_FREE);
         sg->be->ops->seg_free(sg->be, s->addr, s->size);
+        cuma_mark_pop(sg->marks);
         sg->reserved -= s->size;
         sg->releases++;
         released += s->size;

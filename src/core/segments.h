@@ -40,6 +40,7 @@ typedef struct cuma_segs {
     bool limit_is_device;
     uint64_t small_seg, mid_seg; /* 2 MiB and segment_size */
     uint64_t creates, releases;
+    bool marks; /* nvtx:on: segment calls are NVTX ranges (marks.h); constant */
 } cuma_segs;
 
 void cuma_segs_init(cuma_segs *sg, cuma_backend *be, cuma_streams *ss, cuma_policy *pol,

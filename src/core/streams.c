@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "streams.h"
 #include "error.h"
+#include "marks.h"
 
 #include <stdlib.h>
 
@@ -94,7 +95,11 @@ static void retire(cuma_streams *ss, cuma_stream_slot *s, uint64_t wait_until) {
         uint64_t ev = s->ring[s->head].event;
         int q = be->ops->event_query(be, ev);
         ss->event_queries++;
-        if (q == 0 && s->done < wait_until && be->ops->event_wait(be, ev) == CUMA_OK) q = 1;
+        if (q == 0 && s->done < wait_until) {
+            cuma_mark_push(ss->marks, CUMA_MARK_FENCE_WAIT);
+            if (be->ops->event_wait(be, ev) == CUMA_OK) q = 1;
+            cuma_mark_pop(ss->marks);
+        }
         if (q <= 0) return; /* an error counts as not done: memory stays held, never reused early */
         s->done = s->ring[s->head].covers;
         be->ops->event_release(be, ev);

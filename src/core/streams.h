@@ -55,6 +55,7 @@ typedef struct cuma_streams {
      * a scan over them must not ask the device once per tag. Within one epoch (one allocator
      * operation: cuma_streams_tick) each stream's pending work is asked about once. */
     uint64_t epoch;
+    bool marks;               /* nvtx:on: waits are NVTX ranges (marks.h); constant */
     uint64_t events_recorded; /* statistics */
     uint64_t event_queries;
 } cuma_streams;

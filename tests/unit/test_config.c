@@ -4,6 +4,7 @@
  * CUMA_CONF, cfg->conf), cuma_config_describe, cuma_config_check and cuma_settings_validate. */
 #include "check.h"
 #include "core/config.h"
+#include "core/marks.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -81,6 +82,7 @@ static void test_defaults(void) {
     CHECK(d.segment_size == 20 * MB && !d.host_backing && !d.sim_clock_manual);
     CHECK(!d.managed_fallback && d.device == 0);
     CHECK(d.remap_threshold == 0 && d.early_remap && d.sim_lag_ms == 0);
+    CHECK(!d.nvtx);
     CHECK_OK(cuma_settings_validate(&d));
 
     /* Every key of the table parses its own default: onto defaults (no change), onto a value
@@ -596,6 +598,25 @@ static void test_check_and_validate(void) {
     CHECK(!h && strstr(cuma_last_error(), "page_size"));
 }
 
+/* nvtx:on parses anywhere; only a libcuma built with the nvtx3 headers takes it, and one built
+ * without says why (tests/nvtx checks the ranges themselves). */
+static void test_nvtx(void) {
+    cuma_settings s;
+    cuma_settings_default(&s);
+    CHECK_OK(cuma_settings_parse(&s, "nvtx:on", "test"));
+    CHECK(s.nvtx);
+    CHECK_OK(cuma_settings_parse(&s, "nvtx:off", "test"));
+    CHECK(!s.nvtx);
+    CHECK_ST(cuma_config_check("nvtx:maybe"), CUMA_ERR_CONFIG);
+    CHECK(strstr(cuma_last_error(), "nvtx") && strstr(cuma_last_error(), "on or off"));
+    if (cuma_marks_missing()) {
+        CHECK_ST(cuma_config_check("nvtx:on"), CUMA_ERR_CONFIG);
+        CHECK(strstr(cuma_last_error(), "nvtx:on") && strstr(cuma_last_error(), "without NVTX"));
+    } else {
+        CHECK_OK(cuma_config_check("nvtx:on"));
+    }
+}
+
 /* config.c accepts any int64 of milliseconds, and heap.c multiplies release_delay_ms by 10^6
  * in int64_t: 10^13 ms overflows (undefined behaviour; it wraps to a bogus delay, and UBSan
  * builds abort). Expected: the key rejects what cannot be held in nanoseconds. */
@@ -615,6 +636,7 @@ int main(void) {
     test_describe();
     test_check_and_validate();
     test_ms_overflow();
+    test_nvtx();
     printf("test_config: all passed\n");
     return 0;
 }
