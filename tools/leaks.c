@@ -58,8 +58,9 @@ typedef struct group {
 typedef struct ctx {
     const cuma_trace *t;
     const options *o;
-    uint32_t ngroups;  /* stacks: nframes + FIRST_SITE; else SIZE_CLASSES */
+    uint32_t ngroups;  /* stacks: distinct sites (at most nstacks); else SIZE_CLASSES */
     uint32_t *site_of; /* stacks: per stack its group */
+    uint32_t *key_of;  /* stacks: per group its site (NO_STACK, NO_SITE, FIRST_SITE + frame) */
 } ctx;
 
 static int ends_with(const char *s, const char *suffix) {
@@ -134,6 +135,7 @@ static void fmt_bytes(uint64_t b, char *out, size_t len) {
 /* The group's label for the table: "FILE:LINE NAME", or a size class. */
 static void label(const ctx *c, uint32_t g, char *out, size_t len) {
     char a[64], b[64], shown[1024];
+    if (c->key_of) g = c->key_of[g];
     if (!c->t->stack) {
         if (g == 0) {
             snprintf(out, len, "size 0");
@@ -194,6 +196,7 @@ static void json_frame(const cuma_trace *t, uint32_t f) {
 }
 
 static void json_site(const ctx *c, uint32_t g) {
+    if (c->key_of) g = c->key_of[g];
     if (!c->t->stack) {
         printf("\"size_class\":{\"min\":%" PRIu64 ",\"max\":%" PRIu64 "}",
                g == 0   ? 0
@@ -277,10 +280,10 @@ static int report_live(const ctx *c) {
         g[ng - 1].bytes += v[i].size;
         g[ng - 1].allocs++;
     }
-    /* first[] follows g[] through the sort: keep the index in allocs' place meanwhile. */
     group *gs = malloc((ng ? ng : 1) * sizeof *gs);
     if (!gs) {
         free(v), free(g), free(first);
+        cli_eprintf("cuma leaks: out of host memory\n");
         return CUMA_EXIT_FAIL;
     }
     memcpy(gs, g, ng * sizeof *gs);
@@ -337,7 +340,7 @@ static int report_growth(const ctx *c) {
         return CUMA_EXIT_OK;
     }
     size_t G = c->ngroups;
-    uint64_t *level = calloc(G, sizeof *level), *low = malloc(G * W * sizeof *low);
+    uint64_t *level = calloc(G, sizeof *level), *low = calloc(G, W * sizeof *low);
     if (!level || !low) {
         free(level), free(low);
         cli_eprintf("cuma leaks: out of host memory\n");
@@ -409,14 +412,24 @@ static int leaks_one(const char *path, const options *o) {
     }
     ctx c = {.t = &t, .o = o, .ngroups = SIZE_CLASSES};
     if (t.stack) {
-        c.ngroups = t.stacks.nframes + FIRST_SITE;
+        /* Groups are numbered densely, in the order stacks first name them: there are at most
+         * as many as stacks, however many frames the file has. */
+        uint32_t *dense = calloc((size_t)t.stacks.nframes + FIRST_SITE, sizeof *dense);
         c.site_of = malloc((size_t)t.stacks.nstacks * sizeof *c.site_of);
-        if (!c.site_of) {
+        c.key_of = malloc((size_t)t.stacks.nstacks * sizeof *c.key_of);
+        if (!dense || !c.site_of || !c.key_of) {
+            free(dense), free(c.site_of), free(c.key_of);
             cuma_trace_free(&t);
             cli_eprintf("cuma leaks: out of host memory\n");
             return CUMA_EXIT_FAIL;
         }
-        for (uint32_t s = 0; s < t.stacks.nstacks; s++) c.site_of[s] = site_of_stack(&t, s);
+        c.ngroups = 0;
+        for (uint32_t s = 0; s < t.stacks.nstacks; s++) {
+            uint32_t k = site_of_stack(&t, s);
+            if (!dense[k]) c.key_of[c.ngroups] = k, dense[k] = ++c.ngroups;
+            c.site_of[s] = dense[k] - 1;
+        }
+        free(dense);
     }
     char shown[1024];
     if (o->json) {
@@ -436,6 +449,7 @@ static int leaks_one(const char *path, const options *o) {
     if (rc == CUMA_EXIT_OK) rc = report_growth(&c);
     if (o->json) printf("}\n");
     free(c.site_of);
+    free(c.key_of);
     cuma_trace_free(&t);
     return rc;
 }
