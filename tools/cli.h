@@ -134,8 +134,9 @@ const char *cli_shown(const char *text, char *buf, size_t len);
     "                  [--max-events N] TRACE...\n"                                                \
     "  What a recording still holds at its end, by call site (largest first), and the call\n"      \
     "  sites whose live bytes keep growing over it. The call site is the innermost frame of\n"     \
-    "  the program's own Python code: C/C++ frames, torch/ and the standard library are\n"         \
-    "  skipped. Traces without stacks (RMM CSV) are grouped by power-of-two size class.\n"         \
+    "  the program's own Python code, else an installed package's, else (in the backward\n"        \
+    "  pass) the autograd node; C/C++ frames, torch/ and the standard library are skipped.\n"      \
+    "  Traces without stacks (RMM CSV) are grouped by power-of-two size class.\n"                  \
     "  --top N        the N largest call sites (default 20)\n"                                     \
     "  --windows N    cut the recorded events into N windows (default 4, 2 to 1000); a site\n"     \
     "                 grows when its least live bytes in each window never fall, rise in at\n"     \

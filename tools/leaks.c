@@ -5,8 +5,11 @@
  * Call site: the innermost frame of an allocation's stack that is the program's own Python
  * code (frame_rank): a file that ends in ".py", outside a torch/ directory, Python's standard
  * library and installed packages (site-packages, dist-packages); when a stack has no such
- * frame, the innermost frame of an installed package other than torch. Frames of C and C++
- * code ("??", "", *.cpp, ...), of torch and of the interpreter are always skipped, so memory
+ * frame, the innermost frame of an installed package other than torch; when it has no Python
+ * frame outside torch (the backward pass runs on the autograd engine's own threads), the
+ * innermost autograd node (torch::autograd::generated::MmBackward0::apply, AccumulateGrad).
+ * Other frames of C and C++ code ("??", "", *.cpp, ...), of torch and of the interpreter are
+ * always skipped, so memory
  * allocated deep inside PyTorch (or einops) is charged to the program's line that asked for
  * it. A trace without stacks (RMM CSV) is grouped by power-of-two size class.
  *
@@ -97,17 +100,27 @@ static const char *text(const cuma_trace *t, uint32_t off) {
 #define NO_SITE    1u
 #define FIRST_SITE 2u
 
-/* The innermost frame of the program's own code, else the innermost of a package's. */
+/* Whether a C++ frame is an autograd node's apply: the backward pass runs on the autograd
+ * engine's threads, whose stacks have no Python frame, and the node names what it computes. */
+static int autograd_node(const char *name) {
+    return !strncmp(name, "torch::autograd::generated::", 28) ||
+           !strncmp(name, "torch::autograd::AccumulateGrad::", 33);
+}
+
+/* The innermost frame of the program's own code, else the innermost of a package's, else the
+ * innermost autograd node. */
 static uint32_t site_of_stack(const cuma_trace *t, uint32_t s) {
     const cuma_trace_stacks *st = &t->stacks;
     if (st->start[s] == st->start[s + 1]) return NO_STACK;
-    uint32_t package = NO_SITE;
+    uint32_t package = NO_SITE, node = NO_SITE;
     for (size_t k = st->start[s]; k < st->start[s + 1]; k++) {
-        int r = frame_rank(text(t, st->frame[st->ix[k]].file));
+        const cuma_trace_frame *f = &st->frame[st->ix[k]];
+        int r = frame_rank(text(t, f->file));
         if (r == 2) return FIRST_SITE + st->ix[k];
         if (r == 1 && package == NO_SITE) package = FIRST_SITE + st->ix[k];
+        if (!r && node == NO_SITE && autograd_node(text(t, f->name))) node = FIRST_SITE + st->ix[k];
     }
-    return package;
+    return package != NO_SITE ? package : node;
 }
 
 static uint32_t bit_width(uint64_t v) {
@@ -157,7 +170,14 @@ static void label(const ctx *c, uint32_t g, char *out, size_t len) {
     }
     const cuma_trace_frame *f = &c->t->stacks.frame[g - FIRST_SITE];
     char line[1100];
-    snprintf(line, sizeof line, "%s:%u %s", text(c->t, f->file), f->line, text(c->t, f->name));
+    const char *name = text(c->t, f->name);
+    if (!ends_with(text(c->t, f->file), ".py")) {
+        /* an autograd node: its C++ name without the argument list, which says nothing here */
+        int n = (int)strcspn(name, "(");
+        snprintf(line, sizeof line, "%.*s (backward pass)", n, name);
+    } else {
+        snprintf(line, sizeof line, "%s:%u %s", text(c->t, f->file), f->line, name);
+    }
     snprintf(out, len, "%s", cli_shown(line, shown, sizeof shown));
 }
 
@@ -369,13 +389,27 @@ static int report_growth(const ctx *c) {
         printf("  growing %s (low point of live bytes in each of %zu windows of ~%zu events "
                "never falls, rises in half the steps and the last):\n",
                t->stack ? "call sites" : "size classes", W, recorded / W);
-    size_t shown = 0;
+    /* The growing groups, most growth first (group.bytes: the growth). */
+    group *hit = malloc(G * sizeof *hit);
+    if (!hit) {
+        free(level), free(low);
+        cli_eprintf("cuma leaks: out of host memory\n");
+        return CUMA_EXIT_FAIL;
+    }
+    size_t nhit = 0;
     for (size_t g = 0; g < G; g++) {
         const uint64_t *f = low + g * W;
         size_t rises = 0;
         int falls = 0;
         for (size_t k = 0; k + 1 < W; k++) rises += f[k + 1] > f[k], falls |= f[k + 1] < f[k];
         if (falls || 2 * rises < W - 1 || f[W - 1] == f[W - 2]) continue;
+        hit[nhit++] = (group){(uint32_t)g, f[W - 1] - f[0], 0};
+    }
+    qsort(hit, nhit, sizeof *hit, by_bytes);
+    size_t shown = 0;
+    for (size_t h = 0; h < nhit; h++) {
+        size_t g = hit[h].key;
+        const uint64_t *f = low + g * W;
         char lab[1200], b[64];
         if (c->o->json) {
             printf("%s{", shown ? "," : "");
@@ -399,7 +433,7 @@ static int report_growth(const ctx *c) {
         putchar(']');
     else if (!shown)
         printf("  (none)\n");
-    free(level), free(low);
+    free(level), free(low), free(hit);
     return CUMA_EXIT_OK;
 }
 

@@ -14,6 +14,8 @@ older PyTorch wrote them, in 'history'. A training loop of ITERS iterations:
   train.py:42 leaky_cache   appends one 1 MiB tensor each iteration and never frees it
   model.py:10 forward       activations, 3 MiB per iteration, freed by the iteration's end
   train.py:50 step          optimizer state, 8 MiB made once in the first iteration
+  MmBackward0::apply        a gradient, 2 MiB made once by the backward pass on the autograd
+                            engine's thread (a stack with no Python frame at all)
 
 `cuma leaks` must name leaky_cache first among the live allocations, with its exact bytes,
 and as the only growing call site; the same loop without the leak must have none. Standard
@@ -62,7 +64,10 @@ MAIN = [frame("train.py", 60, "train_step"), frame("train.py", 99, "<module>")]
 
 
 def stack(top, shared):
-    frames = CPP + TORCH + [top] + MAIN
+    if top is None:  # the autograd engine's thread: C++ only
+        frames = CPP + [frame("??", 0, GRAD), frame("??", 0, "torch::autograd::Engine::thread_main")]
+    else:
+        frames = CPP + TORCH + [top] + MAIN
     if shared:  # the same dict objects: pickle writes them once and BINGETs them after
         return list(frames)
     return [dict(f) for f in frames]  # fresh copies: the reader interns them by content
@@ -71,6 +76,7 @@ def stack(top, shared):
 LEAK = frame("train.py", 42, "leaky_cache")
 ACT = frame("model.py", 10, "forward")
 OPT = frame("train.py", 50, "step")
+GRAD = "torch::autograd::generated::MmBackward0::apply(std::vector<at::Tensor>&&)"
 BASE = 0x7f0000000000
 
 
@@ -99,6 +105,7 @@ def snapshot(leak=True, gz=True):
         acts = [alloc(1 * MB, ACT, shared) for _ in range(3)]
         if i == 0:
             alloc(8 * MB, OPT, shared)
+            alloc(2 * MB, None, shared)
         if leak:
             alloc(1 * MB, LEAK, shared)
         for a in reversed(acts):
@@ -146,6 +153,9 @@ def main():
           bool(rows) and rows[0].rstrip().endswith("train.py:42 leaky_cache"), out)
     check("text: leaky_cache holds 12.0 MiB in 12", bool(rows) and
           rows[0].split()[:3] == ["12.0", "MiB", "12"], rows[0] if rows else out)
+    check("text: a backward-pass stack is named by its autograd node",
+          "2.0 MiB        1  torch::autograd::generated::MmBackward0::apply (backward pass)" in
+          out, out)
     grow = out.split("growing call sites", 1)[-1]
     check("text: leaky_cache is growing", "train.py:42 leaky_cache" in grow, out)
     check("text: only leaky_cache is growing", grow.count("more ") == 1, out)
@@ -156,11 +166,11 @@ def main():
     live = j.get("live", {})
     by = live.get("by_site", [])
     want = [("train.py:42 leaky_cache", 12 * MB, ITERS), ("train.py:50 step", 8 * MB, 1),
-            ("model.py:5 __init__", 6 * MB, 2)]
+            ("model.py:5 __init__", 6 * MB, 2), ("??:0 " + GRAD, 2 * MB, 1)]
     got = [(site(e), e["bytes"], e["allocs"]) for e in by]
     check("json: live by site, largest first (blocks from before named by frames and history)",
           got == want, repr(got))
-    check("json: totals", live.get("bytes") == 26 * MB and live.get("allocs") == ITERS + 3,
+    check("json: totals", live.get("bytes") == 28 * MB and live.get("allocs") == ITERS + 4,
           repr(live))
     check("json: stacks recorded", j.get("stacks") is True and j.get("format") ==
           "pytorch_snapshot", repr(j)[:300])
@@ -192,7 +202,8 @@ def main():
           "exit %d %r %r" % (rc, out[-400:], err))
     got = [(site(e), e["bytes"]) for e in j.get("live", {}).get("by_site", [])]
     check("steady loop: the optimizer state and the weights are live",
-          got == [("train.py:50 step", 8 * MB), ("model.py:5 __init__", 6 * MB)], repr(got))
+          got == [("train.py:50 step", 8 * MB), ("model.py:5 __init__", 6 * MB),
+                  ("??:0 " + GRAD, 2 * MB)], repr(got))
 
     rc, out, err = run(a.cuma, "--windows", "40", "--json", steady)
     j = json.loads(out.splitlines()[0]) if rc == 0 else {}
