@@ -215,6 +215,11 @@ def main():
     check("RMM CSV: grouped by size, said so", rc == 0 and
           "no call sites recorded" in out and "size classes" in out, out + err)
 
+    rc, out, err = run(a.cuma, "--help")
+    check("leaks --help: the usage, exit 0", rc == 0 and "--windows N" in out and
+          "--all-frames" in out, "exit %d %r" % (rc, out + err))
+    p = subprocess.run([a.cuma, "help"], stdout=subprocess.PIPE, universal_newlines=True)
+    check("cuma help lists leaks", p.returncode == 0 and "\n  leaks " in p.stdout, p.stdout)
     for args, what in ((["--bogus", leaky], "unknown option"), (["--windows", "1", leaky],
                        "--windows 1"), (["--top", "x", leaky], "--top x"), ([], "no trace"),
                        ([os.path.join(a.out, "absent.pickle")], "missing file")):
