@@ -129,6 +129,25 @@ const char *cli_shown(const char *text, char *buf, size_t len);
     "  --once           print the metrics to stdout and exit (node-exporter's textfile\n"          \
     "                   collector)\n"
 
+#define CUMA_LEAKS_USAGE                                                                           \
+    "usage: cuma leaks [--json] [--top N] [--windows N] [--all-frames] [--device N]\n"             \
+    "                  [--max-events N] TRACE...\n"                                                \
+    "  What a recording still holds at its end, by call site (largest first), and the call\n"      \
+    "  sites whose live bytes keep growing over it. The call site is the innermost frame of\n"     \
+    "  the program's own Python code, else an installed package's, else (in the backward\n"        \
+    "  pass) the autograd node; C/C++ frames, torch/ and the standard library are skipped.\n"      \
+    "  Traces without stacks (RMM CSV) are grouped by power-of-two size class.\n"                  \
+    "  --top N        the N largest call sites (default 20)\n"                                     \
+    "  --windows N    cut the recorded events into N windows (default 4, 2 to 1000); a site\n"     \
+    "                 grows when its least live bytes in each window never fall, rise in at\n"     \
+    "                 least half the steps and in the last. Each window should span a whole\n"     \
+    "                 iteration of the program's loop.\n"                                          \
+    "  --all-frames   also print every stack of each call site's live allocations\n"               \
+    "  --device N     a snapshot's device (default: the one with the most events)\n"               \
+    "  --max-events N refuse a trace of more than N events (default 16777216)\n"                   \
+    "  --json         one JSON object per trace and line, exact bytes\n"
+
+int cuma_cmd_leaks(int argc, char **argv);
 int cuma_cmd_replay(int argc, char **argv);
 int cuma_cmd_plot(int argc, char **argv);
 int cuma_cmd_ps(int argc, char **argv);

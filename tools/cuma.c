@@ -30,6 +30,8 @@ static int cmd_help(int argc, char **argv);
 static const subcommand commands[] = {
     {"replay", cuma_cmd_replay, "replay RMM traces or PyTorch snapshots on the simulated device",
      CUMA_REPLAY_USAGE},
+    {"leaks", cuma_cmd_leaks,
+     "allocations live at the end of a trace by call site, and growing ones", CUMA_LEAKS_USAGE},
     {"plot", cuma_cmd_plot, "draw replay timelines as an SVG figure", CUMA_PLOT_USAGE},
     {"ps", cuma_cmd_ps, "list the live heaps of the ledger, by device", CUMA_PS_USAGE},
     {"top", cuma_cmd_top, "the heaps of the ledger, refreshed, with their rates of change",

@@ -13,13 +13,21 @@
  * before it is allocated again. The events of each address are put side by side by a sort on
  * (address, index), so that choice and the blocks alive before recording are found per
  * address without a hash map.
+ *
+ * Call stacks (only when asked for: `cuma replay` never looks at them): an alloc event's
+ * 'frames', a dump block's 'frames' or, as older PyTorch wrote it, the 'frames' of the last
+ * entry of its 'history'. PyTorch shares each distinct frame dict through the pickle memo, and
+ * an alloc shares its frames list with its frees, so frames and stacks are first looked up by
+ * node index and only interned by content (stacks.h) the first time a node is seen.
  */
 #include "snapshot_pickle.h"
 
 #include "core/error.h"
 #include "pickle.h"
+#include "stacks.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -57,6 +65,7 @@ typedef struct rec {
     uint8_t a;        /* act */
     uint8_t use;      /* a FREE_REQ/FREE_DONE that becomes the replay's FREE */
     uint8_t has_time; /* time_us was there */
+    uint32_t stack;   /* an ALLOC's call stack (0: none or not asked for) */
 } rec;
 
 typedef struct conv {
@@ -65,6 +74,11 @@ typedef struct conv {
     size_t max_events;
     rec *r;
     size_t n;
+    cuma_stacks_builder *sb; /* NULL: stacks not asked for */
+    cuma_map frame_node;     /* frame dict node -> frame id + 1 */
+    cuma_map list_node;      /* frames list node -> stack id + 1 */
+    uint32_t *fbuf;          /* one stack's frame ids while it is read */
+    size_t fbuf_cap;
 } conv;
 
 static const cuma_pickle_node *node(const conv *c, int64_t i) {
@@ -121,6 +135,103 @@ static cuma_status list_of(const conv *c, int64_t idx, const char *what, const u
     return CUMA_OK;
 }
 
+/* A str field's text ("" when absent or None); an error when it is something else. */
+static cuma_status str_field(const conv *c, uint32_t d, const char *what, size_t i, const char *key,
+                             const char **p, size_t *len) {
+    int64_t v;
+    cuma_status st = field(c, d, what, i, key, &v);
+    if (st != CUMA_OK) return st;
+    const cuma_pickle_node *nd = node(c, v);
+    *p = "";
+    *len = 0;
+    if (!nd || nd->kind == CUMA_PK_NONE) return CUMA_OK;
+    if (nd->kind != CUMA_PK_STR)
+        return cuma_fail(CUMA_ERR_PARSE, "%s: %s %zu: '%s' is not a string", c->path, what, i, key);
+    *p = c->p->text + nd->u.s.off;
+    *len = nd->u.s.len;
+    return CUMA_OK;
+}
+
+/* The frame id of frame dict node d, frame k of `what` i (for messages). */
+static cuma_status frame_of(conv *c, uint32_t d, const char *what, size_t i, uint32_t k,
+                            uint32_t *out) {
+    uintptr_t known = (uintptr_t)cuma_map_get(&c->frame_node, d);
+    if (known) {
+        *out = (uint32_t)(known - 1);
+        return CUMA_OK;
+    }
+    const char *file, *name;
+    size_t flen, nlen;
+    int64_t ln;
+    cuma_status st;
+    char label[80];
+    snprintf(label, sizeof label, "%s %zu: frame", what, i);
+    if ((st = str_field(c, d, label, k, "filename", &file, &flen)) != CUMA_OK ||
+        (st = str_field(c, d, label, k, "name", &name, &nlen)) != CUMA_OK ||
+        (st = field(c, d, label, k, "line", &ln)) != CUMA_OK)
+        return st;
+    /* A line is informative only: one that is not a small int is taken as unknown. */
+    const cuma_pickle_node *l = node(c, ln);
+    uint32_t line =
+        l && l->kind == CUMA_PK_INT && l->u.i > 0 && l->u.i <= UINT32_MAX ? (uint32_t)l->u.i : 0;
+    if ((st = cuma_stacks_frame(c->sb, file, flen, name, nlen, line, out)) != CUMA_OK) return st;
+    if (!cuma_map_put(&c->frame_node, d, (void *)(uintptr_t)(*out + 1)))
+        return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", c->path);
+    return CUMA_OK;
+}
+
+/* The stack id of a 'frames' value (node index f, -1 when absent): None or absent is stack 0. */
+static cuma_status stack_of(conv *c, int64_t f, const char *what, size_t i, uint32_t *out) {
+    *out = 0;
+    const cuma_pickle_node *nd = node(c, f);
+    if (!nd || nd->kind == CUMA_PK_NONE) return CUMA_OK;
+    uintptr_t known = (uintptr_t)cuma_map_get(&c->list_node, (uint64_t)f);
+    if (known) {
+        *out = (uint32_t)(known - 1);
+        return CUMA_OK;
+    }
+    if (nd->kind != CUMA_PK_LIST && nd->kind != CUMA_PK_TUPLE)
+        return cuma_fail(CUMA_ERR_PARSE, "%s: %s %zu: 'frames' is not a list", c->path, what, i);
+    if (nd->n > c->fbuf_cap) {
+        uint32_t *b = realloc(c->fbuf, (size_t)nd->n * sizeof *b);
+        if (!b) return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", c->path);
+        c->fbuf = b;
+        c->fbuf_cap = nd->n;
+    }
+    /* nd->u.c.items stays put: nothing here adds nodes to the tree. */
+    for (uint32_t k = 0; k < nd->n; k++) {
+        uint32_t d = nd->u.c.items[k];
+        if (c->p->node[d].kind != CUMA_PK_DICT)
+            return cuma_fail(CUMA_ERR_PARSE, "%s: %s %zu: frame %u is not a dict", c->path, what, i,
+                             k);
+        cuma_status st = frame_of(c, d, what, i, k, &c->fbuf[k]);
+        if (st != CUMA_OK) return st;
+    }
+    cuma_status st = cuma_stacks_stack(c->sb, c->fbuf, nd->n, out);
+    if (st != CUMA_OK) return st;
+    if (!cuma_map_put(&c->list_node, (uint64_t)f, (void *)(uintptr_t)(*out + 1)))
+        return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", c->path);
+    return CUMA_OK;
+}
+
+/* A dump block's stack: its 'frames', or those of the last entry of its 'history'. */
+static cuma_status block_stack(conv *c, uint32_t b, size_t j, uint32_t *out) {
+    int64_t f, h;
+    cuma_status st = field(c, b, "block", j, "frames", &f);
+    if (st == CUMA_OK) st = stack_of(c, f, "block", j, out);
+    if (st != CUMA_OK || *out) return st;
+    if ((st = field(c, b, "block", j, "history", &h)) != CUMA_OK) return st;
+    const cuma_pickle_node *hn = node(c, h);
+    if (!hn || hn->kind == CUMA_PK_NONE ||
+        ((hn->kind == CUMA_PK_LIST || hn->kind == CUMA_PK_TUPLE) && !hn->n))
+        return CUMA_OK;
+    if (hn->kind != CUMA_PK_LIST && hn->kind != CUMA_PK_TUPLE)
+        return cuma_fail(CUMA_ERR_PARSE, "%s: block %zu: 'history' is not a list", c->path, j);
+    uint32_t last = hn->u.c.items[hn->n - 1];
+    if ((st = field(c, last, "block history of", j, "frames", &f)) != CUMA_OK) return st;
+    return stack_of(c, f, "block history of", j, out);
+}
+
 /* Reads the chosen device's events into c->r. */
 static cuma_status read_events(conv *c, const uint32_t *ev, size_t n) {
     if (n > c->max_events)
@@ -154,6 +265,12 @@ static cuma_status read_events(conv *c, const uint32_t *ev, size_t n) {
         if ((st = uint_field(c, ev[i], "event", i, "time_us", &r->time_us, &has_time)) != CUMA_OK)
             return st;
         r->has_time = (uint8_t)has_time;
+        if (c->sb && r->a == A_ALLOC) {
+            int64_t f;
+            if ((st = field(c, ev[i], "event", i, "frames", &f)) != CUMA_OK ||
+                (st = stack_of(c, f, "event", i, &r->stack)) != CUMA_OK)
+                return st;
+        }
     }
     c->n = n;
     return CUMA_OK;
@@ -175,6 +292,7 @@ static int by_addr(const void *x, const void *y) {
  * allocation of it, and active blocks of the dump whose address the trace never names. */
 typedef struct pre {
     uint64_t addr, size, stream;
+    uint32_t stack;
 } pre;
 
 typedef struct pres {
@@ -182,7 +300,8 @@ typedef struct pres {
     size_t n, cap;
 } pres;
 
-static cuma_status pre_add(const conv *c, pres *ps, uint64_t addr, uint64_t size, uint64_t stream) {
+static cuma_status pre_add(const conv *c, pres *ps, uint64_t addr, uint64_t size, uint64_t stream,
+                           uint32_t stack) {
     if (ps->n + c->n >= c->max_events)
         return cuma_fail(CUMA_ERR_LIMIT,
                          "%s: more than %zu events with the blocks alive before recording, the "
@@ -195,7 +314,7 @@ static cuma_status pre_add(const conv *c, pres *ps, uint64_t addr, uint64_t size
         ps->v = v;
         ps->cap = cap;
     }
-    ps->v[ps->n++] = (pre){addr, size, stream};
+    ps->v[ps->n++] = (pre){addr, size, stream, stack};
     return CUMA_OK;
 }
 
@@ -258,7 +377,7 @@ static cuma_status pair_frees(conv *c, pres *ps, named *nm) {
             const rec *r = &c->r[ix[j].i];
             if (r->a == A_ALLOC) break;
             if (r->use) {
-                st = pre_add(c, ps, addr, r->size, r->stream);
+                st = pre_add(c, ps, addr, r->size, r->stream, 0);
                 break;
             }
         }
@@ -310,8 +429,10 @@ static cuma_status read_segments(conv *c, int64_t segs, int device, const named 
                 (st = uint_field(c, bv[j], "block", j, "size", &size, NULL)) != CUMA_OK ||
                 (st = uint_field(c, sv[i], "segment", i, "stream", &stream, &present)) != CUMA_OK)
                 return st;
-            if (!named_has(nm, addr) && (st = pre_add(c, ps, addr, size, stream)) != CUMA_OK)
-                return st;
+            if (named_has(nm, addr)) continue;
+            uint32_t stack = 0;
+            if (c->sb && (st = block_stack(c, bv[j], j, &stack)) != CUMA_OK) return st;
+            if ((st = pre_add(c, ps, addr, size, stream, stack)) != CUMA_OK) return st;
         }
     }
     return CUMA_OK;
@@ -370,16 +491,23 @@ static cuma_status build(conv *c, const pres *ps, int has_times, cuma_trace *out
              ((r->a == A_FREE_REQ || r->a == A_FREE_DONE) && r->use);
     }
     cuma_trace_event *ev = malloc((n ? n : 1) * sizeof *ev);
-    if (!ev) return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", c->path);
+    uint32_t *stack = c->sb ? malloc((n ? n : 1) * sizeof *stack) : NULL;
+    if (!ev || (c->sb && !stack)) {
+        free(ev);
+        free(stack);
+        return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", c->path);
+    }
     uint64_t t0 = UINT64_MAX;
     for (size_t i = 0; i < c->n; i++)
         if (c->r[i].time_us < t0) t0 = c->r[i].time_us;
     size_t k = 0;
-    for (size_t i = 0; i < ps->n; i++)
+    for (size_t i = 0; i < ps->n; i++) {
+        if (stack) stack[k] = ps->v[i].stack;
         ev[k++] = (cuma_trace_event){.ptr = ps->v[i].addr,
                                      .size = ps->v[i].size,
                                      .stream = ps->v[i].stream,
                                      .action = CUMA_TRACE_ALLOC};
+    }
     for (size_t i = 0; i < c->n; i++) {
         const rec *r = &c->r[i];
         uint32_t a;
@@ -391,6 +519,7 @@ static cuma_status build(conv *c, const pres *ps, int has_times, cuma_trace *out
             a = CUMA_TRACE_FREE;
         else
             continue;
+        if (stack) stack[k] = a == CUMA_TRACE_ALLOC ? r->stack : 0;
         ev[k++] = (cuma_trace_event){
             .time_us = has_times ? r->time_us - t0 : (uint64_t)(i + 1) * SYNTH_STEP_US,
             .ptr = a == CUMA_TRACE_ALLOC_FAIL ? 0 : r->addr,
@@ -400,6 +529,7 @@ static cuma_status build(conv *c, const pres *ps, int has_times, cuma_trace *out
         };
     }
     out->ev = ev;
+    out->stack = stack;
     out->n = k;
     out->preexisting = ps->n;
     return CUMA_OK;
@@ -463,7 +593,7 @@ static cuma_status convert(conv *c, int device, cuma_trace *out) {
 }
 
 cuma_status cuma_snapshot_from_bytes(const uint8_t *buf, size_t len, const char *path,
-                                     size_t max_events, int device, cuma_trace *out) {
+                                     size_t max_events, int device, int stacks, cuma_trace *out) {
     memset(out, 0, sizeof *out);
     cuma_pickle p;
     cuma_status st = cuma_pickle_parse(buf, len, NULL, &p);
@@ -473,7 +603,21 @@ cuma_status cuma_snapshot_from_bytes(const uint8_t *buf, size_t len, const char 
         return cuma_fail(st, "%s: %s", path, e.text);
     }
     conv c = {.path = path, .p = &p, .max_events = max_events};
-    st = convert(&c, device, out);
+    cuma_stacks_builder sb;
+    cuma_map_init(&c.frame_node);
+    cuma_map_init(&c.list_node);
+    if (stacks) {
+        st = cuma_stacks_init(&sb, path);
+        c.sb = &sb;
+    }
+    if (st == CUMA_OK) st = convert(&c, device, out);
+    if (c.sb && st == CUMA_OK)
+        cuma_stacks_finish(&sb, &out->stacks);
+    else if (c.sb)
+        cuma_stacks_discard(&sb);
+    cuma_map_destroy(&c.frame_node);
+    cuma_map_destroy(&c.list_node);
+    free(c.fbuf);
     free(c.r);
     cuma_pickle_free(&p);
     if (st == CUMA_OK && !(out->path = strdup(path)))
@@ -484,7 +628,7 @@ cuma_status cuma_snapshot_from_bytes(const uint8_t *buf, size_t len, const char 
 }
 
 cuma_status cuma_snapshot_read(gzFile gz, const char *path, size_t max_events, int device,
-                               cuma_trace *out) {
+                               int stacks, cuma_trace *out) {
     memset(out, 0, sizeof *out);
     size_t cap = 1 << 20, len = 0;
     uint8_t *buf = malloc(cap);
@@ -519,7 +663,7 @@ cuma_status cuma_snapshot_read(gzFile gz, const char *path, size_t max_events, i
         if (got == 0) break;
         len += (size_t)got;
     }
-    cuma_status st = cuma_snapshot_from_bytes(buf, len, path, max_events, device, out);
+    cuma_status st = cuma_snapshot_from_bytes(buf, len, path, max_events, device, stacks, out);
     free(buf);
     return st;
 }

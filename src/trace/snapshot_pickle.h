@@ -20,13 +20,13 @@
 
 /* Reads the rest of gz (opened on path) as a snapshot into *out, which is empty on entry and
  * on failure; links the events (cuma_trace_link) and copies the path. device -1: the device
- * with the most events. */
+ * with the most events. stacks: also keep the allocations' call stacks (cuma_trace.stack). */
 cuma_status cuma_snapshot_read(gzFile gz, const char *path, size_t max_events, int device,
-                               cuma_trace *out);
+                               int stacks, cuma_trace *out);
 
 /* cuma_snapshot_read on bytes already in memory (the fuzz target's way in); path names them in
  * messages. */
 cuma_status cuma_snapshot_from_bytes(const uint8_t *buf, size_t len, const char *path,
-                                     size_t max_events, int device, cuma_trace *out);
+                                     size_t max_events, int device, int stacks, cuma_trace *out);
 
 #endif

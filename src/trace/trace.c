@@ -10,6 +10,7 @@
 #include "trace.h"
 
 #include "snapshot_pickle.h"
+#include "stacks.h"
 
 #include "core/error.h"
 
@@ -493,7 +494,7 @@ cuma_status cuma_trace_load_opts(const char *path, const cuma_trace_opts *o, cum
     cuma_status st = CUMA_OK;
     int first = first_byte(gz);
     if (first == 0x80) {
-        st = cuma_snapshot_read(gz, path, max_events, device, out);
+        st = cuma_snapshot_read(gz, path, max_events, device, o ? o->stacks : 0, out);
         gzclose(gz);
         return st;
     }
@@ -528,6 +529,8 @@ void cuma_trace_free(cuma_trace *t) {
     if (!t) return;
     free(t->path);
     free(t->ev);
+    free(t->stack);
+    cuma_trace_stacks_free(&t->stacks);
     memset(t, 0, sizeof *t);
 }
 

@@ -61,6 +61,31 @@ typedef struct cuma_trace_recorded {
     int has_time_avg;           /* time_avg_reserved means something */
 } cuma_trace_recorded;
 
+/* One frame of a call stack: file and function name are offsets of NUL-terminated text in
+ * cuma_trace_stacks.text ("" when the recording had none), line 0 when unknown. */
+typedef struct cuma_trace_frame {
+    uint32_t file, name;
+    uint32_t line;
+} cuma_trace_frame;
+
+/* The call stacks of a trace's allocations, each distinct frame and each distinct stack stored
+ * once. Stack s (0 <= s < nstacks) is frame[ix[start[s]]], ..., frame[ix[start[s + 1] - 1]],
+ * innermost (the allocator) first, outermost (main) last. Stack 0 is the empty stack: "no
+ * stack recorded". Invariants (cuma_trace_stacks_validate): nstacks >= 1 when text is set;
+ * start[0] == 0 == start[1]; start is non-decreasing up to start[nstacks] == nix; every
+ * ix[] < nframes; every frame's file and name are below text_len and text[text_len - 1] is
+ * NUL. */
+typedef struct cuma_trace_stacks {
+    char *text;
+    size_t text_len;
+    cuma_trace_frame *frame;
+    uint32_t nframes;
+    uint32_t *ix;
+    size_t nix;
+    size_t *start; /* nstacks + 1 entries */
+    uint32_t nstacks;
+} cuma_trace_stacks;
+
 typedef struct cuma_trace {
     char *path;           /* as passed to cuma_trace_load (owned copy) */
     cuma_trace_event *ev; /* n events in file order */
@@ -72,12 +97,18 @@ typedef struct cuma_trace {
                              * figures (release by time, time averages) mean nothing */
     size_t preexisting;     /* ALLOC events added at time 0 for blocks alive before recording */
     cuma_trace_recorded recorded;
+    /* With cuma_trace_opts.stacks on a snapshot: per event the stack of the allocation (an
+     * ALLOC's own, 0 for other events and for blocks whose stack the file lacks); NULL
+     * otherwise (RMM CSV logs carry no stacks). */
+    uint32_t *stack;
+    cuma_trace_stacks stacks;
 } cuma_trace;
 
 /* How to load: cuma_trace_load_opts. */
 typedef struct cuma_trace_opts {
     size_t max_events; /* 0: CUMA_TRACE_MAX_EVENTS */
     int device;        /* a snapshot's device; -1: the one with the most events */
+    int stacks;        /* keep a snapshot's call stacks (cuma_trace.stack); off: never read */
 } cuma_trace_opts;
 
 /* The largest hour a Time field may have (over a year of logging); a larger one is malformed. */
@@ -112,6 +143,10 @@ cuma_status cuma_trace_load_opts(const char *path, const cuma_trace_opts *o, cum
 /* Sets every event's match and t->unmatched_frees from the actions and pointers, as the CSV
  * reader links them. CUMA_ERR_OOM. */
 cuma_status cuma_trace_link(cuma_trace *t);
+
+/* Checks cuma_trace_stacks' invariants, and that every t->stack[] is below nstacks;
+ * CUMA_ERR_CORRUPT naming the first broken one. A trace without stacks passes. */
+cuma_status cuma_trace_stacks_validate(const cuma_trace *t);
 
 /* Frees what cuma_trace_load allocated and empties *t. NULL and an empty trace are fine. */
 void cuma_trace_free(cuma_trace *t);

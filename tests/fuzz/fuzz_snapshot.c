@@ -8,7 +8,9 @@
  * cuma_snapshot_from_bytes returns OK or a PARSE/LIMIT/INVALID error with a message; on OK
  * the events are at most the limit, linked as trace.h says (a FREE's ALLOC is earlier, of the
  * same pointer, and points back), the ALLOCs added for blocks from before recording come first
- * at time 0, and unmatched_frees counts the FREEs without an ALLOC. */
+ * at time 0, and unmatched_frees counts the FREEs without an ALLOC. Read with its call stacks,
+ * the same bytes give the same events (or a PARSE/LIMIT error: frames are read then) and
+ * stacks that cuma_trace_stacks_validate accepts, on ALLOCs only. */
 #include "fuzz.h"
 #include "trace/pickle.h"
 #include "trace/snapshot_pickle.h"
@@ -87,11 +89,37 @@ static void check_trace(const cuma_trace *t) {
              t->unmatched_frees);
 }
 
+/* The same file read with its call stacks: the same events, and stacks that hold together. */
+static void check_stacks(const uint8_t *data, size_t size, int device, const cuma_trace *plain) {
+    cuma_trace t;
+    cuma_status st = cuma_snapshot_from_bytes(data, size, "fuzz", FUZZ_MAX_EVENTS, device, 1, &t);
+    if (st != CUMA_OK) {
+        /* Frames are read only with stacks on, so only they may make it fail. */
+        FZ_CHECK(st == CUMA_ERR_PARSE || st == CUMA_ERR_LIMIT || st == CUMA_ERR_OOM,
+                 "convert with stacks returned %d", (int)st);
+        check_message();
+        FZ_CHECK(!t.ev && !t.n && !t.stack && !t.stacks.start, "failed conversion left a trace");
+        return;
+    }
+    FZ_CHECK(t.n == plain->n && t.preexisting == plain->preexisting,
+             "%zu events with stacks, %zu without", t.n, plain->n);
+    for (size_t i = 0; i < t.n; i++)
+        FZ_CHECK(!memcmp(&t.ev[i], &plain->ev[i], sizeof t.ev[i]), "event %zu differs with stacks",
+                 i);
+    FZ_CHECK(t.stack != NULL, "no stacks kept");
+    FZ_CHECK(cuma_trace_stacks_validate(&t) == CUMA_OK, "%s", cuma_last_error());
+    for (size_t i = 0; i < t.n; i++)
+        FZ_CHECK(t.ev[i].action == CUMA_TRACE_ALLOC || t.stack[i] == 0,
+                 "event %zu: a %u with stack %u", i, t.ev[i].action, t.stack[i]);
+    cuma_trace_free(&t);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     check_pickle(data, size);
     for (int device = -1; device <= 1; device++) {
         cuma_trace t;
-        cuma_status st = cuma_snapshot_from_bytes(data, size, "fuzz", FUZZ_MAX_EVENTS, device, &t);
+        cuma_status st =
+            cuma_snapshot_from_bytes(data, size, "fuzz", FUZZ_MAX_EVENTS, device, 0, &t);
         if (st != CUMA_OK) {
             FZ_CHECK(st == CUMA_ERR_PARSE || st == CUMA_ERR_LIMIT || st == CUMA_ERR_INVALID,
                      "convert returned %d", (int)st);
@@ -101,6 +129,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         }
         FZ_CHECK(t.path && !strcmp(t.path, "fuzz"), "path not kept");
         check_trace(&t);
+        FZ_CHECK(!t.stack && !t.stacks.start, "stacks kept without being asked for");
+        check_stacks(data, size, device, &t);
         cuma_trace_free(&t);
     }
     return 0;

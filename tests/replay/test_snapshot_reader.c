@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 /* Unit test of the plain-data pickle reader (src/trace/pickle.c) and the PyTorch snapshot
  * converter behind cuma_trace_load_opts (src/trace/snapshot_pickle.c), on pickles written
- * byte by byte here.
+ * byte by byte here, with their call stacks (cuma_trace_opts.stacks).
  *
  * usage: test_snapshot_reader WORK_DIR   (a writable folder for the snapshot files)
  */
@@ -318,6 +318,105 @@ static void test_snapshot(const char *dir) {
     CHECK(strstr(cuma_last_error(), "event 0 has 70 fields, more than the 64"));
 }
 
+/* A frame dict; line < 0 writes None for it, file NULL writes None. */
+static void frame(buf *w, const char *file, const char *name, int64_t line) {
+    op(w, '}'), op(w, '(');
+    str(w, "filename");
+    if (file)
+        str(w, file);
+    else
+        op(w, 'N');
+    str(w, "name"), str(w, name);
+    str(w, "line");
+    if (line >= 0)
+        i64(w, line);
+    else
+        op(w, 'N');
+    op(w, 'u');
+}
+
+/* An event whose 'frames' the caller writes next (then closes the dict with 'u'). */
+static void event_head(buf *w, const char *action, int64_t addr) {
+    op(w, '}'), op(w, '(');
+    str(w, "action"), str(w, action), str(w, "addr"), i64(w, addr), str(w, "size"), i64(w, 64),
+        str(w, "stream"), i64(w, 0), str(w, "time_us"), i64(w, addr);
+    str(w, "frames");
+}
+
+/* Stacks: one list shared through the memo by an alloc and its free, the same frames in a
+ * second list (memo references) and as fresh copies in a third, a shorter stack, an empty one,
+ * and a block from before recording whose stack is in its 'history'. Memo: 0 frame A, 1 frame
+ * B, 2 the list [A, B]. */
+static void test_stacks(const char *dir) {
+    buf w;
+    proto(&w);
+    op(&w, '}'), op(&w, '(');
+    str(&w, "device_traces"), op(&w, ']'), op(&w, '('), op(&w, ']'), op(&w, '(');
+    event_head(&w, "alloc", 0x1000);
+    op(&w, ']'), op(&w, '(');
+    frame(&w, "train.py", "leaky_cache", 42), op(&w, 0x94);
+    frame(&w, "??", "torch::unwind::unwind()", 0), op(&w, 0x94);
+    op(&w, 'e'), op(&w, 0x94), op(&w, 'u');
+    event_head(&w, "free_requested", 0x1000), op(&w, 'h'), op(&w, 2), op(&w, 'u');
+    event_head(&w, "alloc", 0x2000);
+    op(&w, ']'), op(&w, '('), op(&w, 'h'), op(&w, 0), op(&w, 'h'), op(&w, 1), op(&w, 'e');
+    op(&w, 'u');
+    event_head(&w, "alloc", 0x3000);
+    op(&w, ']'), op(&w, '('), frame(&w, "train.py", "leaky_cache", 42);
+    frame(&w, "??", "torch::unwind::unwind()", 0), op(&w, 'e'), op(&w, 'u');
+    event_head(&w, "alloc", 0x4000);
+    op(&w, ']'), op(&w, '('), frame(&w, NULL, "anonymous", -1), op(&w, 'e'), op(&w, 'u');
+    event(&w, "alloc", 0x5000, 64, 0, 0x5000);
+    op(&w, 'e'), op(&w, 'e');
+    str(&w, "segments"), op(&w, ']'), op(&w, '(');
+    op(&w, '}'), op(&w, '('), str(&w, "device"), i64(&w, 0), str(&w, "address"), i64(&w, 0x100000),
+        str(&w, "total_size"), i64(&w, 2 << 20), str(&w, "blocks"), op(&w, ']'), op(&w, '(');
+    op(&w, '}'), op(&w, '('), str(&w, "address"), i64(&w, 0x100000), str(&w, "size"), i64(&w, 4096),
+        str(&w, "state"), str(&w, "active_allocated"), str(&w, "frames"), op(&w, ']'),
+        str(&w, "history"), op(&w, ']'), op(&w, '('), op(&w, '}'), op(&w, '('), str(&w, "frames"),
+        op(&w, 'h'), op(&w, 2), op(&w, 'u'), op(&w, 'e'), op(&w, 'u');
+    op(&w, 'e'), op(&w, 'u'), op(&w, 'e');
+    op(&w, 'u'), op(&w, '.');
+    const char *path = save(dir, "stacks.pickle", &w, 0);
+
+    cuma_trace t;
+    cuma_trace_opts o = {.device = -1};
+    CHECK_OK(cuma_trace_load_opts(path, &o, &t));
+    CHECK(t.n == 7 && !t.stack && !t.stacks.start && !t.stacks.text); /* not asked for */
+    cuma_trace_free(&t);
+
+    o.stacks = 1;
+    CHECK_OK(cuma_trace_load_opts(path, &o, &t));
+    CHECK_OK(cuma_trace_stacks_validate(&t));
+    /* The block from before, alloc, free, alloc, alloc, alloc, alloc. */
+    CHECK(t.n == 7 && t.preexisting == 1 && t.stack);
+    if (t.n == 7 && t.stack) {
+        const uint32_t *s = t.stack;
+        const cuma_trace_stacks *st = &t.stacks;
+        CHECK(s[1] != 0 && s[0] == s[1] && s[3] == s[1] && s[4] == s[1]);
+        CHECK(s[2] == 0 && s[6] == 0 && s[5] != 0 && s[5] != s[1]);
+        CHECK(st->nstacks == 3 && st->nframes == 3 && st->nix == 3);
+        CHECK(st->start[s[1] + 1] - st->start[s[1]] == 2);
+        const cuma_trace_frame *a = &st->frame[st->ix[st->start[s[1]]]];
+        const cuma_trace_frame *b = &st->frame[st->ix[st->start[s[1]] + 1]];
+        CHECK(!strcmp(st->text + a->file, "train.py") &&
+              !strcmp(st->text + a->name, "leaky_cache") && a->line == 42);
+        CHECK(!strcmp(st->text + b->file, "??") && b->line == 0);
+        const cuma_trace_frame *c = &st->frame[st->ix[st->start[s[5]]]];
+        CHECK(!strcmp(st->text + c->file, "") && !strcmp(st->text + c->name, "anonymous") &&
+              c->line == 0);
+    }
+    /* Broken on purpose: the reader's validator must say what is wrong. */
+    if (t.stack && t.n) {
+        uint32_t keep = t.stack[0];
+        t.stack[0] = t.stacks.nstacks;
+        CHECK_ST(cuma_trace_stacks_validate(&t), CUMA_ERR_CORRUPT);
+        CHECK(strstr(cuma_last_error(), "event 0 has stack 3 of 3"));
+        t.stack[0] = keep;
+    }
+    cuma_trace_free(&t);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s WORK_DIR\n", argv[0]);
@@ -327,6 +426,7 @@ int main(int argc, char **argv) {
     test_refused();
     test_limits();
     test_snapshot(argv[1]);
+    test_stacks(argv[1]);
     printf("snapshot reader: all checks passed\n");
     return 0;
 }
