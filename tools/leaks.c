@@ -107,11 +107,33 @@ static int autograd_node(const char *name) {
            !strncmp(name, "torch::autograd::AccumulateGrad::", 33);
 }
 
+/* Whether a native frame (a cuma log's, trace_stacks) is cuma's own: the allocator's entry
+ * points and what the shims and bindings put between the program and them. */
+static int allocator_frame(const char *name) {
+    static const char *const own[] = {"cuma_",      "alloc_slow",     "ffi_call",
+                                      "_ctypes",    "_call_function", "cudaMalloc",
+                                      "cuMemAlloc", "torch_alloc",    "default_heap"};
+    for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
+        if (strstr(name, own[i]) == name) return 1;
+    return 0;
+}
+
 /* The innermost frame of the program's own code, else the innermost of a package's, else the
- * innermost autograd node. */
+ * innermost autograd node. In a cuma log (native frames): the innermost frame that is not the
+ * allocator's, preferring one with a source line. */
 static uint32_t site_of_stack(const cuma_trace *t, uint32_t s) {
     const cuma_trace_stacks *st = &t->stacks;
     if (st->start[s] == st->start[s + 1]) return NO_STACK;
+    if (t->format == CUMA_TRACE_RMM_CSV) {
+        uint32_t any = NO_SITE;
+        for (size_t k = st->start[s]; k < st->start[s + 1]; k++) {
+            const cuma_trace_frame *f = &st->frame[st->ix[k]];
+            if (allocator_frame(text(t, f->name))) continue;
+            if (f->line) return FIRST_SITE + st->ix[k];
+            if (any == NO_SITE) any = FIRST_SITE + st->ix[k];
+        }
+        return any;
+    }
     uint32_t package = NO_SITE, node = NO_SITE;
     for (size_t k = st->start[s]; k < st->start[s + 1]; k++) {
         const cuma_trace_frame *f = &st->frame[st->ix[k]];
@@ -165,13 +187,22 @@ static void label(const ctx *c, uint32_t g, char *out, size_t len) {
         return;
     }
     if (g == NO_SITE) {
-        snprintf(out, len, "(no Python frame outside torch; --all-frames shows the stacks)");
+        snprintf(out, len, "%s",
+                 c->t->format == CUMA_TRACE_RMM_CSV
+                     ? "(no frame outside the allocator; --all-frames shows them)"
+                     : "(no Python frame outside torch; --all-frames shows the "
+                       "stacks)");
         return;
     }
     const cuma_trace_frame *f = &c->t->stacks.frame[g - FIRST_SITE];
     char line[1100];
     const char *name = text(c->t, f->name);
-    if (!ends_with(text(c->t, f->file), ".py")) {
+    if (c->t->format == CUMA_TRACE_RMM_CSV) {
+        if (f->line)
+            snprintf(line, sizeof line, "%s:%u %s", text(c->t, f->file), f->line, name);
+        else
+            snprintf(line, sizeof line, "%s", name);
+    } else if (!ends_with(text(c->t, f->file), ".py")) {
         /* an autograd node: its C++ name without the argument list, which says nothing here */
         int n = (int)strcspn(name, "(");
         snprintf(line, sizeof line, "%.*s (backward pass)", n, name);
@@ -477,7 +508,8 @@ static int leaks_one(const char *path, const options *o) {
                t.format == CUMA_TRACE_TORCH_SNAPSHOT ? "PyTorch snapshot" : "RMM CSV log", t.device,
                t.n);
         if (!t.stack)
-            printf("  no call sites recorded (RMM CSV logs carry none): grouped by size\n");
+            printf("  no call sites recorded (a log written with trace_stacks:on has them): "
+                   "grouped by size\n");
     }
     int rc = report_live(&c);
     if (rc == CUMA_EXIT_OK) rc = report_growth(&c);

@@ -144,6 +144,11 @@ static const key_desc keys[] = {
      "a file another heap or process is writing, or this process wrote before, is not "
      "overwritten: the log goes to NAME.1.csv.gz, NAME.2.csv.gz, ... instead (said on stderr, "
      "and the stats name it); none (or empty) = no log (./none is a file of that name)"},
+    {"trace_stacks", K_BOOL, F(trace_stacks), "off", NULL,
+     "with trace: also record each allocation's call stack (up to 32 return addresses, captured "
+     "before the heap lock; about a microsecond an allocation) in LOG.stacks beside the log, "
+     "symbolised when the log is read (`cuma leaks LOG` names the functions and lines, with "
+     "addr2line where binutils is installed); nothing without trace"},
     {"oom_dump", K_PATH, F(oom_dump), "none", NULL,
      "when an allocation fails after every recovery step, write the heap's statistics and "
      "snapshot (what holds the memory, as cuma_snapshot_json) with the request and the error to "

@@ -55,6 +55,7 @@ typedef struct cuma_settings {
     uint64_t guarantee;             /* in the ledger: device bytes nobody takes from the heap */
     int64_t pressure_timeout_ms;    /* how long a growth waits for others to give memory */
     bool nvtx;                      /* slow paths as NVTX ranges (core/marks.h) */
+    bool trace_stacks;              /* with trace: allocations' call stacks in LOG.stacks */
     int device;
 } cuma_settings;
 

@@ -2,6 +2,7 @@
 /* Allocation, free and the out-of-memory ladder (the life cycle is heap_life.c, the release
  * policy release.c). */
 #include "heap.h"
+#include "trace/stack_log.h"
 #include "trace/writer.h"
 #include "error.h"
 #include "marks.h"
@@ -401,6 +402,9 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
                                                        : h->be->capacity;
     cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
     if (tc && !tried && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
+    /* Before the lock: unwinding may take the dynamic loader's lock. */
+    void *frames[CUMA_STACK_FRAMES];
+    int nframes = h->primary->set.trace_stacks ? cuma_stack_capture(frames) : 0;
     cuma_arena_lock(heap, h);
     cuma_status st;
     int si = cuma_streams_index(&h->streams, stream);
@@ -459,8 +463,9 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
     if (st) h->c.failed++;
     /* Under the heap lock: a free of this block, on any thread, is logged after it. */
     if (h->primary->tw)
-        cuma_trace_writer_event(h->primary->tw, st ? CUMA_TRACE_ALLOC_FAIL : CUMA_TRACE_ALLOC,
-                                (uint64_t)(uintptr_t)*ptr, size, (uint64_t)(uintptr_t)stream);
+        cuma_trace_writer_event_stack(h->primary->tw, st ? CUMA_TRACE_ALLOC_FAIL : CUMA_TRACE_ALLOC,
+                                      (uint64_t)(uintptr_t)*ptr, size, (uint64_t)(uintptr_t)stream,
+                                      frames, nframes);
     cuma_heap_release_policy(h, t);
     pthread_mutex_unlock(&h->lock);
     /* Not for an allocation a callback makes (it fails at once, inside the ladder of another

@@ -216,7 +216,13 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
             h->set.tcache = tcache;
             st = CUMA_OK;
         }
+        if (h->tw && h->set.trace_stacks && cuma_trace_writer_keep_stacks(h->tw)) {
+            fprintf(stderr, "cuma: %s; the log goes on without the stacks\n", cuma_last_error());
+            cuma_clear_error();
+            h->set.trace_stacks = false;
+        }
     }
+    if (!h->tw) h->set.trace_stacks = false;
     if (h->set.sim_clock_manual && !strcmp(h->be->name, "sim"))
         cuma_simbe_set_clock(h->be, &h->manual_now); /* sim_lag_ms counts on the heap's time */
     /* Preallocated pages are the first arena's and never move: another arena could not

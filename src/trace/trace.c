@@ -10,6 +10,7 @@
 #include "trace.h"
 
 #include "snapshot_pickle.h"
+#include "stack_file.h"
 #include "stacks.h"
 
 #include "core/error.h"
@@ -522,6 +523,11 @@ cuma_status cuma_trace_load_opts(const char *path, const cuma_trace_opts *o, cum
     out->n = L.n;
     out->unmatched_frees = L.unmatched;
     out->format = CUMA_TRACE_RMM_CSV;
+    /* A log written with trace_stacks has its allocations' stacks beside it. */
+    if (o && o->stacks && (st = cuma_stack_file_read(path, out)) != CUMA_OK) {
+        cuma_trace_free(out);
+        return st;
+    }
     return CUMA_OK;
 }
 

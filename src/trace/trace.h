@@ -99,7 +99,8 @@ typedef struct cuma_trace {
     cuma_trace_recorded recorded;
     /* With cuma_trace_opts.stacks on a snapshot: per event the stack of the allocation (an
      * ALLOC's own, 0 for other events and for blocks whose stack the file lacks); NULL
-     * otherwise (RMM CSV logs carry no stacks). */
+     * otherwise. An RMM CSV log has them when LOG.stacks is beside it (the trace_stacks setting):
+     * native frames, symbolised when read (stack_file.c). */
     uint32_t *stack;
     cuma_trace_stacks stacks;
 } cuma_trace;

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/safefile.h"
+#include "stack_log.h"
 #include "core/strbuf.h"
 
 #include <errno.h>
@@ -37,6 +38,10 @@ struct cuma_trace_writer {
     uint64_t t0; /* ns, monotonic, at open */
     char *path;
     cuma_trace_writer *next_open;
+    /* With trace_stacks: LOG.stacks, and the number of event lines written so far (the stack
+     * file names events by it). Under mu. */
+    cuma_stack_log *stacks;
+    uint64_t nevents;
 };
 
 static pthread_mutex_t list_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -64,6 +69,8 @@ static uint64_t now_ns(void) {
 
 /* Closes the file; with mu held. */
 static void finish(cuma_trace_writer *w) {
+    cuma_stack_log_close(w->stacks, 1);
+    w->stacks = NULL;
     if (!w->gz) return;
     char shown[2 * CUMA_TRACE_PATH_MAX];
     if (gzclose(w->gz) != Z_OK && !w->failed)
@@ -104,6 +111,7 @@ void cuma_trace_writer_postfork(bool child) {
         /* gzclose would write the parent's buffered lines and a trailer into the parent's file
          * through the shared offset: the child's copy of the stream is left, unwritten. */
         if (child && w->gz) w->inherited = w->gz, w->gz = NULL;
+        if (child) cuma_stack_log_close(w->stacks, 0), w->stacks = NULL;
         /* The child's reference to the file would keep the parent's flock alive after the
          * parent closed the log. The stream is never used again, so its descriptor goes (also
          * that of a writer the parent was still starting: its thread is not in the child). */
@@ -376,8 +384,22 @@ fail:
 
 static __thread unsigned tid_cached;
 
+cuma_status cuma_trace_writer_keep_stacks(cuma_trace_writer *w) {
+    (void)cuma_stack_capture((void *[CUMA_STACK_FRAMES]){0}); /* loads what backtrace needs */
+    pthread_mutex_lock(&w->mu);
+    cuma_status st = w->stacks ? CUMA_OK : cuma_stack_log_open(w->path, &w->stacks);
+    pthread_mutex_unlock(&w->mu);
+    return st;
+}
+
 void cuma_trace_writer_event(cuma_trace_writer *w, cuma_trace_action action, uint64_t ptr,
                              uint64_t size, uint64_t stream) {
+    cuma_trace_writer_event_stack(w, action, ptr, size, stream, NULL, 0);
+}
+
+void cuma_trace_writer_event_stack(cuma_trace_writer *w, cuma_trace_action action, uint64_t ptr,
+                                   uint64_t size, uint64_t stream, void *const *frames,
+                                   int nframes) {
     if (!tid_cached) tid_cached = (unsigned)syscall(SYS_gettid);
     char line[160];
     pthread_mutex_lock(&w->mu);
@@ -400,6 +422,9 @@ void cuma_trace_writer_event(cuma_trace_writer *w, cuma_trace_action action, uin
                     e == Z_ERRNO ? strerror(errno) : why);
             w->failed = true;
             finish(w);
+        } else {
+            if (nframes > 0) cuma_stack_log_event(w->stacks, w->nevents, frames, nframes);
+            w->nevents++;
         }
     }
     pthread_mutex_unlock(&w->mu);

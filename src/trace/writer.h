@@ -50,6 +50,17 @@ extern void (*cuma_trace_writer_open_hook)(const char *path);
 void cuma_trace_writer_event(cuma_trace_writer *w, cuma_trace_action action, uint64_t ptr,
                              uint64_t size, uint64_t stream);
 
+/* Keeps the call stacks of allocations from now on in LOG.stacks (the `trace_stacks` setting;
+ * src/trace/stack_log.h): events logged with cuma_trace_writer_event_stack name theirs there.
+ * Call it where no lock is held (the first stack capture loads a library). CUMA_ERR_IO. */
+cuma_status cuma_trace_writer_keep_stacks(cuma_trace_writer *w);
+
+/* An event with the stack frames[0..nframes) captured by cuma_stack_capture (innermost first),
+ * written to LOG.stacks when the writer keeps stacks. */
+void cuma_trace_writer_event_stack(cuma_trace_writer *w, cuma_trace_action action, uint64_t ptr,
+                                   uint64_t size, uint64_t stream, void *const *frames,
+                                   int nframes);
+
 /* Flushes, closes and frees. NULL is fine. */
 void cuma_trace_writer_close(cuma_trace_writer *w);
 

@@ -1,0 +1,205 @@
+// SPDX-License-Identifier: Apache-2.0
+/* LOG.stacks, written (stack_log.h has the format). Stacks are told apart by their frames' hash
+ * and compared in full, so two stacks never share an id. The file is written through its own
+ * buffer with write(2), not stdio: a forked child's exit would flush a copy of a FILE's buffer
+ * into the parent's file. */
+#include "stack_log.h"
+
+#include "core/error.h"
+#include "core/hashmap.h"
+#include "core/safefile.h"
+
+#include <errno.h>
+#include <execinfo.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* One distinct stack; chained per hash in the map. */
+typedef struct known_stack {
+    struct known_stack *next;
+    uint32_t id;
+    int n;
+    void *frames[];
+} known_stack;
+
+/* An executable mapping already written. */
+typedef struct mapping {
+    uint64_t start, end;
+} mapping;
+
+struct cuma_stack_log {
+    int fd;
+    int failed;
+    char *path;
+    char buf[1 << 16];
+    size_t len;
+    cuma_map stacks; /* frames' hash -> known_stack chain */
+    uint32_t nstacks;
+    mapping *maps;
+    size_t nmaps, maps_cap;
+};
+
+static void flush(cuma_stack_log *s) {
+    size_t off = 0;
+    while (!s->failed && off < s->len) {
+        ssize_t r = write(s->fd, s->buf + off, s->len - off);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            fprintf(stderr, "cuma: trace stacks %s: write failed (%s): the stacks stop here\n",
+                    s->path, r < 0 ? strerror(errno) : "no space");
+            s->failed = 1;
+        } else {
+            off += (size_t)r;
+        }
+    }
+    s->len = 0;
+}
+
+static void put(cuma_stack_log *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void put(cuma_stack_log *s, const char *fmt, ...) {
+    if (s->failed) return;
+    if (sizeof s->buf - s->len < 1024) flush(s);
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(s->buf + s->len, sizeof s->buf - s->len, fmt, ap);
+    va_end(ap);
+    if (n > 0)
+        s->len += (size_t)n < sizeof s->buf - s->len ? (size_t)n : sizeof s->buf - s->len - 1;
+}
+
+cuma_status cuma_stack_log_open(const char *log_path, cuma_stack_log **out) {
+    *out = NULL;
+    cuma_stack_log *s = calloc(1, sizeof *s);
+    size_t plen = strlen(log_path) + sizeof ".stacks";
+    if (!s || !(s->path = malloc(plen))) {
+        free(s);
+        return cuma_fail(CUMA_ERR_OOM, "trace stacks: no host memory");
+    }
+    snprintf(s->path, plen, "%s.stacks", log_path);
+    char why[256];
+    s->fd = cuma_file_open_log(s->path, why, sizeof why);
+    if (s->fd < 0) {
+        cuma_status st = cuma_fail(CUMA_ERR_IO, "trace stacks %s: %s", s->path, why);
+        free(s->path);
+        free(s);
+        return st;
+    }
+    if (ftruncate(s->fd, 0)) {
+        cuma_status st =
+            cuma_fail(CUMA_ERR_IO, "trace stacks %s: truncating: %s", s->path, strerror(errno));
+        close(s->fd);
+        free(s->path);
+        free(s);
+        return st;
+    }
+    cuma_map_init(&s->stacks);
+    put(s, "cuma-stacks 1\n");
+    *out = s;
+    return CUMA_OK;
+}
+
+static int mapped(const cuma_stack_log *s, uint64_t a) {
+    for (size_t i = 0; i < s->nmaps; i++)
+        if (a >= s->maps[i].start && a < s->maps[i].end) return 1;
+    return 0;
+}
+
+/* Writes the executable mappings not written yet (a library loaded since, or the first look). */
+static void write_maps(cuma_stack_log *s) {
+    FILE *f = fopen("/proc/self/maps", "re");
+    if (!f) return;
+    char line[4096 + 128];
+    while (fgets(line, sizeof line, f)) {
+        unsigned long long start, end, off;
+        char perms[8];
+        int at = 0;
+        if (sscanf(line, "%llx-%llx %7s %llx %*s %*s %n", &start, &end, perms, &off, &at) < 4 ||
+            perms[2] != 'x' || !at)
+            continue;
+        char *path = line + at;
+        path[strcspn(path, "\n")] = 0;
+        if (path[0] != '/' || mapped(s, start)) continue;
+        if (s->nmaps == s->maps_cap) {
+            size_t cap = s->maps_cap ? 2 * s->maps_cap : 32;
+            mapping *m = realloc(s->maps, cap * sizeof *m);
+            if (!m) break;
+            s->maps = m;
+            s->maps_cap = cap;
+        }
+        s->maps[s->nmaps++] = (mapping){start, end};
+        put(s, "M %llx %llx %llx %s\n", start, end, off, path);
+    }
+    fclose(f);
+}
+
+static uint64_t hash_frames(void *const *frames, int n) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
+    for (int i = 0; i < n; i++) {
+        h ^= (uint64_t)(uintptr_t)frames[i];
+        h *= 0xff51afd7ed558ccdull;
+        h ^= h >> 33;
+    }
+    return h;
+}
+
+void cuma_stack_log_event(cuma_stack_log *s, uint64_t event, void *const *frames, int n) {
+    if (!s || s->failed || n <= 0) return;
+    uint64_t h = hash_frames(frames, n);
+    known_stack *head = cuma_map_get(&s->stacks, h), *k = head;
+    while (k && (k->n != n || memcmp(k->frames, frames, (size_t)n * sizeof *frames))) k = k->next;
+    if (!k) {
+        if (!(k = malloc(sizeof *k + (size_t)n * sizeof *frames))) return;
+        k->n = n;
+        k->id = ++s->nstacks;
+        memcpy(k->frames, frames, (size_t)n * sizeof *frames);
+        k->next = head;
+        if (!cuma_map_put(&s->stacks, h, k)) {
+            free(k);
+            s->nstacks--;
+            return;
+        }
+        for (int i = 0; i < n; i++)
+            if (!mapped(s, (uint64_t)(uintptr_t)frames[i])) {
+                write_maps(s);
+                break;
+            }
+        put(s, "S %" PRIu32, k->id);
+        for (int i = 0; i < n; i++) put(s, " %" PRIxPTR, (uintptr_t)frames[i]);
+        put(s, "\n");
+    }
+    put(s, "E %" PRIu64 " %" PRIu32 "\n", event, k->id);
+}
+
+static bool free_chain(void *ctx, uint64_t key, void *val) {
+    (void)ctx, (void)key;
+    for (known_stack *k = val, *next; k; k = next) {
+        next = k->next;
+        free(k);
+    }
+    return true;
+}
+
+void cuma_stack_log_close(cuma_stack_log *s, int write) {
+    if (!s) return;
+    if (write) flush(s);
+    close(s->fd);
+    cuma_map_each(&s->stacks, free_chain, NULL);
+    cuma_map_destroy(&s->stacks);
+    free(s->maps);
+    free(s->path);
+    free(s);
+}
+
+__attribute__((noinline)) int cuma_stack_capture(void **frames) {
+    void *all[CUMA_STACK_FRAMES + 2];
+    int n = backtrace(all, CUMA_STACK_FRAMES + 2);
+    /* Frame 0 is this function, frame 1 its caller (the allocator's slow path). */
+    int skip = n < 2 ? n : 2;
+    memcpy(frames, all + skip, (size_t)(n - skip) * sizeof *frames);
+    return n - skip;
+}
