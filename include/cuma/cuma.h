@@ -253,6 +253,11 @@ typedef struct cuma_stats {
     uint64_t pool_bytes;         /* bytes their carves hold: count * stride of each pool */
     uint64_t pool_blocks;        /* blocks in all pools */
     uint64_t pool_blocks_in_use; /* blocks handed out by cuma_pool_alloc and not freed */
+    /* Compaction (cuma/compact.h): runs (explicit, cuma_compact_if_needed's and the
+     * out-of-memory rung's), requested bytes the movers copied, pages the moves emptied. */
+    uint64_t compactions;
+    uint64_t compact_moved_bytes;
+    uint64_t compact_freed_pages;
 } cuma_stats;
 
 cuma_status cuma_get_stats(cuma_heap *heap, cuma_stats *out);
