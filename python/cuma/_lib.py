@@ -106,7 +106,7 @@ class LedgerEntry(ctypes.Structure):
         )
     ] + [("fragmentation", ctypes.c_double), ("stats_age_ns", ctypes.c_uint64)] + [
         (name, ctypes.c_char * 64) for name in ("pod", "pod_namespace", "container")
-    ]
+    ] + [(name, ctypes.c_uint64) for name in ("compactions", "compact_moved_bytes", "compact_freed_pages")]
 
 
 class Config(ctypes.Structure):

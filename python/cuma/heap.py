@@ -876,8 +876,8 @@ def ledger(name=None):
     thread publishes every 100 ms (backend, page_size, allocated, peak_requested, mapped,
     managed, active_allocs, num_allocs, num_frees, failed_allocs, alloc_retries, ooms,
     oom_callbacks, managed_fallbacks, page_creates, page_releases, maps, unmaps, trims,
-    page_call_ns, arenas, fragmentation; stats_age_ns says how old they are, None before the
-    first), and pod, pod_namespace, container (the process's POD_NAME, POD_NAMESPACE and
+    page_call_ns, arenas, fragmentation, compactions, compact_moved_bytes, compact_freed_pages;
+    stats_age_ns says how old they are, None before the first), and pod, pod_namespace, container (the process's POD_NAME, POD_NAMESPACE and
     CONTAINER_NAME when it joined; "" outside Kubernetes). Raises CumaIOError (naming the path) when no heap has made that ledger."""
     if name is not None and not isinstance(name, str):
         raise TypeError("name must be a str or None, not %s" % type(name).__name__)
