@@ -41,7 +41,9 @@ extern "C" {
 
 /* Copies `size` bytes (the block's requested bytes) from old_ptr to new_ptr on `stream` (the
  * stream the block was allocated on) and points the owner's references at new_ptr; true when it
- * did, false to keep the block at old_ptr (then it must have changed nothing). */
+ * did, false to keep the block at old_ptr (then it must have changed nothing). A mover must
+ * return false for a pointer it does not know: every live allocation of the heap may be
+ * offered, also those other code on the heap made (a pool being created, a library's). */
 typedef bool (*cuma_move_fn)(void *user, void *old_ptr, void *new_ptr, size_t size,
                              cuma_stream stream);
 

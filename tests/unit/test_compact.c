@@ -6,9 +6,12 @@
  * allocation succeed; cuma_compact_if_needed runs only over the threshold; pools' carves never
  * move; segment mode and the buddy refuse. Randomized sizes print their seed. */
 #include "check.h"
+#include "core/heap.h"
 #include "cuma/compact.h"
 #include "cuma/pool.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
@@ -26,6 +29,7 @@ typedef struct owner {
     int calls;
     bool refuse, nested; /* refuse every move; try to compact and allocate from inside one */
     bool take_any;       /* also move (copy only) blocks it does not know */
+    bool free_first;     /* free the block from inside its move, then claim to have moved it */
     int unknown;         /* such moves */
 } owner;
 
@@ -55,6 +59,13 @@ static bool mover(void *user, void *old_ptr, void *new_ptr, size_t size, cuma_st
         CHECK_ST(cuma_alloc(o->h, 40 * MB, NULL, &big), CUMA_ERR_OOM);
     }
     if (o->refuse) return false;
+    if (o->free_first) {
+        /* The program freed it while its move was under way: the move must not commit. */
+        CHECK_OK(cuma_free(o->h, old_ptr, NULL));
+        for (int i = 0; i < NSMALL; i++)
+            if (o->p[i] == old_ptr) o->p[i] = NULL, o->n[i] = 0;
+        return true;
+    }
     for (int i = 0; i < NSMALL; i++) {
         if (o->p[i] != old_ptr) continue;
         CHECK(size == o->n[i]);
@@ -153,6 +164,88 @@ static void test_refused(unsigned long long *seed) {
         size_t sz;
         CHECK_OK(cuma_block_size(o.h, o.p[i], &sz));
     }
+    cuma_heap_destroy(o.h);
+}
+
+/* Every block freed by the program while its move runs: the moves are undone, their new places
+ * freed, nothing is left live. */
+static void test_freed_during_move(unsigned long long *seed) {
+    owner o = {.h = make(""), .free_first = true};
+    void *dense[NDENSE];
+    fragment(&o, seed, dense);
+    cuma_compact_result r;
+    CHECK_OK(cuma_compact(o.h, mover, &o, &r));
+    CHECK(r.blocks_moved == 0 && r.blocks_refused == NSMALL);
+    cuma_stats s = heap_stats(o.h);
+    CHECK(s.active_allocs == NDENSE && s.requested_bytes == NDENSE * 4 * MB);
+    CHECK_OK(cuma_validate(o.h));
+    cuma_heap_destroy(o.h);
+}
+
+/* The blocks of a second arena move too (each arena compacts under its own lock). */
+static void *fragment_in_arena1(void *arg) {
+    owner *o = arg;
+    CHECK_OK(cuma_arena_use(o->h, 1));
+    unsigned long long seed = 7;
+    void *dense[NDENSE];
+    fragment(o, &seed, dense);
+    return NULL;
+}
+
+static void test_second_arena(void) {
+    owner o = {.h = make(",arenas:2")};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, fragment_in_arena1, &o) == 0);
+    CHECK(pthread_join(t, NULL) == 0);
+    CHECK(heap_stats(o.h).arenas == 2);
+    cuma_compact_result r;
+    CHECK_OK(cuma_compact(o.h, mover, &o, &r));
+    CHECK(r.blocks_moved == NSMALL && r.pages_emptied > 0);
+    check_data(&o);
+    CHECK(heap_stats(o.h).fragmentation < 0.05);
+    CHECK_OK(cuma_validate(o.h));
+    cuma_heap_destroy(o.h);
+}
+
+/* Another thread allocates and frees (its blocks the mover does not know, so refuses) while the
+ * main thread compacts again and again; run under ThreadSanitizer too. */
+typedef struct churn {
+    cuma_heap *h;
+    _Atomic bool stop;
+    unsigned long long seed;
+} churn;
+
+static void *churn_run(void *arg) {
+    churn *c = arg;
+    void *mine[32] = {0};
+    while (!atomic_load(&c->stop)) {
+        int k = (int)(rnd(&c->seed) % 32);
+        if (mine[k]) {
+            CHECK_OK(cuma_free(c->h, mine[k], NULL));
+            mine[k] = NULL;
+        } else {
+            size_t n = (size_t)(512 + rnd(&c->seed) % (3 * MB));
+            if (cuma_alloc(c->h, n, NULL, &mine[k]) != CUMA_OK) mine[k] = NULL;
+        }
+    }
+    for (int k = 0; k < 32; k++) CHECK_OK(cuma_free(c->h, mine[k], NULL));
+    return NULL;
+}
+
+static void test_concurrent(unsigned long long *seed) {
+    owner o = {.h = make("")};
+    void *dense[NDENSE];
+    fragment(&o, seed, dense);
+    churn c = {.h = o.h, .seed = rnd(seed) | 1};
+    atomic_store(&c.stop, false);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, churn_run, &c) == 0);
+    for (int i = 0; i < 20; i++) CHECK_OK(cuma_compact(o.h, mover, &o, NULL));
+    atomic_store(&c.stop, true);
+    CHECK(pthread_join(t, NULL) == 0);
+    check_data(&o);
+    CHECK_OK(cuma_validate(o.h));
+    CHECK(heap_stats(o.h).compactions == 20);
     cuma_heap_destroy(o.h);
 }
 
@@ -259,6 +352,9 @@ int main(void) {
     test_compacts(&seed, "");
     test_compacts(&seed, ",tcache:on"); /* blocks the fast path handed out move too */
     test_refused(&seed);
+    test_freed_during_move(&seed);
+    test_second_arena();
+    test_concurrent(&seed);
     test_oom_rung(&seed);
     test_if_needed(&seed);
     test_pool_carve_stays(&seed);
