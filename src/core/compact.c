@@ -306,7 +306,7 @@ static cuma_status plan_make(cuma_heap *h, plan *p) {
     return st;
 }
 
-/* Commits or undoes the moves (h's lock held again); returns the pages emptied. */
+/* Commits or undoes the moves (h's lock held again) and adds what they did to r. */
 static void plan_commit(plan *p, bool release, cuma_compact_result *r) {
     cuma_heap *h = p->h;
     cuma_heap *pr = h->primary;
