@@ -47,6 +47,9 @@ static const stat_field stat_fields[] = {
     F(trims),
     F(page_call_ns),
     F(arenas),
+    F(compactions),
+    F(compact_moved_bytes),
+    F(compact_freed_pages),
 };
 #undef F
 
@@ -114,6 +117,8 @@ static void print_block(const cuma_ledger_entry *e) {
              ", trims %" PRIu64 ", time %s",
              e->page_creates, e->page_releases, e->maps, e->unmaps, e->trims,
              duration(e->page_call_ns, a, sizeof a));
+        line("compaction", "runs %" PRIu64 ", moved %s, pages emptied %" PRIu64, e->compactions,
+             view_size(e->compact_moved_bytes, a, sizeof a), e->compact_freed_pages);
         line("fragmentation", "%.1f%% of in use: %s stranded between live blocks (cached: %s)",
              e->fragmentation * 100.0,
              view_size((uint64_t)((double)e->mapped * e->fragmentation + 0.5), a, sizeof a),

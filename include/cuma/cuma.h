@@ -125,8 +125,10 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out);
 void cuma_heap_destroy(cuma_heap *heap);
 
 /* Allocates `size` bytes usable on `stream` (256-byte aligned at least). On out-of-memory the
- * heap releases its cache, retries, calls the OOM callbacks, retries, falls back to managed
- * memory where configured, and only then fails with CUMA_ERR_OOM (or CUMA_ERR_LIMIT). A size
+ * heap releases its cache, retries, compacts with the mover of cuma_set_mover (cuma/compact.h)
+ * if one is set and fragmentation is over its threshold, calls the OOM callbacks, retries,
+ * falls back to managed memory where configured, and only then fails with CUMA_ERR_OOM (or
+ * CUMA_ERR_LIMIT). A size
  * larger than the heap's virtual range (or, without one, the device) is CUMA_ERR_OOM at once
  * unless managed memory serves it. */
 cuma_status cuma_alloc(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr);
@@ -253,6 +255,11 @@ typedef struct cuma_stats {
     uint64_t pool_bytes;         /* bytes their carves hold: count * stride of each pool */
     uint64_t pool_blocks;        /* blocks in all pools */
     uint64_t pool_blocks_in_use; /* blocks handed out by cuma_pool_alloc and not freed */
+    /* Compaction (cuma/compact.h): runs (explicit, cuma_compact_if_needed's and the
+     * out-of-memory rung's), requested bytes the movers copied, pages the moves emptied. */
+    uint64_t compactions;
+    uint64_t compact_moved_bytes;
+    uint64_t compact_freed_pages;
 } cuma_stats;
 
 cuma_status cuma_get_stats(cuma_heap *heap, cuma_stats *out);

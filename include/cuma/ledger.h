@@ -68,6 +68,9 @@ typedef struct cuma_ledger_entry {
     char pod[64];
     char pod_namespace[64];
     char container[64];
+    /* Compaction (cuma/compact.h), published with the allocator figures: runs, requested bytes
+     * moved, pages emptied (0 from a heap of a cuma build without compaction). */
+    uint64_t compactions, compact_moved_bytes, compact_freed_pages;
 } cuma_ledger_entry;
 
 /* The live heaps of a ledger (name NULL, "on" or "auto": the user's ledger; else the name the

@@ -39,6 +39,21 @@ OOM_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, 
 PRESSURE_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64)
 
 
+# The mover of cuma/compact.h: bool (*)(void *user, void *old_ptr, void *new_ptr, size_t size,
+# cuma_stream stream), called on the thread that compacts (cuma_compact, or an allocation that
+# ran out of memory) with no heap lock held.
+MOVE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+
+
+class CompactResult(ctypes.Structure):
+    """struct cuma_compact_result of cuma/compact.h."""
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("blocks_moved", "bytes_moved", "blocks_refused", "pages_emptied", "pages_released")
+    ]
+
+
 class LedgerEntry(ctypes.Structure):
     """cuma_ledger_entry of cuma/ledger.h (same field order)."""
 
@@ -91,7 +106,7 @@ class LedgerEntry(ctypes.Structure):
         )
     ] + [("fragmentation", ctypes.c_double), ("stats_age_ns", ctypes.c_uint64)] + [
         (name, ctypes.c_char * 64) for name in ("pod", "pod_namespace", "container")
-    ]
+    ] + [(name, ctypes.c_uint64) for name in ("compactions", "compact_moved_bytes", "compact_freed_pages")]
 
 
 class Config(ctypes.Structure):
@@ -166,6 +181,9 @@ def _prototype(lib):
         "cuma_ledger_snapshot": (st, [c.c_char_p, c.POINTER(LedgerEntry), sz, c.POINTER(sz)]),
         "cuma_ledger_path": (st, [c.c_char_p, c.c_char_p, sz]),
         "cuma_block_size": (st, [vp, vp, c.POINTER(sz)]),
+        "cuma_compact": (st, [vp, MOVE_CALLBACK, vp, c.POINTER(CompactResult)]),
+        "cuma_compact_if_needed": (st, [vp, c.POINTER(CompactResult)]),
+        "cuma_set_mover": (st, [vp, MOVE_CALLBACK, vp]),
         "cuma_pool_create": (st, [vp, sz, sz, vp, c.POINTER(vp)]),
         "cuma_pool_destroy": (st, [vp]),
         "cuma_pool_alloc": (st, [vp, c.POINTER(vp)]),

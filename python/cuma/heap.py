@@ -574,6 +574,109 @@ class Heap:
             _lib.check(_lib.lib().cuma_remove_oom_callback(self._handle(), callback_id))
             _retire(self, callback_id)
 
+    # --- compaction ---
+
+    def _mover_fn(self, move):
+        """The C mover for ``move(old, new, size)`` and the cell it reads (emptied when the
+        mover is replaced: the thunk may outlive it, the callable not)."""
+        if not callable(move):
+            raise TypeError("move must be callable, not %s" % type(move).__name__)
+        _install_unraisablehook()
+        tls = self._tls  # not self: no reference cycle (see on_oom)
+        cell = [move]
+
+        def trampoline(user, old, new, size, stream):
+            mv = cell[0]
+            if mv is None:
+                return False  # replaced while a compaction was about to call it
+            frame = getattr(tls, "frame", None)  # this thread's compact() or alloc(), if any
+            if frame is not None and frame.fatal is not None:
+                return False  # Ctrl-C or exit on its way to the caller: move nothing more
+            try:
+                return bool(mv(old or 0, new or 0, size))
+            except Exception as e:  # the mover's own failure: the block stays
+                if frame is not None:
+                    frame.errors.append(e)
+                else:
+                    warnings.warn("cuma mover %r raised %r" % (mv, e), RuntimeWarning)
+            except BaseException as e:  # never let an exception unwind through C
+                if frame is not None:
+                    frame.fatal = e
+                else:
+                    _deliver_fatal(e, "cuma mover %r" % (mv,))
+            return False
+
+        _TRAMPOLINES.add(trampoline.__code__)
+        return _lib.MOVE_CALLBACK(trampoline), cell
+
+    def _compact_call(self, call):
+        """Runs a compaction C call with a frame for the movers' exceptions; its result dict."""
+        res = _lib.CompactResult()
+        frame = _AllocFrame()
+        outer = getattr(self._tls, "frame", None)
+        self._tls.frame = frame
+        try:
+            st = call(ctypes.byref(res))
+            msg = _lib.last_error() if st else None
+        finally:
+            self._tls.frame = outer
+        if frame.fatal is not None:
+            raise frame.fatal
+        if st:
+            raise _lib.error_for_status(st, msg) from (frame.errors[0] if frame.errors else None)
+        for e in frame.errors:
+            warnings.warn("cuma mover raised %r (that block stayed where it was)" % (e,), RuntimeWarning, 3)
+        return {f: getattr(res, f) for f, _ in _lib.CompactResult._fields_}
+
+    @_in_use
+    def compact(self, move):
+        """Moves live blocks out of the pages only they keep mapped (cuma_compact; see
+        cuma/compact.h), whatever the fragmentation.
+
+        For each block the heap chooses a new place and calls ``move(old, new, size)``: copy
+        ``size`` bytes from address ``old`` to ``new`` (on the block's stream) and point your
+        references at ``new``, then return True; return False (or anything false) to keep the
+        block at ``old``, e.g. for an address you do not know. The old place is freed as
+        :meth:`free` would. An exception in ``move`` keeps that block in place and becomes a
+        RuntimeWarning; a KeyboardInterrupt or SystemExit keeps the rest in place too and is
+        raised from here. Returns a dict: blocks_moved, bytes_moved, blocks_refused,
+        pages_emptied (pages the moves left idle), pages_released (given back to the device
+        at the end). Raises UnsupportedError in segment mode and under policy:buddy."""
+        fn, cell = self._mover_fn(move)
+        h = self._handle()
+        try:
+            return self._compact_call(lambda res: _lib.lib().cuma_compact(h, fn, None, res))
+        finally:
+            cell[0] = None
+
+    @_in_use
+    def set_mover(self, move):
+        """Registers ``move(old, new, size)`` (as for :meth:`compact`) for the automatic
+        compactions, or None to remove it: :meth:`compact_if_needed`, and an allocation that
+        runs out of memory even after the cache went back (before the OOM callbacks). Both
+        compact only while the stats' fragmentation is over the fragmentation_threshold
+        setting. An exception in ``move`` during an allocation follows the rules of
+        :meth:`on_oom`'s callbacks (a KeyboardInterrupt is raised from :meth:`alloc`)."""
+        h = self._handle()
+        if move is None:
+            with self._cb_lock:
+                _lib.check(_lib.lib().cuma_set_mover(h, _lib.MOVE_CALLBACK(), None))  # NULL
+                _retire(self, "mover")
+            return
+        fn, cell = self._mover_fn(move)
+        with self._cb_lock:
+            _lib.check(_lib.lib().cuma_set_mover(h, fn, None))
+            _retire(self, "mover")  # another thread may still be inside the old one: kept
+            self._callbacks["mover"] = (fn, cell)
+
+    @_in_use
+    def compact_if_needed(self):
+        """Compacts with the mover :meth:`set_mover` registered when the fragmentation is over
+        the threshold (call it at a step boundary); the dict of :meth:`compact`, all zero when
+        nothing ran."""
+        h = self._handle()
+        return self._compact_call(lambda res: _lib.lib().cuma_compact_if_needed(h, res))
+
     # --- other processes (the cross-process ledger) ---
 
     @_in_use
@@ -773,8 +876,8 @@ def ledger(name=None):
     thread publishes every 100 ms (backend, page_size, allocated, peak_requested, mapped,
     managed, active_allocs, num_allocs, num_frees, failed_allocs, alloc_retries, ooms,
     oom_callbacks, managed_fallbacks, page_creates, page_releases, maps, unmaps, trims,
-    page_call_ns, arenas, fragmentation; stats_age_ns says how old they are, None before the
-    first), and pod, pod_namespace, container (the process's POD_NAME, POD_NAMESPACE and
+    page_call_ns, arenas, fragmentation, compactions, compact_moved_bytes, compact_freed_pages;
+    stats_age_ns says how old they are, None before the first), and pod, pod_namespace, container (the process's POD_NAME, POD_NAMESPACE and
     CONTAINER_NAME when it joined; "" outside Kubernetes). Raises CumaIOError (naming the path) when no heap has made that ledger."""
     if name is not None and not isinstance(name, str):
         raise TypeError("name must be a str or None, not %s" % type(name).__name__)

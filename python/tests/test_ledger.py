@@ -199,6 +199,7 @@ def test_ledger_shows_the_heaps_allocator_figures(ledger_name):
         for b in blocks[::2]:
             h.free(b)
         h.trim()
+        h.compact(lambda old, new, size: False)  # compactions 1 (nothing moves)
         with pytest.raises(cuma.OutOfMemoryError):
             h.alloc(200 * MB)  # past the 64M device: no OOM callbacks yet, an OOM all the same
         h.on_oom(lambda size, stream: False)
@@ -234,6 +235,9 @@ def test_ledger_shows_the_heaps_allocator_figures(ledger_name):
             "unmaps": "unmaps",
             "trims": "trims",
             "arenas": "arenas",
+            "compactions": "compactions",
+            "compact_moved_bytes": "compact_moved_bytes",
+            "compact_freed_pages": "compact_freed_pages",
         }
         got = {k: e[k] for k in pairs}
         want = {k: s[v] for k, v in pairs.items()}

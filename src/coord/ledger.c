@@ -141,6 +141,7 @@ static void clear_slot(ledger_slot *s) {
     atomic_store(&s->calls, 0);
     atomic_store(&s->published_ns, 0);
     for (unsigned i = 0; i < LEDGER_ST_N; i++) atomic_store(&s->stat[i], 0);
+    for (unsigned i = 0; i < 3; i++) atomic_store(&s->compact[i], 0);
     atomic_store(&s->stats_ns, 0);
 }
 
@@ -381,6 +382,9 @@ void cuma_ledger_publish_stats(cuma_ledger *l, const cuma_stats *s) {
     double frag = s->fragmentation < 0 ? 0 : s->fragmentation > 1 ? 1 : s->fragmentation;
     atomic_store_explicit(&me->stat[LEDGER_ST_FRAG_PPM], (uint64_t)(frag * 1e6 + 0.5),
                           memory_order_relaxed);
+    atomic_store_explicit(&me->compact[0], s->compactions, memory_order_relaxed);
+    atomic_store_explicit(&me->compact[1], s->compact_moved_bytes, memory_order_relaxed);
+    atomic_store_explicit(&me->compact[2], s->compact_freed_pages, memory_order_relaxed);
     atomic_store_explicit(&me->stats_ns, cuma_ledger_now_ns(), memory_order_release);
     write_mine(l);
     pthread_mutex_unlock(&l->f->mu);
@@ -684,6 +688,9 @@ static void entry_of(const ledger_slot *s, unsigned i, uint64_t now, cuma_ledger
     /* A scribbled slot must not print a share above one. */
     uint64_t ppm = atomic_load_explicit(&s->stat[LEDGER_ST_FRAG_PPM], memory_order_relaxed);
     e->fragmentation = ppm > 1000000 ? 1.0 : (double)ppm / 1e6;
+    e->compactions = atomic_load_explicit(&s->compact[0], memory_order_relaxed);
+    e->compact_moved_bytes = atomic_load_explicit(&s->compact[1], memory_order_relaxed);
+    e->compact_freed_pages = atomic_load_explicit(&s->compact[2], memory_order_relaxed);
 }
 
 void cuma_ledger_self(cuma_ledger *l, cuma_ledger_entry *out) {

@@ -87,7 +87,11 @@ typedef struct ledger_slot {
      * manifests set from the downward API; empty outside), written once at join, so that the
      * exporter's series join with the pod's. */
     char pod[64], pod_namespace[64], container[64];
-    uint64_t spare[6];
+    /* Compaction figures (compactions, compact_moved_bytes, compact_freed_pages of cuma_stats),
+     * published with stat[] in what were spare words: a build that predates them writes zeros
+     * there, so the layout (and LEDGER_VERSION) stays as it was. */
+    _Atomic uint64_t compact[3];
+    uint64_t spare[3];
 } ledger_slot;
 
 /* The shared file. The header is written once, under the ledger lock, when the file is made;

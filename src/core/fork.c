@@ -19,8 +19,8 @@
  * list lock, writer.c's claim), so a fork never waits for a slow open; the only system calls under
  * them are a log's writes and its close. Nothing here runs with a heap lock held; heap creation and
  * destruction take fork_lock alone. A heap's oom_run (held while a thread runs its OOM callbacks,
- * which may take long, or fork) is not taken: it starts free in the child, whose copy of the
- * callbacks' thread does not exist.
+ * which may take long, or fork) and its compact_run (held while a compaction's mover runs) are
+ * not taken: they start free in the child, whose copy of the callbacks' thread does not exist.
  *
  * What a child may do with an inherited heap depends on the device: a simulated heap works as
  * it did; a heap whose memory is the parent's (CUDA memory, which a forked child cannot use
@@ -70,6 +70,7 @@ static void release(bool child) {
         if (child) {
             /* A thread of the parent's may have been running the callbacks: not in the child. */
             pthread_mutex_init(&h->oom_run, NULL);
+            pthread_mutex_init(&h->compact_run, NULL); /* likewise a compaction's mover */
             atomic_store(&h->oom_dump_at, 0); /* the parent's last dump is not the child's */
             if (!(cuma_backend_unwrap(h->be)->caps & CUMA_CAP_FORK_PRIVATE)) {
                 /* Its pages are the parent's (device memory, or a simulated device's shared host

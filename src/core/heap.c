@@ -62,8 +62,8 @@ static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache
 }
 
 /* Gives a block back to the policy and its pages to the cache. */
-static void release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_t fseq, uint64_t t,
-                          bool counted) {
+void cuma_heap_release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_t fseq,
+                             uint64_t t, bool counted) {
     if (counted) {
         h->c.requested -= b->req;
         h->c.allocated -= b->size;
@@ -90,7 +90,8 @@ void cuma_heap_process_deferred(cuma_heap *h, bool wait) {
         if (cuma_fence_poll(&h->streams, b->fence_stream, b->fence_seq, wait)) {
             *pp = b->fnext;
             b->fnext = NULL;
-            release_block(h, b, 0, 0, t, true); /* its work is complete: the memory is clean */
+            cuma_heap_release_block(h, b, 0, 0, t,
+                                    true); /* its work is complete: the memory is clean */
         } else {
             pp = &b->fnext;
         }
@@ -106,7 +107,7 @@ void cuma_heap_give_cached(cuma_heap *h, cuma_block *b) {
                           tc > (int64_t)b->size ? tc - (int64_t)b->size : 0, memory_order_relaxed);
     /* Freed into the cache at some point before now: a fence taken now covers that free. */
     uint64_t seq = cuma_streams_note_free(&h->streams, b->stream);
-    release_block(h, b, b->stream, seq, now(h), false);
+    cuma_heap_release_block(h, b, b->stream, seq, now(h), false);
 }
 
 void cuma_heap_flush_tcaches(cuma_heap *h) {
@@ -367,6 +368,10 @@ static cuma_status ladder(cuma_heap *h, cuma_status st, size_t size, uint64_t n,
     /* Still out of memory: counted whether or not callbacks are registered, so that an
      * autoscaler watching the count sees a job that registered none run out too (one failed
      * 1,841 allocations with a count of 0). */
+    if (cuma_heap_compact_rung(h)) {
+        st = try_alloc(h, size, n, si, now(h), out);
+        if (!is_oom(st)) return st;
+    }
     h->c.ooms++;
     st = run_oom_callbacks(h, st, size, n, si, stream, out);
     if (!is_oom(st)) return st;
@@ -443,7 +448,7 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
     if (st == CUMA_OK && b) {
         uint64_t addr = h->base + b->off;
         if (!cuma_map_put(&h->live, addr, b)) {
-            release_block(h, b, 0, 0, t, false);
+            cuma_heap_release_block(h, b, 0, 0, t, false);
             b = NULL;
             st = cuma_fail(CUMA_ERR_OOM, "no host memory for the pointer table");
         } else {
@@ -573,7 +578,7 @@ free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_
         h->deferred = b;
         cuma_heap_process_deferred(h, false);
     } else {
-        release_block(h, b, (uint16_t)si, seq, t, true);
+        cuma_heap_release_block(h, b, (uint16_t)si, seq, t, true);
     }
     /* With several streams, memory freed on one is reusable by the others only once its fence
      * is known complete: ask every so often, so that it does not wait for a shortage. */

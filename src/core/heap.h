@@ -106,7 +106,10 @@ struct cuma_heap {
     cuma_map managed; /* first arena, under managed_lock: address -> size of managed fallbacks */
     uint64_t last_fence_tick; /* gseq of the last periodic fence poll */
     cuma_block *deferred;     /* freed blocks waiting on record_stream fences (linked by fnext) */
-    uint64_t limit_bytes;     /* effective limit on reserved bytes */
+    /* New places of blocks a compaction is moving (compact.c), linked by fnext: live in the
+     * policy and the pages, in no live table or counter until the move commits. */
+    cuma_block *moving;
+    uint64_t limit_bytes; /* effective limit on reserved bytes */
     int64_t release_delay_ns;
     uint64_t max_cached_bytes;
     cuma_counters c; /* this arena's; the peaks and managed counts live in the first's */
@@ -132,6 +135,13 @@ struct cuma_heap {
     /* First arena only: when the oom_dump file was last written (monotonic ns; 0 = never); a
      * writer claims it with a compare-and-swap, so at most one dump in 10 s. */
     _Atomic uint64_t oom_dump_at;
+    /* First arena only (compact.c): the mover cuma_set_mover registered (under oom_lock), and
+     * compact_run, held by the thread compacting the heap (one at a time; taken with no arena
+     * lock held, or tried with one); the compaction figures of cuma_stats. */
+    void (*mover)(void);
+    void *mover_user;
+    pthread_mutex_t compact_run;
+    _Atomic uint64_t compactions, compact_moved, compact_freed;
     /* First arena only, under managed_lock (a leaf lock): managed fallbacks (the map above,
      * c.managed, c.managed_fallbacks and the frees of managed memory). */
     pthread_mutex_t managed_lock;
@@ -225,6 +235,16 @@ static inline uint64_t cuma_heap_now(cuma_heap *h) {
     return h->set.sim_clock_manual ? atomic_load_explicit(&h->manual_now, memory_order_relaxed)
                                    : h->be->ops->now_ns(h->be);
 }
+
+/* Gives a block back to the policy and its pages to the cache with the fence of its free;
+ * `counted`: it leaves the live counters (heap lock held). */
+void cuma_heap_release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_t fseq,
+                             uint64_t t, bool counted);
+
+/* Compaction (compact.c): the out-of-memory ladder's rung. With a mover registered and the
+ * heap's stranded share over fragmentation_threshold, moves blocks (h's lock held on entry and
+ * exit, dropped meanwhile); whether anything moved. Never from inside a mover. */
+bool cuma_heap_compact_rung(cuma_heap *h);
 
 /* Takes back a block a thread cache held (heap lock held). */
 void cuma_heap_give_cached(cuma_heap *h, cuma_block *b);

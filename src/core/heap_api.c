@@ -159,6 +159,11 @@ cuma_status cuma_heap_check(cuma_heap *h) {
         w.requested += b->req, w.allocated += b->size, w.n++, w.all_sizes += b->size;
         count_pages(&w, b);
     }
+    /* A compaction's new places, while its mover runs: placed and mapped, not yet counted. */
+    for (cuma_block *b = h->moving; b && !w.why; b = b->fnext) {
+        w.all_sizes += b->size;
+        count_pages(&w, b);
+    }
     int64_t tq, ta, tn;
     uint64_t tallocs, tfrees, slots = 0;
     cuma_tcache_sums(h, &tq, &ta, &tn, &tallocs, &tfrees);

@@ -243,6 +243,7 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     pthread_mutex_init(&h->arena_lock, NULL);
     pthread_mutex_init(&h->oom_lock, NULL);
     pthread_mutex_init(&h->oom_run, NULL);
+    pthread_mutex_init(&h->compact_run, NULL);
     pthread_mutex_init(&h->managed_lock, NULL);
     pthread_mutex_init(&h->pool_lock, NULL);
     st = cuma_heap_build(h);
@@ -250,6 +251,7 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         pthread_mutex_destroy(&h->arena_lock);
         pthread_mutex_destroy(&h->oom_lock);
         pthread_mutex_destroy(&h->oom_run);
+        pthread_mutex_destroy(&h->compact_run);
         pthread_mutex_destroy(&h->managed_lock);
         pthread_mutex_destroy(&h->pool_lock);
         cuma_map_destroy(&h->managed);
@@ -297,6 +299,7 @@ void cuma_heap_destroy(cuma_heap *h) {
     pthread_mutex_destroy(&h->arena_lock);
     pthread_mutex_destroy(&h->oom_lock);
     pthread_mutex_destroy(&h->oom_run);
+    pthread_mutex_destroy(&h->compact_run);
     pthread_mutex_destroy(&h->managed_lock);
     pthread_mutex_destroy(&h->pool_lock);
     cuma_trace_writer_close(h->tw);

@@ -41,6 +41,14 @@ typedef struct cuma_policy_ops {
     /* Merges free neighbours that fences now allow to merge (they complete after the free);
      * calls fn for every free block that then spans a whole range. */
     void (*coalesce)(cuma_policy *p, void (*fn)(void *ctx, cuma_block *whole), void *ctx);
+    /* Compaction (compact.c); NULL in a policy that cannot place at a chosen address (the
+     * buddy places by order). first: the first block of the first range, whose blocks follow
+     * by `next` (to the one marked range_end). carve: takes [off, off+size) out of free block
+     * `f` (which holds it), marked live with req 0; what is left of f on either side stays
+     * free with f's fence, unmerged (the neighbours are then the returned block's prev and
+     * next). NULL when no descriptor could be had; f is then unchanged. */
+    cuma_block *(*first)(cuma_policy *p);
+    cuma_block *(*carve)(cuma_policy *p, cuma_block *f, uint64_t off, uint64_t size);
     /* Largest free block (bytes), for stats. */
     uint64_t (*largest_free)(cuma_policy *p);
     bool (*validate)(cuma_policy *p, const char **why, uint64_t *free_bytes, uint64_t *live_bytes);

@@ -295,3 +295,11 @@ void cuma_pools_postfork(cuma_heap *h) {
     for (cuma_pool *p = h->pool_list; p; p = p->next) pthread_mutex_unlock(&p->lock);
     pthread_mutex_unlock(&h->pool_lock);
 }
+
+bool cuma_pools_owns(cuma_heap *h, uint64_t addr) {
+    bool found = false;
+    pthread_mutex_lock(&h->pool_lock);
+    for (cuma_pool *p = h->pool_list; p && !found; p = p->next) found = p->base == addr;
+    pthread_mutex_unlock(&h->pool_lock);
+    return found;
+}

@@ -5,6 +5,7 @@
 
 #include "cuma/pool.h"
 
+#include <stdbool.h>
 #include <stdint.h>
 
 struct cuma_heap;
@@ -21,6 +22,10 @@ const char *cuma_pools_check(struct cuma_heap *h);
  * locks); and lets them go again, in reverse, in the parent and the child. */
 void cuma_pools_prefork(struct cuma_heap *h);
 void cuma_pools_postfork(struct cuma_heap *h);
+
+/* Whether addr is the carve of one of heap h's pools (first arena; takes its pool_lock, a leaf
+ * lock, so callable with an arena lock held): compaction leaves carves where they are. */
+bool cuma_pools_owns(struct cuma_heap *h, uint64_t addr);
 
 /* Free-stack slots read or written by the pool's calls so far: one per cuma_pool_alloc or
  * cuma_pool_free that succeeded (tests: constant work per call, counted, not timed). */

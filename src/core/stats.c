@@ -84,6 +84,9 @@ void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s) {
     s->pool_bytes = atomic_load(&h->pool_bytes);
     s->pool_blocks = atomic_load(&h->pool_blocks);
     s->pool_blocks_in_use = atomic_load(&h->pool_in_use);
+    s->compactions = atomic_load(&h->compactions);
+    s->compact_moved_bytes = atomic_load(&h->compact_moved);
+    s->compact_freed_pages = atomic_load(&h->compact_freed);
     s->page_size = h->vmm ? h->pages.page_size : h->be->page_size;
     s->peak_requested_bytes = atomic_load(&h->peak_req);
     if (s->peak_requested_bytes < s->requested_bytes) s->peak_requested_bytes = s->requested_bytes;
@@ -186,6 +189,9 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(pool_bytes);
     U(pool_blocks);
     U(pool_blocks_in_use);
+    U(compactions);
+    U(compact_moved_bytes);
+    U(compact_freed_pages);
     if (h->ledger) U(ledger_room_bytes);
 #undef U
     if (h->ledger) {

@@ -266,6 +266,54 @@ static void tlsf_coalesce(cuma_policy *p, void (*fn)(void *, cuma_block *), void
     }
 }
 
+static cuma_block *tlsf_first(cuma_policy *p) {
+    tlsf *t = (tlsf *)p;
+    return t->nranges ? t->ranges[0] : NULL;
+}
+
+/* A free block of [off, off+size) split off f's side at `at` (after: the part from at on). */
+static cuma_block *split_free(tlsf *t, cuma_block *f, uint64_t at) {
+    cuma_block *r = cuma_block_new(&t->pool);
+    if (!r) return NULL;
+    r->off = at;
+    r->size = f->off + f->size - at;
+    r->prev = f, r->next = f->next;
+    if (r->next) r->next->prev = r;
+    f->next = r;
+    r->is_free = 1;
+    r->fence_seq = f->fence_seq, r->fence_stream = f->fence_stream;
+    r->range_end = f->range_end, f->range_end = 0;
+    f->size = at - f->off;
+    return r;
+}
+
+static cuma_block *tlsf_carve(cuma_policy *p, cuma_block *f, uint64_t off, uint64_t size) {
+    tlsf *t = (tlsf *)p;
+    bool lead = off > f->off, trail = off + size < f->off + f->size;
+    /* Both descriptors first, so that a failure leaves f as it was. */
+    cuma_block *a = lead ? cuma_block_new(&t->pool) : NULL;
+    cuma_block *z = trail ? cuma_block_new(&t->pool) : NULL;
+    if ((lead && !a) || (trail && !z)) {
+        if (a) cuma_block_delete(&t->pool, a);
+        if (z) cuma_block_delete(&t->pool, z);
+        return NULL;
+    }
+    if (a) cuma_block_delete(&t->pool, a), a = NULL;
+    if (z) cuma_block_delete(&t->pool, z), z = NULL;
+    unlink_free(t, f);
+    cuma_block *b = f;
+    if (lead) {
+        b = split_free(t, f, off); /* f keeps the leading part */
+        insert(t, f);
+    }
+    if (trail) insert(t, split_free(t, b, off + size));
+    b->is_free = 0;
+    b->fence_seq = 0;
+    b->fence_stream = 0;
+    b->req = 0;
+    return b;
+}
+
 static uint64_t tlsf_round(uint64_t size) {
     if (size > (1ull << 47)) return 0;
     if (size == 0) size = 1;
@@ -348,6 +396,8 @@ const cuma_policy_ops cuma_tlsf_ops = {
     .free = tlsf_free,
     .remove_range = tlsf_remove_range,
     .coalesce = tlsf_coalesce,
+    .first = tlsf_first,
+    .carve = tlsf_carve,
     .largest_free = tlsf_largest_free,
     .validate = tlsf_validate,
 };

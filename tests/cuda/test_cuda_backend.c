@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 /* The CUDA backends over the fake driver: the vmm heap end to end (data, driver call counts,
- * trim, destroy), busy streams, backend choice, context hygiene, and the backend ops one by one.
+ * trim, destroy), compaction, busy streams, backend choice, context hygiene, and the backend ops
+ * one by one.
  *
  *   test_cuda_backend            everything that needs a VMM device
  *   test_cuda_backend novmm      FAKECUDA_NO_VMM=1: auto picks segment, vmm is refused
@@ -15,6 +16,7 @@
 
 #include "backend/backend.h"
 #include "core/config.h"
+#include "cuma/compact.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -87,6 +89,58 @@ static void test_vmm_churn(void) {
     CHECK(s.reserved_bytes == 0 && s.page_creates == s.page_releases && s.maps == s.unmaps);
     CHECK(s.device_free_bytes == s.device_total_bytes);
     CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
+/* Compaction over the VMM backend: small blocks among freed large ones move (the fake driver's
+ * memory is the host's, so the mover memcpys), their old pages go idle, and a waiting trim gives
+ * them back to the driver (with FAKECUDA_EVENT_LAG the compaction's own release leaves pages whose
+ * fences are pending). */
+typedef struct compact_owner {
+    void *p[12];
+    size_t n[12];
+} compact_owner;
+
+static bool compact_move(void *user, void *old_ptr, void *new_ptr, size_t size, cuma_stream s) {
+    compact_owner *o = user;
+    (void)s;
+    for (int i = 0; i < 12; i++) {
+        if (o->p[i] != old_ptr) continue;
+        memcpy(new_ptr, old_ptr, size);
+        o->p[i] = new_ptr;
+        return true;
+    }
+    return false;
+}
+
+static void test_vmm_compact(void) {
+    cuma_heap *h = heap_make("backend:vmm,tcache:off,release_delay_ms:never");
+    compact_owner o;
+    void *dense[16], *big[12];
+    for (int i = 0; i < 16; i++) CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &dense[i]));
+    for (int i = 0; i < 12; i++) {
+        o.n[i] = (size_t)(8192 + 4096 * i);
+        CHECK_OK(cuma_alloc(h, o.n[i], NULL, &o.p[i]));
+        CHECK_OK(cuma_alloc(h, 3 * MB, NULL, &big[i]));
+        memset(o.p[i], 0x40 + i, o.n[i]);
+    }
+    for (int i = 0; i < 12; i++) CHECK_OK(cuma_free(h, big[i], NULL));
+    CHECK_OK(cuma_trim(h, 0));
+    cuma_stats s0 = heap_stats(h);
+    CHECK(s0.fragmentation > 0.25);
+    cuma_compact_result r;
+    CHECK_OK(cuma_compact(h, compact_move, &o, &r));
+    CHECK(r.blocks_moved == 12 && r.pages_emptied > 0);
+    for (int i = 0; i < 12; i++)
+        for (size_t k = 0; k < o.n[i]; k++) CHECK(((unsigned char *)o.p[i])[k] == 0x40 + i);
+    CHECK_OK(cuma_trim(h, 0));
+    cuma_stats s1 = heap_stats(h);
+    CHECK(s1.fragmentation < 0.05 && s1.reserved_bytes < s0.reserved_bytes);
+    CHECK(fakecuda_used_bytes(0) == s1.reserved_bytes);
+    CHECK_OK(cuma_validate(h));
+    for (int i = 0; i < 12; i++) CHECK_OK(cuma_free(h, o.p[i], NULL));
+    for (int i = 0; i < 16; i++) CHECK_OK(cuma_free(h, dense[i], NULL));
     cuma_heap_destroy(h);
     check_no_driver_objects();
 }
@@ -744,6 +798,7 @@ int main(int argc, char **argv) {
         test_segment_ops("segment");
         test_segment_ops("managed");
         test_vmm_churn();
+        test_vmm_compact();
         test_busy_stream();
         test_held_page_stays();
         test_early_remap();

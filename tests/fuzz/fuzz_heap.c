@@ -7,7 +7,8 @@
  * mode, a device running behind the host, early remaps, the release delay and a cache cap. The
  * rest is operations: allocate, free the k-th live block, trim, move the manual clock, record a
  * stream, hold or release a simulated stream, reset the peaks, poll, set a limit, let another
- * program take device memory, bad frees, lookups.
+ * program take device memory, bad frees, lookups, validate and compact (cuma/compact.h: the
+ * model's mover checks a block's tags, moves it and writes them anew at its new place).
  *
  * Invariants checked, besides cuma_validate every few operations and at the end:
  * - a successful allocation is 256-byte aligned, overlaps no live block, and its block size
@@ -30,6 +31,7 @@
  */
 #include "fuzz.h"
 
+#include "cuma/compact.h"
 #include "cuma/sim.h"
 
 #include <string.h>
@@ -44,13 +46,15 @@ typedef struct blk {
     uintptr_t p;
     size_t size;
     uint64_t tag;
-    bool recorded; /* used on another stream too (cuma_record_stream) */
+    bool recorded;      /* used on another stream too (cuma_record_stream) */
+    cuma_stream stream; /* allocated on */
+    bool other;         /* recorded on a stream other than its own: it never moves */
 } blk;
 
 typedef struct model {
     cuma_heap *h;
     uint64_t page_size;
-    bool backing, segments, lag, tcache;
+    bool backing, segments, lag, tcache, buddy;
     blk live[MAX_LIVE];
     size_t nlive;
     uintptr_t freed[MAX_FREED]; /* recently freed pointers, for double frees */
@@ -230,7 +234,7 @@ static void op_alloc(model *m, fz_reader *r) {
                  "new block %p+%zu overlaps live block %p+%zu", p, size, (void *)b->p, b->size);
     }
     blk *b = &m->live[m->nlive++];
-    *b = (blk){a, size, 0x9E3779B97F4A7C15ull * (m->allocs + 1), false};
+    *b = (blk){a, size, 0x9E3779B97F4A7C15ull * (m->allocs + 1), false, s, false};
     tags(m, b, true);
     m->allocs++;
     m->requested += size;
@@ -300,6 +304,39 @@ static void op_time(model *m, fz_reader *r) {
              (unsigned long long)m->now);
 }
 
+/* The model's mover: a block it holds, never one with record_stream streams, keeps its data up to
+ * the move (tags checked) and gets them written at the new place. */
+static bool move_block(void *user, void *old_ptr, void *new_ptr, size_t size, cuma_stream s) {
+    model *m = user;
+    (void)s;
+    for (size_t i = 0; i < m->nlive; i++) {
+        blk *b = &m->live[i];
+        if (b->p != (uintptr_t)old_ptr) continue;
+        FZ_CHECK(!b->other, "compaction offered %p, which record_stream gave another stream",
+                 old_ptr);
+        FZ_CHECK(size == b->size, "compaction offered %zu bytes of the %zu-byte block %p", size,
+                 b->size, old_ptr);
+        FZ_CHECK(tags(m, b, false) == 0, "block %p changed before its move", old_ptr);
+        if (m->backing) memcpy(new_ptr, old_ptr, size);
+        b->p = (uintptr_t)new_ptr;
+        tags(m, b, true);
+        return true;
+    }
+    FZ_CHECK(false, "compaction offered %p, which is no live block", old_ptr);
+    return false;
+}
+
+static void op_compact(model *m) {
+    cuma_compact_result res;
+    cuma_status st = cuma_compact(m->h, move_block, m, &res);
+    FZ_CHECK(st == CUMA_OK || (st == CUMA_ERR_UNSUPPORTED && (m->segments || m->buddy)),
+             "compact: %d (%s)", (int)st, cuma_last_error());
+    SAY("  compact: %llu moved, %llu refused, %llu pages emptied\n",
+        (unsigned long long)res.blocks_moved, (unsigned long long)res.blocks_refused,
+        (unsigned long long)res.pages_emptied);
+    FZ_CHECK(res.blocks_refused == 0, "the model's mover refused nothing");
+}
+
 static void step(model *m, fz_reader *r) {
     uint8_t op = fz_u8(r);
     if (op % 16 > 4) SAY("op %d\n", op % 16);
@@ -330,6 +367,7 @@ static void step(model *m, fz_reader *r) {
             FZ_CHECK(cuma_record_stream(m->h, (void *)b->p, stream_of(c >> 6)) == CUMA_OK,
                      "record_stream");
             b->recorded = true;
+            b->other |= stream_of(c >> 6) != b->stream;
         }
         break;
     }
@@ -380,6 +418,7 @@ static void step(model *m, fz_reader *r) {
     }
     default:
         validate(m);
+        op_compact(m);
     }
     check_stats(m);
     if (++m->ops % 4 == 0) validate(m);
@@ -419,6 +458,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     m.backing = !(a & 8);
     m.segments = a & 16;
     m.lag = a & 32;
+    m.buddy = a & 1 && !m.segments;
     static const char *delays[4] = {"0", "5", "1000", "never"};
     char conf[512];
     snprintf(conf, sizeof conf,

@@ -112,6 +112,9 @@ def stats_block(m):
             "  %-14screates %d, releases %d, maps %d, unmaps %d, trims %d, time %s" % (
                 "page calls", st["page_creates"], st["page_releases"], st["maps"], st["unmaps"],
                 st["trims"], duration(st["page_call_ns"])),
+            "  %-14sruns %d, moved %s, pages emptied %d" % (
+                "compaction", st["compactions"], size(st["compact_moved_bytes"]),
+                st["compact_freed_pages"]),
             "  %-14s%.1f%% of in use: %s stranded between live blocks (cached: %s)" % (
                 "fragmentation", ledger_fragmentation(st) * 100.0,
                 size(int(st["mapped"] * ledger_fragmentation(st) + 0.5)), size(m["cached"]))]

@@ -118,7 +118,8 @@ FIELDS = ["pid", "process", "priority", "guarantee", "limit", "reserved", "cache
 STAT_FIELDS = ["page_size", "allocated", "peak_requested", "mapped", "managed", "active_allocs",
                "num_allocs", "num_frees", "failed_allocs", "alloc_retries", "ooms",
                "oom_callbacks", "managed_fallbacks", "page_creates", "page_releases", "maps",
-               "unmaps", "trims", "page_call_ns", "arenas"]
+               "unmaps", "trims", "page_call_ns", "arenas", "compactions",
+               "compact_moved_bytes", "compact_freed_pages"]
 
 
 def ledger_fragmentation(stats):

@@ -88,11 +88,13 @@ static void print_stats(cuma_heap *h) {
            ",\"oom_callbacks\":%" PRIu64 ",\"managed_fallbacks\":%" PRIu64
            ",\"page_creates\":%" PRIu64 ",\"page_releases\":%" PRIu64 ",\"maps\":%" PRIu64
            ",\"unmaps\":%" PRIu64 ",\"trims\":%" PRIu64 ",\"page_call_ns\":%" PRIu64
-           ",\"arenas\":%" PRIu64 ",\"fragmentation\":%.17g}",
+           ",\"arenas\":%" PRIu64 ",\"compactions\":%" PRIu64 ",\"compact_moved_bytes\":%" PRIu64
+           ",\"compact_freed_pages\":%" PRIu64 ",\"fragmentation\":%.17g}",
            backend, s.page_size, s.allocated_bytes, s.peak_requested_bytes, s.mapped_bytes,
            s.managed_bytes, s.active_allocs, s.num_allocs, s.num_frees, s.failed_allocs,
            s.num_alloc_retries, s.num_ooms, s.oom_callbacks, s.managed_fallbacks, s.page_creates,
-           s.page_releases, s.maps, s.unmaps, s.trims, s.page_call_ns, s.arenas, s.fragmentation);
+           s.page_releases, s.maps, s.unmaps, s.trims, s.page_call_ns, s.arenas, s.compactions,
+           s.compact_moved_bytes, s.compact_freed_pages, s.fragmentation);
 }
 
 /* One heap's line: its ledger entry, and for a heap (h not NULL) its own stats. */
