@@ -12,6 +12,7 @@ cuma_status cuma_streams_init(cuma_streams *ss, cuma_backend *be) {
     ss->epoch = 1; /* slots start at nd_epoch 0: nothing remembered */
     ss->events_recorded = 0;
     ss->event_queries = 0;
+    ss->marks = false; /* the heap sets it after; a table made alone has no ranges */
     ss->slot = calloc(CUMA_MAX_STREAMS, sizeof *ss->slot);
     if (!ss->slot) return cuma_fail(CUMA_ERR_OOM, "no host memory for the stream table");
     return CUMA_OK;

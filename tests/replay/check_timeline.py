@@ -71,7 +71,7 @@ def run(cmd):
     env = dict(os.environ)
     env.pop("CUMA_CONF", None)  # the user's settings must not change the test
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       universal_newlines=True, env=env, timeout=120)
+                       universal_newlines=True, env=env, timeout=540)  # ctest gives 600: ASan beside other work needed over 120
     return p.returncode, p.stdout, p.stderr
 
 
