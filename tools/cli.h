@@ -70,6 +70,7 @@ const char *cli_shown(const char *text, char *buf, size_t len);
 
 #define CUMA_PLOT_USAGE                                                                            \
     "usage: cuma plot [-o OUT.svg] [--title T] [--compare NAME=TIMELINE.csv]... TIMELINE.csv...\n" \
+    "       cuma plot --html [-o REPORT.html] [--title T] [--device N] TRACE\n"                    \
     "  One SVG figure (no scripts, no external files) with a panel per timeline of cuma replay\n"  \
     "  --timeline: requested bytes (filled), reserved (line), cached (dashed) over trace time;\n"  \
     "  the panel's title gives peak reserved / peak requested and the time-averaged ratio,\n"      \
@@ -78,7 +79,12 @@ const char *cli_shown(const char *text, char *buf, size_t len);
     "  --title T      the figure's title\n"                                                        \
     "  --compare NAME=TIMELINE.csv\n"                                                              \
     "                 overlay that timeline's reserved bytes, labelled NAME, on the panel\n"       \
-    "                 of the same file name (in another folder); repeatable\n"
+    "                 of the same file name (in another folder); repeatable\n"                     \
+    "  --html         instead: replay one TRACE (RMM CSV or PyTorch snapshot) and write one\n"     \
+    "                 self-contained HTML page (inline script and data, nothing fetched): the\n"   \
+    "                 series with zoom and pan, the live blocks of a hovered moment (size,\n"      \
+    "                 address, call site and stack) and a map of their 2 MiB pages\n"              \
+    "  --device N     (--html) a snapshot's device (default: the one with the most events)\n"
 
 #define CUMA_PS_USAGE                                                                              \
     "usage: cuma ps [--ledger NAME] [--json]\n"                                                    \
