@@ -462,10 +462,12 @@ static int parse_args(int argc, char **argv, plot_args *a, char **cmp_files) {
     if (!a->nfiles)
         return cli_usage_error("plot", CUMA_PLOT_USAGE,
                                a->html ? "no trace given" : "no timeline given");
-    if (a->html && (a->nfiles != 1 || a->ncmp))
-        return cli_usage_error("plot", CUMA_PLOT_USAGE,
-                               "--html draws one trace, without --compare (%d files given)",
+    if (a->html && a->nfiles != 1)
+        return cli_usage_error("plot", CUMA_PLOT_USAGE, "--html draws one trace, not %d",
                                a->nfiles);
+    if (a->html && a->ncmp)
+        return cli_usage_error("plot", CUMA_PLOT_USAGE,
+                               "--html draws one trace, without --compare");
     if (!a->html && a->device >= 0)
         return cli_usage_error("plot", CUMA_PLOT_USAGE, "--device goes with --html");
     return CUMA_EXIT_OK;

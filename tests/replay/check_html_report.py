@@ -13,6 +13,7 @@
   (a copy of the page with a thrown error shows that the catcher works).
 - A small RMM CSV trace (no stacks) gives a page too, its blocks "(no stack recorded)".
 - --screenshot at 1200x800 writes that PNG.
+- Bad options and a missing trace: exit 2, a message saying what, no file.
 
 chromium missing is a failure: scripts/deps.sh test installs it.
 usage: check_html_report.py --cuma CUMA --data tests/data --out DIR
@@ -199,6 +200,21 @@ def check_csv(cuma, browser, out, profile):
     check(element(dom, "errors") == "", "no errors on the CSV page")
 
 
+def check_bad_input(cuma, data, out):
+    trace = os.path.join(data, TRACE)
+    target = os.path.join(out, "bad.html")
+    for args, what in ((["--html", "-o", target, trace, trace], "--html draws one trace"),
+                       (["--html", "-o", target, "--compare", "x=y.csv", trace], "without --compare"),
+                       (["--device", "0", trace], "--device goes with --html"),
+                       (["--html", "--device", "x", "-o", target, trace], "--device wants a device number"),
+                       (["--html", "-o", target, os.path.join(out, "missing.pickle")], "missing.pickle"),
+                       (["--html", "-o", target], "no trace given")):
+        r = run([cuma, "plot", *args])
+        check(r.returncode == 2 and what in r.stderr and not os.path.exists(target),
+              "cuma plot %s: exit 2, says %r, no file (%d: %s)"
+              % (" ".join(args[1:3]), what, r.returncode, r.stderr.strip().splitlines()[:1]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cuma", required=True)
@@ -213,6 +229,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="cuma-chromium-") as profile:
         check_snapshot(a.cuma, browser, a.data, a.out, profile)
         check_csv(a.cuma, browser, a.out, profile)
+    check_bad_input(a.cuma, a.data, a.out)
     print("%d failures" % len(failures))
     return 1 if failures else 0
 
