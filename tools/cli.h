@@ -153,6 +153,16 @@ const char *cli_shown(const char *text, char *buf, size_t len);
     "  --max-events N refuse a trace of more than N events (default 16777216)\n"                   \
     "  --json         one JSON object per trace and line, exact bytes\n"
 
+#define CUMA_CONVERT_USAGE                                                                         \
+    "usage: cuma convert [--device N] -o OUT.pickle TRACE\n"                                       \
+    "  Writes a trace (RMM CSV or PyTorch snapshot) as a PyTorch memory snapshot pickle, the\n"    \
+    "  file torch.cuda.memory._dump_snapshot() writes: its allocations, frees and call stacks\n"   \
+    "  as events, the blocks live at the end as segments. PyTorch's memory_viz opens it, and\n"    \
+    "  cuma replay and cuma leaks read it as they read the trace.\n"                               \
+    "  -o OUT.pickle  where to write (plain, not gzip'd)\n"                                        \
+    "  --device N     a snapshot's device (default: the one with the most events)\n"
+
+int cuma_cmd_convert(int argc, char **argv);
 int cuma_cmd_leaks(int argc, char **argv);
 int cuma_cmd_replay(int argc, char **argv);
 int cuma_cmd_plot(int argc, char **argv);
