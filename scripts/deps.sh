@@ -7,7 +7,7 @@ what=${1:-build}
 pkgs=(cmake make gcc g++ pkg-config zlib1g-dev python3)
 case "$what" in
   test) pkgs+=(clang python3-pytest python3-numpy python3-torch libtorch-dev valgrind
-    python3-setuptools python3-wheel python3-venv python3-pip) ;;
+    python3-setuptools python3-wheel python3-venv python3-pip chromium) ;;
   bench) pkgs+=(libmimalloc-dev libjemalloc-dev valgrind) ;;
 esac
 [ "$what" = test ] && pkgs+=(libmimalloc-dev libjemalloc-dev)

@@ -70,6 +70,7 @@ const char *cli_shown(const char *text, char *buf, size_t len);
 
 #define CUMA_PLOT_USAGE                                                                            \
     "usage: cuma plot [-o OUT.svg] [--title T] [--compare NAME=TIMELINE.csv]... TIMELINE.csv...\n" \
+    "       cuma plot --html [-o REPORT.html] [--title T] [--device N] TRACE\n"                    \
     "  One SVG figure (no scripts, no external files) with a panel per timeline of cuma replay\n"  \
     "  --timeline: requested bytes (filled), reserved (line), cached (dashed) over trace time;\n"  \
     "  the panel's title gives peak reserved / peak requested and the time-averaged ratio,\n"      \
@@ -78,7 +79,12 @@ const char *cli_shown(const char *text, char *buf, size_t len);
     "  --title T      the figure's title\n"                                                        \
     "  --compare NAME=TIMELINE.csv\n"                                                              \
     "                 overlay that timeline's reserved bytes, labelled NAME, on the panel\n"       \
-    "                 of the same file name (in another folder); repeatable\n"
+    "                 of the same file name (in another folder); repeatable\n"                     \
+    "  --html         instead: replay one TRACE (RMM CSV or PyTorch snapshot) and write one\n"     \
+    "                 self-contained HTML page (inline script and data, nothing fetched): the\n"   \
+    "                 series with zoom and pan, the live blocks of a hovered moment (size,\n"      \
+    "                 address, call site and stack) and a map of their 2 MiB pages\n"              \
+    "  --device N     (--html) a snapshot's device (default: the one with the most events)\n"
 
 #define CUMA_PS_USAGE                                                                              \
     "usage: cuma ps [--ledger NAME] [--json]\n"                                                    \
@@ -147,6 +153,16 @@ const char *cli_shown(const char *text, char *buf, size_t len);
     "  --max-events N refuse a trace of more than N events (default 16777216)\n"                   \
     "  --json         one JSON object per trace and line, exact bytes\n"
 
+#define CUMA_CONVERT_USAGE                                                                         \
+    "usage: cuma convert [--device N] -o OUT.pickle TRACE\n"                                       \
+    "  Writes a trace (RMM CSV or PyTorch snapshot) as a PyTorch memory snapshot pickle, the\n"    \
+    "  file torch.cuda.memory._dump_snapshot() writes: its allocations, frees and call stacks\n"   \
+    "  as events, the blocks live at the end as segments. PyTorch's memory_viz opens it, and\n"    \
+    "  cuma replay and cuma leaks read it as they read the trace.\n"                               \
+    "  -o OUT.pickle  where to write (plain, not gzip'd)\n"                                        \
+    "  --device N     a snapshot's device (default: the one with the most events)\n"
+
+int cuma_cmd_convert(int argc, char **argv);
 int cuma_cmd_leaks(int argc, char **argv);
 int cuma_cmd_replay(int argc, char **argv);
 int cuma_cmd_plot(int argc, char **argv);

@@ -2,16 +2,9 @@
 /* `cuma leaks`: what a recording still holds at its end, by call site, and which call sites
  * keep growing over it (docs/TOOLS.md, "cuma leaks").
  *
- * Call site: the innermost frame of an allocation's stack that is the program's own Python
- * code (frame_rank): a file that ends in ".py", outside a torch/ directory, Python's standard
- * library and installed packages (site-packages, dist-packages); when a stack has no such
- * frame, the innermost frame of an installed package other than torch; when it has no Python
- * frame outside torch (the backward pass runs on the autograd engine's own threads), the
- * innermost autograd node (torch::autograd::generated::MmBackward0::apply, AccumulateGrad).
- * Other frames of C and C++ code ("??", "", *.cpp, ...), of torch and of the interpreter are
- * always skipped, so memory
- * allocated deep inside PyTorch (or einops) is charged to the program's line that asked for
- * it. A trace without stacks (RMM CSV) is grouped by power-of-two size class.
+ * Call site: the rule of callsite.c (the innermost frame of the program's own Python code, else
+ * of an installed package, else in the backward pass the autograd node). A trace without stacks
+ * (RMM CSV) is grouped by power-of-two size class.
  *
  * Growth: the recorded events (not the blocks alive before recording) are cut into W windows
  * of equal event counts, and each site's low point (its least live bytes) in each window is
@@ -25,6 +18,7 @@
  * iteration rises in every window. The premise is that windows are at least an iteration long: with
  * fewer iterations recorded than windows, lower --windows.
  */
+#include "callsite.h"
 #include "cli.h"
 
 #include "trace/trace.h"
@@ -66,84 +60,14 @@ typedef struct ctx {
     uint32_t *key_of;  /* stacks: per group its site (NO_STACK, NO_SITE, FIRST_SITE + frame) */
 } ctx;
 
-static int ends_with(const char *s, const char *suffix) {
-    size_t n = strlen(s), k = strlen(suffix);
-    return n >= k && !strcmp(s + n - k, suffix);
-}
-
-/* Whether path has a directory named dir (at its start or after a '/' or '\\': Windows paths
- * come as recorded). */
-static int has_dir(const char *path, const char *dir) {
-    size_t n = strlen(dir);
-    for (const char *p = path; (p = strstr(p, dir)) != NULL; p++)
-        if ((p == path || p[-1] == '/' || p[-1] == '\\') && (p[n] == '/' || p[n] == '\\')) return 1;
-    return 0;
-}
-
-/* How much a frame's file says about who asked for the memory (see the top of the file):
- * 2 the program's own Python code, 1 an installed package other than torch, 0 neither. */
-static int frame_rank(const char *file) {
-    if (!ends_with(file, ".py")) return 0; /* "??", "", C++ sources, <frozen ...> */
-    if (has_dir(file, "torch")) return 0;
-    if (has_dir(file, "site-packages") || has_dir(file, "dist-packages")) return 1;
-    /* The standard library: .../lib/python3.X/... (Windows: ...\\Lib\\...) outside packages. */
-    if (strstr(file, "/python3.") || has_dir(file, "Lib")) return 0;
-    return 2;
-}
-
 static const char *text(const cuma_trace *t, uint32_t off) {
     return t->stacks.text + off;
 }
 
-/* Groups of a trace with stacks: NO_STACK, NO_SITE, then FIRST_SITE + frame id. */
-#define NO_STACK   0u
-#define NO_SITE    1u
-#define FIRST_SITE 2u
-
-/* Whether a C++ frame is an autograd node's apply: the backward pass runs on the autograd
- * engine's threads, whose stacks have no Python frame, and the node names what it computes. */
-static int autograd_node(const char *name) {
-    return !strncmp(name, "torch::autograd::generated::", 28) ||
-           !strncmp(name, "torch::autograd::AccumulateGrad::", 33);
-}
-
-/* Whether a native frame (a cuma log's, trace_stacks) is cuma's own: the allocator's entry
- * points and what the shims and bindings put between the program and them. */
-static int allocator_frame(const char *name) {
-    static const char *const own[] = {"cuma_",      "alloc_slow",     "ffi_call",
-                                      "_ctypes",    "_call_function", "cudaMalloc",
-                                      "cuMemAlloc", "torch_alloc",    "default_heap"};
-    for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
-        if (strstr(name, own[i]) == name) return 1;
-    return 0;
-}
-
-/* The innermost frame of the program's own code, else the innermost of a package's, else the
- * innermost autograd node. In a cuma log (native frames): the innermost frame that is not the
- * allocator's, preferring one with a source line. */
-static uint32_t site_of_stack(const cuma_trace *t, uint32_t s) {
-    const cuma_trace_stacks *st = &t->stacks;
-    if (st->start[s] == st->start[s + 1]) return NO_STACK;
-    if (t->format == CUMA_TRACE_RMM_CSV) {
-        uint32_t any = NO_SITE;
-        for (size_t k = st->start[s]; k < st->start[s + 1]; k++) {
-            const cuma_trace_frame *f = &st->frame[st->ix[k]];
-            if (allocator_frame(text(t, f->name))) continue;
-            if (f->line) return FIRST_SITE + st->ix[k];
-            if (any == NO_SITE) any = FIRST_SITE + st->ix[k];
-        }
-        return any;
-    }
-    uint32_t package = NO_SITE, node = NO_SITE;
-    for (size_t k = st->start[s]; k < st->start[s + 1]; k++) {
-        const cuma_trace_frame *f = &st->frame[st->ix[k]];
-        int r = frame_rank(text(t, f->file));
-        if (r == 2) return FIRST_SITE + st->ix[k];
-        if (r == 1 && package == NO_SITE) package = FIRST_SITE + st->ix[k];
-        if (!r && node == NO_SITE && autograd_node(text(t, f->name))) node = FIRST_SITE + st->ix[k];
-    }
-    return package != NO_SITE ? package : node;
-}
+/* Groups of a trace with stacks: NO_STACK, NO_SITE, then FIRST_SITE + frame id (callsite.h). */
+#define NO_STACK   CALLSITE_NONE
+#define NO_SITE    CALLSITE_UNKNOWN
+#define FIRST_SITE CALLSITE_FIRST
 
 static uint32_t bit_width(uint64_t v) {
     uint32_t w = 0;
@@ -202,7 +126,7 @@ static void label(const ctx *c, uint32_t g, char *out, size_t len) {
             snprintf(line, sizeof line, "%s:%u %s", text(c->t, f->file), f->line, name);
         else
             snprintf(line, sizeof line, "%s", name);
-    } else if (!ends_with(text(c->t, f->file), ".py")) {
+    } else if (!callsite_ends_with(text(c->t, f->file), ".py")) {
         /* an autograd node: its C++ name without the argument list, which says nothing here */
         int n = (int)strcspn(name, "(");
         snprintf(line, sizeof line, "%.*s (backward pass)", n, name);
@@ -490,7 +414,7 @@ static int leaks_one(const char *path, const options *o) {
         }
         c.ngroups = 0;
         for (uint32_t s = 0; s < t.stacks.nstacks; s++) {
-            uint32_t k = site_of_stack(&t, s);
+            uint32_t k = callsite_of_stack(&t, s);
             if (!dense[k]) c.key_of[c.ngroups] = k, dense[k] = ++c.ngroups;
             c.site_of[s] = dense[k] - 1;
         }

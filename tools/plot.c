@@ -11,6 +11,7 @@
  * All input is read and checked before anything is written: a bad file leaves no figure.
  */
 #include "cli.h"
+#include "plot_html.h"
 #include "timeline.h"
 
 #include <errno.h>
@@ -44,6 +45,8 @@ typedef struct plot_args {
     int ncmp;
     const char **files;
     int nfiles;
+    int html;   /* --html: the files are one trace, drawn as an interactive page */
+    int device; /* --device (--html): a snapshot's device, -1 the one with most events */
 } plot_args;
 
 /* What a timeline says about itself: its peaks and the time integrals of its steps. */
@@ -428,6 +431,16 @@ static int parse_args(int argc, char **argv, plot_args *a, char **cmp_files) {
                    (v = cli_option(argc, argv, &i, "--output", &missing)) != NULL) {
             if (!*v) return cli_usage_error("plot", CUMA_PLOT_USAGE, "-o wants a file name");
             a->out = v;
+        } else if (!strcmp(arg, "--html")) {
+            a->html = 1;
+        } else if ((v = cli_option(argc, argv, &i, "--device", &missing)) != NULL) {
+            char *end;
+            errno = 0;
+            long d = strtol(v, &end, 10);
+            if (!*v || *end || errno || d < 0 || d > 1023)
+                return cli_usage_error("plot", CUMA_PLOT_USAGE,
+                                       "--device wants a device number 0 to 1023, not '%s'", v);
+            a->device = (int)d;
         } else if ((v = cli_option(argc, argv, &i, "--title", &missing)) != NULL) {
             a->title = v;
         } else if ((v = cli_option(argc, argv, &i, "--compare", &missing)) != NULL) {
@@ -446,7 +459,17 @@ static int parse_args(int argc, char **argv, plot_args *a, char **cmp_files) {
             return cli_usage_error("plot", CUMA_PLOT_USAGE, "unknown option '%s'", arg);
         }
     }
-    if (!a->nfiles) return cli_usage_error("plot", CUMA_PLOT_USAGE, "no timeline given");
+    if (!a->nfiles)
+        return cli_usage_error("plot", CUMA_PLOT_USAGE,
+                               a->html ? "no trace given" : "no timeline given");
+    if (a->html && a->nfiles != 1)
+        return cli_usage_error("plot", CUMA_PLOT_USAGE, "--html draws one trace, not %d",
+                               a->nfiles);
+    if (a->html && a->ncmp)
+        return cli_usage_error("plot", CUMA_PLOT_USAGE,
+                               "--html draws one trace, without --compare");
+    if (!a->html && a->device >= 0)
+        return cli_usage_error("plot", CUMA_PLOT_USAGE, "--device goes with --html");
     return CUMA_EXIT_OK;
 }
 
@@ -493,7 +516,8 @@ static int write_figure(const plot_args *a, const tl_series *panels) {
 
 int cuma_cmd_plot(int argc, char **argv) {
     if (cli_wants_help(argc, argv, CUMA_PLOT_USAGE)) return CUMA_EXIT_OK;
-    plot_args a = {.title = "cuma replay: requested and reserved memory over trace time"};
+    plot_args a = {.title = "cuma replay: requested and reserved memory over trace time",
+                   .device = -1};
     a.files = calloc((size_t)argc, sizeof *a.files);
     a.cmp = calloc((size_t)argc, sizeof *a.cmp);
     char **cmp_files = calloc((size_t)argc, sizeof *cmp_files);
@@ -501,8 +525,12 @@ int cuma_cmd_plot(int argc, char **argv) {
     int rc = a.files && a.cmp && cmp_files && panels
                  ? parse_args(argc, argv, &a, cmp_files)
                  : cli_usage_error("plot", CUMA_PLOT_USAGE, "out of memory");
-    if (rc == CUMA_EXIT_OK) rc = read_all(&a, cmp_files, panels);
-    if (rc == CUMA_EXIT_OK) rc = write_figure(&a, panels);
+    if (rc == CUMA_EXIT_OK && a.html) {
+        rc = plot_html(a.out, a.title, a.files[0], a.device, 0);
+    } else if (rc == CUMA_EXIT_OK) {
+        rc = read_all(&a, cmp_files, panels);
+        if (rc == CUMA_EXIT_OK) rc = write_figure(&a, panels);
+    }
     for (int i = 0; panels && i < a.nfiles; i++) tl_series_free(&panels[i]);
     for (int c = 0; a.cmp && c < a.ncmp; c++) {
         free((char *)a.cmp[c].name);

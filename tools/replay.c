@@ -29,6 +29,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 /* The replay owns the clock and the backend; the user's settings come after and win. */
 #define BASE_CONF             "backend:sim,sim_clock:manual"
@@ -483,6 +484,35 @@ static int timeline_dir_ok(const char *dir) {
         return 0;
     }
     return 1;
+}
+
+/* Pass 1 alone on the default settings, its timeline written to a private temporary directory
+ * and read back: `cuma plot --html` draws the same sampled rows `cuma replay --timeline` would
+ * write, so the report and the SVG figure never disagree. */
+int replay_timeline(const cuma_trace *t, tl_series *out) {
+    const char *tmp = getenv("TMPDIR");
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/cuma-plot-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(dir)) {
+        cli_eprintf("cuma plot: cannot make a temporary directory %s: %s\n", dir, strerror(errno));
+        return CUMA_EXIT_FAIL;
+    }
+    size_t len;
+    const char *stem = tl_stem(t->path, &len);
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%.*s.timeline.csv", dir, (int)len, stem);
+    void **ptrs = calloc(t->n ? t->n : 1, sizeof *ptrs);
+    result r = {.path = t->path, .events = t->n, .trace = t};
+    tl_writer tl = {0};
+    int rc = ptrs ? open_timeline(&tl, dir, t) : CUMA_EXIT_FAIL;
+    if (!ptrs) cli_eprintf("cuma plot: %s: out of memory\n", t->path);
+    if (rc == CUMA_EXIT_OK) rc = measure(t, BASE_CONF, 1, ptrs, &r, &tl);
+    if (tl.f && tl_close(&tl, r.measured) && rc == CUMA_EXIT_OK) rc = CUMA_EXIT_FAIL;
+    if (rc == CUMA_EXIT_OK) rc = tl_read("cuma plot", path, out);
+    remove(path);
+    rmdir(dir);
+    free(ptrs);
+    return rc;
 }
 
 /* The trace replayed on a cuma heap with settings conf. */

@@ -3,6 +3,7 @@
 #ifndef CUMA_TOOLS_REPLAY_H
 #define CUMA_TOOLS_REPLAY_H
 
+#include "timeline.h"
 #include "trace/trace.h"
 #include "trace/torch_model.h"
 
@@ -22,5 +23,9 @@ const char *replay_base_name(const char *path);
  * from, for the output) and prints one JSON line (json) or a table row. CUMA_EXIT_*. */
 int replay_torch(const cuma_trace *t, const cuma_tm_conf *c, const char *conf_text, int json,
                  int *header_done);
+
+/* The timeline `cuma replay --timeline` would write for t on the default settings, read into
+ * *out (tl_series_free it). CUMA_EXIT_*, with a message on stderr. */
+int replay_timeline(const cuma_trace *t, tl_series *out);
 
 #endif

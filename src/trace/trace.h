@@ -149,6 +149,13 @@ cuma_status cuma_trace_link(cuma_trace *t);
  * CUMA_ERR_CORRUPT naming the first broken one. A trace without stacks passes. */
 cuma_status cuma_trace_stacks_validate(const cuma_trace *t);
 
+/* Writes t as a PyTorch memory snapshot pickle (snapshot_writer.c says which fields) that
+ * cuma_trace_load reads back as the same allocations, frees and call stacks, and PyTorch's
+ * memory_viz opens. CUMA_ERR_IO (the message names the path), CUMA_ERR_OOM, CUMA_ERR_INVALID
+ * (a device over 1023, an address or size over 2^63-1: the event is named). A failed write leaves
+ * no file. */
+cuma_status cuma_trace_write_snapshot(const cuma_trace *t, const char *path);
+
 /* Frees what cuma_trace_load allocated and empties *t. NULL and an empty trace are fine. */
 void cuma_trace_free(cuma_trace *t);
 
