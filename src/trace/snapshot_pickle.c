@@ -138,7 +138,7 @@ static cuma_status list_of(const conv *c, int64_t idx, const char *what, const u
 /* A str field's text ("" when absent or None); an error when it is something else. */
 static cuma_status str_field(const conv *c, uint32_t d, const char *what, size_t i, const char *key,
                              const char **p, size_t *len) {
-    int64_t v;
+    int64_t v = -1; /* field() sets it on success; gcc -O2 cannot tell */
     cuma_status st = field(c, d, what, i, key, &v);
     if (st != CUMA_OK) return st;
     const cuma_pickle_node *nd = node(c, v);
