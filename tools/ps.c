@@ -49,7 +49,8 @@ static void print_header(int rates) {
     printf("%*s %*s %*s %*s %*s ", SZ, "CACHED", SZ, "IN USE", SZ, "REQUESTED", SZ, "PEAK", SZ,
            "WANT");
     if (rates)
-        printf("%*s %9s %8s %5s %6s\n", SZ + 2, "GIVEN/s", "DENIALS/s", "ALLOC/s", "OOMS", "FRAG");
+        printf("%*s %9s %8s %5s %6s %*s\n", SZ + 2, "GIVEN/s", "DENIALS/s", "ALLOC/s", "OOMS",
+               "FRAG", SZ, "STRANDED");
     else
         printf("%*s %8s\n", SZ, "GIVEN", "DENIALS");
 }
@@ -62,15 +63,20 @@ static const char *event_rate(double r, char *buf, size_t len) {
 }
 
 /* The allocator's columns of top: allocations per second between the two refreshes' figures,
- * OOMs since the heap began, fragmentation now. The rate is over the time between the two
+ * OOMs since the heap began, fragmentation now and the stranded bytes it is the share of (mapped
+ * bytes no live block asked for: free, but only for requests that fit the gaps; cached pages are
+ * not among them). The rate is over the time between the two
  * publications the figures come from (the release thread publishes every 100 ms, so a refresh
  * interval would be off by up to that much); "-" while the heap has published nothing, or
  * nothing new since the previous refresh. */
 static void print_allocator(const cuma_ledger_entry *e, const cuma_ledger_entry *p, double dt) {
-    char rate[32] = "-", ooms[32] = "-", frag[32] = "-";
+    char rate[32] = "-", ooms[32] = "-", frag[32] = "-", stranded[32] = "-";
     if (view_has_stats(e)) {
         snprintf(ooms, sizeof ooms, "%" PRIu64, e->ooms);
         snprintf(frag, sizeof frag, "%.1f%%", e->fragmentation * 100.0);
+        /* As the exporter's cuma_stranded_bytes: from the two figures published together. */
+        view_size((uint64_t)llround((double)e->mapped * e->fragmentation), stranded,
+                  sizeof stranded);
         if (p && view_has_stats(p)) {
             /* A publication's time is the refresh's minus its age; the difference of the two. */
             double span = dt - ((double)e->stats_age_ns - (double)p->stats_age_ns) * 1e-9;
@@ -78,7 +84,7 @@ static void print_allocator(const cuma_ledger_entry *e, const cuma_ledger_entry 
             if (span > 1e-3) event_rate((double)n / span, rate, sizeof rate);
         }
     }
-    printf(" %8s %5s %6s\n", rate, ooms, frag);
+    printf(" %8s %5s %6s %*s\n", rate, ooms, frag, SZ, stranded);
 }
 
 /* One heap's row. With rates (top), `p` is the same heap at the previous refresh, `dt` seconds

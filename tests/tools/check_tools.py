@@ -552,11 +552,11 @@ def check_exporter_waits(cuma, fixture, name):
 def top_rows(frame):
     """Rows of a frame as the columns' texts: 0 PID, 1 PROCESS, 2 PRIO, 3 GUARANTEE, 4 LIMIT,
     5 RESERVED, 6 DELTA, 7 CACHED, 8 IN USE, 9 REQUESTED, 10 PEAK, 11 WANT, 12 GIVEN/s,
-    13 DENIALS/s, 14 ALLOC/s, 15 OOMS, 16 FRAG."""
+    13 DENIALS/s, 14 ALLOC/s, 15 OOMS, 16 FRAG, 17 STRANDED."""
     row = re.compile(r"^\s*(\d+) (\S+)\s+(-?\d+)" + (r"\s+" + SIZE) * 3 +
                      r"\s+([-+](?:\d+ B|\d+\.\d+ [KMGTPE]iB)|0|-)" + (r"\s+" + SIZE) * 5 +
                      r"\s+(\S+ B/s|\S+ [KMGTPE]iB/s|-)\s+(\d+\.\d|-)" +
-                     r"\s+(\d+\.\d|\d+|\d\.\d\de\+\d+|-)\s+(\d+|-)\s+(\d+\.\d%|-)$")
+                     r"\s+(\d+\.\d|\d+|\d\.\d\de\+\d+|-)\s+(\d+|-)\s+(\d+\.\d%|-)\s+" + SIZE + "$")
     rows = []
     for line in frame.splitlines():
         m = row.match(line)
@@ -565,12 +565,25 @@ def top_rows(frame):
     return rows
 
 
+def view_size(b):
+    """ledger_view.c's view_size."""
+    if b < 1024:
+        return "%d B" % b
+    x, u = b / 1024.0, 0
+    while x >= 1024.0 and u < 5:
+        x, u = x / 1024.0, u + 1
+    return ("%.2f %s" if u >= 2 else "%.1f %s") % (x, ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")[u])
+
+
 def top_allocator(h):
-    """What top's OOMS and FRAG columns show of heap h: "-" for a heap that never published."""
+    """What top's OOMS, FRAG and STRANDED columns show of heap h: "-" for a heap that never
+    published."""
     st = h.get("stats")
     if not st:
-        return ("-", "-")
-    return (str(st["ooms"]), "%.1f%%" % (ledger_fragmentation(st) * 100.0))
+        return ("-", "-", "-")
+    frag = ledger_fragmentation(st)
+    return (str(st["ooms"]), "%.1f%%" % (frag * 100.0),
+            view_size(int(st["mapped"] * frag + 0.5)))  # llround, for these positives
 
 
 def check_top(cuma, name, made, raw, sim):
@@ -601,9 +614,9 @@ def check_top(cuma, name, made, raw, sim):
             check(all(mine.get(k, "?") in v for k, v in want.items()),
                   "top frame 2: no allocations per second; '-' for heaps that never published",
                   (mine, want))
-        got = {(r[1], r[2]): (r[15], r[16]) for r in rows}
+        got = {(r[1], r[2]): (r[15], r[16], r[17]) for r in rows}
         want = {(h["process"], str(h["priority"])): top_allocator(h) for h in made}
-        check(got == want, "top frame %d: OOMS and FRAG" % (i + 1), (got, want))
+        check(got == want, "top frame %d: OOMS, FRAG and STRANDED" % (i + 1), (got, want))
 
     # Across a change: X gives 4M in one callback, is refused once, gives 2M to the device;
     # C allocates and frees STEP_ALLOCS times.
