@@ -178,8 +178,6 @@ static cuma_status fail_oom(cuma_heap *h, cuma_status st, size_t size) {
                      st == CUMA_ERR_LIMIT ? "limit reached" : "device full", stranded);
 }
 
-/* The out-of-memory ladder: release the cache and retry, call the callbacks and retry, fall
- * back to managed memory, then fail. Called with the lock held; callbacks run without it. */
 /* The idle memory of the heap's other arenas goes back too, so this arena can have it (h's lock
  * held on entry and exit, dropped meanwhile: an arena never waits for another's lock while
  * holding its own). */
@@ -322,7 +320,8 @@ static bool managed_take(cuma_heap *h, size_t size, uint64_t *managed_addr) {
 }
 
 /* The out-of-memory ladder: release the cache (this arena's, then the other arenas') and retry,
- * call the callbacks and retry, fall back to managed memory, then fail. Called with the arena's
+ * ask other heaps through the ledger, compact (with a mover registered), call the callbacks and
+ * retry, fall back to managed memory, then fail. Called with the arena's
  * lock held; callbacks run without it. With nvtx:on the ladder is one range, each rung taken a
  * range inside it. */
 static cuma_status ladder(cuma_heap *h, cuma_status st, size_t size, uint64_t n, unsigned si,
