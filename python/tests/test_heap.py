@@ -463,8 +463,8 @@ out["torch entry point"] = ctrl_c_while_waiting(
     cuma.default_heap(0), lambda: _lib.lib().cuma_torch_malloc(10 * MB, 0, None))
 for _ in range(3):  # more callbacks, more heaps: still one wrapper over the user's hook
     cuma.Heap(SIM, use_env=False).on_pressure(lambda n: None)
-ours = getattr(cuma.heap, "_unraisablehook", None)
-out["wrapped once"] = ours is not None and sys.unraisablehook is ours and cuma.heap._previous_unraisablehook not in (
+ours = getattr(cuma._callbacks, "_unraisablehook", None)
+out["wrapped once"] = ours is not None and sys.unraisablehook is ours and cuma._callbacks._previous_unraisablehook not in (
     None, ours)
 
 
