@@ -32,14 +32,7 @@ static void age_tcaches(cuma_heap *h, uint64_t t) {
 void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_cached_bytes,
                        uint64_t age_keep_bytes, bool wait) {
     cuma_mark_push(h->set.nvtx, CUMA_MARK_RELEASE);
-    if (h->vmm) {
-        uint64_t ps = h->pages.page_size;
-        cuma_pages_release(&h->pages, t, delay_ns,
-                           max_cached_bytes == UINT64_MAX ? UINT64_MAX : max_cached_bytes / ps,
-                           age_keep_bytes / ps, wait);
-    } else {
-        cuma_segs_release(&h->segs, t, delay_ns, max_cached_bytes, age_keep_bytes, wait);
-    }
+    h->phys.ops->release(h, t, delay_ns, max_cached_bytes, age_keep_bytes, wait);
     /* Every release (trim, OOM ladder, limit) publishes what is left idle: max_cached and the
      * cross-process ledger read it. */
     atomic_store_explicit(&h->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(h),
@@ -64,18 +57,13 @@ static uint64_t next_age_due(const cuma_heap *h) {
     return oldest + (uint64_t)h->release_delay_ns;
 }
 
-static void on_whole_segment(void *ctx, cuma_block *whole) {
-    cuma_heap *h = ctx;
-    cuma_segs_on_free(&h->segs, whole, cuma_heap_now(h));
-}
-
-/* Merges free blocks whose fences completed since they were freed; in segment mode that is
- * how a segment freed by several streams becomes whole again and can go back. */
+/* Merges free blocks whose fences completed since they were freed; with segments that is how
+ * one freed by several streams becomes whole again and can go back (the layer's `whole`). */
 void cuma_heap_coalesce(cuma_heap *h, bool wait) {
     if (h->streams.n <= 1) return;
     for (unsigned i = 0; i < h->streams.n; i++)
         cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, wait);
-    h->pol->ops->coalesce(h->pol, h->vmm ? NULL : on_whole_segment, h);
+    h->pol->ops->coalesce(h->pol, h->phys.ops->whole, h);
 }
 
 void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
@@ -91,8 +79,8 @@ void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
     }
     if (t >= next_age_due(h) || cuma_heap_cached(h) > cap)
         cuma_heap_release(h, t, h->release_delay_ns, cap, age_keep(h), false); /* reaps too */
-    else if (h->vmm && h->pages.nghosts)
-        cuma_pages_reap(&h->pages, false); /* ghosts whose work is done go all the same */
+    else if (*h->phys.nlagging)
+        h->phys.ops->reap(h, false); /* old mappings whose work is done go all the same */
     atomic_store_explicit(&h->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(h),
                           memory_order_relaxed);
 }

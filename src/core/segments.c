@@ -96,6 +96,7 @@ static cuma_status add_segment(cuma_segs *sg, uint64_t size, cuma_seg **out) {
     }
     s->addr = addr, s->size = size;
     sg->reserved += size;
+    atomic_store_explicit(&sg->all_reserved, sg->reserved, memory_order_relaxed);
     sg->creates++;
     *out = s;
     return CUMA_OK;
@@ -143,6 +144,7 @@ uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64
         sg->be->ops->seg_free(sg->be, s->addr, s->size);
         cuma_mark_pop(sg->marks);
         sg->reserved -= s->size;
+        atomic_store_explicit(&sg->all_reserved, sg->reserved, memory_order_relaxed);
         sg->releases++;
         released += s->size;
         free(s);
@@ -177,7 +179,7 @@ bool cuma_segs_validate(const cuma_segs *sg, const char **why) {
     segwalk w = {0, 0, NULL};
     cuma_map_each(&sg->byaddr, check_seg, &w);
     if (w.why) return *why = w.why, false;
-    if (w.total != sg->reserved)
+    if (w.total != sg->reserved || atomic_load(&sg->all_reserved) != sg->reserved)
         return *why = "segments: reserved bytes differ from the segments", false;
     if (w.idle != sg->idle_bytes)
         return *why = "segments: idle bytes differ from the idle segments", false;
