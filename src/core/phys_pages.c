@@ -4,6 +4,7 @@
 #include "error.h"
 #include "heap.h"
 
+#include <assert.h>
 #include <inttypes.h>
 
 static uint64_t round_pow2(uint64_t x) {
@@ -14,6 +15,7 @@ static uint64_t round_pow2(uint64_t x) {
 
 static void set_figures(cuma_heap *a) {
     cuma_pages *pp = &a->pages;
+    assert(pp->page_size == 1ull << pp->shift); /* figures are units << shift */
     a->phys.shift = pp->shift;
     a->phys.nreserved = &pp->nreserved;
     a->phys.ncached = &pp->ncached;
@@ -89,8 +91,10 @@ static cuma_status pages_back(cuma_heap *a, cuma_block **bp, uint64_t req, uint6
 }
 
 static void pages_free(cuma_heap *a, cuma_block *b, uint16_t fstream, uint64_t fseq, uint64_t now) {
+    assert(!b->is_free && b->mapped_len <= b->size);
     cuma_pages_unref(&a->pages, b->off, b->mapped_len, now, fstream, fseq);
     a->pol->ops->free(a->pol, b, fstream, fseq);
+    assert(a->pages.ncached <= a->pages.nreserved);
 }
 
 static uint64_t pages_release(cuma_heap *a, uint64_t now, int64_t delay_ns,

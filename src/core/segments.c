@@ -3,6 +3,7 @@
 #include "error.h"
 #include "marks.h"
 
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -43,6 +44,7 @@ static void idle_remove(cuma_segs *sg, cuma_seg *s) {
         sg->tail = s->prev;
     s->prev = s->next = NULL;
     s->whole = NULL;
+    assert(sg->idle_bytes >= s->size && sg->nidle > 0);
     sg->idle_bytes -= s->size;
     sg->nidle--;
 }
@@ -123,6 +125,7 @@ void cuma_segs_on_free(cuma_segs *sg, cuma_block *m, uint64_t now) {
     sg->head = s;
     sg->idle_bytes += s->size;
     sg->nidle++;
+    assert(sg->idle_bytes <= sg->reserved); /* an idle segment is one of the reserved */
 }
 
 uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes,
@@ -143,6 +146,7 @@ uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64
         cuma_mark_push(sg->marks, CUMA_MARK_SEG_FREE);
         sg->be->ops->seg_free(sg->be, s->addr, s->size);
         cuma_mark_pop(sg->marks);
+        assert(sg->reserved >= s->size && sg->idle_bytes <= sg->reserved);
         sg->reserved -= s->size;
         atomic_store_explicit(&sg->all_reserved, sg->reserved, memory_order_relaxed);
         sg->releases++;
