@@ -288,6 +288,18 @@ void cuma_heap_release_idle(cuma_heap *h, uint64_t keep_bytes);
 /* The same for every arena of heap h in turn, one lock at a time (no lock held on entry): the
  * first keeps keep_bytes, the others nothing. count_trim: a trim in the stats (cuma_trim). */
 void cuma_heap_release_all(cuma_heap *h, uint64_t keep_bytes, bool count_trim);
+/* What the release thread's next sleep depends on (heap clock). */
+typedef struct cuma_sleep_in {
+    uint64_t now;
+    uint64_t age_due;  /* when the release policy next acts by age; UINT64_MAX: nothing due */
+    int64_t tc_age_ns; /* the age of the thread caches' blocks that go back; INT64_MAX: none */
+    bool ledger;       /* the heap answers other processes' requests (every few ms) */
+    bool watermark;    /* the heap watches the device's free memory (every 10 ms) */
+} cuma_sleep_in;
+/* The release thread's next sleep in ns (at least 1 ms), and when its release policy runs next:
+ * *policy_at (UINT64_MAX: no plan yet) is kept across the short looks of the ledger and the
+ * watermark and brought forward when something is due earlier (release.c). */
+uint64_t cuma_release_sleep(const cuma_sleep_in *in, uint64_t *policy_at);
 /* The release thread's body (release.c); started by cuma_heap_build. */
 void *cuma_heap_release_thread(void *arg);
 
