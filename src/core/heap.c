@@ -8,6 +8,7 @@
 #include "marks.h"
 #include "tcache_fast.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -65,6 +66,8 @@ static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache
 void cuma_heap_release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_t fseq,
                              uint64_t t, bool counted) {
     if (counted) {
+        /* The counters are the sums over the live blocks: this one is among them. */
+        assert(h->c.requested >= b->req && h->c.allocated >= b->size && h->c.active > 0);
         h->c.requested -= b->req;
         h->c.allocated -= b->size;
         h->c.active--;
@@ -125,6 +128,7 @@ static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si
     /* The layer backs it, or adds memory where the policy had no room. */
     cuma_status st = h->phys.ops->back(h, &b, req, n, si, t);
     if (st) return st;
+    assert(b && !b->is_free && b->size >= n && n >= req);
     b->req = req;
     b->mapped_len = req;
     b->stream = (uint16_t)si;

@@ -34,6 +34,7 @@ void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_
                        uint64_t age_keep_bytes, bool wait) {
     cuma_mark_push(h->set.nvtx, CUMA_MARK_RELEASE);
     h->phys.ops->release(h, t, delay_ns, max_cached_bytes, age_keep_bytes, wait);
+    assert(cuma_heap_cached(h) <= cuma_heap_reserved(h));
     /* Every release (trim, OOM ladder, limit) publishes what is left idle: max_cached and the
      * cross-process ledger read it. */
     atomic_store_explicit(&h->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(h),
