@@ -81,7 +81,7 @@ void cuma_arena_lock(cuma_heap *h, cuma_heap *a) {
         if (mine && tl.score > 0) tl.score--;
         return;
     }
-    if (h->set.arenas > 1 && h->vmm) {
+    if (h->set.arenas > 1 && (h->phys.ops->caps & CUMA_PHYS_RANGE)) {
         if (!mine) tl.heap = h, tl.id = h->id, tl.arena = a, tl.score = 0;
         tl.score += COLLIDE_STEP;
         if (tl.score >= COLLIDE_MOVE) {
@@ -94,7 +94,8 @@ void cuma_arena_lock(cuma_heap *h, cuma_heap *a) {
 
 cuma_status cuma_arena_add(cuma_heap *h, cuma_heap **out) {
     *out = NULL;
-    if (!h->vmm) return cuma_fail(CUMA_ERR_UNSUPPORTED, "arenas need a virtual range (pages)");
+    if (!(h->phys.ops->caps & CUMA_PHYS_RANGE))
+        return cuma_fail(CUMA_ERR_UNSUPPORTED, "arenas need a virtual range (pages)");
     pthread_mutex_lock(&h->arena_lock);
     cuma_status st = CUMA_OK;
     unsigned n = atomic_load(&h->narenas);

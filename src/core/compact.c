@@ -382,7 +382,7 @@ static cuma_status compact_all(cuma_heap *pr, cuma_move_fn fn, void *user, bool 
 }
 
 static cuma_status can_compact(cuma_heap *h, const char *who) {
-    if (!h->vmm)
+    if (!(h->phys.ops->caps & CUMA_PHYS_MOVABLE))
         return cuma_fail(CUMA_ERR_UNSUPPORTED,
                          "%s: the heap is in segment mode (backend %s), where a segment goes back "
                          "only when all of it is free; compaction moves blocks between pages "
@@ -467,7 +467,7 @@ bool cuma_heap_compact_rung(cuma_heap *h) {
     cuma_heap *p = h->primary;
     /* A mover that allocates and runs out does not compact again; a compaction running on
      * another thread is not waited for (its mover may need what this thread holds). */
-    if (in_mover || !h->vmm || !h->pol->ops->carve) return false;
+    if (in_mover || !(h->phys.ops->caps & CUMA_PHYS_MOVABLE) || !h->pol->ops->carve) return false;
     pthread_mutex_lock(&p->oom_lock);
     bool any = p->mover != NULL;
     pthread_mutex_unlock(&p->oom_lock);

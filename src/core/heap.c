@@ -8,6 +8,7 @@
 #include "marks.h"
 #include "tcache_fast.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -65,15 +66,15 @@ static void account_alloc(cuma_heap *h, uint64_t req, uint64_t size, cuma_tcache
 void cuma_heap_release_block(cuma_heap *h, cuma_block *b, uint16_t fstream, uint64_t fseq,
                              uint64_t t, bool counted) {
     if (counted) {
+        /* The counters are the sums over the live blocks: this one is among them. */
+        assert(h->c.requested >= b->req && h->c.allocated >= b->size && h->c.active > 0);
         h->c.requested -= b->req;
         h->c.allocated -= b->size;
         h->c.active--;
         cuma_heap_publish(h);
     }
     bool was_empty = cuma_heap_cached(h) == 0;
-    if (h->vmm) cuma_pages_unref(&h->pages, b->off, b->mapped_len, t, fstream, fseq);
-    cuma_block *m = h->pol->ops->free(h->pol, b, fstream, fseq);
-    if (!h->vmm) cuma_segs_on_free(&h->segs, m, t);
+    h->phys.ops->free(h, b, fstream, fseq, t);
     /* Wake the release thread only if it would otherwise sleep past this memory's due time:
      * a signal per free costs a context switch each. */
     if (was_empty && cuma_heap_cached(h) && h->thread_running && h->release_delay_ns >= 0 &&
@@ -124,28 +125,10 @@ static cuma_status try_alloc(cuma_heap *h, uint64_t req, uint64_t n, unsigned si
             cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, false);
         b = h->pol->ops->alloc(h->pol, n, si);
     }
-    if (!h->vmm) {
-        if (!b) {
-            cuma_status st = cuma_segs_grow(&h->segs, n);
-            if (st) return st;
-            b = h->pol->ops->alloc(h->pol, n, si);
-            if (!b)
-                return cuma_fail(CUMA_ERR_OOM, "a new segment could not hold %" PRIu64 " bytes", n);
-        }
-        cuma_segs_on_alloc(&h->segs, b);
-    } else if (!b) {
-        return cuma_fail(CUMA_ERR_OOM,
-                         "no free block of %" PRIu64 " bytes in the %" PRIu64 "-byte virtual range",
-                         n, h->va_size);
-    } else {
-        cuma_status st = cuma_pages_ref(
-            &h->pages, b->off, req, t,
-            h->set.early_remap && (h->be->caps & CUMA_CAP_ALIAS) ? (int)si : CUMA_PAGES_NO_STREAM);
-        if (st) {
-            h->pol->ops->free(h->pol, b, 0, 0);
-            return st;
-        }
-    }
+    /* The layer backs it, or adds memory where the policy had no room. */
+    cuma_status st = h->phys.ops->back(h, &b, req, n, si, t);
+    if (st) return st;
+    assert(b && !b->is_free && b->size >= n && n >= req);
     b->req = req;
     b->mapped_len = req;
     b->stream = (uint16_t)si;
@@ -401,9 +384,7 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
     /* A request the range (or the device) could never hold is out of memory, as PyTorch's
      * allocator says of one larger than the GPU: callers that recover from OOM (a smaller
      * batch) recover from it too, and managed memory may still serve it. */
-    uint64_t room = h->vmm                             ? h->va_size
-                    : h->limit_bytes > h->be->capacity ? h->limit_bytes /* oversubscribed */
-                                                       : h->be->capacity;
+    uint64_t room = h->phys.ops->max_request(h);
     cuma_tcache *tc = h->tc_on ? cuma_tcache_get(h, h->id) : NULL;
     if (tc && !tried && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
     /* Before the lock: unwinding may take the dynamic loader's lock. */
@@ -435,7 +416,8 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
                  : cuma_fail(CUMA_ERR_OOM,
                              "out of memory: %zu bytes requested, more than the %" PRIu64
                              "-byte %s can ever hold",
-                             size, room, h->vmm ? "virtual range" : "device");
+                             size, room,
+                             h->phys.ops->caps & CUMA_PHYS_RANGE ? "virtual range" : "device");
     } else {
         st = try_alloc(h, size, n, (unsigned)si, t, &b);
         if (st) {
@@ -583,11 +565,12 @@ free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_
      * is known complete: ask every so often, so that it does not wait for a shortage. */
     if (h->streams.n > 1 && seq - h->last_fence_tick >= 256) {
         h->last_fence_tick = seq;
-        if (h->vmm) {
+        /* Merging then too only where a merge can free memory (a segment made whole). */
+        if (h->phys.ops->whole) {
+            cuma_heap_coalesce(h, false);
+        } else {
             for (unsigned i = 0; i < h->streams.n; i++)
                 cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, false);
-        } else {
-            cuma_heap_coalesce(h, false);
         }
     }
     cuma_heap_release_policy(h, t);

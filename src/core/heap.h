@@ -9,6 +9,7 @@
 #include "cuma/ledger.h"
 #include "hashmap.h"
 #include "pages.h"
+#include "phys.h"
 #include "policy.h"
 #include "segments.h"
 #include "streams.h"
@@ -97,12 +98,12 @@ struct cuma_heap {
     cuma_backend *be;     /* constant after creation */
     cuma_policy *pol;
     cuma_streams streams;
-    bool vmm;              /* page mode (pages) or segment mode (segs); constant */
+    cuma_physmem phys;     /* the physical layer (phys.h): pages or segs below; constant */
     bool backend_fallback; /* backend_fallback:sim, no driver: on the simulated device; constant */
     struct cuma_trace_writer *tw; /* first arena's: the `trace` log, or NULL; constant */
-    cuma_pages pages;
-    cuma_segs segs;
-    cuma_map live;    /* address -> cuma_block of every live allocation */
+    cuma_pages pages;             /* the page layer's (cuma_phys_pages) */
+    cuma_segs segs;               /* the segment layer's (cuma_phys_segments) */
+    cuma_map live;                /* address -> cuma_block of every live allocation */
     cuma_map managed; /* first arena, under managed_lock: address -> size of managed fallbacks */
     uint64_t last_fence_tick; /* gseq of the last periodic fence poll */
     cuma_block *deferred;     /* freed blocks waiting on record_stream fences (linked by fnext) */
@@ -158,7 +159,8 @@ struct cuma_heap {
     bool tlsf;         /* the default policy (its rounding is inline in cuma_alloc) */
     uint64_t fast_max; /* requests of 1..fast_max bytes are rounded to size classes and try the
                           thread cache inline (0: caches off, another policy's rounding, or
-                          segment mode: the slow path rounds and tries the cache) */
+                          a layer whose slack is memory, CUMA_PHYS_SLACK_FREE: the slow path
+                          rounds and tries the cache) */
     uint64_t tc_bytes, tc_max;
     int64_t tc_age_ns;
     uint64_t tc_due; /* no thread-cache block is due to go back before this (coarse time) */
@@ -209,20 +211,18 @@ static inline void cuma_heap_publish(cuma_heap *h) {
 
 /* Reserved bytes of the whole heap (every arena): what the limit bounds. */
 static inline uint64_t cuma_heap_reserved_all(const cuma_heap *h) {
-    return h->vmm ? atomic_load_explicit(h->pages.shared, memory_order_relaxed) * h->pages.page_size
-                  : h->segs.reserved;
+    return cuma_phys_reserved_all(&h->phys);
 }
 
-/* The physical layer of one arena, whichever mode: bytes held from the device, idle in the
- * cache, in use. */
+/* The physical layer of one arena: bytes held from the device, idle in the cache. */
 static inline uint64_t cuma_heap_reserved(const cuma_heap *h) {
-    return h->vmm ? h->pages.nreserved * h->pages.page_size : h->segs.reserved;
+    return cuma_phys_reserved(&h->phys);
 }
 static inline uint64_t cuma_heap_cached(const cuma_heap *h) {
-    return h->vmm ? h->pages.ncached * h->pages.page_size : h->segs.idle_bytes;
+    return cuma_phys_cached(&h->phys);
 }
 static inline uint64_t cuma_heap_oldest_idle(const cuma_heap *h) {
-    return h->vmm ? cuma_pages_oldest_idle(&h->pages) : cuma_segs_oldest_idle(&h->segs);
+    return h->phys.ops->oldest_idle(h);
 }
 /* Gives back idle memory: older than delay_ns (< 0: none by age) while more than age_keep_bytes
  * idle, then the oldest while more than max_cached_bytes idle. */
@@ -288,6 +288,18 @@ void cuma_heap_release_idle(cuma_heap *h, uint64_t keep_bytes);
 /* The same for every arena of heap h in turn, one lock at a time (no lock held on entry): the
  * first keeps keep_bytes, the others nothing. count_trim: a trim in the stats (cuma_trim). */
 void cuma_heap_release_all(cuma_heap *h, uint64_t keep_bytes, bool count_trim);
+/* What the release thread's next sleep depends on (heap clock). */
+typedef struct cuma_sleep_in {
+    uint64_t now;
+    uint64_t age_due;  /* when the release policy next acts by age; UINT64_MAX: nothing due */
+    int64_t tc_age_ns; /* the age of the thread caches' blocks that go back; INT64_MAX: none */
+    bool ledger;       /* the heap answers other processes' requests (every few ms) */
+    bool watermark;    /* the heap watches the device's free memory (every 10 ms) */
+} cuma_sleep_in;
+/* The release thread's next sleep in ns (at least 1 ms), and when its release policy runs next:
+ * *policy_at (UINT64_MAX: no plan yet) is kept across the short looks of the ledger and the
+ * watermark and brought forward when something is due earlier (release.c). */
+uint64_t cuma_release_sleep(const cuma_sleep_in *in, uint64_t *policy_at);
 /* The release thread's body (release.c); started by cuma_heap_build. */
 void *cuma_heap_release_thread(void *arg);
 

@@ -116,7 +116,7 @@ typedef struct walk {
 
 static void count_pages(walk *w, const cuma_block *b) {
     if (!w->live) return;
-    unsigned sh = w->h->pages.shift;
+    unsigned sh = w->h->phys.shift;
     for (uint64_t v = b->off >> sh; v <= (b->off + b->mapped_len - 1) >> sh; v++) w->live[v]++;
 }
 
@@ -128,7 +128,8 @@ static bool check_live(void *ctx, uint64_t key, void *val) {
     if (b->is_free) return w->why = "a live pointer maps to a free block", false;
     if (!b->req || b->req > b->size)
         return w->why = "a live block's request is 0 or over its size", false;
-    if (b->mapped_len > b->size || (w->h->vmm && !b->mapped_len))
+    /* A layer that counts blocks over its units (pages) needs each to map some byte. */
+    if (b->mapped_len > b->size || (w->h->phys.refs && !b->mapped_len))
         return w->why = "a live block's mapped length is wrong", false;
     if (b->stream >= w->h->streams.n) return w->why = "a live block names an unknown stream", false;
     w->all_sizes += b->size;
@@ -149,10 +150,10 @@ cuma_status cuma_heap_check(cuma_heap *h) {
     if (!h->pol->ops->validate(h->pol, &why, &free_b, &live_b)) goto bad;
     if (!cuma_map_validate(&h->live, &why)) goto bad;
     if (!cuma_streams_validate(&h->streams, &why)) goto bad;
-    if (h->vmm ? !cuma_pages_validate(&h->pages, &why) : !cuma_segs_validate(&h->segs, &why))
-        goto bad;
-    walk w = {h, h->vmm ? calloc(h->pages.nva, sizeof(uint32_t)) : NULL, 0, 0, 0, 0, 0, NULL};
-    if (h->vmm && !w.live)
+    if (!h->phys.ops->validate(h, &why)) goto bad;
+    const uint32_t *refs = h->phys.refs;
+    walk w = {h, refs ? calloc(h->phys.nrefs, sizeof(uint32_t)) : NULL, 0, 0, 0, 0, 0, NULL};
+    if (refs && !w.live)
         return cuma_fail(CUMA_ERR_OOM, "cuma_validate: no host memory for the page count check");
     cuma_map_each(&h->live, check_live, &w);
     for (cuma_block *b = h->deferred; b && !w.why; b = b->fnext) {
@@ -184,10 +185,10 @@ cuma_status cuma_heap_check(cuma_heap *h) {
         w.why = "active allocation count differs from the live blocks";
     if (!w.why && w.cached != slots)
         w.why = "blocks marked cached differ from the blocks in thread caches";
-    if (!w.why && free_b + live_b != (h->vmm ? h->va_size : h->segs.reserved))
+    if (!w.why && free_b + live_b != h->phys.ops->range_bytes(h))
         w.why = "free + live bytes differ from the address space the policy manages";
-    for (uint32_t v = 0; !w.why && h->vmm && v < h->pages.nva; v++)
-        if (w.live[v] != h->pages.live[v])
+    for (uint32_t v = 0; !w.why && refs && v < h->phys.nrefs; v++)
+        if (w.live[v] != refs[v])
             w.why = "a page's reference count differs from the blocks over it";
     free(w.live);
     why = w.why;
@@ -205,17 +206,15 @@ static const char *check_arenas(cuma_heap *h, unsigned n) {
         if (atomic_load(&a->pub[CUMA_PUB_REQUESTED]) != (int64_t)a->c.requested ||
             atomic_load(&a->pub[CUMA_PUB_ALLOCATED]) != (int64_t)a->c.allocated)
             return "an arena's published counters differ from its own";
-        pages += a->pages.nreserved;
-        if (a->vmm && a->pages.shared != &h->pages.own_reserved)
-            return "an arena counts its pages apart from the heap's";
+        pages += *a->phys.nreserved;
+        if (a->phys.nall != h->phys.nall) return "an arena counts its pages apart from the heap's";
         for (unsigned j = 0; j < i; j++) {
             cuma_heap *b = h->arenas[j];
             if (a->base < b->base + b->va_size && b->base < a->base + a->va_size)
                 return "two arenas' virtual ranges overlap";
         }
     }
-    if (h->vmm && pages != atomic_load(&h->pages.own_reserved))
-        return "reserved pages differ from the arenas' sum";
+    if (pages != atomic_load(h->phys.nall)) return "reserved pages differ from the arenas' sum";
     if (h->ledger) {
         uint64_t held = 0;
         /* Oversubscribed memory (backend:managed) is not the device's: the ledger admits none. */

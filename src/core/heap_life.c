@@ -11,12 +11,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static uint64_t round_pow2(uint64_t x) {
-    uint64_t p = 1;
-    while (p < x) p <<= 1;
-    return p;
-}
-
 void cuma_heap_refresh_limit(cuma_heap *h) {
     /* The device size, or a smaller limit; on managed memory (backend:managed) any limit the user
      * sets, since oversubscription is what it is for. Without one it stays the device size: past
@@ -32,13 +26,7 @@ void cuma_heap_refresh_limit(cuma_heap *h) {
     if (!h->set.growth && h->set.preallocate < lim) lim = h->set.preallocate;
     h->limit_bytes = lim;
     if (h->primary == h && h->ledger) cuma_ledger_set_limit(h->ledger, lim);
-    if (h->vmm) {
-        h->pages.limit_pages = lim / h->pages.page_size;
-        h->pages.limit_is_device = lim == h->be->capacity;
-    } else {
-        h->segs.limit_bytes = lim;
-        h->segs.limit_is_device = lim == h->be->capacity;
-    }
+    h->phys.ops->set_limit(h, lim, lim == h->be->capacity);
 }
 
 void cuma_heap_init_wake(cuma_heap *h) {
@@ -51,17 +39,21 @@ void cuma_heap_init_wake(cuma_heap *h) {
 }
 
 /* Everything an arena needs besides its settings, backend and first arena (set by the caller):
- * placement, virtual range and pages (or segments), tables, limits, the first arena's
- * preallocation, the lock and the release thread. On failure nothing is left to undo. */
+ * placement, the physical layer (phys.h: a virtual range and pages, or segments), tables,
+ * limits, the first arena's preallocation, the lock and the release thread. On failure nothing
+ * is left to undo. */
 cuma_status cuma_heap_build(cuma_heap *h) {
     cuma_status st;
     bool first = h->primary == h;
-    h->vmm = (h->be->caps & CUMA_CAP_VMM) != 0;
-    if (!h->vmm && !(h->be->caps & CUMA_CAP_SEGMENTS))
+    /* The one place the layer is chosen: everything after asks it, never which it is. */
+    const cuma_phys_ops *phys = cuma_phys_choose(h->be);
+    if (!phys)
         return cuma_fail(CUMA_ERR_UNSUPPORTED, "backend %s offers neither pages nor segments",
                          h->be->name);
+    h->phys.ops = phys;
+    bool range = phys->caps & CUMA_PHYS_RANGE;
     bool buddy = !strcmp(h->set.policy, "buddy");
-    if (!h->vmm && buddy)
+    if (!range && buddy)
         return cuma_fail(
             CUMA_ERR_CONFIG,
             "policy:buddy needs a virtual range; backend %s has segments only (use policy:tlsf)",
@@ -72,31 +64,10 @@ cuma_status cuma_heap_build(cuma_heap *h) {
     if (h->set.nvtx) cuma_marks_init();
     h->streams.marks = h->set.nvtx;
     const cuma_policy_ops *pol = buddy ? &cuma_buddy_ops : &cuma_tlsf_ops;
-    st = pol->create(&h->pol, &h->streams, h->vmm ? CUMA_POLICY_KEEP_TOP_CLEAN : 0);
+    st = pol->create(&h->pol, &h->streams, range ? CUMA_POLICY_KEEP_TOP_CLEAN : 0);
     if (st) goto fail_streams;
-    if (h->vmm) {
-        h->va_size = h->set.virtual_size ? h->set.virtual_size : 4 * h->be->capacity;
-        h->va_size = round_pow2(h->va_size);
-        if (h->va_size < h->be->page_size) h->va_size = h->be->page_size;
-        /* Aligned to its size, the buddy's orders line up with real addresses and pages. */
-        uint64_t align = h->va_size < (1ull << 30) ? h->va_size : (1ull << 30);
-        st = h->be->ops->reserve(h->be, h->va_size, align, &h->base);
-        if (st) goto fail_pol;
-        st = cuma_pages_init(&h->pages, h->be, &h->streams, h->base, h->va_size);
-        if (st) goto fail_reserve;
-        /* On a manual clock the page calls are timed only where they move the backend's
-         * clock (the sim with sim_call_us): pacing on real time would make replays depend on
-         * the machine. */
-        cuma_pages_policy(&h->pages, h->set.remap_threshold, h->set.page_call_budget,
-                          !h->set.sim_clock_manual || cuma_simbe_costed_clock(h->be));
-        h->pages.shared = &h->primary->pages.own_reserved;
-        h->pages.marks = h->set.nvtx;
-        st = h->pol->ops->add_range(h->pol, 0, h->va_size);
-        if (st) goto fail_pages;
-    } else {
-        cuma_segs_init(&h->segs, h->be, &h->streams, h->pol, h->set.segment_size);
-        h->segs.marks = h->set.nvtx;
-    }
+    st = phys->init(h);
+    if (st) goto fail_pol;
     cuma_map_init(&h->live);
     h->release_delay_ns = h->set.release_delay_ms < 0 ? -1 : h->set.release_delay_ms * 1000000;
     h->tc_on = h->set.tcache;
@@ -104,17 +75,16 @@ cuma_status cuma_heap_build(cuma_heap *h) {
     h->tc_max = h->set.tcache_max;
     h->tc_age_ns = h->set.tcache_age_ms < 0 ? INT64_MAX : h->set.tcache_age_ms * 1000000;
     h->tlsf = pol == &cuma_tlsf_ops;
-    uint64_t room = h->vmm ? h->va_size : h->be->capacity;
-    /* Size classes only where pages are mapped under requested bytes: in segment mode the
-     * slack of a class would be memory. */
-    h->fast_max = !h->tc_on || !h->tlsf || !h->vmm ? 0 : h->tc_max < room ? h->tc_max : room;
+    uint64_t room = phys->max_request(h);
+    /* Size classes only where the slack past a request holds no memory (pages are mapped under
+     * requested bytes); with segments the slack of a class would be memory. */
+    h->fast_max = !h->tc_on || !h->tlsf || !(phys->caps & CUMA_PHYS_SLACK_FREE) ? 0
+                  : h->tc_max < room                                            ? h->tc_max
+                                                                                : room;
     h->max_cached_bytes = h->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : h->set.max_cached;
     cuma_heap_refresh_limit(h);
     if (h->set.preallocate && first) {
-        st = h->vmm ? cuma_pages_prefill(
-                          &h->pages, (h->set.preallocate + h->be->page_size - 1) / h->be->page_size,
-                          cuma_heap_now(h))
-                    : cuma_segs_prefill(&h->segs, h->set.preallocate, cuma_heap_now(h));
+        st = phys->prefill(h, h->set.preallocate, cuma_heap_now(h));
         if (st) goto fail_all;
     }
     /* Adaptive: threads whose slow paths collide spin a little before sleeping, which costs
@@ -144,11 +114,7 @@ cuma_status cuma_heap_build(cuma_heap *h) {
     return CUMA_OK;
 fail_all:
     cuma_map_destroy(&h->live);
-    if (!h->vmm) cuma_segs_destroy(&h->segs);
-fail_pages:
-    if (h->vmm) cuma_pages_destroy(&h->pages);
-fail_reserve:
-    if (h->vmm) h->be->ops->unreserve(h->be, h->base, h->va_size);
+    phys->destroy(h);
 fail_pol:
     h->pol->ops->destroy(h->pol);
 fail_streams:
@@ -172,12 +138,7 @@ void cuma_heap_teardown(cuma_heap *h) {
     cuma_tcache_unregister_heap(h);
     cuma_tcache_destroy_all(h);
     cuma_map_destroy(&h->live);
-    if (h->vmm) {
-        cuma_pages_destroy(&h->pages);
-        h->be->ops->unreserve(h->be, h->base, h->va_size);
-    } else {
-        cuma_segs_destroy(&h->segs);
-    }
+    h->phys.ops->destroy(h);
     h->pol->ops->destroy(h->pol);
     cuma_streams_destroy(&h->streams);
     pthread_mutex_destroy(&h->lock);
@@ -228,7 +189,8 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     /* Preallocated pages are the first arena's and never move: another arena could not
      * create a page within the limit they take. Such a heap keeps one arena. */
     if (h->set.preallocate) h->set.arenas = 1;
-    if (h->set.arenas > 1 && (h->be->caps & CUMA_CAP_VMM)) {
+    const cuma_phys_ops *phys = cuma_phys_choose(h->be);
+    if (h->set.arenas > 1 && phys && (phys->caps & CUMA_PHYS_RANGE)) {
         /* Arenas share the backend: its calls go through one mutex from the start. */
         cuma_backend *shared;
         st = cuma_backend_locked(h->be, &shared);

@@ -71,9 +71,7 @@ static uint64_t device_free(void *ctx) {
 bool cuma_heap_ledger_reclaim(cuma_heap *h, uint64_t n) {
     cuma_heap *p = h->primary;
     if (!p->ledger || p->set.pressure_timeout_ms <= 0) return false;
-    uint64_t ps = h->vmm ? h->pages.page_size : h->be->page_size;
-    uint64_t need = (n + ps - 1) / ps * ps;
-    if (!h->vmm && need < h->set.segment_size) need = h->set.segment_size;
+    uint64_t need = h->phys.ops->growth(h, n);
     /* What the ledger cannot see (other programs on a real GPU) shows in the driver's figure;
      * a simulated device's is the process's own and would mislead. */
     bool real = strcmp(cuma_backend_unwrap(p->be)->name, "sim") != 0;

@@ -6,6 +6,7 @@
 #include "heap.h"
 #include "marks.h"
 
+#include <assert.h>
 #include <time.h>
 
 struct timespec cuma_deadline(clockid_t clock, uint64_t ns) {
@@ -32,14 +33,8 @@ static void age_tcaches(cuma_heap *h, uint64_t t) {
 void cuma_heap_release(cuma_heap *h, uint64_t t, int64_t delay_ns, uint64_t max_cached_bytes,
                        uint64_t age_keep_bytes, bool wait) {
     cuma_mark_push(h->set.nvtx, CUMA_MARK_RELEASE);
-    if (h->vmm) {
-        uint64_t ps = h->pages.page_size;
-        cuma_pages_release(&h->pages, t, delay_ns,
-                           max_cached_bytes == UINT64_MAX ? UINT64_MAX : max_cached_bytes / ps,
-                           age_keep_bytes / ps, wait);
-    } else {
-        cuma_segs_release(&h->segs, t, delay_ns, max_cached_bytes, age_keep_bytes, wait);
-    }
+    h->phys.ops->release(h, t, delay_ns, max_cached_bytes, age_keep_bytes, wait);
+    assert(cuma_heap_cached(h) <= cuma_heap_reserved(h));
     /* Every release (trim, OOM ladder, limit) publishes what is left idle: max_cached and the
      * cross-process ledger read it. */
     atomic_store_explicit(&h->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(h),
@@ -64,18 +59,13 @@ static uint64_t next_age_due(const cuma_heap *h) {
     return oldest + (uint64_t)h->release_delay_ns;
 }
 
-static void on_whole_segment(void *ctx, cuma_block *whole) {
-    cuma_heap *h = ctx;
-    cuma_segs_on_free(&h->segs, whole, cuma_heap_now(h));
-}
-
-/* Merges free blocks whose fences completed since they were freed; in segment mode that is
- * how a segment freed by several streams becomes whole again and can go back. */
+/* Merges free blocks whose fences completed since they were freed; with segments that is how
+ * one freed by several streams becomes whole again and can go back (the layer's `whole`). */
 void cuma_heap_coalesce(cuma_heap *h, bool wait) {
     if (h->streams.n <= 1) return;
     for (unsigned i = 0; i < h->streams.n; i++)
         cuma_fence_poll(&h->streams, i, h->streams.slot[i].last, wait);
-    h->pol->ops->coalesce(h->pol, h->vmm ? NULL : on_whole_segment, h);
+    h->pol->ops->coalesce(h->pol, h->phys.ops->whole, h);
 }
 
 void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
@@ -91,8 +81,8 @@ void cuma_heap_release_policy(cuma_heap *h, uint64_t t) {
     }
     if (t >= next_age_due(h) || cuma_heap_cached(h) > cap)
         cuma_heap_release(h, t, h->release_delay_ns, cap, age_keep(h), false); /* reaps too */
-    else if (h->vmm && h->pages.nghosts)
-        cuma_pages_reap(&h->pages, false); /* ghosts whose work is done go all the same */
+    else if (*h->phys.nlagging)
+        h->phys.ops->reap(h, false); /* old mappings whose work is done go all the same */
     atomic_store_explicit(&h->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(h),
                           memory_order_relaxed);
 }
@@ -219,6 +209,34 @@ static void watermark_poll(cuma_heap *p) {
     pthread_mutex_lock(&p->lock);
 }
 
+#define SECOND_NS 1000000000ull
+/* At least 1 ms a sleep: a due page whose fence is still pending stays due, and the thread must
+ * not spin on the lock while the stream works. */
+#define MIN_SLEEP_NS 1000000ull
+
+uint64_t cuma_release_sleep(const cuma_sleep_in *in, uint64_t *policy_at) {
+    uint64_t t = in->now;
+    /* Nothing due: a look a second, or at half the thread caches' age (a block pushed into one
+     * since the last walk goes back within 1.5 ages). */
+    uint64_t plan = SECOND_NS;
+    if (in->tc_age_ns != INT64_MAX && (uint64_t)in->tc_age_ns / 2 + 1 < plan)
+        plan = (uint64_t)in->tc_age_ns / 2 + 1;
+    if (in->age_due <= t)
+        plan = 0;
+    else if (in->age_due != UINT64_MAX && in->age_due - t < plan)
+        plan = in->age_due - t;
+    if (plan < MIN_SLEEP_NS) plan = MIN_SLEEP_NS;
+    /* The plan made at an earlier look stands unless this one is earlier. */
+    if (t + plan < *policy_at) *policy_at = t + plan;
+    uint64_t wait_ns = *policy_at > t ? *policy_at - t : 0;
+    if (wait_ns < MIN_SLEEP_NS) wait_ns = MIN_SLEEP_NS;
+    /* Other processes' pressure requests are answered within a few ms, the device's free memory
+     * watched every 10 ms; the policy still runs at *policy_at, not at every look. */
+    if (in->ledger && wait_ns > CUMA_LEDGER_POLL_NS) wait_ns = CUMA_LEDGER_POLL_NS;
+    if (in->watermark && wait_ns > WATERMARK_POLL_NS) wait_ns = WATERMARK_POLL_NS;
+    return wait_ns;
+}
+
 /* Gives idle memory back while the program runs, even when it makes no allocator call: sleeps
  * until the oldest idle page's delay ends (or a page goes idle in an empty cache). */
 void *cuma_heap_release_thread(void *arg) {
@@ -230,27 +248,17 @@ void *cuma_heap_release_thread(void *arg) {
     uint64_t policy_at = UINT64_MAX;
     pthread_mutex_lock(&h->lock);
     while (!h->stopping) {
-        uint64_t t = cuma_heap_now(h), due = next_age_due(h), wait_ns = 1000000000ull;
-        bool woken = false;
-        if (h->tcaches && h->tc_age_ns != INT64_MAX) wait_ns = (uint64_t)h->tc_age_ns / 2 + 1;
-        if (wait_ns > 1000000000ull) wait_ns = 1000000000ull;
-        if (due != UINT64_MAX) {
-            if (due <= t)
-                wait_ns = 0;
-            else if (due - t < wait_ns)
-                wait_ns = due - t;
-        }
-        /* At least 1 ms: a due page whose fence is still pending stays due, and the thread must
-         * not spin on the lock while the stream works. */
-        if (wait_ns < 1000000) wait_ns = 1000000;
-        /* Other processes' pressure requests are answered within a few ms; the release policy
-         * still runs when it is due (or the thread is woken), not at every look. */
-        if (t + wait_ns < policy_at) policy_at = t + wait_ns;
-        wait_ns = policy_at > t ? policy_at - t : 0;
-        if (wait_ns < 1000000) wait_ns = 1000000;
+        cuma_sleep_in in = {
+            .now = cuma_heap_now(h),
+            .age_due = next_age_due(h),
+            .tc_age_ns = h->tcaches ? h->tc_age_ns : INT64_MAX,
+            .ledger = h->ledger != NULL,
+            .watermark = watches_device(h),
+        };
+        uint64_t wait_ns = cuma_release_sleep(&in, &policy_at);
+        assert(policy_at != UINT64_MAX && wait_ns >= MIN_SLEEP_NS);
         h->thread_wake_at = policy_at; /* a free whose page is due earlier wakes the thread */
-        if (h->ledger && wait_ns > CUMA_LEDGER_POLL_NS) wait_ns = CUMA_LEDGER_POLL_NS;
-        if (watches_device(h) && wait_ns > WATERMARK_POLL_NS) wait_ns = WATERMARK_POLL_NS;
+        bool woken;
         {
             /* A little late, never early. */
             struct timespec ts = cuma_deadline(CLOCK_MONOTONIC, wait_ns + 100000);

@@ -3,6 +3,7 @@
 #include "error.h"
 #include "marks.h"
 
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -43,6 +44,7 @@ static void idle_remove(cuma_segs *sg, cuma_seg *s) {
         sg->tail = s->prev;
     s->prev = s->next = NULL;
     s->whole = NULL;
+    assert(sg->idle_bytes >= s->size && sg->nidle > 0);
     sg->idle_bytes -= s->size;
     sg->nidle--;
 }
@@ -96,6 +98,7 @@ static cuma_status add_segment(cuma_segs *sg, uint64_t size, cuma_seg **out) {
     }
     s->addr = addr, s->size = size;
     sg->reserved += size;
+    atomic_store_explicit(&sg->all_reserved, sg->reserved, memory_order_relaxed);
     sg->creates++;
     *out = s;
     return CUMA_OK;
@@ -122,6 +125,7 @@ void cuma_segs_on_free(cuma_segs *sg, cuma_block *m, uint64_t now) {
     sg->head = s;
     sg->idle_bytes += s->size;
     sg->nidle++;
+    assert(sg->idle_bytes <= sg->reserved); /* an idle segment is one of the reserved */
 }
 
 uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes,
@@ -142,7 +146,9 @@ uint64_t cuma_segs_release(cuma_segs *sg, uint64_t now, int64_t delay_ns, uint64
         cuma_mark_push(sg->marks, CUMA_MARK_SEG_FREE);
         sg->be->ops->seg_free(sg->be, s->addr, s->size);
         cuma_mark_pop(sg->marks);
+        assert(sg->reserved >= s->size && sg->idle_bytes <= sg->reserved);
         sg->reserved -= s->size;
+        atomic_store_explicit(&sg->all_reserved, sg->reserved, memory_order_relaxed);
         sg->releases++;
         released += s->size;
         free(s);
@@ -177,7 +183,7 @@ bool cuma_segs_validate(const cuma_segs *sg, const char **why) {
     segwalk w = {0, 0, NULL};
     cuma_map_each(&sg->byaddr, check_seg, &w);
     if (w.why) return *why = w.why, false;
-    if (w.total != sg->reserved)
+    if (w.total != sg->reserved || atomic_load(&sg->all_reserved) != sg->reserved)
         return *why = "segments: reserved bytes differ from the segments", false;
     if (w.idle != sg->idle_bytes)
         return *why = "segments: idle bytes differ from the idle segments", false;

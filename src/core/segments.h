@@ -17,6 +17,8 @@
 #include "policy.h"
 #include "streams.h"
 
+#include <stdatomic.h>
+
 /* Invariants: whole != NULL iff the segment is on the idle list iff its one block is free
  * and spans it; idle_bytes is the sum of the idle segments' sizes. */
 typedef struct cuma_seg {
@@ -27,8 +29,8 @@ typedef struct cuma_seg {
     bool pinned;                  /* preallocated: never given back */
 } cuma_seg;
 
-/* Invariants (cuma_segs_validate): reserved == sum of segment sizes; the idle list is ordered
- * by idle_since, newest first, and holds exactly the segments with `whole` set. */
+/* Invariants (cuma_segs_validate): reserved == all_reserved == sum of segment sizes; the idle
+ * list is ordered by idle_since, newest first, and holds exactly the segments with `whole` set. */
 typedef struct cuma_segs {
     cuma_backend *be;
     cuma_streams *ss;
@@ -36,6 +38,9 @@ typedef struct cuma_segs {
     cuma_map byaddr; /* addr -> cuma_seg */
     cuma_seg *head, *tail;
     uint64_t reserved, idle_bytes, nidle;
+    /* reserved again, for readers without the heap lock (the peak of reserved bytes): a
+     * segment heap has one arena, so its reserved bytes are the heap's. */
+    _Atomic uint64_t all_reserved;
     uint64_t limit_bytes;
     bool limit_is_device;
     uint64_t small_seg, mid_seg; /* 2 MiB and segment_size */

@@ -174,7 +174,7 @@ cuma_status cuma_snapshot_json(cuma_heap *h, char *buf, size_t len, size_t *need
     pthread_mutex_unlock(&h->managed_lock);
     cuma_strbuf o = {buf, len, 0};
     if (buf && len) buf[0] = 0;
-    put_json(&o, &s, n, h->vmm ? h->pages.page_size : h->be->page_size);
+    put_json(&o, &s, n, h->be->page_size);
     if (needed) *needed = o.used;
     if (!buf)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_snapshot_json: buf is NULL (%zu bytes needed)",

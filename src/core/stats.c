@@ -12,7 +12,7 @@
 void cuma_heap_memory(cuma_heap *a, uint64_t *reserved, uint64_t *cached, uint64_t *mapped) {
     *reserved = cuma_heap_reserved(a);
     *cached = cuma_heap_cached(a);
-    *mapped = a->vmm ? a->pages.nmapped * a->pages.page_size : *reserved - *cached;
+    *mapped = *reserved - *cached; /* pages: nreserved = nmapped + ncached */
     /* What the thread caches' blocks alone keep mapped is what a flush gives back: cached, not
      * in use (a block freed into a cache used to count as in use until its age sent it back). */
     uint64_t tc = a->tcaches ? cuma_tcache_idle_bytes(a) : 0;
@@ -47,8 +47,10 @@ static void add_arena(cuma_heap *a, cuma_stats *s) {
     s->num_alloc_retries += c->retries;
     s->num_ooms += c->ooms;
     s->oom_callbacks += c->oom_calls;
-    s->page_creates += a->vmm ? a->pages.creates : a->segs.creates;
-    s->page_releases += a->vmm ? a->pages.releases : a->segs.releases;
+    uint64_t creates, releases;
+    a->phys.ops->counts(a, &creates, &releases);
+    s->page_creates += creates;
+    s->page_releases += releases;
     s->maps += a->pages.maps;
     s->unmaps += a->pages.unmaps;
     s->map_runs += a->pages.map_runs;
@@ -87,7 +89,7 @@ void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s) {
     s->compactions = atomic_load(&h->compactions);
     s->compact_moved_bytes = atomic_load(&h->compact_moved);
     s->compact_freed_pages = atomic_load(&h->compact_freed);
-    s->page_size = h->vmm ? h->pages.page_size : h->be->page_size;
+    s->page_size = h->be->page_size; /* the pages' size too (cuma_pages_init) */
     s->peak_requested_bytes = atomic_load(&h->peak_req);
     if (s->peak_requested_bytes < s->requested_bytes) s->peak_requested_bytes = s->requested_bytes;
     s->peak_allocated_bytes = atomic_load(&h->peak_alloc);
@@ -141,9 +143,9 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
         &o,
         "{\"version\":\"%d.%d.%d\",\"mode\":\"%s\",\"backend\":\"%s\",\"backend_fallback\":%s,"
         "\"page_alias\":%s,\"device\":\"%s\",\"policy\":\"%s\",",
-        CUMA_VERSION_MAJOR, CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->vmm ? "pages" : "segments",
-        h->be->name, h->backend_fallback ? "true" : "false",
-        (h->be->caps & CUMA_CAP_ALIAS) ? "true" : "false", h->be->device_id, h->pol->ops->name);
+        CUMA_VERSION_MAJOR, CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->phys.ops->name, h->be->name,
+        h->backend_fallback ? "true" : "false", (h->be->caps & CUMA_CAP_ALIAS) ? "true" : "false",
+        h->be->device_id, h->pol->ops->name);
     U(requested_bytes);
     U(peak_requested_bytes);
     U(allocated_bytes);

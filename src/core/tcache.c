@@ -136,7 +136,7 @@ cuma_tcache *cuma_tcache_get_slow(cuma_heap *h) {
     tc->heap = h, tc->heap_id = h->id;
     tc->primary = h->primary;
     tc->base = h->base, tc->max_block = h->tc_max, tc->max_bytes = h->tc_bytes;
-    tc->page_shift = h->vmm ? h->pages.shift : 0;
+    tc->page_shift = h->phys.refs ? h->phys.shift : 0;
     pthread_once(&exit_once, make_key);
     pthread_setspecific(exit_key, tc); /* any non-NULL value makes the destructor run */
     pthread_mutex_lock(&h->lock);
@@ -286,17 +286,18 @@ static void note_shared(shared_pages *sp, uint32_t v) {
     if (sp->n < SHARED_PAGES) sp->page[sp->n] = v, sp->count[sp->n++] = 1;
 }
 
-/* One cached block: its bytes in segment mode; else the pages it alone holds, and the shared
- * ones noted. */
+/* One cached block: its bytes where the layer counts no blocks over its units (segments);
+ * else the units (pages) it alone holds, and the shared ones noted. */
 static uint64_t idle_of(cuma_heap *h, const cuma_block *b, shared_pages *sp) {
-    if (!h->vmm) return b->size;
+    const uint32_t *refs = h->phys.refs;
+    if (!refs) return b->size;
     if (!b->mapped_len) return 0;
-    uint64_t ps = h->pages.page_size, own = 0;
+    uint64_t ps = 1ull << h->phys.shift, own = 0;
     uint64_t v0 = b->off / ps, v1 = (b->off + b->mapped_len - 1) / ps;
-    for (uint64_t v = v0; v <= v1 && v < h->pages.nva; v++) {
-        if (h->pages.live[v] == 1)
+    for (uint64_t v = v0; v <= v1 && v < h->phys.nrefs; v++) {
+        if (refs[v] == 1)
             own += ps;
-        else if (h->pages.live[v] > 1)
+        else if (refs[v] > 1)
             note_shared(sp, (uint32_t)v);
     }
     return own;
@@ -318,7 +319,7 @@ uint64_t cuma_tcache_idle_bytes(cuma_heap *h) {
         }
     }
     for (unsigned i = 0; i < sp.n; i++)
-        if (sp.count[i] == h->pages.live[sp.page[i]]) bytes += h->pages.page_size;
+        if (sp.count[i] == h->phys.refs[sp.page[i]]) bytes += 1ull << h->phys.shift;
     return bytes;
 }
 

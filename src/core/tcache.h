@@ -65,7 +65,7 @@ typedef struct cuma_tcache {
      * the cache's own lines rather than the heap's. */
     struct cuma_heap *primary;
     uint64_t base, max_block, max_bytes;
-    unsigned page_shift; /* 0: no pages (segment mode) */
+    unsigned page_shift; /* 0: no page references to keep (a layer without refs, phys.h) */
     cuma_tc_bin bins[CUMA_TC_BINS];
     cuma_tc_entry *tab; /* owner: pointer table, 4-way sets, tabcap a power of two */
     uint32_t tabcap, tabn;
