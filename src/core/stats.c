@@ -9,7 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
-void cuma_heap_memory(cuma_heap *a, uint64_t *reserved, uint64_t *cached, uint64_t *mapped) {
+void cuma_heap_memory(cuma_arena *a, uint64_t *reserved, uint64_t *cached, uint64_t *mapped) {
     *reserved = cuma_heap_reserved(a);
     *cached = cuma_heap_cached(a);
     *mapped = *reserved - *cached; /* pages: nreserved = nmapped + ncached */
@@ -27,7 +27,7 @@ void cuma_heap_memory(cuma_heap *a, uint64_t *reserved, uint64_t *cached, uint64
 }
 
 /* Adds one arena's figures into s (the arena's lock held). */
-static void add_arena(cuma_heap *a, cuma_stats *s) {
+static void add_arena(cuma_arena *a, cuma_stats *s) {
     const cuma_counters *c = &a->c;
     int64_t tq, ta, tn;
     uint64_t tallocs, tfrees;
@@ -71,15 +71,15 @@ void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s) {
     memset(s, 0, sizeof *s);
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
-        cuma_heap *a = h->arenas[i];
+        cuma_arena *a = h->arenas[i];
         pthread_mutex_lock(&a->lock);
         add_arena(a, s);
         if (!i) s->limit_bytes = a->limit_bytes;
         pthread_mutex_unlock(&a->lock);
     }
     pthread_mutex_lock(&h->managed_lock);
-    s->managed_bytes = h->c.managed;
-    s->managed_fallbacks = h->c.managed_fallbacks;
+    s->managed_bytes = h->first.c.managed;
+    s->managed_fallbacks = h->first.c.managed_fallbacks;
     pthread_mutex_unlock(&h->managed_lock);
     s->arenas = n;
     s->pools = atomic_load(&h->pool_count);
@@ -143,9 +143,10 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
         &o,
         "{\"version\":\"%d.%d.%d\",\"mode\":\"%s\",\"backend\":\"%s\",\"backend_fallback\":%s,"
         "\"page_alias\":%s,\"device\":\"%s\",\"policy\":\"%s\",",
-        CUMA_VERSION_MAJOR, CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->phys.ops->name, h->be->name,
-        h->backend_fallback ? "true" : "false", (h->be->caps & CUMA_CAP_ALIAS) ? "true" : "false",
-        h->be->device_id, h->pol->ops->name);
+        CUMA_VERSION_MAJOR, CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->first.phys.ops->name,
+        h->be->name, h->backend_fallback ? "true" : "false",
+        (h->be->caps & CUMA_CAP_ALIAS) ? "true" : "false", h->be->device_id,
+        h->first.pol->ops->name);
     U(requested_bytes);
     U(peak_requested_bytes);
     U(allocated_bytes);
