@@ -93,6 +93,24 @@ cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed);
 /* Checks a settings string without creating a heap. */
 cuma_status cuma_config_check(const char *conf);
 
+/* The one reader of the settings grammar, for code that needs a key of a settings string
+ * (tools, the Python package) instead of splitting the string itself, so that every reader
+ * refuses a malformed string with the same message. `origin` names where conf came from in
+ * messages ("CUMA_CONF"; NULL: "config"). Both write text into buf (at most len bytes,
+ * NUL-terminated), with *needed (may be NULL) the full length without the NUL, as
+ * cuma_config_describe; CUMA_ERR_CONFIG naming the item when conf has a malformed item, an
+ * unknown key or a bad value, or key is unknown. */
+
+/* The value `key` takes under conf after the defaults (CUMA_CONF is not read), as JSON the way
+ * the stats' settings show it: a number, true or false, a string, or null (none). */
+cuma_status cuma_config_get(const char *conf, const char *origin, const char *key, char *buf,
+                            size_t len, size_t *needed);
+
+/* conf, each item checked and trimmed, with every item of `key` left out and, unless value is
+ * NULL, "key:value" added at the end (where it wins). */
+cuma_status cuma_config_set(const char *conf, const char *origin, const char *key,
+                            const char *value, char *buf, size_t len, size_t *needed);
+
 /* The process-wide heap of a device, created on first use from CUMA_CONF with that device
  * ordinal (backend:auto when CUMA_CONF names no backend; without a CUDA driver
  * CUMA_ERR_NO_DEVICE, as for cuma_heap_create, unless CUMA_CONF asks for the simulated device). The

@@ -156,6 +156,8 @@ def _prototype(lib):
         "cuma_last_error": (c.c_char_p, []),
         "cuma_config_describe": (st, [c.c_char_p, sz, c.POINTER(sz)]),
         "cuma_config_check": (st, [c.c_char_p]),
+        "cuma_config_get": (st, [c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, sz, c.POINTER(sz)]),
+        "cuma_config_set": (st, [c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, sz, c.POINTER(sz)]),
         "cuma_default_heap": (st, [c.c_int, c.POINTER(vp)]),
         "cuma_default_heaps_shutdown": (None, []),
         "cuma_default_settings_set": (st, [c.c_char_p]),

@@ -857,29 +857,41 @@ def config_keys():
     return keys
 
 
-def _parse_conf(conf):
-    """A settings string as an ordered dict key -> value (lenient: for merging only)."""
-    out = {}
-    for item in (conf or "").split(","):
-        if not item.strip():
-            continue
-        k, sep, v = item.partition(":")
-        out[k.strip()] = v.strip() if sep else ""
-    return out
+def _conf_origin():
+    """Where the default heaps' settings come from, as libcuma's messages name it."""
+    return "CUMA_CONF" if _default_settings is None else "default heap settings"
 
 
-def _format_conf(d):
-    return ",".join("%s:%s" % (k, v) for k, v in d.items())
+def _conf_value(conf, key):
+    """The value ``key`` takes under the settings string ``conf`` after the defaults (None for
+    none), read by libcuma (cuma_config_get), which refuses a malformed string as a heap would."""
+    lib = _lib.lib()
+    c_conf = _c_string(conf, "default heap settings", ConfigError) if conf is not None else None
+    args = (c_conf, _conf_origin().encode(), key.encode())
+    return json.loads(_lib.read_json_text(lambda buf, n, needed: lib.cuma_config_get(*args, buf, n, needed)))
+
+
+def _conf_with(conf, key, value):
+    """``conf`` with every item of ``key`` left out and, unless ``value`` is None,
+    ``key:value`` added where it wins (cuma_config_set)."""
+    lib = _lib.lib()
+    args = (
+        _c_string(conf, "default heap settings", ConfigError) if conf is not None else None,
+        _conf_origin().encode(),
+        key.encode(),
+        None if value is None else _c_string(value, "%s's value" % key, ConfigError),
+    )
+    return _lib.read_json_text(lambda buf, n, needed: lib.cuma_config_set(*args, buf, n, needed))
 
 
 def _update_default_conf(updates, removals=()):
     """Merges key changes into the default heaps' settings (CUMA_CONF until settings were
     given), checked before they are set; returns the new string. The caller holds _conf_lock."""
-    d = _parse_conf(_default_conf())
+    conf = _default_conf()
     for k in removals:
-        d.pop(k, None)
-    d.update(updates)
-    conf = _format_conf(d)
+        conf = _conf_with(conf, k, None)
+    for k, v in updates.items():
+        conf = _conf_with(conf, k, v)
     check_config(conf)
     _set_default_settings(conf)
     return conf
