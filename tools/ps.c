@@ -75,7 +75,7 @@ static void print_allocator(const cuma_ledger_entry *e, const cuma_ledger_entry 
         snprintf(ooms, sizeof ooms, "%" PRIu64, e->ooms);
         snprintf(frag, sizeof frag, "%.1f%%", e->fragmentation * 100.0);
         /* As the exporter's cuma_stranded_bytes: from the two figures published together. */
-        view_size((uint64_t)llround((double)e->mapped * e->fragmentation), stranded,
+        view_size((uint64_t)llround((double)e->mapped_bytes * e->fragmentation), stranded,
                   sizeof stranded);
         if (p && view_has_stats(p)) {
             /* A publication's time is the refresh's minus its age; the difference of the two. */

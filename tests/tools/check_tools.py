@@ -59,14 +59,18 @@ def expected_by_hand(pid_sim, pid_raw):
     c = dict(pid=pid_sim, device="sim", process="ledger_fixture", priority=0, guarantee=0,
              limit=16 * MB, reserved=10 * MB, cached=0, requested=9 * MB, peak_reserved=14 * MB,
              want=0, pressure_asks=0, pressure_given=0, pressure_calls=0, denials=0)
-    common = dict(backend="sim", page_size=2 * MB, arenas=1, managed=0, managed_fallbacks=0)
-    a["stats"] = dict(common, allocated=8 * MB, mapped=8 * MB, peak_requested=12 * MB,
+    common = dict(backend="sim", page_size=2 * MB, arenas=1, managed_bytes=0,
+                  managed_fallbacks=0)
+    a["stats"] = dict(common, allocated_bytes=8 * MB, mapped_bytes=8 * MB,
+                      peak_requested_bytes=12 * MB,
                       active_allocs=2, num_allocs=3, num_frees=1, failed_allocs=0,
                       alloc_retries=0, ooms=0, oom_callbacks=0, trims=0, fragmentation=0.0)
-    b["stats"] = dict(common, allocated=20 * MB, mapped=20 * MB, peak_requested=20 * MB,
+    b["stats"] = dict(common, allocated_bytes=20 * MB, mapped_bytes=20 * MB,
+                      peak_requested_bytes=20 * MB,
                       active_allocs=1, num_allocs=1, num_frees=0, failed_allocs=0,
                       alloc_retries=0, ooms=0, oom_callbacks=0, trims=0, fragmentation=0.0)
-    c["stats"] = dict(common, allocated=9 * MB, mapped=10 * MB, peak_requested=13 * MB,
+    c["stats"] = dict(common, allocated_bytes=9 * MB, mapped_bytes=10 * MB,
+                      peak_requested_bytes=13 * MB,
                       active_allocs=2, num_allocs=4, num_frees=2, failed_allocs=1,
                       alloc_retries=2, ooms=2, oom_callbacks=2, trims=3, fragmentation=0.1)
     return [a, b, c, x, y]
@@ -272,7 +276,8 @@ HEAP_METRICS = {
 }
 # The allocator's families: samples only for the heaps that published figures.
 ALLOC_METRICS = {
-    "cuma_allocs_total": ("counter", "num_allocs"), "cuma_frees_total": ("counter", "num_frees"),
+    "cuma_num_allocs_total": ("counter", "num_allocs"),
+    "cuma_num_frees_total": ("counter", "num_frees"),
     "cuma_failed_allocs_total": ("counter", "failed_allocs"),
     "cuma_alloc_retries_total": ("counter", "alloc_retries"),
     "cuma_ooms_total": ("counter", "ooms"),
@@ -283,9 +288,10 @@ ALLOC_METRICS = {
     "cuma_compactions_total": ("counter", "compactions"),
     "cuma_compact_moved_bytes_total": ("counter", "compact_moved_bytes"),
     "cuma_compact_freed_pages_total": ("counter", "compact_freed_pages"),
-    "cuma_active_allocations": ("gauge", "active_allocs"),
-    "cuma_allocated_bytes": ("gauge", "allocated"), "cuma_mapped_bytes": ("gauge", "mapped"),
-    "cuma_managed_bytes": ("gauge", "managed"),
+    "cuma_active_allocs": ("gauge", "active_allocs"),
+    "cuma_allocated_bytes": ("gauge", "allocated_bytes"),
+    "cuma_mapped_bytes": ("gauge", "mapped_bytes"),
+    "cuma_managed_bytes": ("gauge", "managed_bytes"),
 }
 HEAP_LABELS = {"UUID", "backend", "container", "namespace", "pid", "pod", "process", "priority",
                "slot"}
@@ -377,7 +383,7 @@ def check_metrics(text, made, what, errors=0, up=1, stale=0, unlocked=0):
           all(abs(got[k][0] - want[k][0]) < 1e-9 and got[k][1] == want[k][1] for k in want),
           "%s: cuma_fragmentation_ratio" % what, (got, want))
     got = heap_series(get, "cuma_stranded_bytes", what)
-    want = {heap_id(h): (float(round(h["stats"]["mapped"] * ledger_fragmentation(h["stats"]))),
+    want = {heap_id(h): (float(round(h["stats"]["mapped_bytes"] * ledger_fragmentation(h["stats"]))),
                          "sim") for h in published}
     check(types.get("cuma_stranded_bytes") == "gauge" and got == want,
           "%s: cuma_stranded_bytes of the heaps that published" % what, (got, want))
@@ -583,7 +589,7 @@ def top_allocator(h):
         return ("-", "-", "-")
     frag = ledger_fragmentation(st)
     return (str(st["ooms"]), "%.1f%%" % (frag * 100.0),
-            view_size(int(st["mapped"] * frag + 0.5)))  # llround, for these positives
+            view_size(int(st["mapped_bytes"] * frag + 0.5)))  # llround, for these positives
 
 
 def check_top(cuma, name, made, raw, sim):
