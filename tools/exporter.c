@@ -81,12 +81,13 @@ static const heap_metric heap_metrics[] = {
     {"cuma_peak_reserved_bytes", "gauge", "The most memory the heap has held.", F(peak_reserved)},
     {"cuma_pressure_want_bytes", "gauge",
      "Memory the heap waits for from other heaps now (a pressure request), 0 if none.", F(want)},
-    {"cuma_ledger_denials_total", "counter", "Growths the ledger refused the heap.", F(denials)},
+    {"cuma_ledger_denials_total", "counter", "Growths the ledger refused the heap.",
+     F(ledger_denials)},
     {"cuma_pressure_asks_total", "counter", "Pressure requests the heap posted.", F(pressure_asks)},
     {"cuma_pressure_given_bytes_total", "counter",
-     "Bytes the heap gave back on other heaps' pressure requests.", F(pressure_given)},
+     "Bytes the heap gave back on other heaps' pressure requests.", F(pressure_given_bytes)},
     {"cuma_pressure_callbacks_total", "counter", "Pressure callbacks the heap ran.",
-     F(pressure_calls)},
+     F(pressure_callbacks)},
 };
 
 /* The allocator's figures, as its release thread last published them (every 100 ms): those of

@@ -105,8 +105,8 @@ static void print_block(const cuma_ledger_entry *e) {
                           "sim_clock:manual)");
     }
     line("ledger", "want %s, denials %" PRIu64 ", asks %" PRIu64 ", given %s, callbacks %" PRIu64,
-         e->want ? view_size(e->want, a, sizeof a) : "-", e->denials, e->pressure_asks,
-         view_size(e->pressure_given, b, sizeof b), e->pressure_calls);
+         e->want ? view_size(e->want, a, sizeof a) : "-", e->ledger_denials, e->pressure_asks,
+         view_size(e->pressure_given_bytes, b, sizeof b), e->pressure_callbacks);
     if (st)
         line("age", "allocator figures %s, cached/requested %s",
              duration(e->stats_age_ns, a, sizeof a), duration(e->age_ns, b, sizeof b));

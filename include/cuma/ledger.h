@@ -38,13 +38,14 @@ typedef struct cuma_ledger_entry {
                           and after each release) */
     uint64_t requested;
     uint64_t peak_reserved;
-    uint64_t want;           /* bytes it waits for now (a pressure request), 0 if none or
-                                expired (its requester gone or stopped past its timeout) */
-    uint64_t denials;        /* growths the ledger refused */
-    uint64_t pressure_asks;  /* pressure requests it posted */
-    uint64_t pressure_given; /* bytes it gave back on others' requests */
-    uint64_t pressure_calls; /* pressure callbacks it ran */
-    uint64_t age_ns;         /* since its figures were last published */
+    uint64_t want; /* bytes it waits for now (a pressure request), 0 if none or
+                      expired (its requester gone or stopped past its timeout) */
+    /* Counted by the ledger itself; the heap's cuma_stats has them under the same names. */
+    uint64_t ledger_denials;       /* growths the ledger refused */
+    uint64_t pressure_asks;        /* pressure requests it posted */
+    uint64_t pressure_given_bytes; /* bytes it gave back on others' requests */
+    uint64_t pressure_callbacks;   /* pressure callbacks it ran */
+    uint64_t age_ns;               /* since its figures were last published */
     /* The heap's allocator figures: those of the list in cuma.h that the ledger carries, under
      * the same names, published by its release thread every 100 ms: what `cuma stats`, `cuma
      * top` and `cuma exporter` show of a process from outside. stats_age_ns says how old they

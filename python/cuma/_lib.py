@@ -76,10 +76,10 @@ class LedgerEntry(ctypes.Structure):
             "requested",
             "peak_reserved",
             "want",
-            "denials",
+            "ledger_denials",
             "pressure_asks",
-            "pressure_given",
-            "pressure_calls",
+            "pressure_given_bytes",
+            "pressure_callbacks",
             "age_ns",
         )
     ] + [("backend", ctypes.c_char * 16)] + [

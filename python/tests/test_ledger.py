@@ -60,7 +60,7 @@ def test_pressure_callback_frees_for_higher_priority(ledger_name):
     assert [e["priority"] for e in heaps] == [-1, 10]
     assert heaps[0]["guarantee"] == 8 * MB and heaps[0]["device"] == "sim"
     assert heaps[1]["reserved"] == s_high["reserved_bytes"]
-    assert heaps[0]["pressure_calls"] == 1
+    assert heaps[0]["pressure_callbacks"] == 1
     low.remove_pressure(cb)
     with pytest.raises(cuma.InvalidArgumentError, match="no callback with id"):
         low.remove_pressure(cb)

@@ -22,8 +22,8 @@ STATS_META = {"version", "mode", "backend", "backend_fallback", "page_alias", "d
               "ledger", "ledger_error", "trace_error", "config"}
 # cuma_ledger_entry's fields that are the ledger's own (its slot, admission, pressure, ages).
 LEDGER_OWN = {"pid", "priority", "slot", "process", "device", "capacity", "guarantee", "limit",
-              "reserved", "cached", "requested", "peak_reserved", "want", "denials",
-              "pressure_asks", "pressure_given", "pressure_calls", "age_ns", "backend",
+              "reserved", "cached", "requested", "peak_reserved", "want", "ledger_denials",
+              "pressure_asks", "pressure_given_bytes", "pressure_callbacks", "age_ns", "backend",
               "stats_age_ns", "pod", "pod_namespace", "container"}
 # `cuma exporter`'s families that are not figures of the list: the scrape's own, the devices',
 # the ledger's own of each heap, the figures' ages, and stranded bytes, which it derives from

@@ -665,10 +665,10 @@ static void entry_of(const ledger_slot *s, unsigned i, uint64_t now, cuma_ledger
     e->requested = atomic_load(&s->requested);
     e->peak_reserved = atomic_load(&s->peak);
     e->want = want_of(s, now);
-    e->denials = atomic_load(&s->denials);
+    e->ledger_denials = atomic_load(&s->denials);
     e->pressure_asks = atomic_load(&s->asks);
-    e->pressure_given = atomic_load(&s->given);
-    e->pressure_calls = atomic_load(&s->calls);
+    e->pressure_given_bytes = atomic_load(&s->given);
+    e->pressure_callbacks = atomic_load(&s->calls);
     uint64_t p = atomic_load(&s->published_ns);
     e->age_ns = now > p ? now - p : 0;
     memcpy(e->backend, s->backend, sizeof e->backend);

@@ -109,10 +109,10 @@ cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
     if (h->ledger) {
         cuma_ledger_entry e;
         cuma_ledger_self(h->ledger, &e);
-        out->ledger_denials = e.denials;
+        out->ledger_denials = e.ledger_denials;
         out->pressure_asks = e.pressure_asks;
-        out->pressure_given_bytes = e.pressure_given;
-        out->pressure_callbacks = e.pressure_calls;
+        out->pressure_given_bytes = e.pressure_given_bytes;
+        out->pressure_callbacks = e.pressure_callbacks;
     }
     /* The driver's view is read outside the locks: it may be slow and needs no heap state. */
     uint64_t fr = 0, tot = 0;

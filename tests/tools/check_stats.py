@@ -126,8 +126,8 @@ def stats_block(m):
             "  %-14snever published (no release thread: release_thread:off or sim_clock:manual)"
             % "allocator"]
     lines.append("  %-14swant %s, denials %d, asks %d, given %s, callbacks %d" % (
-        "ledger", size(m["want"]) if m["want"] else "-", m["denials"], m["pressure_asks"],
-        size(m["pressure_given"]), m["pressure_calls"]))
+        "ledger", size(m["want"]) if m["want"] else "-", m["ledger_denials"], m["pressure_asks"],
+        size(m["pressure_given_bytes"]), m["pressure_callbacks"]))
     return lines
 
 

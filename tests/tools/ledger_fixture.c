@@ -111,11 +111,11 @@ static void print_entry(const cuma_ledger_entry *e, cuma_heap *h) {
     printf("\",\"device\":\"%s\",\"capacity\":%" PRIu64 ",\"priority\":%d,\"guarantee\":%" PRIu64
            ",\"limit\":%" PRIu64 ",\"reserved\":%" PRIu64 ",\"cached\":%" PRIu64
            ",\"requested\":%" PRIu64 ",\"peak_reserved\":%" PRIu64 ",\"want\":%" PRIu64
-           ",\"denials\":%" PRIu64 ",\"pressure_asks\":%" PRIu64 ",\"pressure_given\":%" PRIu64
-           ",\"pressure_calls\":%" PRIu64,
+           ",\"ledger_denials\":%" PRIu64 ",\"pressure_asks\":%" PRIu64
+           ",\"pressure_given_bytes\":%" PRIu64 ",\"pressure_callbacks\":%" PRIu64,
            e->device, e->capacity, e->priority, e->guarantee, e->limit, e->reserved, e->cached,
-           e->requested, e->peak_reserved, e->want, e->denials, e->pressure_asks, e->pressure_given,
-           e->pressure_calls);
+           e->requested, e->peak_reserved, e->want, e->ledger_denials, e->pressure_asks,
+           e->pressure_given_bytes, e->pressure_callbacks);
     if (h) print_stats(h);
     printf("}\n");
 }
@@ -173,9 +173,9 @@ static void settle_sim(cuma_heap *h, int priority) {
         CHECK(find(&e, "sim", priority));
         if (e.cached == s.cached_bytes && e.requested == s.requested_bytes &&
             e.reserved == s.reserved_bytes) {
-            CHECK(e.denials == s.ledger_denials && e.pressure_asks == s.pressure_asks &&
-                  e.pressure_given == s.pressure_given_bytes &&
-                  e.pressure_calls == s.pressure_callbacks && e.limit == s.limit_bytes &&
+            CHECK(e.ledger_denials == s.ledger_denials && e.pressure_asks == s.pressure_asks &&
+                  e.pressure_given_bytes == s.pressure_given_bytes &&
+                  e.pressure_callbacks == s.pressure_callbacks && e.limit == s.limit_bytes &&
                   e.peak_reserved == s.peak_reserved_bytes);
             wait_stats(priority);
             CHECK(find(&e, "sim", priority));
