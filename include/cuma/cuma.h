@@ -178,7 +178,10 @@ cuma_status cuma_set_memory_fraction(cuma_heap *heap, double fraction);
 /* The statistics of a heap: one line per figure, the one list from which struct cuma_stats,
  * its JSON (cuma_stats_json), the ledger's copy of a heap's figures (cuma/ledger.h), the
  * exporter's families, `cuma stats` and Python's keys are expanded, so that a new figure is one
- * line here (in the ledger: its word too, and a field of cuma_ledger_entry of the same name).
+ * line here. One in the ledger also needs its word (0 to 23 are taken; ledger_shm.h says where
+ * three more fit in the file) and a field of the same name in cuma_ledger_entry and in Python's
+ * _lib.LedgerEntry: the build fails without the first, python/tests/test_stats_fields.py
+ * without the second.
  *
  *   X(type, name, kind, where, help)
  *

@@ -74,7 +74,8 @@ typedef struct ledger_slot {
     char pod[64], pod_namespace[64], container[64];
     /* Words LEDGER_ST_N and up (the compaction figures), published with stat[] in what were
      * spare words: a build that predates them writes zeros there, so the layout (and
-     * LEDGER_VERSION) stays as it was. */
+     * LEDGER_VERSION) stays as it was. Three more figures fit the same way: compact[] grows by
+     * what spare[] shrinks (LEDGER_FIGURES_N with it), which the assert below keeps honest. */
     _Atomic uint64_t compact[LEDGER_FIGURES_N - LEDGER_ST_N];
     uint64_t spare[3];
 } ledger_slot;
