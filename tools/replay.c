@@ -414,7 +414,7 @@ static void print_json(const result *r, const options *o, const char *conf) {
            (unsigned long long)s->map_runs, (unsigned long long)s->unmap_runs,
            (unsigned long long)s->early_remaps, (unsigned long long)s->remap_waits,
            (unsigned long long)s->events_recorded, (unsigned long long)s->event_queries,
-           (unsigned long long)s->num_alloc_retries, (long long)r->release_delay_ms,
+           (unsigned long long)s->alloc_retries, (long long)r->release_delay_ms,
            (long long)r->lag_ms, (unsigned long long)r->ops, r->ns_per_op);
     replay_json_string(r->policy);
     printf(",\"scale\":%llu,\"conf\":", (unsigned long long)o->scale);

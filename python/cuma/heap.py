@@ -704,12 +704,14 @@ def remove_pressure(callback_id, device=0):
 def ledger(name=None):
     """The live heaps of the cross-process ledger (None: this user's; else the name the
     ``ledger`` setting gives), as a list of dicts: pid, process, device, priority, guarantee,
-    limit, capacity, reserved, cached, requested, peak_reserved, want, denials, pressure_asks,
-    pressure_given, pressure_calls, age_ns, slot, and the allocator figures each heap's release
-    thread publishes every 100 ms (backend, page_size, allocated, peak_requested, mapped,
-    managed, active_allocs, num_allocs, num_frees, failed_allocs, alloc_retries, ooms,
-    oom_callbacks, managed_fallbacks, page_creates, page_releases, maps, unmaps, trims,
-    page_call_ns, arenas, fragmentation, compactions, compact_moved_bytes, compact_freed_pages;
+    limit, capacity, reserved, cached, requested, peak_reserved, want, ledger_denials,
+    pressure_asks, pressure_given_bytes, pressure_callbacks (as in Heap.stats()), age_ns, slot,
+    and the allocator figures each heap's release thread publishes every 100 ms (backend, and the figures of Heap.stats() that the ledger
+    carries, under the same names: page_size, allocated_bytes, peak_requested_bytes,
+    mapped_bytes, managed_bytes, active_allocs, num_allocs, num_frees, failed_allocs,
+    alloc_retries, ooms, oom_callbacks, managed_fallbacks, page_creates, page_releases, maps,
+    unmaps, trims, page_call_ns, arenas, fragmentation, compactions, compact_moved_bytes,
+    compact_freed_pages;
     stats_age_ns says how old they are, None before the first), and pod, pod_namespace, container (the process's POD_NAME, POD_NAMESPACE and
     CONTAINER_NAME when it joined; "" outside Kubernetes). Raises CumaIOError (naming the path) when no heap has made that ledger."""
     if name is not None and not isinstance(name, str):

@@ -355,10 +355,10 @@ static void test_processes(void) {
     for (int i = 0; i < 20000; i++) {
         n = live(e, 8);
         ce = find_pid(e, n, c);
-        if (ce && ce->pressure_given >= 24 * MB) break;
+        if (ce && ce->pressure_given_bytes >= 24 * MB) break;
         usleep(1000);
     }
-    CHECK(ce && ce->pressure_given >= 24 * MB && ce->reserved <= 24 * MB);
+    CHECK(ce && ce->pressure_given_bytes >= 24 * MB && ce->reserved <= 24 * MB);
     CHECK(heap_stats(h).pressure_asks == 1);
     CHECK_OK(cuma_free(h, p, NULL));
     CHECK_OK(cuma_trim(h, 0));
