@@ -81,48 +81,30 @@ static const heap_metric heap_metrics[] = {
     {"cuma_peak_reserved_bytes", "gauge", "The most memory the heap has held.", F(peak_reserved)},
     {"cuma_pressure_want_bytes", "gauge",
      "Memory the heap waits for from other heaps now (a pressure request), 0 if none.", F(want)},
-    {"cuma_ledger_denials_total", "counter", "Growths the ledger refused the heap.", F(denials)},
+    {"cuma_ledger_denials_total", "counter", "Growths the ledger refused the heap.",
+     F(ledger_denials)},
     {"cuma_pressure_asks_total", "counter", "Pressure requests the heap posted.", F(pressure_asks)},
     {"cuma_pressure_given_bytes_total", "counter",
-     "Bytes the heap gave back on other heaps' pressure requests.", F(pressure_given)},
+     "Bytes the heap gave back on other heaps' pressure requests.", F(pressure_given_bytes)},
     {"cuma_pressure_callbacks_total", "counter", "Pressure callbacks the heap ran.",
-     F(pressure_calls)},
+     F(pressure_callbacks)},
 };
 
-/* The allocator's figures, as its release thread last published them (every 100 ms). A heap
- * that has published none has no samples in these families: zeros would read as an idle heap,
- * and a counter that later jumps from 0 to its real value would show as a burst in rate(). */
-static const heap_metric alloc_metrics[] = {
-    {"cuma_allocs_total", "counter", "Successful allocations.", F(num_allocs)},
-    {"cuma_frees_total", "counter", "Frees.", F(num_frees)},
-    {"cuma_failed_allocs_total", "counter", "Allocations that returned an error.",
-     F(failed_allocs)},
-    {"cuma_alloc_retries_total", "counter",
-     "Allocations that did not fit at once and went down the out-of-memory ladder (cache "
-     "released, then the others' memory, callbacks, managed memory).",
-     F(alloc_retries)},
-    {"cuma_ooms_total", "counter",
-     "Allocations still out of memory after the cache releases (those that reach the OOM "
-     "callbacks, whether or not the heap has any).",
-     F(ooms)},
-    {"cuma_oom_callbacks_total", "counter", "OOM callback invocations.", F(oom_callbacks)},
-    {"cuma_managed_fallbacks_total", "counter", "Allocations served from managed memory.",
-     F(managed_fallbacks)},
-    {"cuma_page_creates_total", "counter", "Physical pages (or segments) obtained from the device.",
-     F(page_creates)},
-    {"cuma_page_releases_total", "counter", "Physical pages (or segments) given back.",
-     F(page_releases)},
-    {"cuma_compactions_total", "counter", "Compactions run (cuma/compact.h).", F(compactions)},
-    {"cuma_compact_moved_bytes_total", "counter", "Bytes compactions' movers copied.",
-     F(compact_moved_bytes)},
-    {"cuma_compact_freed_pages_total", "counter", "Pages compactions emptied.",
-     F(compact_freed_pages)},
-    {"cuma_active_allocations", "gauge", "Live allocations.", F(active_allocs)},
-    {"cuma_allocated_bytes", "gauge", "Bytes of live allocations after rounding.", F(allocated)},
-    {"cuma_mapped_bytes", "gauge", "Bytes of pages under at least one live byte.", F(mapped)},
-    {"cuma_managed_bytes", "gauge", "Bytes of live allocations served from managed memory.",
-     F(managed)},
-};
+/* The allocator's figures, as its release thread last published them (every 100 ms): those of
+ * the list in cuma.h that the exporter shows, in its order, as cuma_NAME (a counter's with
+ * _total, a ratio's with _ratio). A heap that has published none has no samples in these
+ * families: zeros would read as an idle heap, and a counter that later jumps from 0 to its real
+ * value would show as a burst in rate(). */
+typedef struct alloc_metric {
+    const char *name, *help;
+    unsigned kind; /* CUMA_STAT_* of the list */
+    size_t off;    /* of the figure in cuma_ledger_entry */
+} alloc_metric;
+
+#define A(type, name, kind, where, help)                                                           \
+    CUMA_STAT_IF_LEDGER(where, {CUMA_STAT_SHOWN(where) ? #name : NULL, help, kind, F(name)}, )
+static const alloc_metric alloc_metrics[] = {CUMA_STATS_FIELDS(A)};
+#undef A
 #undef F
 
 static void family(exp_buf *b, const char *name, const char *type, const char *help) {
@@ -193,23 +175,41 @@ static double publish_age_s(const cuma_ledger_entry *e) {
 static double stats_age_s(const cuma_ledger_entry *e) {
     return (double)e->stats_age_ns * 1e-9;
 }
-static double fragmentation(const cuma_ledger_entry *e) {
-    return e->fragmentation;
-}
 /* From the two figures the heap publishes together (mapped and its stranded share), so that
  * they agree; the share's parts per million leave it within a millionth of the mapped bytes. */
 static double stranded_bytes(const cuma_ledger_entry *e) {
-    return (double)e->mapped * e->fragmentation;
+    return (double)e->mapped_bytes * e->fragmentation;
 }
 
-static void heap_family(exp_buf *b, const ledger_view *v, const gpu_table *g, const heap_metric *hm,
-                        int published_only) {
+static void heap_family(exp_buf *b, const ledger_view *v, const gpu_table *g,
+                        const heap_metric *hm) {
     family(b, hm->name, hm->type, hm->help);
     for (size_t i = 0; i < v->nheaps; i++) {
-        if (published_only && !view_has_stats(&v->heaps[i])) continue;
         exp_printf(b, "%s", hm->name);
         heap_labels(b, &v->heaps[i], g);
         exp_printf(b, " %" PRIu64 "\n", *(const uint64_t *)((const char *)&v->heaps[i] + hm->off));
+    }
+}
+
+/* A family of the list's: its name and type from the figure's kind; a ratio (the ledger keeps
+ * parts per million) with six decimals, which are exact. */
+static void alloc_family(exp_buf *b, const ledger_view *v, const gpu_table *g,
+                         const alloc_metric *am) {
+    int counter = (am->kind & CUMA_STAT_COUNTER) != 0;
+    int ratio = CUMA_STAT_UNIT(am->kind) == CUMA_STAT_RATIO;
+    char name[128];
+    snprintf(name, sizeof name, "cuma_%s%s", am->name, counter ? "_total" : ratio ? "_ratio" : "");
+    family(b, name, counter ? "counter" : "gauge", am->help);
+    for (size_t i = 0; i < v->nheaps; i++) {
+        const cuma_ledger_entry *e = &v->heaps[i];
+        if (!view_has_stats(e)) continue;
+        exp_printf(b, "%s", name);
+        heap_labels(b, e, g);
+        const char *at = (const char *)e + am->off;
+        if (ratio)
+            exp_printf(b, " %.6f\n", *(const double *)at);
+        else
+            exp_printf(b, " %" PRIu64 "\n", *(const uint64_t *)at);
     }
 }
 
@@ -248,18 +248,13 @@ void exp_render_figures(exp_buf *b, const ledger_view *v) {
                   offsetof(view_device, free));
     device_family(b, v, g, "cuma_device_heaps", "Live heaps on the device.", HEAP_COUNT);
     for (size_t m = 0; m < sizeof heap_metrics / sizeof heap_metrics[0]; m++)
-        heap_family(b, v, g, &heap_metrics[m], 0);
+        heap_family(b, v, g, &heap_metrics[m]);
     heap_gauge(b, v, g, "cuma_heap_publish_age_seconds",
                "Time since the heap last published its cached and requested bytes (as of the "
                "read).",
                0, publish_age_s, 3);
     for (size_t m = 0; m < sizeof alloc_metrics / sizeof alloc_metrics[0]; m++)
-        heap_family(b, v, g, &alloc_metrics[m], 1);
-    /* The ledger keeps parts per million: six decimals are exact. */
-    heap_gauge(b, v, g, "cuma_fragmentation_ratio",
-               "Share of the in-use (mapped) bytes that no live allocation asked for: gaps "
-               "between live blocks (0 to 1; 0 with nothing live, however much is cached).",
-               1, fragmentation, 6);
+        if (alloc_metrics[m].name) alloc_family(b, v, g, &alloc_metrics[m]);
     heap_gauge(b, v, g, "cuma_stranded_bytes",
                "In-use (mapped) bytes that no live allocation asked for: free, but usable only "
                "by requests that fit in the gaps (cached bytes are not among them).",

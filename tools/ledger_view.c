@@ -156,11 +156,12 @@ static void json_heap(FILE *f, const cuma_ledger_entry *e,
             ",\"slot\":%u,\"priority\":%d,\"guarantee\":%" PRIu64 ",\"limit\":%" PRIu64
             ",\"reserved\":%" PRIu64 ",\"cached\":%" PRIu64 ",\"in_use\":%" PRIu64
             ",\"requested\":%" PRIu64 ",\"peak_reserved\":%" PRIu64 ",\"want\":%" PRIu64
-            ",\"pressure_given\":%" PRIu64 ",\"pressure_asks\":%" PRIu64
-            ",\"pressure_calls\":%" PRIu64 ",\"denials\":%" PRIu64 ",\"age_ns\":%" PRIu64,
+            ",\"pressure_given_bytes\":%" PRIu64 ",\"pressure_asks\":%" PRIu64
+            ",\"pressure_callbacks\":%" PRIu64 ",\"ledger_denials\":%" PRIu64
+            ",\"age_ns\":%" PRIu64,
             e->slot, e->priority, e->guarantee, e->limit, e->reserved, e->cached, view_in_use(e),
-            e->requested, e->peak_reserved, e->want, e->pressure_given, e->pressure_asks,
-            e->pressure_calls, e->denials, e->age_ns);
+            e->requested, e->peak_reserved, e->want, e->pressure_given_bytes, e->pressure_asks,
+            e->pressure_callbacks, e->ledger_denials, e->age_ns);
     if (extra) extra(f, e);
     fputc('}', f);
 }

@@ -75,7 +75,7 @@ static void print_allocator(const cuma_ledger_entry *e, const cuma_ledger_entry 
         snprintf(ooms, sizeof ooms, "%" PRIu64, e->ooms);
         snprintf(frag, sizeof frag, "%.1f%%", e->fragmentation * 100.0);
         /* As the exporter's cuma_stranded_bytes: from the two figures published together. */
-        view_size((uint64_t)llround((double)e->mapped * e->fragmentation), stranded,
+        view_size((uint64_t)llround((double)e->mapped_bytes * e->fragmentation), stranded,
                   sizeof stranded);
         if (p && view_has_stats(p)) {
             /* A publication's time is the refresh's minus its age; the difference of the two. */
@@ -108,16 +108,19 @@ static void print_heap(const cuma_ledger_entry *e, int rates, const cuma_ledger_
            e->want ? view_size(e->want, w, sizeof w) : "-");
     if (!rates) {
         char gv[32];
-        printf("%*s %8" PRIu64 "\n", SZ, view_size(e->pressure_given, gv, sizeof gv), e->denials);
+        printf("%*s %8" PRIu64 "\n", SZ, view_size(e->pressure_given_bytes, gv, sizeof gv),
+               e->ledger_denials);
     } else if (!p || dt <= 0) {
         printf("%*s %9s", SZ + 2, "-", "-");
         print_allocator(e, NULL, 0);
     } else {
         /* Counters only grow while the slot is the same heap's; should one go back (a ledger
          * bug), the rate shows 0 rather than a wrapped figure. */
-        uint64_t dg =
-            e->pressure_given > p->pressure_given ? e->pressure_given - p->pressure_given : 0;
-        uint64_t dd = e->denials > p->denials ? e->denials - p->denials : 0;
+        uint64_t dg = e->pressure_given_bytes > p->pressure_given_bytes
+                          ? e->pressure_given_bytes - p->pressure_given_bytes
+                          : 0;
+        uint64_t dd =
+            e->ledger_denials > p->ledger_denials ? e->ledger_denials - p->ledger_denials : 0;
         double given = (double)dg / dt, denials = (double)dd / dt;
         char gv[32], rate[40];
         snprintf(rate, sizeof rate, "%s/s", view_size((uint64_t)llround(given), gv, sizeof gv));

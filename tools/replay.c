@@ -126,20 +126,6 @@ static const char *json_value(const char *json, const char *key) {
     return NULL;
 }
 
-/* The value of the last `key:` item of a settings string (the one that wins), or NULL. */
-static const char *conf_value(const char *conf, const char *key, size_t *len) {
-    const char *found = NULL;
-    size_t klen = strlen(key);
-    for (const char *item = conf; item;) {
-        while (*item == ' ') item++;
-        if (!strncmp(item, key, klen) && item[klen] == ':') found = item + klen + 1;
-        const char *comma = strchr(item, ',');
-        item = comma ? comma + 1 : NULL;
-    }
-    if (found) *len = strcspn(found, ",");
-    return found;
-}
-
 /* The heap's stats JSON in a malloc'ed string, or NULL. A first call only measures. */
 static char *stats_json(cuma_heap *h) {
     char probe[1];
@@ -151,24 +137,29 @@ static char *stats_json(cuma_heap *h) {
     return NULL;
 }
 
-/* Reads the release delay and the policy the heap really runs with from its stats JSON, so
- * CUMA_CONF and defaults count too; falls back on the settings string we built. */
+/* The value of a settings key as JSON: the heap's (its stats), so CUMA_CONF and defaults count
+ * too, else conf's after the defaults (cuma_config_get, the one reader of the grammar). */
+static const char *setting(const char *json, const char *conf, const char *key, char *buf,
+                           size_t len) {
+    const char *v = json ? json_value(json, key) : NULL;
+    if (v) return v;
+    return cuma_config_get(conf, "--conf", key, buf, len, NULL) == CUMA_OK ? buf : NULL;
+}
+
+/* Reads the release delay, the lag, the backend and the policy the heap really runs with. */
 static void heap_settings(cuma_heap *h, const char *conf, result *r) {
     r->release_delay_ms = DEFAULT_RELEASE_DELAY;
     snprintf(r->policy, sizeof r->policy, "default");
-    char *json = stats_json(h);
+    char *json = stats_json(h), buf[64];
     const char *v;
-    size_t len = 0;
-    if (json && (v = json_value(json, "release_delay_ms")) != NULL)
+    if ((v = setting(json, conf, "release_delay_ms", buf, sizeof buf)) != NULL)
         r->release_delay_ms = strtoll(v, NULL, 10);
-    else if ((v = conf_value(conf, "release_delay_ms", &len)) != NULL)
-        r->release_delay_ms = !strncmp(v, "never", 5) ? -1 : strtoll(v, NULL, 10);
-    r->lag_ms = json && (v = json_value(json, "sim_lag_ms")) != NULL ? strtoll(v, NULL, 10) : 0;
-    r->device = json && (v = json_value(json, "backend")) != NULL && strncmp(v, "\"sim\"", 5);
-    if (json && (v = json_value(json, "policy")) != NULL && *v == '"')
+    v = setting(json, conf, "sim_lag_ms", buf, sizeof buf);
+    r->lag_ms = v ? strtoll(v, NULL, 10) : 0;
+    v = setting(json, conf, "backend", buf, sizeof buf);
+    r->device = v && strncmp(v, "\"sim\"", 5);
+    if ((v = setting(json, conf, "policy", buf, sizeof buf)) != NULL && *v == '"')
         snprintf(r->policy, sizeof r->policy, "%.*s", (int)strcspn(v + 1, "\""), v + 1);
-    else if ((v = conf_value(conf, "policy", &len)) != NULL)
-        snprintf(r->policy, sizeof r->policy, "%.*s", (int)len, v);
     free(json);
 }
 
@@ -423,7 +414,7 @@ static void print_json(const result *r, const options *o, const char *conf) {
            (unsigned long long)s->map_runs, (unsigned long long)s->unmap_runs,
            (unsigned long long)s->early_remaps, (unsigned long long)s->remap_waits,
            (unsigned long long)s->events_recorded, (unsigned long long)s->event_queries,
-           (unsigned long long)s->num_alloc_retries, (long long)r->release_delay_ms,
+           (unsigned long long)s->alloc_retries, (long long)r->release_delay_ms,
            (long long)r->lag_ms, (unsigned long long)r->ops, r->ns_per_op);
     replay_json_string(r->policy);
     printf(",\"scale\":%llu,\"conf\":", (unsigned long long)o->scale);

@@ -17,45 +17,20 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The allocator's counts and sizes in the JSON, by their cuma_ledger_entry names (those of
- * cuma.ledger() in Python too). */
+/* The allocator's figures in the JSON: those of the list in cuma.h that the ledger carries,
+ * under their names (cuma_ledger_entry's, and those of cuma.ledger() in Python too). */
 typedef struct stat_field {
     const char *name;
-    size_t off; /* of a uint64_t in cuma_ledger_entry */
+    size_t off;    /* in cuma_ledger_entry */
+    int is_double; /* a double (a ratio), else a uint64_t */
 } stat_field;
 
-#define F(field)                                                                                   \
-    { #field, offsetof(cuma_ledger_entry, field) }
-static const stat_field stat_fields[] = {
-    F(page_size),
-    F(allocated),
-    F(peak_requested),
-    F(mapped),
-    F(managed),
-    F(active_allocs),
-    F(num_allocs),
-    F(num_frees),
-    F(failed_allocs),
-    F(alloc_retries),
-    F(ooms),
-    F(oom_callbacks),
-    F(managed_fallbacks),
-    F(page_creates),
-    F(page_releases),
-    F(maps),
-    F(unmaps),
-    F(trims),
-    F(page_call_ns),
-    F(arenas),
-    F(compactions),
-    F(compact_moved_bytes),
-    F(compact_freed_pages),
-};
+#define F(type, name, kind, where, help)                                                           \
+    CUMA_STAT_IF_LEDGER(where,                                                                     \
+                        {#name, offsetof(cuma_ledger_entry, name),                                 \
+                         _Generic(((cuma_ledger_entry *)0)->name, double : 1, default : 0)}, )
+static const stat_field stat_fields[] = {CUMA_STATS_FIELDS(F)};
 #undef F
-
-static uint64_t field_of(const cuma_ledger_entry *e, const stat_field *f) {
-    return *(const uint64_t *)((const char *)e + f->off);
-}
 
 /* ---- text ----------------------------------------------------------------------------------- */
 
@@ -101,10 +76,10 @@ static void print_block(const cuma_ledger_entry *e) {
          view_size(e->reserved, a, sizeof a), view_size(e->cached, b, sizeof b),
          view_size(view_in_use(e), c, sizeof c), view_size(e->requested, d, sizeof d));
     if (st) {
-        line("", "allocated %s, mapped %s, managed %s", view_size(e->allocated, a, sizeof a),
-             view_size(e->mapped, b, sizeof b), view_size(e->managed, c, sizeof c));
+        line("", "allocated %s, mapped %s, managed %s", view_size(e->allocated_bytes, a, sizeof a),
+             view_size(e->mapped_bytes, b, sizeof b), view_size(e->managed_bytes, c, sizeof c));
         line("peaks", "reserved %s, requested %s", view_size(e->peak_reserved, a, sizeof a),
-             view_size(e->peak_requested, b, sizeof b));
+             view_size(e->peak_requested_bytes, b, sizeof b));
         line("allocations",
              "active %" PRIu64 ", allocs %" PRIu64 ", frees %" PRIu64 ", failed %" PRIu64
              ", retries %" PRIu64,
@@ -121,7 +96,7 @@ static void print_block(const cuma_ledger_entry *e) {
              view_size(e->compact_moved_bytes, a, sizeof a), e->compact_freed_pages);
         line("fragmentation", "%.1f%% of in use: %s stranded between live blocks (cached: %s)",
              e->fragmentation * 100.0,
-             view_size((uint64_t)((double)e->mapped * e->fragmentation + 0.5), a, sizeof a),
+             view_size((uint64_t)((double)e->mapped_bytes * e->fragmentation + 0.5), a, sizeof a),
              view_size(e->cached, b, sizeof b));
     } else {
         line("peaks", "reserved %s", view_size(e->peak_reserved, a, sizeof a));
@@ -130,8 +105,8 @@ static void print_block(const cuma_ledger_entry *e) {
                           "sim_clock:manual)");
     }
     line("ledger", "want %s, denials %" PRIu64 ", asks %" PRIu64 ", given %s, callbacks %" PRIu64,
-         e->want ? view_size(e->want, a, sizeof a) : "-", e->denials, e->pressure_asks,
-         view_size(e->pressure_given, b, sizeof b), e->pressure_calls);
+         e->want ? view_size(e->want, a, sizeof a) : "-", e->ledger_denials, e->pressure_asks,
+         view_size(e->pressure_given_bytes, b, sizeof b), e->pressure_callbacks);
     if (st)
         line("age", "allocator figures %s, cached/requested %s",
              duration(e->stats_age_ns, a, sizeof a), duration(e->age_ns, b, sizeof b));
@@ -173,16 +148,19 @@ static void json_stats(FILE *f, const cuma_ledger_entry *e) {
         fputs("null", f);
     int st = view_has_stats(e);
     for (size_t k = 0; k < sizeof stat_fields / sizeof stat_fields[0]; k++) {
-        if (st)
-            fprintf(f, ",\"%s\":%" PRIu64, stat_fields[k].name, field_of(e, &stat_fields[k]));
+        const stat_field *sf = &stat_fields[k];
+        const char *at = (const char *)e + sf->off;
+        if (!st)
+            fprintf(f, ",\"%s\":null", sf->name);
+        else if (sf->is_double) /* The ledger keeps parts per million: six decimals are exact. */
+            fprintf(f, ",\"%s\":%.6f", sf->name, *(const double *)at);
         else
-            fprintf(f, ",\"%s\":null", stat_fields[k].name);
+            fprintf(f, ",\"%s\":%" PRIu64, sf->name, *(const uint64_t *)at);
     }
-    if (st) /* The ledger keeps parts per million: six decimals are exact. */
-        fprintf(f, ",\"fragmentation\":%.6f,\"stats_age_ns\":%" PRIu64, e->fragmentation,
-                e->stats_age_ns);
+    if (st)
+        fprintf(f, ",\"stats_age_ns\":%" PRIu64, e->stats_age_ns);
     else
-        fputs(",\"fragmentation\":null,\"stats_age_ns\":null", f);
+        fputs(",\"stats_age_ns\":null", f);
 }
 
 /* ---- the command ---------------------------------------------------------------------------- */

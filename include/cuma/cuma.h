@@ -93,6 +93,24 @@ cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed);
 /* Checks a settings string without creating a heap. */
 cuma_status cuma_config_check(const char *conf);
 
+/* The one reader of the settings grammar, for code that needs a key of a settings string
+ * (tools, the Python package) instead of splitting the string itself, so that every reader
+ * refuses a malformed string with the same message. `origin` names where conf came from in
+ * messages ("CUMA_CONF"; NULL: "config"). Both write text into buf (at most len bytes,
+ * NUL-terminated), with *needed (may be NULL) the full length without the NUL, as
+ * cuma_config_describe; CUMA_ERR_CONFIG naming the item when conf has a malformed item, an
+ * unknown key or a bad value, or key is unknown. */
+
+/* The value `key` takes under conf after the defaults (CUMA_CONF is not read), as JSON the way
+ * the stats' settings show it: a number, true or false, a string, or null (none). */
+cuma_status cuma_config_get(const char *conf, const char *origin, const char *key, char *buf,
+                            size_t len, size_t *needed);
+
+/* conf, each item checked and trimmed, with every item of `key` left out and, unless value is
+ * NULL, "key:value" added at the end (where it wins). */
+cuma_status cuma_config_set(const char *conf, const char *origin, const char *key,
+                            const char *value, char *buf, size_t len, size_t *needed);
+
 /* The process-wide heap of a device, created on first use from CUMA_CONF with that device
  * ordinal (backend:auto when CUMA_CONF names no backend; without a CUDA driver
  * CUMA_ERR_NO_DEVICE, as for cuma_heap_create, unless CUMA_CONF asks for the simulated device). The
@@ -175,92 +193,201 @@ cuma_status cuma_set_limit(cuma_heap *heap, uint64_t bytes);
 /* Sets the limit as a fraction of the device's total memory, in (0, 1]. */
 cuma_status cuma_set_memory_fraction(cuma_heap *heap, double fraction);
 
-/* Counters and gauges of one heap; all sizes in bytes. */
+/* The statistics of a heap: one line per figure, the one list from which struct cuma_stats,
+ * its JSON (cuma_stats_json), the ledger's copy of a heap's figures (cuma/ledger.h), the
+ * exporter's families, `cuma stats` and Python's keys are expanded, so that a new figure is one
+ * line here. One in the ledger also needs its word (0 to 23 are taken; ledger_shm.h says where
+ * three more fit in the file) and a field of the same name in cuma_ledger_entry and in Python's
+ * _lib.LedgerEntry: the build fails without the first, python/tests/test_stats_fields.py
+ * without the second.
+ *
+ *   X(type, name, kind, where, help)
+ *
+ * type: uint64_t or double. name: the figure's one name everywhere (C field, JSON key, ledger
+ * entry field, Python key; the exporter's family is cuma_NAME, with _total after a counter and
+ * _ratio after a ratio). kind: CUMA_STAT_GAUGE (a value now) or CUMA_STAT_COUNTER (a count since
+ * the heap was made, which only grows), | its unit: CUMA_STAT_COUNT, _BYTES, _NS or _RATIO (a
+ * double from 0 to 1). where: CUMA_STAT_HERE (this process only), CUMA_STAT_LEDGER(w) (also
+ * published in the ledger, in word w of the heap's slot: the file's layout, so a word is never
+ * reused) or CUMA_STAT_EXPORTED(w) (that, and a family of `cuma exporter`). A uint64_t figure of
+ * UINT64_MAX is unknown: the JSON leaves it out.
+ *
+ * Sums of live allocations: a block freed after cuma_record_stream stays live in these (and in
+ * active_allocs) until the work of its recorded streams is done, as PyTorch counts it: its
+ * memory cannot be reused before. peak_requested_bytes is exact with one thread; with several,
+ * each thread's allocations count with the others' as of their last call that took a lock (what
+ * they did in their caches since, lags). Pools (cuma/pool.h): each pool's carve is one live
+ * allocation, in allocated_bytes and active_allocs; the blocks handed out of it are not
+ * allocations (num_allocs and active_allocs do not count them). The ledger's figures are zero
+ * when the heap is in none. */
+#define CUMA_STATS_FIELDS(X)                                                                       \
+    X(uint64_t, requested_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_HERE,                \
+      "Sum of the sizes asked for by live allocations.")                                           \
+    X(uint64_t, peak_requested_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_LEDGER(2),      \
+      "Highest requested_bytes since creation or cuma_reset_peaks.")                               \
+    X(uint64_t, allocated_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_EXPORTED(1),         \
+      "Bytes of live allocations after rounding.")                                                 \
+    X(uint64_t, peak_allocated_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_HERE,           \
+      "Highest allocated_bytes since creation or cuma_reset_peaks.")                               \
+    X(uint64_t, reserved_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_HERE,                 \
+      "Physical memory held from the device: mapped + cached.")                                    \
+    X(uint64_t, peak_reserved_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_HERE,            \
+      "Highest reserved_bytes since creation or cuma_reset_peaks.")                                \
+    /* Less the pages that only blocks in thread caches hold. */                                   \
+    X(uint64_t, mapped_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_EXPORTED(3),            \
+      "Bytes of pages under at least one live byte.")                                              \
+    /* And the pages that only blocks freed into thread caches hold (segment mode: those blocks'   \
+     * bytes): reusable at once and releasable, so not fragmentation. */                           \
+    X(uint64_t, cached_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_HERE,                   \
+      "Idle pages kept for reuse.")                                                                \
+    /* The gaps between and around live blocks in pages they keep mapped, usable only by a request \
+     * that fits in a gap: what really is fragmentation (segment mode: free bytes of segments in   \
+     * use). The exporter derives it from mapped_bytes and fragmentation. */                       \
+    X(uint64_t, stranded_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_HERE,                 \
+      "In-use (mapped) bytes that no live allocation asked for: free, but usable only by "         \
+      "requests that fit in the gaps (cached bytes are not among them).")                          \
+    X(uint64_t, managed_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_EXPORTED(4),           \
+      "Bytes of live allocations served from managed memory.")                                     \
+    X(uint64_t, virtual_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_HERE,                  \
+      "Size of the reserved virtual ranges (one per arena).")                                      \
+    X(uint64_t, limit_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_HERE,                    \
+      "Effective limit on reserved bytes (device size if none; more only on backend:managed).")    \
+    X(uint64_t, device_total_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_HERE,             \
+      "Device memory as the backend reports it.")                                                  \
+    X(uint64_t, device_free_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_HERE,              \
+      "Free device memory as the backend reports it.")                                             \
+    X(uint64_t, page_size, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_LEDGER(0),                 \
+      "Size of the heap's physical pages.")                                                        \
+    X(uint64_t, active_allocs, CUMA_STAT_GAUGE | CUMA_STAT_COUNT, CUMA_STAT_EXPORTED(5),           \
+      "Live allocations.")                                                                         \
+    X(uint64_t, num_allocs, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_EXPORTED(6),            \
+      "Successful allocations.")                                                                   \
+    X(uint64_t, num_frees, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_EXPORTED(7), "Frees.")   \
+    X(uint64_t, failed_allocs, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_EXPORTED(8),         \
+      "Allocations that returned an error.")                                                       \
+    /* As PyTorch counts its num_alloc_retries: whether or not the retry succeeded. */             \
+    X(uint64_t, alloc_retries, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_EXPORTED(9),         \
+      "Allocations that did not fit at once and went down the out-of-memory ladder (cache "        \
+      "released, then the others' memory, callbacks, managed memory).")                            \
+    /* Managed memory may still serve them. */                                                     \
+    X(uint64_t, ooms, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_EXPORTED(10),                 \
+      "Allocations still out of memory after the cache releases (those that reach the OOM "        \
+      "callbacks, whether or not the heap has any).")                                              \
+    X(uint64_t, oom_callbacks, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_EXPORTED(11),        \
+      "OOM callback invocations.")                                                                 \
+    X(uint64_t, managed_fallbacks, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_EXPORTED(12),    \
+      "Allocations served from managed memory.")                                                   \
+    X(uint64_t, page_creates, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_EXPORTED(13),         \
+      "Physical pages (or segments) obtained from the device.")                                    \
+    X(uint64_t, page_releases, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_EXPORTED(14),        \
+      "Physical pages (or segments) given back.")                                                  \
+    X(uint64_t, maps, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_LEDGER(15), "Pages mapped.")  \
+    X(uint64_t, unmaps, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_LEDGER(16),                 \
+      "Pages unmapped.")                                                                           \
+    X(uint64_t, map_runs, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,                     \
+      "Map calls: runs of consecutive pages made accessible at once.")                             \
+    X(uint64_t, unmap_runs, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,                   \
+      "Unmap calls: runs of adjacent pages (moved pages' old places, released pages).")            \
+    /* On a manual clock only the sim's sim_call_us. */                                            \
+    X(uint64_t, page_call_ns, CUMA_STAT_COUNTER | CUMA_STAT_NS, CUMA_STAT_LEDGER(18),              \
+      "Time spent in the device's page calls.")                                                    \
+    X(double, remap_keep, CUMA_STAT_GAUGE | CUMA_STAT_RATIO, CUMA_STAT_HERE,                       \
+      "Idle share of the memory in use that pacing keeps in place now.")                           \
+    /* The old mapping goes when that work is done. */                                             \
+    X(uint64_t, early_remaps, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,                 \
+      "Idle pages mapped at a new address while the device still had work on their old one, "      \
+      "from the same stream.")                                                                     \
+    X(uint64_t, remap_waits, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,                  \
+      "Times the host waited for such work because its address was needed again.")                 \
+    X(uint64_t, events_recorded, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,              \
+      "Stream events recorded to fence reuse.")                                                    \
+    X(uint64_t, event_queries, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,                \
+      "Times the device was asked whether such an event is done.")                                 \
+    X(uint64_t, trims, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_LEDGER(17),                  \
+      "cuma_trim calls and OOM cache releases.")                                                   \
+    X(uint64_t, watermark_released_bytes, CUMA_STAT_COUNTER | CUMA_STAT_BYTES, CUMA_STAT_HERE,     \
+      "Idle bytes given back because the device's free memory was under free_watermark.")          \
+    /* stranded_bytes / mapped_bytes; the ledger keeps it in parts per million. */                 \
+    X(double, fragmentation, CUMA_STAT_GAUGE | CUMA_STAT_RATIO, CUMA_STAT_EXPORTED(20),            \
+      "Share of the in-use (mapped) bytes that no live allocation asked for: gaps between live "   \
+      "blocks (0 to 1; 0 with nothing live, however much is cached).")                             \
+    /* 1 until threads kept colliding: the `arenas` key. */                                        \
+    X(uint64_t, arenas, CUMA_STAT_GAUGE | CUMA_STAT_COUNT, CUMA_STAT_LEDGER(19),                   \
+      "Arenas the heap has made.")                                                                 \
+    X(uint64_t, ledger_denials, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,               \
+      "Growths the ledger refused (others held the memory).")                                      \
+    X(uint64_t, pressure_asks, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,                \
+      "Requests for other heaps' memory this heap posted.")                                        \
+    X(uint64_t, pressure_given_bytes, CUMA_STAT_COUNTER | CUMA_STAT_BYTES, CUMA_STAT_HERE,         \
+      "Bytes the heap gave back on other heaps' pressure requests.")                               \
+    X(uint64_t, pressure_callbacks, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,           \
+      "Pressure callbacks the heap ran.")                                                          \
+    /* The device less what the other heaps hold or are guaranteed (and, above this heap's         \
+     * guarantee, what heaps of higher priority wait for) and less what it holds. */               \
+    X(uint64_t, ledger_room_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_HERE,              \
+      "Device memory the ledger would still let the heap take now (unknown outside a ledger).")    \
+    X(uint64_t, pools, CUMA_STAT_GAUGE | CUMA_STAT_COUNT, CUMA_STAT_HERE,                          \
+      "Fixed-size pools that exist (cuma/pool.h).")                                                \
+    X(uint64_t, pool_bytes, CUMA_STAT_GAUGE | CUMA_STAT_BYTES, CUMA_STAT_HERE,                     \
+      "Bytes the pools' carves hold: count * stride of each pool.")                                \
+    X(uint64_t, pool_blocks, CUMA_STAT_GAUGE | CUMA_STAT_COUNT, CUMA_STAT_HERE,                    \
+      "Blocks in all pools.")                                                                      \
+    X(uint64_t, pool_blocks_in_use, CUMA_STAT_GAUGE | CUMA_STAT_COUNT, CUMA_STAT_HERE,             \
+      "Pool blocks handed out by cuma_pool_alloc and not freed.")                                  \
+    /* Explicit runs, cuma_compact_if_needed's and the out-of-memory rung's. */                    \
+    X(uint64_t, compactions, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_EXPORTED(21),          \
+      "Compactions run (cuma/compact.h).")                                                         \
+    X(uint64_t, compact_moved_bytes, CUMA_STAT_COUNTER | CUMA_STAT_BYTES, CUMA_STAT_EXPORTED(22),  \
+      "Bytes compactions' movers copied.")                                                         \
+    X(uint64_t, compact_freed_pages, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_EXPORTED(23),  \
+      "Pages compactions emptied.")
+
+/* A figure's kind: gauge or counter (bit 0), and its unit (bits 1 and 2). */
+#define CUMA_STAT_GAUGE      0u
+#define CUMA_STAT_COUNTER    1u
+#define CUMA_STAT_COUNT      0u
+#define CUMA_STAT_BYTES      2u
+#define CUMA_STAT_NS         4u
+#define CUMA_STAT_RATIO      6u
+#define CUMA_STAT_UNIT(kind) ((kind)&6u)
+
+/* A `where` of the list, for an expansion: the ledger word (-1 outside the ledger), whether
+ * the exporter shows it, and CUMA_STAT_IF_LEDGER(where, x...): x only for figures in the
+ * ledger. */
+#define CUMA_STAT_WORD(where)                 CUMA_STAT_WORD_##where
+#define CUMA_STAT_WORD_CUMA_STAT_HERE         (-1)
+#define CUMA_STAT_WORD_CUMA_STAT_LEDGER(w)    (w)
+#define CUMA_STAT_WORD_CUMA_STAT_EXPORTED(w)  (w)
+#define CUMA_STAT_SHOWN(where)                CUMA_STAT_SHOWN_##where
+#define CUMA_STAT_SHOWN_CUMA_STAT_HERE        0
+#define CUMA_STAT_SHOWN_CUMA_STAT_LEDGER(w)   0
+#define CUMA_STAT_SHOWN_CUMA_STAT_EXPORTED(w) 1
+#define CUMA_STAT_IF_LEDGER(where, ...)       CUMA_STAT_IF_##where(__VA_ARGS__)
+#define CUMA_STAT_IF_CUMA_STAT_HERE(...)
+#define CUMA_STAT_IF_CUMA_STAT_LEDGER(w)   CUMA_STAT_KEEP
+#define CUMA_STAT_IF_CUMA_STAT_EXPORTED(w) CUMA_STAT_KEEP
+#define CUMA_STAT_KEEP(...)                __VA_ARGS__
+
+/* Counters and gauges of one heap; all sizes in bytes. The fields are the list's, in its
+ * order. */
 typedef struct cuma_stats {
-    /* Sums of live allocations. A block freed after cuma_record_stream stays live in these (and
-     * in active_allocs) until the work of its recorded streams is done, as PyTorch counts it:
-     * its memory cannot be reused before. */
-    uint64_t requested_bytes;      /* sum of the sizes asked for by live allocations */
-    uint64_t peak_requested_bytes; /* highest requested_bytes since creation/reset; exact with
-                                      one thread; with several, each thread's allocations
-                                      count with the others' as of their last call that took
-                                      a lock (what they did in their caches since, lags) */
-    uint64_t allocated_bytes;      /* live allocations after rounding */
-    uint64_t peak_allocated_bytes;
-    uint64_t reserved_bytes; /* physical memory held from the device: mapped + cached */
-    uint64_t peak_reserved_bytes;
-    uint64_t mapped_bytes;   /* pages under at least one live byte (in use), less those that only
-                                blocks in thread caches hold */
-    uint64_t cached_bytes;   /* idle pages kept for reuse, and the pages that only blocks freed
-                                into thread caches hold (segment mode: those blocks' bytes):
-                                reusable at once and releasable, so not fragmentation */
-    uint64_t stranded_bytes; /* of mapped_bytes, what no live allocation asked for: the gaps
-                                between and around live blocks in pages they keep mapped, free
-                                but usable only by a request that fits in a gap (what really
-                                is fragmentation; segment mode: free bytes of segments in use) */
-    uint64_t managed_bytes;  /* live allocations served from managed memory */
-    uint64_t virtual_bytes;  /* size of the reserved virtual ranges (one per arena) */
-    uint64_t limit_bytes;    /* effective limit on reserved bytes (device size if none; more
-                              * only on backend:managed) */
-    uint64_t device_total_bytes; /* device memory as the backend reports it */
-    uint64_t device_free_bytes;
-    uint64_t page_size;
-    uint64_t active_allocs; /* live allocations */
-    uint64_t num_allocs;    /* successful allocations */
-    uint64_t num_frees;
-    uint64_t failed_allocs;     /* allocations that returned an error */
-    uint64_t num_alloc_retries; /* allocations that released the cache and tried again (as
-                                   PyTorch counts them: whether or not the retry succeeded) */
-    uint64_t num_ooms;          /* allocations still out of memory after the cache releases: the
-                                   ones that reached the OOM callbacks, whether or not any is
-                                   registered (managed memory may still serve them) */
-    uint64_t oom_callbacks;     /* callback invocations */
-    uint64_t managed_fallbacks; /* allocations served from managed memory */
-    uint64_t page_creates;      /* physical pages obtained from the device */
-    uint64_t page_releases;     /* physical pages given back */
-    uint64_t maps;              /* pages mapped */
-    uint64_t unmaps;            /* pages unmapped */
-    uint64_t map_runs;          /* map calls: runs of consecutive pages made accessible at once */
-    uint64_t unmap_runs;        /* unmap calls: runs of adjacent pages (moved pages' old places,
-                                   released pages) */
-    uint64_t page_call_ns;      /* time spent in the device's page calls (on a manual clock only the
-                                   sim's sim_call_us) */
-    double remap_keep;          /* idle share of the memory in use pacing keeps in place now */
-    /* Idle pages mapped at a new address while the device still had work on their old one,
-     * from the same stream (the old mapping goes when that work is done), and times the host
-     * had to wait for such work because its address was needed again. */
-    uint64_t early_remaps;
-    uint64_t remap_waits;
-    uint64_t events_recorded; /* stream events recorded to fence reuse */
-    uint64_t event_queries;   /* times the device was asked whether such an event is done */
-    uint64_t trims;           /* cuma_trim calls and OOM cache releases */
-    /* Idle bytes given back because the device's free memory was under free_watermark. */
-    uint64_t watermark_released_bytes;
-    double fragmentation; /* stranded_bytes / mapped_bytes (0 to 1): 0 on a heap with nothing
-                             live, however much it caches */
-    uint64_t arenas; /* arenas the heap has made (1 until threads kept colliding: `arenas` key) */
-    /* The cross-process ledger (cuma/ledger.h); zero when the heap is in none. */
-    uint64_t ledger_denials;       /* growths the ledger refused (others held the memory) */
-    uint64_t pressure_asks;        /* requests for other heaps' memory this heap posted */
-    uint64_t pressure_given_bytes; /* bytes it gave back on other heaps' requests */
-    uint64_t pressure_callbacks;   /* pressure callbacks it ran */
-    /* Device memory the ledger would still let the heap take now: the device less what the
-     * other heaps hold or are guaranteed (and, above this heap's guarantee, what heaps of higher
-     * priority wait for) and less what it holds. UINT64_MAX when it is in no ledger. */
-    uint64_t ledger_room_bytes;
-    /* Fixed-size pools on the heap (cuma/pool.h). Each pool's carve is one live allocation, in
-     * allocated_bytes and active_allocs above; the blocks handed out of it are not allocations
-     * (num_allocs and active_allocs do not count them). */
-    uint64_t pools;              /* pools that exist */
-    uint64_t pool_bytes;         /* bytes their carves hold: count * stride of each pool */
-    uint64_t pool_blocks;        /* blocks in all pools */
-    uint64_t pool_blocks_in_use; /* blocks handed out by cuma_pool_alloc and not freed */
-    /* Compaction (cuma/compact.h): runs (explicit, cuma_compact_if_needed's and the
-     * out-of-memory rung's), requested bytes the movers copied, pages the moves emptied. */
-    uint64_t compactions;
-    uint64_t compact_moved_bytes;
-    uint64_t compact_freed_pages;
+#define CUMA_STAT_MEMBER(type, name, kind, where, help) type name;
+    CUMA_STATS_FIELDS(CUMA_STAT_MEMBER)
+#undef CUMA_STAT_MEMBER
 } cuma_stats;
+
+/* The list at run time (for Python and other readers that do not compile the header): one
+ * entry per figure in the list's order, and their number in *n. */
+typedef struct cuma_stat_field {
+    const char *name, *help;
+    unsigned kind;        /* CUMA_STAT_GAUGE or _COUNTER | its unit */
+    unsigned is_double;   /* 1: a double, 0: a uint64_t */
+    size_t offset;        /* in cuma_stats */
+    size_t ledger_offset; /* in cuma_ledger_entry (cuma/ledger.h), SIZE_MAX outside the ledger */
+    int ledger_word;      /* the word of the ledger slot, -1 outside the ledger */
+    unsigned exported;    /* 1: a family of `cuma exporter` */
+} cuma_stat_field;
+const cuma_stat_field *cuma_stat_fields(size_t *n);
 
 cuma_status cuma_get_stats(cuma_heap *heap, cuma_stats *out);
 

@@ -38,38 +38,40 @@ typedef struct cuma_ledger_entry {
                           and after each release) */
     uint64_t requested;
     uint64_t peak_reserved;
-    uint64_t want;           /* bytes it waits for now (a pressure request), 0 if none or
-                                expired (its requester gone or stopped past its timeout) */
-    uint64_t denials;        /* growths the ledger refused */
-    uint64_t pressure_asks;  /* pressure requests it posted */
-    uint64_t pressure_given; /* bytes it gave back on others' requests */
-    uint64_t pressure_calls; /* pressure callbacks it ran */
-    uint64_t age_ns;         /* since its figures were last published */
-    /* The heap's allocator figures (the fields of its cuma_stats of the same meaning), published
-     * by its release thread every 100 ms: what `cuma stats`, `cuma top` and `cuma exporter` show
-     * of a process from outside. stats_age_ns says how old they are; UINT64_MAX while the heap
-     * has published none (a heap without a release thread never does). */
+    uint64_t want; /* bytes it waits for now (a pressure request), 0 if none or
+                      expired (its requester gone or stopped past its timeout) */
+    /* Counted by the ledger itself; the heap's cuma_stats has them under the same names. */
+    uint64_t ledger_denials;       /* growths the ledger refused */
+    uint64_t pressure_asks;        /* pressure requests it posted */
+    uint64_t pressure_given_bytes; /* bytes it gave back on others' requests */
+    uint64_t pressure_callbacks;   /* pressure callbacks it ran */
+    uint64_t age_ns;               /* since its figures were last published */
+    /* The heap's allocator figures: those of the list in cuma.h that the ledger carries, under
+     * the same names, published by its release thread every 100 ms: what `cuma stats`, `cuma
+     * top` and `cuma exporter` show of a process from outside. stats_age_ns says how old they
+     * are; UINT64_MAX while the heap has published none (a heap without a release thread never
+     * does). A new figure of the list that names a ledger word needs its field here (at the
+     * end: the layout is the ABI); the ledger's build fails until it has one. */
     char backend[16]; /* "vmm", "segment", "managed" or "sim" */
     uint64_t page_size;
-    uint64_t allocated;      /* live allocations after rounding */
-    uint64_t peak_requested; /* since creation or cuma_reset_peaks */
-    uint64_t mapped;         /* pages under at least one live byte */
-    uint64_t managed;        /* live allocations served from managed memory */
+    uint64_t allocated_bytes;
+    uint64_t peak_requested_bytes;
+    uint64_t mapped_bytes;
+    uint64_t managed_bytes;
     uint64_t active_allocs;
     uint64_t num_allocs, num_frees, failed_allocs, alloc_retries, ooms, oom_callbacks;
     uint64_t managed_fallbacks;
     uint64_t page_creates, page_releases, maps, unmaps, trims;
     uint64_t page_call_ns;
     uint64_t arenas;
-    double fragmentation; /* stranded share of the mapped bytes (cuma_stats.fragmentation) */
+    double fragmentation;
     uint64_t stats_age_ns;
     /* Kubernetes: the process's POD_NAME, POD_NAMESPACE and CONTAINER_NAME when it joined
      * (empty outside a pod, or where the manifest does not set them). */
     char pod[64];
     char pod_namespace[64];
     char container[64];
-    /* Compaction (cuma/compact.h), published with the allocator figures: runs, requested bytes
-     * moved, pages emptied (0 from a heap of a cuma build without compaction). */
+    /* Allocator figures too (0 from a heap of a cuma build without compaction). */
     uint64_t compactions, compact_moved_bytes, compact_freed_pages;
 } cuma_ledger_entry;
 

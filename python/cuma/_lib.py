@@ -55,7 +55,9 @@ class CompactResult(ctypes.Structure):
 
 
 class LedgerEntry(ctypes.Structure):
-    """cuma_ledger_entry of cuma/ledger.h (same field order)."""
+    """cuma_ledger_entry of cuma/ledger.h (same field order). Its allocator figures are the
+    ledger's figures of the list in cuma.h; tests check these names and offsets against the
+    library's own (cuma_stat_fields)."""
 
     _fields_ = [
         ("pid", ctypes.c_int),
@@ -74,20 +76,20 @@ class LedgerEntry(ctypes.Structure):
             "requested",
             "peak_reserved",
             "want",
-            "denials",
+            "ledger_denials",
             "pressure_asks",
-            "pressure_given",
-            "pressure_calls",
+            "pressure_given_bytes",
+            "pressure_callbacks",
             "age_ns",
         )
     ] + [("backend", ctypes.c_char * 16)] + [
         (name, ctypes.c_uint64)
         for name in (
             "page_size",
-            "allocated",
-            "peak_requested",
-            "mapped",
-            "managed",
+            "allocated_bytes",
+            "peak_requested_bytes",
+            "mapped_bytes",
+            "managed_bytes",
             "active_allocs",
             "num_allocs",
             "num_frees",
@@ -107,6 +109,47 @@ class LedgerEntry(ctypes.Structure):
     ] + [("fragmentation", ctypes.c_double), ("stats_age_ns", ctypes.c_uint64)] + [
         (name, ctypes.c_char * 64) for name in ("pod", "pod_namespace", "container")
     ] + [(name, ctypes.c_uint64) for name in ("compactions", "compact_moved_bytes", "compact_freed_pages")]
+
+
+class StatField(ctypes.Structure):
+    """struct cuma_stat_field of cuma.h: one figure of the list of statistics."""
+
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("help", ctypes.c_char_p),
+        ("kind", ctypes.c_uint),
+        ("is_double", ctypes.c_uint),
+        ("offset", ctypes.c_size_t),
+        ("ledger_offset", ctypes.c_size_t),
+        ("ledger_word", ctypes.c_int),
+        ("exported", ctypes.c_uint),
+    ]
+
+
+# The kind bits of cuma.h: counter (else gauge), and the unit.
+STAT_COUNTER = 1
+STAT_UNITS = {0: "count", 2: "bytes", 4: "ns", 6: "ratio"}
+
+
+def stat_fields():
+    """The library's list of statistics (cuma_stat_fields), in its order, as dicts: name,
+    help, kind ("counter" or "gauge"), unit ("count", "bytes", "ns", "ratio"), ledger (its
+    field of a cuma.ledger() entry is of the same name), exported (a family of `cuma
+    exporter`)."""
+    n = ctypes.c_size_t()
+    p = lib().cuma_stat_fields(ctypes.byref(n))
+    return [
+        {
+            "name": p[i].name.decode(),
+            "help": p[i].help.decode(),
+            "kind": "counter" if p[i].kind & STAT_COUNTER else "gauge",
+            "unit": STAT_UNITS[p[i].kind & 6],
+            "ledger": p[i].ledger_word >= 0,
+            "ledger_offset": p[i].ledger_offset if p[i].ledger_word >= 0 else None,
+            "exported": bool(p[i].exported),
+        }
+        for i in range(n.value)
+    ]
 
 
 class Config(ctypes.Structure):
@@ -156,6 +199,8 @@ def _prototype(lib):
         "cuma_last_error": (c.c_char_p, []),
         "cuma_config_describe": (st, [c.c_char_p, sz, c.POINTER(sz)]),
         "cuma_config_check": (st, [c.c_char_p]),
+        "cuma_config_get": (st, [c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, sz, c.POINTER(sz)]),
+        "cuma_config_set": (st, [c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, sz, c.POINTER(sz)]),
         "cuma_default_heap": (st, [c.c_int, c.POINTER(vp)]),
         "cuma_default_heaps_shutdown": (None, []),
         "cuma_default_settings_set": (st, [c.c_char_p]),
@@ -172,6 +217,7 @@ def _prototype(lib):
         "cuma_set_memory_fraction": (st, [vp, c.c_double]),
         "cuma_reset_peaks": (st, [vp]),
         "cuma_stats_json": (st, [vp, c.c_char_p, sz, c.POINTER(sz)]),
+        "cuma_stat_fields": (c.POINTER(StatField), [c.POINTER(sz)]),
         "cuma_snapshot_json": (st, [vp, c.c_char_p, sz, c.POINTER(sz)]),
         "cuma_validate": (st, [vp]),
         "cuma_add_oom_callback": (st, [vp, OOM_CALLBACK, vp, c.POINTER(c.c_int)]),

@@ -14,7 +14,7 @@ def set_memory_growth(enabled):
     the heap maps its whole allowance at creation and never grows (growth:off with
     preallocate = the limit), which needs a size: call :func:`set_memory_limit` first.
     Like TensorFlow, it cannot change heaps that already exist: RuntimeError."""
-    from .heap import _conf_lock, _created_default_heaps, _default_conf, _parse_conf, _update_default_conf
+    from .heap import _conf_lock, _created_default_heaps, _conf_value, _default_conf, _update_default_conf
 
     if not isinstance(enabled, bool):
         raise TypeError("enabled must be True or False, not %r" % (enabled,))
@@ -27,12 +27,12 @@ def set_memory_growth(enabled):
         if enabled:
             _update_default_conf({"growth": "on"}, removals=("preallocate",))
             return
-        limit = _parse_conf(_default_conf()).get("limit")
-        if not limit or limit.lower() in ("none", "unlimited"):
+        limit = _conf_value(_default_conf(), "limit")
+        if limit is None:
             raise ValueError(
                 "set_memory_growth(False) needs the amount to preallocate: call set_memory_limit(bytes) first"
             )
-        _update_default_conf({"growth": "off", "preallocate": limit})
+        _update_default_conf({"growth": "off", "preallocate": str(limit)})
 
 
 def set_memory_limit(nbytes, device=None):
@@ -43,7 +43,7 @@ def set_memory_limit(nbytes, device=None):
     live memory stays until freed). With a device: that device's heap only (created if
     needed). ``nbytes`` None or 0 removes the limit. With growth off, the preallocated
     amount follows the limit."""
-    from .heap import _conf_lock, _created_default_heaps, _default_conf, _parse_conf, _update_default_conf, default_heap
+    from .heap import _conf_lock, _created_default_heaps, _conf_value, _default_conf, _update_default_conf, default_heap
 
     if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)):
         raise TypeError("nbytes must be an int or None, not %s" % type(nbytes).__name__)
@@ -55,7 +55,7 @@ def set_memory_limit(nbytes, device=None):
         return
     with _conf_lock:  # a heap created meanwhile gets either the new limit or set_limit
         updates = {"limit": str(nbytes) if nbytes else "none"}
-        if _parse_conf(_default_conf()).get("growth", "on").lower() in ("off", "false", "0", "no"):
+        if not _conf_value(_default_conf(), "growth"):
             if not nbytes:
                 raise ValueError("set_memory_limit(None): growth is off, which needs a size to preallocate")
             updates["preallocate"] = str(nbytes)

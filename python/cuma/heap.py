@@ -704,12 +704,14 @@ def remove_pressure(callback_id, device=0):
 def ledger(name=None):
     """The live heaps of the cross-process ledger (None: this user's; else the name the
     ``ledger`` setting gives), as a list of dicts: pid, process, device, priority, guarantee,
-    limit, capacity, reserved, cached, requested, peak_reserved, want, denials, pressure_asks,
-    pressure_given, pressure_calls, age_ns, slot, and the allocator figures each heap's release
-    thread publishes every 100 ms (backend, page_size, allocated, peak_requested, mapped,
-    managed, active_allocs, num_allocs, num_frees, failed_allocs, alloc_retries, ooms,
-    oom_callbacks, managed_fallbacks, page_creates, page_releases, maps, unmaps, trims,
-    page_call_ns, arenas, fragmentation, compactions, compact_moved_bytes, compact_freed_pages;
+    limit, capacity, reserved, cached, requested, peak_reserved, want, ledger_denials,
+    pressure_asks, pressure_given_bytes, pressure_callbacks (as in Heap.stats()), age_ns, slot,
+    and the allocator figures each heap's release thread publishes every 100 ms (backend, and the figures of Heap.stats() that the ledger
+    carries, under the same names: page_size, allocated_bytes, peak_requested_bytes,
+    mapped_bytes, managed_bytes, active_allocs, num_allocs, num_frees, failed_allocs,
+    alloc_retries, ooms, oom_callbacks, managed_fallbacks, page_creates, page_releases, maps,
+    unmaps, trims, page_call_ns, arenas, fragmentation, compactions, compact_moved_bytes,
+    compact_freed_pages;
     stats_age_ns says how old they are, None before the first), and pod, pod_namespace, container (the process's POD_NAME, POD_NAMESPACE and
     CONTAINER_NAME when it joined; "" outside Kubernetes). Raises CumaIOError (naming the path) when no heap has made that ledger."""
     if name is not None and not isinstance(name, str):
@@ -857,29 +859,41 @@ def config_keys():
     return keys
 
 
-def _parse_conf(conf):
-    """A settings string as an ordered dict key -> value (lenient: for merging only)."""
-    out = {}
-    for item in (conf or "").split(","):
-        if not item.strip():
-            continue
-        k, sep, v = item.partition(":")
-        out[k.strip()] = v.strip() if sep else ""
-    return out
+def _conf_origin():
+    """Where the default heaps' settings come from, as libcuma's messages name it."""
+    return "CUMA_CONF" if _default_settings is None else "default heap settings"
 
 
-def _format_conf(d):
-    return ",".join("%s:%s" % (k, v) for k, v in d.items())
+def _conf_value(conf, key):
+    """The value ``key`` takes under the settings string ``conf`` after the defaults (None for
+    none), read by libcuma (cuma_config_get), which refuses a malformed string as a heap would."""
+    lib = _lib.lib()
+    c_conf = _c_string(conf, "default heap settings", ConfigError) if conf is not None else None
+    args = (c_conf, _conf_origin().encode(), key.encode())
+    return json.loads(_lib.read_json_text(lambda buf, n, needed: lib.cuma_config_get(*args, buf, n, needed)))
+
+
+def _conf_with(conf, key, value):
+    """``conf`` with every item of ``key`` left out and, unless ``value`` is None,
+    ``key:value`` added where it wins (cuma_config_set)."""
+    lib = _lib.lib()
+    args = (
+        _c_string(conf, "default heap settings", ConfigError) if conf is not None else None,
+        _conf_origin().encode(),
+        key.encode(),
+        None if value is None else _c_string(value, "%s's value" % key, ConfigError),
+    )
+    return _lib.read_json_text(lambda buf, n, needed: lib.cuma_config_set(*args, buf, n, needed))
 
 
 def _update_default_conf(updates, removals=()):
     """Merges key changes into the default heaps' settings (CUMA_CONF until settings were
     given), checked before they are set; returns the new string. The caller holds _conf_lock."""
-    d = _parse_conf(_default_conf())
+    conf = _default_conf()
     for k in removals:
-        d.pop(k, None)
-    d.update(updates)
-    conf = _format_conf(d)
+        conf = _conf_with(conf, k, None)
+    for k, v in updates.items():
+        conf = _conf_with(conf, k, v)
     check_config(conf)
     _set_default_settings(conf)
     return conf

@@ -261,8 +261,8 @@ _TORCH_KEYS = (
     ("allocation.all.allocated", "num_allocs"),
     ("allocation.all.freed", "num_frees"),
     ("active.all.current", "active_allocs"),
-    ("num_alloc_retries", "num_alloc_retries"),
-    ("num_ooms", "num_ooms"),
+    ("num_alloc_retries", "alloc_retries"),
+    ("num_ooms", "ooms"),
     ("num_device_alloc", "page_creates"),
     ("num_device_free", "page_releases"),
 )

@@ -5,6 +5,7 @@ layers over them: cuma.default_heap, cuma.on_oom, cuma.torch.memory_stats,
 cuma.CudaMemoryAllocator."""
 
 import ctypes
+import os
 import threading
 import time
 
@@ -254,7 +255,7 @@ def test_memory_stats_counts_ooms_and_retries(monkeypatch):
     s = ctorch.memory_stats()
     assert calls == [60 * MB]
     assert s["num_ooms"] == 1 and s["num_alloc_retries"] >= 1
-    assert s["num_alloc_retries"] == s["cuma.num_alloc_retries"] and s["cuma.failed_allocs"] == 1
+    assert s["num_alloc_retries"] == s["cuma.alloc_retries"] and s["cuma.failed_allocs"] == 1
     assert s["cuma.oom_callbacks"] == 1
     alloc.free(p)
 
@@ -390,3 +391,51 @@ def test_allocator_conf_leaves_cuma_conf_alone(monkeypatch):
     assert os.environ["CUMA_CONF"] == "backend:sim,capacity:1G,limit:16M"
     with cuma.Heap() as h:
         assert h.stats()["limit_bytes"] == 16 * MB
+
+
+def _config_error(call):
+    with pytest.raises(cuma.ConfigError) as e:
+        call()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("bad", ["bogus", "limit:lots", "no_such_key:1", "growth:maybe"])
+def test_settings_refused_alike_by_every_reader(monkeypatch, bad):
+    """libcuma's config.c is the one reader of the settings grammar: a bad item is refused with
+    the same message when the string is checked, when a heap is made from it, and when the
+    package reads or rewrites the default heaps' settings (set_memory_limit, set_memory_growth),
+    which split the string themselves before: 'bogus' became the key 'bogus' with an empty value
+    and was refused as an unknown key, and 'limit:lots' was replaced by the new limit unseen."""
+    from cuma import adaptive
+
+    checked = _config_error(lambda: cuma.check_config(bad))
+    assert checked.startswith("config: ")
+    assert _config_error(lambda: cuma.Heap(bad, use_env=False)) == checked
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:256M," + bad)
+    want = "CUMA_CONF: " + checked[len("config: "):]
+    assert _config_error(lambda: cuma.Heap()) == want
+    assert _config_error(lambda: adaptive.set_memory_limit(64 << 20)) == want
+    assert _config_error(lambda: adaptive.set_memory_growth(False)) == want
+    assert _config_error(lambda: adaptive.set_memory_growth(True)) == want
+    assert cuma.heap._default_conf() == os.environ["CUMA_CONF"]  # nothing was given
+
+
+def test_memory_settings_read_the_settings_as_a_heap_does(monkeypatch):
+    """The default heaps' growth and limit are read by libcuma, with the grammar's spacing,
+    spellings and last-one-wins, and a rewritten key wins over the one it replaces."""
+    from cuma import adaptive
+
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:256M, growth : NO ,preallocate:16M, limit : 16M ")
+    adaptive.set_memory_limit(32 << 20)  # growth is off: the preallocation follows
+    conf = cuma.heap._default_conf()
+    assert cuma.heap._conf_value(conf, "preallocate") == 32 << 20
+    assert cuma.heap._conf_value(conf, "limit") == 32 << 20
+    assert cuma.heap._conf_value(conf, "growth") is False
+    adaptive.set_memory_growth(True)
+    conf = cuma.heap._default_conf()
+    assert "preallocate" not in conf and cuma.heap._conf_value(conf, "growth") is True
+    monkeypatch.setenv("CUMA_CONF", "backend:sim,limit:16M,limit:UNLIMITED")
+    with cuma.heap._conf_lock:
+        cuma.heap._set_default_settings(None)
+    with pytest.raises(ValueError, match="set_memory_limit"):
+        adaptive.set_memory_growth(False)  # the last limit is none

@@ -120,7 +120,7 @@ def test_oom_callbacks_run_in_order_and_retry(sim_heap):
     p = h.alloc(32 * MB)
     assert calls == [("first", 32 * MB), ("second", 32 * MB)]
     s = h.stats()
-    assert s["num_ooms"] == 1 and s["oom_callbacks"] == 2 and s["active_allocs"] == 1
+    assert s["ooms"] == 1 and s["oom_callbacks"] == 2 and s["active_allocs"] == 1
     h.free(p)
     h.validate()
 

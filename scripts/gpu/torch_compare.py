@@ -207,8 +207,9 @@ def child(a):
                                                    "unmap_runs",
                                                    "early_remaps", "remap_waits", "events_recorded",
                                                    "event_queries", "page_call_ns", "remap_keep",
-                                                   "num_alloc_retries", "failed_allocs", "fragmentation",
+                                                   "failed_allocs", "fragmentation",
                                                    "policy", "page_alias")}
+        extra["num_alloc_retries"] = s.get("num_alloc_retries")  # PyTorch's name, as below
         # Driver calls per training step: what the step time pays for cuma's memory.
         for k in ("page_creates", "maps", "unmaps", "map_runs", "unmap_runs", "remap_waits", "event_queries",
                   "page_call_ns"):

@@ -35,6 +35,16 @@
  * it as device memory that other heaps could have. */
 #define CUMA_CAP_OVERSUBSCRIBE 64u
 
+/* What device a backend drives: the core and the shims test this, never the name, which is
+ * for people (the stats, `cuma ps`, messages) and may change. A wrapper (locked, ledger) has the
+ * kind of the backend it wraps. */
+typedef enum cuma_backend_kind {
+    CUMA_BACKEND_SIM,     /* the simulated device (sim.c) */
+    CUMA_BACKEND_VMM,     /* CUDA pages in a reserved range (cuda_vmm.c) */
+    CUMA_BACKEND_SEGMENT, /* cuMemAlloc segments (cuda_segment.c) */
+    CUMA_BACKEND_MANAGED, /* cuMemAllocManaged segments (cuda_segment.c) */
+} cuma_backend_kind;
+
 typedef struct cuma_backend cuma_backend;
 
 typedef struct cuma_backend_ops {
@@ -76,7 +86,8 @@ typedef struct cuma_backend_ops {
 /* Fields are set by the backend's constructor and constant afterwards. */
 struct cuma_backend {
     const cuma_backend_ops *ops;
-    const char *name;
+    cuma_backend_kind kind;
+    const char *name; /* the kind's name as the stats show it: "sim", "vmm", ... */
     unsigned caps;
     uint64_t page_size;  /* granularity of page_create/map */
     uint64_t capacity;   /* device memory in bytes */

@@ -52,6 +52,16 @@ typedef struct cudabe_stuck {
     uint64_t a, size;
 } cudabe_stuck;
 
+/* How the driver takes one call over a run of several pages. Zero (what calloc gives) is the
+ * range call, the way every driver the probe saw so far works. */
+typedef enum cudabe_run_way {
+    RUN_RANGE,    /* one call for the run */
+    RUN_PER_PAGE, /* the driver refused the range: one call a page */
+    /* The probe could not ask (the device was full): one call a page, except that the first run
+     * of several pages tries the range call once, by doing, and keeps whichever way works. */
+    RUN_UNTRIED,
+} cudabe_run_way;
+
 /* A pooled event: created on first need with CU_EVENT_DISABLE_TIMING (cheaper to record and
  * query), reused for every later fence, destroyed only with the backend. An event can be
  * recorded only on a stream of its own context, so each event belongs to one: the device's
@@ -75,13 +85,10 @@ typedef struct cuda_be {
     CUmemAllocationProp prop;
     CUmemAccessDesc *access; /* owner first, then every peer that can access this device */
     size_t naccess;
-    /* What the vmm probe found this driver does (cuda_vmm.c): cuMemSetAccess and cuMemUnmap
-     * over a range of several mappings, or only one mapping at a time. */
-    bool access_per_page, unmap_per_page;
-    /* Set when the probe could not run (the device was full): the first map and the first unmap
-     * of several pages try the range call once and keep whichever way works (cuda_vmm.c). Only
-     * the caller of the backend (one at a time) reads or writes these. */
-    bool access_untried, unmap_untried;
+    /* What the vmm probe found this driver does with cuMemSetAccess and with cuMemUnmap over a
+     * run of several mappings (cuda_vmm.c). Only the caller of the backend (one at a time) reads
+     * or writes these. */
+    cudabe_run_way access_way, unmap_way;
     cudabe_event *events;
     uint32_t nevents, capevents, free_event;
     cudabe_stuck *stuck;

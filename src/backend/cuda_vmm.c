@@ -98,19 +98,16 @@ static cuma_status vmm_map(cuma_backend *be, uint64_t addr, const uint64_t *hand
     /* One call for the run: each mapping is one handle, but access is set on a range (where the
      * probe found the driver takes one). */
     CUresult r = CUDA_SUCCESS;
-    bool per_page = b->access_per_page, asked = false;
-    if (per_page && b->access_untried && n > 1) {
-        /* Started on a full device: the probe's question, asked by this call. */
-        b->access_untried = false;
-        asked = true;
+    bool asked = b->access_way == RUN_UNTRIED && n > 1;
+    if (b->access_way == RUN_RANGE || asked)
         r = b->cu->MemSetAccess((CUdeviceptr)addr, (size_t)n * ps, b->access, b->naccess);
-        if (r == CUDA_SUCCESS)
-            b->access_per_page = per_page = false;
-        else
-            r = CUDA_SUCCESS; /* refused over a range: a page at a time, now and from now on */
-    } else if (!per_page) {
-        r = b->cu->MemSetAccess((CUdeviceptr)addr, (size_t)n * ps, b->access, b->naccess);
+    if (asked) {
+        /* Started on a full device: the probe's question, answered by this call. Refused over
+         * a range: a page at a time, now and from now on. */
+        b->access_way = r == CUDA_SUCCESS ? RUN_RANGE : RUN_PER_PAGE;
+        r = CUDA_SUCCESS;
     }
+    bool per_page = b->access_way != RUN_RANGE;
     for (uint32_t k = 0; per_page && k < n && r == CUDA_SUCCESS; k++)
         r = b->cu->MemSetAccess((CUdeviceptr)(addr + (uint64_t)k * ps), ps, b->access, b->naccess);
     if (r != CUDA_SUCCESS) {
@@ -120,7 +117,7 @@ static cuma_status vmm_map(cuma_backend *be, uint64_t addr, const uint64_t *hand
                                addr, n, b->naccess);
         unmap_run(b, addr, n);
         /* A page at a time failed too: the range's refusal said nothing about ranges. */
-        if (asked) b->access_untried = true;
+        if (asked) b->access_way = RUN_UNTRIED;
     }
     cudabe_ctx_leave(b, &g);
     return st;
@@ -140,12 +137,11 @@ static cuma_status vmm_unmap(cuma_backend *be, uint64_t addr, uint32_t n) {
         for (uint32_t k = 0; k < n; k++) cuma_cudabe_stuck_add(b, STUCK_MAPPING, addr + k * ps, ps);
         return st;
     }
-    bool ask = b->unmap_untried && n > 1; /* started on a full device: ask once, by doing */
-    if (ask) b->unmap_untried = false;
-    CUresult r = b->unmap_per_page && n > 1 && !ask
+    bool ask = b->unmap_way == RUN_UNTRIED && n > 1; /* started on a full device: ask, by doing */
+    CUresult r = b->unmap_way == RUN_PER_PAGE && n > 1
                      ? CUDA_ERROR_NOT_SUPPORTED
                      : b->cu->MemUnmap((CUdeviceptr)addr, (size_t)(n * ps));
-    if (ask && r == CUDA_SUCCESS) b->unmap_per_page = false;
+    if (ask) b->unmap_way = r == CUDA_SUCCESS ? RUN_RANGE : RUN_PER_PAGE;
     uint64_t bad = addr;
     if (r != CUDA_SUCCESS && n > 1) {
         r = CUDA_SUCCESS;
@@ -160,7 +156,7 @@ static cuma_status vmm_unmap(cuma_backend *be, uint64_t addr, uint32_t n) {
             }
         }
         /* Pages failed one at a time too: the range's refusal said nothing about ranges. */
-        if (ask && r != CUDA_SUCCESS) b->unmap_untried = true;
+        if (ask && r != CUDA_SUCCESS) b->unmap_way = RUN_UNTRIED;
     } else if (r != CUDA_SUCCESS) {
         cuma_cudabe_stuck_add(b, STUCK_MAPPING, addr, ps);
     } else if (b->nstuck) {
@@ -228,15 +224,14 @@ static cuma_status probe(cuda_be *b) {
     if (st == CUMA_ERR_OOM) {
         while (made-- > 0) vmm_page_release(&b->be, h[made]);
         vmm_unreserve(&b->be, va, 3 * ps);
-        b->access_per_page = b->unmap_per_page = true;
-        b->access_untried = b->unmap_untried = true;
+        b->access_way = b->unmap_way = RUN_UNTRIED;
         cuma_clear_error();
         return CUMA_OK;
     }
     if (!st) {
         st = vmm_map(&b->be, va, h, 2);
         if (st) { /* one access call a page, then? */
-            b->access_per_page = true;
+            b->access_way = RUN_PER_PAGE;
             st = vmm_map(&b->be, va, h, 2);
         }
     }
@@ -248,7 +243,7 @@ static cuma_status probe(cuda_be *b) {
         cudabe_ctx_guard g;
         if (cudabe_ctx_enter(b, &g) == CUMA_OK) {
             if (b->cu->MemUnmap((CUdeviceptr)va, (size_t)(2 * ps)) != CUDA_SUCCESS) {
-                b->unmap_per_page = true;
+                b->unmap_way = RUN_PER_PAGE;
                 cudabe_ctx_leave(b, &g);
                 vmm_unmap(&b->be, va, 2); /* one a page; what fails is retried later */
             } else {
@@ -266,6 +261,7 @@ static cuma_status probe(cuda_be *b) {
 
 cuma_status cuma_cudabe_init_vmm(cuda_be *b, const cuma_settings *s) {
     b->be.ops = &vmm_ops;
+    b->be.kind = CUMA_BACKEND_VMM;
     b->be.name = "vmm";
     b->be.caps |= CUMA_CAP_VMM;
     b->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;

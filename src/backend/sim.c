@@ -335,6 +335,7 @@ cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out
     sim *s = calloc(1, sizeof *s);
     if (!s) return cuma_fail(CUMA_ERR_OOM, "sim: no host memory");
     s->be.ops = &sim_ops;
+    s->be.kind = CUMA_BACKEND_SIM;
     s->be.name = "sim";
     s->be.caps = (set->sim_segments ? CUMA_CAP_SEGMENTS : CUMA_CAP_VMM | CUMA_CAP_ALIAS) |
                  CUMA_CAP_MANAGED |

@@ -140,8 +140,7 @@ static void clear_slot(ledger_slot *s) {
     atomic_store(&s->given, 0);
     atomic_store(&s->calls, 0);
     atomic_store(&s->published_ns, 0);
-    for (unsigned i = 0; i < LEDGER_ST_N; i++) atomic_store(&s->stat[i], 0);
-    for (unsigned i = 0; i < 3; i++) atomic_store(&s->compact[i], 0);
+    for (unsigned w = 0; w < LEDGER_FIGURES_N; w++) atomic_store(ledger_figure(s, w), 0);
     atomic_store(&s->stats_ns, 0);
 }
 
@@ -340,51 +339,45 @@ void cuma_ledger_publish(cuma_ledger *l, uint64_t cached, uint64_t requested, un
     pthread_mutex_unlock(&l->f->mu);
 }
 
-/* Where each of a slot's allocator figures comes from (a uint64_t of cuma_stats) and goes to (one
- * of cuma_ledger_entry), by its index in the slot; fragmentation, a share, travels apart in parts
- * per million (LEDGER_ST_FRAG_PPM). */
-#define STAT(idx, from, to) [idx] = {offsetof(cuma_stats, from), offsetof(cuma_ledger_entry, to)}
+/* Where each of a slot's allocator figures comes from (a field of cuma_stats) and goes to (the
+ * cuma_ledger_entry field of the same name), by its word in the slot: the list of cuma.h. */
 static const struct {
     size_t from, to;
-} stat_fields[LEDGER_ST_FRAG_PPM] = {
-    STAT(LEDGER_ST_PAGE_SIZE, page_size, page_size),
-    STAT(LEDGER_ST_ALLOCATED, allocated_bytes, allocated),
-    STAT(LEDGER_ST_PEAK_REQUESTED, peak_requested_bytes, peak_requested),
-    STAT(LEDGER_ST_MAPPED, mapped_bytes, mapped),
-    STAT(LEDGER_ST_MANAGED, managed_bytes, managed),
-    STAT(LEDGER_ST_ACTIVE, active_allocs, active_allocs),
-    STAT(LEDGER_ST_ALLOCS, num_allocs, num_allocs),
-    STAT(LEDGER_ST_FREES, num_frees, num_frees),
-    STAT(LEDGER_ST_FAILED, failed_allocs, failed_allocs),
-    STAT(LEDGER_ST_RETRIES, num_alloc_retries, alloc_retries),
-    STAT(LEDGER_ST_OOMS, num_ooms, ooms),
-    STAT(LEDGER_ST_OOM_CALLS, oom_callbacks, oom_callbacks),
-    STAT(LEDGER_ST_MANAGED_FALLBACKS, managed_fallbacks, managed_fallbacks),
-    STAT(LEDGER_ST_CREATES, page_creates, page_creates),
-    STAT(LEDGER_ST_RELEASES, page_releases, page_releases),
-    STAT(LEDGER_ST_MAPS, maps, maps),
-    STAT(LEDGER_ST_UNMAPS, unmaps, unmaps),
-    STAT(LEDGER_ST_TRIMS, trims, trims),
-    STAT(LEDGER_ST_CALL_NS, page_call_ns, page_call_ns),
-    STAT(LEDGER_ST_ARENAS, arenas, arenas),
+    bool ratio; /* a double from 0 to 1, in parts per million */
+} figures[LEDGER_FIGURES_N] = {
+#define FIG(type, name, kind, where, help)                                                         \
+    CUMA_STAT_IF_LEDGER(where,                                                                     \
+                        [CUMA_STAT_WORD(where)] = {offsetof(cuma_stats, name),                     \
+                                                   offsetof(cuma_ledger_entry, name),              \
+                                                   CUMA_STAT_UNIT(kind) == CUMA_STAT_RATIO}, )
+    CUMA_STATS_FIELDS(FIG)
+#undef FIG
 };
-#undef STAT
-_Static_assert(LEDGER_ST_FRAG_PPM + 1 == LEDGER_ST_N, "fragmentation is the last figure");
+/* Every word is some figure's, none two figures': LEDGER_FIGURES_N distinct powers of two, and
+ * nothing else, sum to 2^LEDGER_FIGURES_N - 1. */
+#define FIG_COUNT(type, name, kind, where, help) +(CUMA_STAT_WORD(where) >= 0)
+#define FIG_BIT(type, name, kind, where, help)                                                     \
+    +(CUMA_STAT_WORD(where) >= 0 ? 1ull << CUMA_STAT_WORD(where) : 0)
+_Static_assert(0 CUMA_STATS_FIELDS(FIG_COUNT) == LEDGER_FIGURES_N &&
+                   0 CUMA_STATS_FIELDS(FIG_BIT) == (1ull << LEDGER_FIGURES_N) - 1,
+               "each ledger word 0 to LEDGER_FIGURES_N - 1 belongs to one figure of the list");
+#undef FIG_COUNT
+#undef FIG_BIT
+
+/* A ratio (a double), clamped to [0, 1], in parts per million. */
+static uint64_t to_ppm(double x) {
+    return (uint64_t)((x < 0 ? 0 : x > 1 ? 1 : x) * 1e6 + 0.5);
+}
 
 void cuma_ledger_publish_stats(cuma_ledger *l, const cuma_stats *s) {
     if (!owned(l)) return;
     pthread_mutex_lock(&l->f->mu);
     ledger_slot *me = &l->mine;
-    for (unsigned i = 0; i < LEDGER_ST_FRAG_PPM; i++)
-        atomic_store_explicit(&me->stat[i],
-                              *(const uint64_t *)((const char *)s + stat_fields[i].from),
-                              memory_order_relaxed);
-    double frag = s->fragmentation < 0 ? 0 : s->fragmentation > 1 ? 1 : s->fragmentation;
-    atomic_store_explicit(&me->stat[LEDGER_ST_FRAG_PPM], (uint64_t)(frag * 1e6 + 0.5),
-                          memory_order_relaxed);
-    atomic_store_explicit(&me->compact[0], s->compactions, memory_order_relaxed);
-    atomic_store_explicit(&me->compact[1], s->compact_moved_bytes, memory_order_relaxed);
-    atomic_store_explicit(&me->compact[2], s->compact_freed_pages, memory_order_relaxed);
+    for (unsigned w = 0; w < LEDGER_FIGURES_N; w++) {
+        const char *from = (const char *)s + figures[w].from;
+        uint64_t v = figures[w].ratio ? to_ppm(*(const double *)from) : *(const uint64_t *)from;
+        atomic_store_explicit(ledger_figure(me, w), v, memory_order_relaxed);
+    }
     atomic_store_explicit(&me->stats_ns, cuma_ledger_now_ns(), memory_order_release);
     write_mine(l);
     pthread_mutex_unlock(&l->f->mu);
@@ -672,25 +665,24 @@ static void entry_of(const ledger_slot *s, unsigned i, uint64_t now, cuma_ledger
     e->requested = atomic_load(&s->requested);
     e->peak_reserved = atomic_load(&s->peak);
     e->want = want_of(s, now);
-    e->denials = atomic_load(&s->denials);
+    e->ledger_denials = atomic_load(&s->denials);
     e->pressure_asks = atomic_load(&s->asks);
-    e->pressure_given = atomic_load(&s->given);
-    e->pressure_calls = atomic_load(&s->calls);
+    e->pressure_given_bytes = atomic_load(&s->given);
+    e->pressure_callbacks = atomic_load(&s->calls);
     uint64_t p = atomic_load(&s->published_ns);
     e->age_ns = now > p ? now - p : 0;
     memcpy(e->backend, s->backend, sizeof e->backend);
     e->backend[sizeof e->backend - 1] = 0;
     uint64_t at = atomic_load_explicit(&s->stats_ns, memory_order_acquire);
     e->stats_age_ns = !at ? UINT64_MAX : now > at ? now - at : 0;
-    for (unsigned i = 0; i < LEDGER_ST_FRAG_PPM; i++)
-        *(uint64_t *)((char *)e + stat_fields[i].to) =
-            atomic_load_explicit(&s->stat[i], memory_order_relaxed);
-    /* A scribbled slot must not print a share above one. */
-    uint64_t ppm = atomic_load_explicit(&s->stat[LEDGER_ST_FRAG_PPM], memory_order_relaxed);
-    e->fragmentation = ppm > 1000000 ? 1.0 : (double)ppm / 1e6;
-    e->compactions = atomic_load_explicit(&s->compact[0], memory_order_relaxed);
-    e->compact_moved_bytes = atomic_load_explicit(&s->compact[1], memory_order_relaxed);
-    e->compact_freed_pages = atomic_load_explicit(&s->compact[2], memory_order_relaxed);
+    for (unsigned w = 0; w < LEDGER_FIGURES_N; w++) {
+        uint64_t v = atomic_load_explicit(ledger_figure(s, w), memory_order_relaxed);
+        char *to = (char *)e + figures[w].to;
+        if (figures[w].ratio) /* A scribbled slot must not print a share above one. */
+            *(double *)to = v > 1000000 ? 1.0 : (double)v / 1e6;
+        else
+            *(uint64_t *)to = v;
+    }
 }
 
 void cuma_ledger_self(cuma_ledger *l, cuma_ledger_entry *out) {

@@ -23,31 +23,16 @@
 #define LEDGER_VERSION 4u /* 3: no in-file mutex, a lock generation; 4: Kubernetes names */
 #define LEDGER_SLOTS   256u
 
-/* The allocator figures of a slot's stat[] (cuma_ledger_entry's of the same names); fragmentation
- * in parts per million. */
+/* A slot's allocator figures: the figures of the list in cuma.h that name a ledger word (the
+ * fields of cuma_ledger_entry of the same names). Word w is stat[w] below while w < LEDGER_ST_N,
+ * else compact[w - LEDGER_ST_N] (words that came later, in what were spare words); a ratio
+ * travels in parts per million. LEDGER_FIG_name is a figure's word (-1: not in the ledger). */
+#define LEDGER_ST_N      21u
+#define LEDGER_FIGURES_N 24u
 enum {
-    LEDGER_ST_PAGE_SIZE,
-    LEDGER_ST_ALLOCATED,
-    LEDGER_ST_PEAK_REQUESTED,
-    LEDGER_ST_MAPPED,
-    LEDGER_ST_MANAGED,
-    LEDGER_ST_ACTIVE,
-    LEDGER_ST_ALLOCS,
-    LEDGER_ST_FREES,
-    LEDGER_ST_FAILED,
-    LEDGER_ST_RETRIES,
-    LEDGER_ST_OOMS,
-    LEDGER_ST_OOM_CALLS,
-    LEDGER_ST_MANAGED_FALLBACKS,
-    LEDGER_ST_CREATES,
-    LEDGER_ST_RELEASES,
-    LEDGER_ST_MAPS,
-    LEDGER_ST_UNMAPS,
-    LEDGER_ST_TRIMS,
-    LEDGER_ST_CALL_NS,
-    LEDGER_ST_ARENAS,
-    LEDGER_ST_FRAG_PPM,
-    LEDGER_ST_N
+#define LEDGER_FIG(type, name, kind, where, help) LEDGER_FIG_##name = CUMA_STAT_WORD(where),
+    CUMA_STATS_FIELDS(LEDGER_FIG)
+#undef LEDGER_FIG
 };
 
 /* One heap. Its owner keeps the slot in its handle and writes it whole into the file whenever
@@ -78,19 +63,20 @@ typedef struct ledger_slot {
     _Atomic uint64_t denials, asks, given, calls;
     _Atomic uint64_t published_ns; /* CLOCK_MONOTONIC of the owner's last publish */
     uint64_t pidns; /* the PID namespace its pid means something in (inode), 0 if unknown */
-    /* The owner's allocator figures (LEDGER_ST_*), each published alone: a reader may see some
-     * of one publication and some of the previous (counters only grow, so a rate is never
-     * negative for long). stats_ns: CLOCK_MONOTONIC of the last publication, 0 = none. */
+    /* The owner's allocator figures (words 0 to LEDGER_ST_N - 1), each published alone: a reader
+     * may see some of one publication and some of the previous (counters only grow, so a rate is
+     * never negative for long). stats_ns: CLOCK_MONOTONIC of the last publication, 0 = none. */
     _Atomic uint64_t stat[LEDGER_ST_N];
     _Atomic uint64_t stats_ns;
     /* Where the process runs in Kubernetes (POD_NAME, POD_NAMESPACE, CONTAINER_NAME, which the
      * manifests set from the downward API; empty outside), written once at join, so that the
      * exporter's series join with the pod's. */
     char pod[64], pod_namespace[64], container[64];
-    /* Compaction figures (compactions, compact_moved_bytes, compact_freed_pages of cuma_stats),
-     * published with stat[] in what were spare words: a build that predates them writes zeros
-     * there, so the layout (and LEDGER_VERSION) stays as it was. */
-    _Atomic uint64_t compact[3];
+    /* Words LEDGER_ST_N and up (the compaction figures), published with stat[] in what were
+     * spare words: a build that predates them writes zeros there, so the layout (and
+     * LEDGER_VERSION) stays as it was. Three more figures fit the same way: compact[] grows by
+     * what spare[] shrinks (LEDGER_FIGURES_N with it), which the assert below keeps honest. */
+    _Atomic uint64_t compact[LEDGER_FIGURES_N - LEDGER_ST_N];
     uint64_t spare[3];
 } ledger_slot;
 
@@ -110,6 +96,17 @@ typedef struct ledger_shm {
     uint64_t spare[16];
     ledger_slot slot[];
 } ledger_shm;
+
+/* Slot word w of the allocator figures (of a const slot too: readers only load it). */
+static inline _Atomic uint64_t *ledger_figure(const ledger_slot *s, unsigned w) {
+    return (_Atomic uint64_t *)(w < LEDGER_ST_N ? &s->stat[w] : &s->compact[w - LEDGER_ST_N]);
+}
+
+/* The layout of LEDGER_VERSION 4, which every build that names that version must keep: a new
+ * allocator figure needs a spare word (or a new version). */
+_Static_assert(sizeof(ledger_slot) == 672 && offsetof(ledger_slot, stat) == 256 &&
+                   offsetof(ledger_slot, compact) == 624,
+               "ledger_slot's layout changed: bump LEDGER_VERSION");
 
 #define LEDGER_BYTES (sizeof(ledger_shm) + LEDGER_SLOTS * sizeof(ledger_slot))
 _Static_assert(offsetof(ledger_slot, state) == 0 && offsetof(ledger_slot, pid) == 4 &&

@@ -447,7 +447,20 @@ static char *trim(char *p) {
     return p;
 }
 
-cuma_status cuma_settings_parse(cuma_settings *s, const char *conf, const char *origin) {
+/* The key's row of the table, or NULL with the message every reader gives for an unknown key. */
+static const key_desc *find_key(const char *key, const char *origin) {
+    for (size_t i = 0; i < NKEYS; i++)
+        if (!strcmp(keys[i].key, key)) return &keys[i];
+    cuma_fail(CUMA_ERR_CONFIG, "%s: unknown key '%s' (see `cuma config`)", origin, key);
+    return NULL;
+}
+
+/* Called for each item of a settings string, its key known and its value trimmed. */
+typedef cuma_status (*item_fn)(void *ctx, const key_desc *d, const char *value, const char *origin);
+
+/* The one reader of the grammar: splits conf at commas, trims, splits each item at its first
+ * colon and finds the key, then hands the item to fn; the first error ends the walk. */
+static cuma_status each_item(const char *conf, const char *origin, item_fn fn, void *ctx) {
     if (!conf) return CUMA_OK;
     size_t n = strlen(conf);
     if (n > 4096)
@@ -461,17 +474,20 @@ cuma_status cuma_settings_parse(cuma_settings *s, const char *conf, const char *
         char *colon = strchr(item, ':');
         if (!colon) return cuma_fail(CUMA_ERR_CONFIG, "%s: '%s' is not key:value", origin, item);
         *colon = 0;
-        char *key = trim(item), *val = trim(colon + 1);
-        const key_desc *d = NULL;
-        for (size_t i = 0; i < NKEYS; i++)
-            if (!strcmp(keys[i].key, key)) d = &keys[i];
-        if (!d)
-            return cuma_fail(CUMA_ERR_CONFIG, "%s: unknown key '%s' (see `cuma config`)", origin,
-                             key);
-        cuma_status st = set_value(s, d, val, origin);
+        const key_desc *d = find_key(trim(item), origin);
+        if (!d) return CUMA_ERR_CONFIG;
+        cuma_status st = fn(ctx, d, trim(colon + 1), origin);
         if (st) return st;
     }
     return CUMA_OK;
+}
+
+static cuma_status apply_item(void *ctx, const key_desc *d, const char *value, const char *origin) {
+    return set_value(ctx, d, value, origin);
+}
+
+cuma_status cuma_settings_parse(cuma_settings *s, const char *conf, const char *origin) {
+    return each_item(conf, origin, apply_item, s);
 }
 
 static bool pow2(uint64_t x) {
@@ -535,6 +551,15 @@ cuma_status cuma_config_check(const char *conf) {
     return st ? st : cuma_settings_validate(&s);
 }
 
+/* Ends a call that wrote text into the caller's buffer: *needed the length without the NUL. */
+static cuma_status text_done(const cuma_strbuf *o, size_t *needed) {
+    if (needed) *needed = o->used;
+    if (!o->buf || o->used >= o->len)
+        return cuma_fail(CUMA_ERR_INVALID, "buffer of %zu bytes too small, %zu needed", o->len,
+                         o->used + 1);
+    return CUMA_OK;
+}
+
 cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed) {
     cuma_strbuf o = {buf, len, 0};
     if (buf && len) buf[0] = 0;
@@ -544,68 +569,129 @@ cuma_status cuma_config_describe(char *buf, size_t len, size_t *needed) {
         if (keys[i].kind == K_NAME) cuma_strbuf_put(&o, " [%s]", keys[i].choices);
         cuma_strbuf_put(&o, "\n");
     }
-    if (needed) *needed = o.used;
-    if (!buf || o.used >= len)
-        return cuma_fail(CUMA_ERR_INVALID, "buffer of %zu bytes too small, %zu needed", len,
-                         o.used + 1);
-    return CUMA_OK;
+    return text_done(&o, needed);
+}
+
+/* The value of d's field in s as JSON (the stats' "settings" spell them so). */
+static void put_value(cuma_strbuf *o, const cuma_settings *s, const key_desc *d) {
+    const char *field = (const char *)s + d->offset;
+    switch (d->kind) {
+    case K_SIZE:
+        cuma_strbuf_put(o, "%llu", (unsigned long long)*(const uint64_t *)field);
+        break;
+    case K_SIZE_OR_NONE: {
+        uint64_t v = *(const uint64_t *)field;
+        if (v == CUMA_UNLIMITED)
+            cuma_strbuf_put(o, "null");
+        else
+            cuma_strbuf_put(o, "%llu", (unsigned long long)v);
+        break;
+    }
+    case K_MS:
+        cuma_strbuf_put(o, "%lld", (long long)*(const int64_t *)field);
+        break;
+    case K_FRACTION: {
+        /* The shortest form that reads back as the same double: %g's 6 digits made
+         * remap_threshold:0.1234567 read 0.123457 in the stats. */
+        double v = *(const double *)field;
+        char t[32];
+        for (int digits = 6; digits <= 17; digits++) {
+            snprintf(t, sizeof t, "%.*g", digits, v);
+            if (strtod(t, NULL) == v) break;
+        }
+        cuma_strbuf_put(o, "%s", t);
+        break;
+    }
+    case K_BOOL:
+        cuma_strbuf_put(o, "%s", *(const bool *)field ? "true" : "false");
+        break;
+    case K_INT:
+    case K_PRIO:
+        cuma_strbuf_put(o, "%d", *(const int *)field);
+        break;
+    case K_WORD:
+        cuma_strbuf_json_string(o, field);
+        break;
+    case K_PATH:
+        if (*field)
+            cuma_strbuf_json_string(o, field);
+        else
+            cuma_strbuf_put(o, "null");
+        break;
+    case K_NAME:
+        if (d->offset == F(sim_clock_manual))
+            cuma_strbuf_put(o, "\"%s\"", s->sim_clock_manual ? "manual" : "real");
+        else
+            cuma_strbuf_put(o, "\"%s\"", field);
+        break;
+    }
 }
 
 size_t cuma_settings_json(const cuma_settings *s, char *buf, size_t len) {
     cuma_strbuf o = {buf, len, 0};
     for (size_t i = 0; i < NKEYS; i++) {
-        const char *field = (const char *)s + keys[i].offset;
         cuma_strbuf_put(&o, "%s\"%s\":", i ? "," : "", keys[i].key);
-        switch (keys[i].kind) {
-        case K_SIZE:
-            cuma_strbuf_put(&o, "%llu", (unsigned long long)*(const uint64_t *)field);
-            break;
-        case K_SIZE_OR_NONE: {
-            uint64_t v = *(const uint64_t *)field;
-            if (v == CUMA_UNLIMITED)
-                cuma_strbuf_put(&o, "null");
-            else
-                cuma_strbuf_put(&o, "%llu", (unsigned long long)v);
-            break;
-        }
-        case K_MS:
-            cuma_strbuf_put(&o, "%lld", (long long)*(const int64_t *)field);
-            break;
-        case K_FRACTION: {
-            /* The shortest form that reads back as the same double: %g's 6 digits made
-             * remap_threshold:0.1234567 read 0.123457 in the stats. */
-            double v = *(const double *)field;
-            char t[32];
-            for (int digits = 6; digits <= 17; digits++) {
-                snprintf(t, sizeof t, "%.*g", digits, v);
-                if (strtod(t, NULL) == v) break;
-            }
-            cuma_strbuf_put(&o, "%s", t);
-            break;
-        }
-        case K_BOOL:
-            cuma_strbuf_put(&o, "%s", *(const bool *)field ? "true" : "false");
-            break;
-        case K_INT:
-        case K_PRIO:
-            cuma_strbuf_put(&o, "%d", *(const int *)field);
-            break;
-        case K_WORD:
-            cuma_strbuf_json_string(&o, field);
-            break;
-        case K_PATH:
-            if (*field)
-                cuma_strbuf_json_string(&o, field);
-            else
-                cuma_strbuf_put(&o, "null");
-            break;
-        case K_NAME:
-            if (keys[i].offset == F(sim_clock_manual))
-                cuma_strbuf_put(&o, "\"%s\"", s->sim_clock_manual ? "manual" : "real");
-            else
-                cuma_strbuf_put(&o, "\"%s\"", field);
-            break;
-        }
+        put_value(&o, s, &keys[i]);
     }
     return o.used;
+}
+
+cuma_status cuma_config_get(const char *conf, const char *origin, const char *key, char *buf,
+                            size_t len, size_t *needed) {
+    if (needed) *needed = 0;
+    if (buf && len) buf[0] = 0;
+    if (!origin) origin = "config";
+    if (!key) return cuma_fail(CUMA_ERR_INVALID, "cuma_config_get: key is NULL");
+    const key_desc *d = find_key(key, "cuma_config_get");
+    if (!d) return CUMA_ERR_CONFIG;
+    cuma_settings s;
+    cuma_settings_default(&s);
+    cuma_status st = cuma_settings_parse(&s, conf, origin);
+    if (st) return st;
+    cuma_strbuf o = {buf, len, 0};
+    put_value(&o, &s, d);
+    return text_done(&o, needed);
+}
+
+/* cuma_config_set's walk: each item is checked as a heap would apply it, and copied unless it
+ * is the key being set. */
+typedef struct rewrite {
+    cuma_settings scratch;
+    const key_desc *key;
+    cuma_strbuf out;
+} rewrite;
+
+static cuma_status copy_item(void *ctx, const key_desc *d, const char *value, const char *origin) {
+    rewrite *r = ctx;
+    cuma_status st = set_value(&r->scratch, d, value, origin);
+    if (!st && d != r->key)
+        cuma_strbuf_put(&r->out, "%s%s:%s", r->out.used ? "," : "", d->key, value);
+    return st;
+}
+
+cuma_status cuma_config_set(const char *conf, const char *origin, const char *key,
+                            const char *value, char *buf, size_t len, size_t *needed) {
+    if (needed) *needed = 0;
+    if (buf && len) buf[0] = 0;
+    if (!origin) origin = "config";
+    if (!key) return cuma_fail(CUMA_ERR_INVALID, "cuma_config_set: key is NULL");
+    rewrite r = {.key = find_key(key, "cuma_config_set"), .out = {buf, len, 0}};
+    if (!r.key) return CUMA_ERR_CONFIG;
+    cuma_settings_default(&r.scratch);
+    cuma_status st = each_item(conf, origin, copy_item, &r);
+    if (st || !value) return st ? st : text_done(&r.out, needed);
+    /* One item, never two: a comma would bring in another key. */
+    size_t n = strlen(value);
+    char v[4097];
+    if (n >= sizeof v || strchr(value, ','))
+        return cuma_fail(CUMA_ERR_CONFIG,
+                         "cuma_config_set: bad value '%.64s' for key '%s': expected one value, "
+                         "without commas, of at most 4096 bytes",
+                         value, key);
+    memcpy(v, value, n + 1);
+    char *t = trim(v);
+    st = set_value(&r.scratch, r.key, t, "cuma_config_set");
+    if (st) return st;
+    cuma_strbuf_put(&r.out, "%s%s:%s", r.out.used ? "," : "", key, t);
+    return text_done(&r.out, needed);
 }

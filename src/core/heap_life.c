@@ -188,9 +188,10 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         }
     }
     if (!h->tw) h->set.trace_stacks = false;
-    if (h->set.sim_clock_manual && !strcmp(h->be->name, "sim"))
-        cuma_simbe_set_clock(h->be,
-                             &h->first.manual_now); /* sim_lag_ms counts on the heap's time */
+    /* sim_lag_ms and sim_call_us count on the heap's time; the sim may be under the ledger's
+     * wrapper by now. */
+    if (h->set.sim_clock_manual && h->be->kind == CUMA_BACKEND_SIM)
+        cuma_simbe_set_clock(cuma_backend_unwrap(h->be), &h->first.manual_now);
     /* Preallocated pages are the first arena's and never move: another arena could not
      * create a page within the limit they take. Such a heap keeps one arena. */
     if (h->set.preallocate) h->set.arenas = 1;

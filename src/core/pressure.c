@@ -16,13 +16,12 @@ cuma_status cuma_heap_join_ledger(cuma_heap *h) {
     if (!strcmp(want, "off")) return CUMA_OK;
     /* auto: the CUDA devices, which processes really share; a simulated device is each
      * process's own unless a ledger is named for a group of them. */
-    if (!explicit_ && !strcmp(cuma_backend_unwrap(h->be)->name, "sim")) return CUMA_OK;
+    if (!explicit_ && h->be->kind == CUMA_BACKEND_SIM) return CUMA_OK;
     /* A priority or guarantee only means something in the ledger: asking for one makes it
      * required; otherwise a ledger that cannot be opened (no /dev/shm in a sandbox) leaves the
      * heap on its own, with the reason in the stats. */
     bool required = explicit_ || h->set.priority || h->set.guarantee;
-    if (!explicit_ && (h->set.priority || h->set.guarantee) &&
-        !strcmp(cuma_backend_unwrap(h->be)->name, "sim"))
+    if (!explicit_ && (h->set.priority || h->set.guarantee) && h->be->kind == CUMA_BACKEND_SIM)
         return cuma_fail(CUMA_ERR_CONFIG,
                          "%s needs a ledger, and a simulated device is in none unless one is "
                          "named: add ledger:NAME",
@@ -74,7 +73,7 @@ bool cuma_heap_ledger_reclaim(cuma_arena *a, uint64_t n) {
     uint64_t need = a->phys.ops->growth(a, n);
     /* What the ledger cannot see (other programs on a real GPU) shows in the driver's figure;
      * a simulated device's is the process's own and would mislead. */
-    bool real = strcmp(cuma_backend_unwrap(h->be)->name, "sim") != 0;
+    bool real = h->be->kind != CUMA_BACKEND_SIM;
     /* The attempt that failed left the pages it made idle in the cache: they count as held. */
     cuma_heap_release_idle(a, 0);
     pthread_mutex_unlock(&a->lock);

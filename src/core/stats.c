@@ -6,6 +6,7 @@
 #include "heap.h"
 
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -44,8 +45,8 @@ static void add_arena(cuma_arena *a, cuma_stats *s) {
     s->num_allocs += c->allocs + tallocs;
     s->num_frees += c->frees + tfrees;
     s->failed_allocs += c->failed;
-    s->num_alloc_retries += c->retries;
-    s->num_ooms += c->ooms;
+    s->alloc_retries += c->retries;
+    s->ooms += c->ooms;
     s->oom_callbacks += c->oom_calls;
     uint64_t creates, releases;
     a->phys.ops->counts(a, &creates, &releases);
@@ -110,10 +111,10 @@ cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
     if (h->ledger) {
         cuma_ledger_entry e;
         cuma_ledger_self(h->ledger, &e);
-        out->ledger_denials = e.denials;
+        out->ledger_denials = e.ledger_denials;
         out->pressure_asks = e.pressure_asks;
-        out->pressure_given_bytes = e.pressure_given;
-        out->pressure_callbacks = e.pressure_calls;
+        out->pressure_given_bytes = e.pressure_given_bytes;
+        out->pressure_callbacks = e.pressure_callbacks;
     }
     /* The driver's view is read outside the locks: it may be slow and needs no heap state. */
     uint64_t fr = 0, tot = 0;
@@ -132,13 +133,35 @@ cuma_status cuma_reset_peaks(cuma_heap *h) {
     return CUMA_OK;
 }
 
+#define ULL(v) ((unsigned long long)(v))
+
+/* The list (cuma.h) at run time. A ledger figure's word says where the slot keeps it, its
+ * cuma_ledger_entry field of the same name where a reader finds it. */
+#define FIELD(type, name, kind, where, help)                                                       \
+    {#name,                                                                                        \
+     help,                                                                                         \
+     kind,                                                                                         \
+     _Generic(((cuma_stats *)0)->name, double : 1u, default : 0u),                                 \
+     offsetof(cuma_stats, name),                                                                   \
+     CUMA_STAT_WORD(where) < 0                                                                     \
+         ? SIZE_MAX                                                                                \
+         : CUMA_STAT_IF_LEDGER(where, offsetof(cuma_ledger_entry, name)) + 0,                      \
+     CUMA_STAT_WORD(where),                                                                        \
+     CUMA_STAT_SHOWN(where)},
+static const cuma_stat_field fields[] = {CUMA_STATS_FIELDS(FIELD)};
+#undef FIELD
+
+const cuma_stat_field *cuma_stat_fields(size_t *n) {
+    if (n) *n = sizeof fields / sizeof fields[0];
+    return fields;
+}
+
 cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_stats_json: heap is NULL");
     cuma_stats s;
     cuma_get_stats(h, &s);
     cuma_strbuf o = {buf, len, 0};
     if (buf && len) buf[0] = 0;
-#define U(name) cuma_strbuf_put(&o, "\"" #name "\":%llu,", (unsigned long long)s.name)
     cuma_strbuf_put(
         &o,
         "{\"version\":\"%d.%d.%d\",\"mode\":\"%s\",\"backend\":\"%s\",\"backend_fallback\":%s,"
@@ -147,56 +170,15 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
         h->be->name, h->backend_fallback ? "true" : "false",
         (h->be->caps & CUMA_CAP_ALIAS) ? "true" : "false", h->be->device_id,
         h->first.pol->ops->name);
-    U(requested_bytes);
-    U(peak_requested_bytes);
-    U(allocated_bytes);
-    U(peak_allocated_bytes);
-    U(reserved_bytes);
-    U(peak_reserved_bytes);
-    U(mapped_bytes);
-    U(cached_bytes);
-    U(stranded_bytes);
-    U(managed_bytes);
-    U(virtual_bytes);
-    U(limit_bytes);
-    U(device_total_bytes);
-    U(device_free_bytes);
-    U(page_size);
-    U(active_allocs);
-    U(num_allocs);
-    U(num_frees);
-    U(failed_allocs);
-    U(num_alloc_retries);
-    U(num_ooms);
-    U(oom_callbacks);
-    U(managed_fallbacks);
-    U(page_creates);
-    U(page_releases);
-    U(maps);
-    U(unmaps);
-    U(map_runs);
-    U(unmap_runs);
-    U(page_call_ns);
-    U(early_remaps);
-    U(remap_waits);
-    U(events_recorded);
-    U(event_queries);
-    U(trims);
-    U(watermark_released_bytes);
-    U(arenas);
-    U(ledger_denials);
-    U(pressure_asks);
-    U(pressure_given_bytes);
-    U(pressure_callbacks);
-    U(pools);
-    U(pool_bytes);
-    U(pool_blocks);
-    U(pool_blocks_in_use);
-    U(compactions);
-    U(compact_moved_bytes);
-    U(compact_freed_pages);
-    if (h->ledger) U(ledger_room_bytes);
-#undef U
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
+        const char *at = (const char *)&s + fields[i].offset;
+        if (fields[i].is_double) {
+            cuma_strbuf_put(&o, "\"%s\":%.6f,", fields[i].name, *(const double *)at);
+        } else {
+            uint64_t v = *(const uint64_t *)at;
+            if (v != UINT64_MAX) cuma_strbuf_put(&o, "\"%s\":%llu,", fields[i].name, ULL(v));
+        }
+    }
     if (h->ledger) {
         cuma_ledger_entry e;
         cuma_ledger_self(h->ledger, &e);
@@ -232,8 +214,7 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
         cuma_strbuf_json_string(&o, h->trace_error);
         cuma_strbuf_put(&o, ",");
     }
-    cuma_strbuf_put(&o, "\"remap_keep\":%.4f,\"fragmentation\":%.6f,\"config\":{", s.remap_keep,
-                    s.fragmentation);
+    cuma_strbuf_put(&o, "\"config\":{");
     size_t room = cuma_strbuf_room(&o);
     o.used += cuma_settings_json(&h->set, room ? o.buf + o.used : NULL, room);
     cuma_strbuf_put(&o, "}}");

@@ -348,7 +348,7 @@ static void test_vmm_probe(void) {
     snprintf(set.backend, sizeof set.backend, "auto");
     CHECK_OK(cuma_backend_create(&set, &be));
     CHECK(fakecuda_set_fail(NULL) == 0);
-    CHECK(!strcmp(be->name, "segment"));
+    CHECK(!strcmp(be->name, "segment") && be->kind == CUMA_BACKEND_SEGMENT);
     be->ops->destroy(be);
     check_no_driver_objects();
 }
@@ -422,7 +422,7 @@ static void test_watermark(void) {
  * follow held streams; segments, managed memory, device info. */
 static void test_vmm_ops(void) {
     cuma_backend *be = backend_make("vmm", 0);
-    CHECK(!strcmp(be->name, "vmm"));
+    CHECK(!strcmp(be->name, "vmm") && be->kind == CUMA_BACKEND_VMM);
     CHECK(be->caps & CUMA_CAP_VMM);
     CHECK(be->caps & CUMA_CAP_MANAGED);
     CHECK(!strncmp(be->device_id, "GPU-", 4) && strlen(be->device_id) == 40);
@@ -509,6 +509,7 @@ static void test_vmm_ops(void) {
 static void test_segment_ops(const char *name) {
     cuma_backend *be = backend_make(name, 0);
     CHECK(!strcmp(be->name, name));
+    CHECK(be->kind == (strcmp(name, "managed") ? CUMA_BACKEND_SEGMENT : CUMA_BACKEND_MANAGED));
     CHECK((be->caps & CUMA_CAP_SEGMENTS) && !(be->caps & CUMA_CAP_VMM));
     CHECK(be->page_size == 2 * MB);
     const cuma_backend_ops *o = be->ops;
@@ -639,6 +640,7 @@ static void test_threads(test_ctx *t) {
 static void test_auto(const char *want) {
     cuma_backend *be = backend_make("auto", 0);
     CHECK(!strcmp(be->name, want));
+    CHECK(be->kind == (strcmp(want, "vmm") ? CUMA_BACKEND_SEGMENT : CUMA_BACKEND_VMM));
     be->ops->destroy(be);
     check_no_driver_objects();
 }

@@ -13,7 +13,8 @@
  *   NUL-terminated prefix of the full text;
  * - a size cuma_parse_size accepts is an integer that reads back the same from its decimal;
  * - settings that validate make a heap on the simulated device (check_heap), or an error with a
- *   message.
+ *   message;
+ * - cuma_config_get and cuma_config_set agree with the parse (check_lookup).
  */
 #include "fuzz.h"
 
@@ -223,6 +224,53 @@ static void check_heap(const char *conf, const cuma_settings *s) {
     cuma_heap_destroy(h);
 }
 
+/* cuma_config_get and cuma_config_set, the grammar's reader for tools and Python, against the
+ * parse: the same verdict and message; the value read is the JSON's; the rewritten string,
+ * limit left out, parses to the same settings but the limit. `parsed` is conf's parse status,
+ * s its settings when it parsed and msg its message when it did not. */
+static void check_lookup(const char *conf, cuma_status parsed, const cuma_settings *s,
+                         const char *msg) {
+    size_t need = 0;
+    cuma_status st = cuma_config_set(conf, ORIGIN, "limit", NULL, NULL, 0, &need);
+    if (parsed != CUMA_OK) {
+        FZ_CHECK(st == parsed && !strcmp(cuma_last_error(), msg),
+                 "cuma_config_set says %d '%s', the parse %d '%s'", (int)st, cuma_last_error(),
+                 (int)parsed, msg);
+        st = cuma_config_get(conf, ORIGIN, "limit", NULL, 0, &need);
+        FZ_CHECK(st == parsed && !strcmp(cuma_last_error(), msg),
+                 "cuma_config_get says %d '%s', the parse %d '%s'", (int)st, cuma_last_error(),
+                 (int)parsed, msg);
+        return;
+    }
+    FZ_CHECK(st == CUMA_ERR_INVALID && need <= strlen(conf), "set measured %zu bytes (%d)", need,
+             (int)st);
+    char *rewritten = malloc(need + 1);
+    FZ_CHECK(rewritten, "no memory");
+    FZ_CHECK(cuma_config_set(conf, ORIGIN, "limit", NULL, rewritten, need + 1, NULL) == CUMA_OK,
+             "set failed with room: %s", cuma_last_error());
+    cuma_settings t, want;
+    cuma_settings_default(&t);
+    FZ_CHECK(cuma_settings_parse(&t, rewritten, ORIGIN) == CUMA_OK, "'%s' does not parse: %s",
+             rewritten, cuma_last_error());
+    memcpy(&want, s, sizeof want);
+    want.limit = t.limit; /* the default: no limit item is left */
+    char *a = settings_json(&want), *b = settings_json(&t);
+    FZ_CHECK(!strcmp(a, b) && t.limit == CUMA_UNLIMITED, "'%s' rewritten as '%s' differs", conf,
+             rewritten);
+    char value[32];
+    FZ_CHECK(cuma_config_get(conf, ORIGIN, "limit", value, sizeof value, NULL) == CUMA_OK,
+             "get failed: %s", cuma_last_error());
+    char expect[32];
+    if (s->limit == CUMA_UNLIMITED)
+        snprintf(expect, sizeof expect, "null");
+    else
+        snprintf(expect, sizeof expect, "%llu", (unsigned long long)s->limit);
+    FZ_CHECK(!strcmp(value, expect), "get says %s, the parse %s", value, expect);
+    free(a);
+    free(b);
+    free(rewritten);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char *conf = malloc(size + 1);
     FZ_CHECK(conf, "no memory");
@@ -241,6 +289,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         FZ_CHECK(!strncmp(msg, ORIGIN ": ", strlen(ORIGIN) + 2),
                  "message does not name the origin: '%s'", msg);
         FZ_CHECK(checked == st, "cuma_config_check says %d, the parse %d", (int)checked, (int)st);
+        char *why = strdup(msg);
+        FZ_CHECK(why, "no memory");
+        check_lookup(conf, st, NULL, why);
+        free(why);
         free(conf);
         return 0;
     }
@@ -256,6 +308,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     FZ_CHECK(!memcmp(&twice, &s, sizeof s), "parsing the string again changed the settings");
 
     check_round_trip(&s);
+    check_lookup(conf, CUMA_OK, &s, NULL);
     if (valid == CUMA_OK) check_heap(conf, &s);
     free(conf);
     return 0;

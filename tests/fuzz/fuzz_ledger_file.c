@@ -117,8 +117,8 @@ static void check_entries(const ledger_shm *m, const ledger_slot *before,
                      e[k].capacity == s->capacity && e[k].guarantee == s->guarantee &&
                      e[k].reserved == atomic_load(&s->reserved) &&
                      e[k].requested == atomic_load(&s->requested) &&
-                     e[k].page_size == atomic_load(&s->stat[LEDGER_ST_PAGE_SIZE]) &&
-                     e[k].arenas == atomic_load(&s->stat[LEDGER_ST_ARENAS]),
+                     e[k].page_size == atomic_load(ledger_figure(s, LEDGER_FIG_page_size)) &&
+                     e[k].arenas == atomic_load(ledger_figure(s, LEDGER_FIG_arenas)),
                  "entry %zu's figures are not slot %u's", k, e[k].slot);
         FZ_CHECK(e[k].fragmentation >= 0 && e[k].fragmentation <= 1, "entry %zu: fragmentation %g",
                  k, e[k].fragmentation);

@@ -100,10 +100,11 @@ def stats_block(m):
         lines = ["  %-14s%s, page size %s, arenas %d" % ("backend", st["backend"],
                                                        size(st["page_size"]), st["arenas"])] + \
             lines + [
-            "  %-14sallocated %s, mapped %s, managed %s" % ("", size(st["allocated"]),
-                                                           size(st["mapped"]), size(st["managed"])),
+            "  %-14sallocated %s, mapped %s, managed %s" % (
+                "", size(st["allocated_bytes"]), size(st["mapped_bytes"]),
+                size(st["managed_bytes"])),
             "  %-14sreserved %s, requested %s" % ("peaks", size(m["peak_reserved"]),
-                                                 size(st["peak_requested"])),
+                                                 size(st["peak_requested_bytes"])),
             "  %-14sactive %d, allocs %d, frees %d, failed %d, retries %d" % (
                 "allocations", st["active_allocs"], st["num_allocs"], st["num_frees"],
                 st["failed_allocs"], st["alloc_retries"]),
@@ -117,15 +118,16 @@ def stats_block(m):
                 st["compact_freed_pages"]),
             "  %-14s%.1f%% of in use: %s stranded between live blocks (cached: %s)" % (
                 "fragmentation", ledger_fragmentation(st) * 100.0,
-                size(int(st["mapped"] * ledger_fragmentation(st) + 0.5)), size(m["cached"]))]
+                size(int(st["mapped_bytes"] * ledger_fragmentation(st) + 0.5)),
+                size(m["cached"]))]
     else:
         lines = ["  %-14s-" % "backend"] + lines + [
             "  %-14sreserved %s" % ("peaks", size(m["peak_reserved"])),
             "  %-14snever published (no release thread: release_thread:off or sim_clock:manual)"
             % "allocator"]
     lines.append("  %-14swant %s, denials %d, asks %d, given %s, callbacks %d" % (
-        "ledger", size(m["want"]) if m["want"] else "-", m["denials"], m["pressure_asks"],
-        size(m["pressure_given"]), m["pressure_calls"]))
+        "ledger", size(m["want"]) if m["want"] else "-", m["ledger_denials"], m["pressure_asks"],
+        size(m["pressure_given_bytes"]), m["pressure_callbacks"]))
     return lines
 
 

@@ -41,32 +41,38 @@ def expected_by_hand(pid_sim, pid_raw):
     placement policy, so they are taken from what the heap itself reports)."""
     a = dict(pid=pid_sim, device="sim", process="ledger_fixture", priority=2, guarantee=8 * MB,
              limit=48 * MB, reserved=12 * MB, cached=4 * MB, requested=8 * MB,
-             peak_reserved=12 * MB, want=0, pressure_asks=0, pressure_given=0, pressure_calls=0,
-             denials=0)
+             peak_reserved=12 * MB, want=0, pressure_asks=0, pressure_given_bytes=0,
+             pressure_callbacks=0, ledger_denials=0)
     b = dict(pid=pid_sim, device="sim", process="ledger_fixture", priority=-1, guarantee=24 * MB,
              limit=64 * MB, reserved=20 * MB, cached=0, requested=20 * MB,
-             peak_reserved=20 * MB, want=0, pressure_asks=0, pressure_given=0, pressure_calls=0,
-             denials=0)
+             peak_reserved=20 * MB, want=0, pressure_asks=0, pressure_given_bytes=0,
+             pressure_callbacks=0, ledger_denials=0)
     x = dict(pid=pid_raw, device=RAW_DEVICE, process='fx"q\\z', priority=0, guarantee=16 * MB,
              limit=60 * MB, reserved=40 * MB, cached=8 * MB, requested=30 * MB,
-             peak_reserved=40 * MB, want=0, denials=1, pressure_asks=0, pressure_given=6 * MB,
-             pressure_calls=2)
+             peak_reserved=40 * MB, want=0, ledger_denials=1, pressure_asks=0,
+             pressure_given_bytes=6 * MB, pressure_callbacks=2)
     y = dict(pid=pid_raw, device=RAW_DEVICE, process="raw_y", priority=1, guarantee=0, limit=0,
              reserved=16 * MB, cached=0, requested=16 * MB, peak_reserved=16 * MB,
-             want=12 * MB, denials=0, pressure_asks=1, pressure_given=0, pressure_calls=0)
+             want=12 * MB, ledger_denials=0, pressure_asks=1, pressure_given_bytes=0,
+             pressure_callbacks=0)
     # C: 3M and 6M live (two pages of 2M under the 3M, three under the 6M, which starts in the
     # 3M's second page), 14M at the most (4M + the 10M spare) before the spare was freed.
     c = dict(pid=pid_sim, device="sim", process="ledger_fixture", priority=0, guarantee=0,
              limit=16 * MB, reserved=10 * MB, cached=0, requested=9 * MB, peak_reserved=14 * MB,
-             want=0, pressure_asks=0, pressure_given=0, pressure_calls=0, denials=0)
-    common = dict(backend="sim", page_size=2 * MB, arenas=1, managed=0, managed_fallbacks=0)
-    a["stats"] = dict(common, allocated=8 * MB, mapped=8 * MB, peak_requested=12 * MB,
+             want=0, pressure_asks=0, pressure_given_bytes=0, pressure_callbacks=0,
+             ledger_denials=0)
+    common = dict(backend="sim", page_size=2 * MB, arenas=1, managed_bytes=0,
+                  managed_fallbacks=0)
+    a["stats"] = dict(common, allocated_bytes=8 * MB, mapped_bytes=8 * MB,
+                      peak_requested_bytes=12 * MB,
                       active_allocs=2, num_allocs=3, num_frees=1, failed_allocs=0,
                       alloc_retries=0, ooms=0, oom_callbacks=0, trims=0, fragmentation=0.0)
-    b["stats"] = dict(common, allocated=20 * MB, mapped=20 * MB, peak_requested=20 * MB,
+    b["stats"] = dict(common, allocated_bytes=20 * MB, mapped_bytes=20 * MB,
+                      peak_requested_bytes=20 * MB,
                       active_allocs=1, num_allocs=1, num_frees=0, failed_allocs=0,
                       alloc_retries=0, ooms=0, oom_callbacks=0, trims=0, fragmentation=0.0)
-    c["stats"] = dict(common, allocated=9 * MB, mapped=10 * MB, peak_requested=13 * MB,
+    c["stats"] = dict(common, allocated_bytes=9 * MB, mapped_bytes=10 * MB,
+                      peak_requested_bytes=13 * MB,
                       active_allocs=2, num_allocs=4, num_frees=2, failed_allocs=1,
                       alloc_retries=2, ooms=2, oom_callbacks=2, trims=3, fragmentation=0.1)
     return [a, b, c, x, y]
@@ -164,7 +170,7 @@ def check_ps_table(cuma, name, made):
         want = [mib(h["guarantee"]), mib(h["limit"]) if h["limit"] else "-", mib(h["reserved"]),
                 mib(h["cached"]), mib(h["reserved"] - h["cached"]), mib(h["requested"]),
                 mib(h["peak_reserved"]), mib(h["want"]) if h["want"] else "-",
-                mib(h["pressure_given"]), str(h["denials"])]
+                mib(h["pressure_given_bytes"]), str(h["ledger_denials"])]
         check(list(g[3:]) == want, "ps row for %s: sizes" % (key(h),), (g[3:], want))
 
 
@@ -265,14 +271,15 @@ HEAP_METRICS = {
     "cuma_reserved_bytes": "reserved", "cuma_cached_bytes": "cached",
     "cuma_requested_bytes": "requested", "cuma_guarantee_bytes": "guarantee",
     "cuma_limit_bytes": "limit", "cuma_peak_reserved_bytes": "peak_reserved",
-    "cuma_pressure_want_bytes": "want", "cuma_ledger_denials_total": "denials",
+    "cuma_pressure_want_bytes": "want", "cuma_ledger_denials_total": "ledger_denials",
     "cuma_pressure_asks_total": "pressure_asks",
-    "cuma_pressure_given_bytes_total": "pressure_given",
-    "cuma_pressure_callbacks_total": "pressure_calls",
+    "cuma_pressure_given_bytes_total": "pressure_given_bytes",
+    "cuma_pressure_callbacks_total": "pressure_callbacks",
 }
 # The allocator's families: samples only for the heaps that published figures.
 ALLOC_METRICS = {
-    "cuma_allocs_total": ("counter", "num_allocs"), "cuma_frees_total": ("counter", "num_frees"),
+    "cuma_num_allocs_total": ("counter", "num_allocs"),
+    "cuma_num_frees_total": ("counter", "num_frees"),
     "cuma_failed_allocs_total": ("counter", "failed_allocs"),
     "cuma_alloc_retries_total": ("counter", "alloc_retries"),
     "cuma_ooms_total": ("counter", "ooms"),
@@ -283,9 +290,10 @@ ALLOC_METRICS = {
     "cuma_compactions_total": ("counter", "compactions"),
     "cuma_compact_moved_bytes_total": ("counter", "compact_moved_bytes"),
     "cuma_compact_freed_pages_total": ("counter", "compact_freed_pages"),
-    "cuma_active_allocations": ("gauge", "active_allocs"),
-    "cuma_allocated_bytes": ("gauge", "allocated"), "cuma_mapped_bytes": ("gauge", "mapped"),
-    "cuma_managed_bytes": ("gauge", "managed"),
+    "cuma_active_allocs": ("gauge", "active_allocs"),
+    "cuma_allocated_bytes": ("gauge", "allocated_bytes"),
+    "cuma_mapped_bytes": ("gauge", "mapped_bytes"),
+    "cuma_managed_bytes": ("gauge", "managed_bytes"),
 }
 HEAP_LABELS = {"UUID", "backend", "container", "namespace", "pid", "pod", "process", "priority",
                "slot"}
@@ -377,8 +385,9 @@ def check_metrics(text, made, what, errors=0, up=1, stale=0, unlocked=0):
           all(abs(got[k][0] - want[k][0]) < 1e-9 and got[k][1] == want[k][1] for k in want),
           "%s: cuma_fragmentation_ratio" % what, (got, want))
     got = heap_series(get, "cuma_stranded_bytes", what)
-    want = {heap_id(h): (float(round(h["stats"]["mapped"] * ledger_fragmentation(h["stats"]))),
-                         "sim") for h in published}
+    want = {heap_id(h): (float(round(h["stats"]["mapped_bytes"] *
+                                     ledger_fragmentation(h["stats"]))), "sim")
+            for h in published}
     check(types.get("cuma_stranded_bytes") == "gauge" and got == want,
           "%s: cuma_stranded_bytes of the heaps that published" % what, (got, want))
     got = heap_series(get, "cuma_heap_stats_age_seconds", what)
@@ -583,7 +592,7 @@ def top_allocator(h):
         return ("-", "-", "-")
     frag = ledger_fragmentation(st)
     return (str(st["ooms"]), "%.1f%%" % (frag * 100.0),
-            view_size(int(st["mapped"] * frag + 0.5)))  # llround, for these positives
+            view_size(int(st["mapped_bytes"] * frag + 0.5)))  # llround, for these positives
 
 
 def check_top(cuma, name, made, raw, sim):
@@ -677,7 +686,8 @@ def check_top(cuma, name, made, raw, sim):
     check(rc == 0 and time.monotonic() - t0 < 15, "top: Ctrl-C ends it at once with status 0",
           (rc, time.monotonic() - t0))
     x = [h for h in made if h["process"] == 'fx"q\\z'][0]
-    x.update(reserved=38 * MB, pressure_given=10 * MB, pressure_calls=3, denials=2)
+    x.update(reserved=38 * MB, pressure_given_bytes=10 * MB, pressure_callbacks=3,
+             ledger_denials=2)
 
 
 # ---- a missing ledger and bad options -------------------------------------------------------

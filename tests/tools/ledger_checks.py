@@ -113,12 +113,13 @@ def stop_fixture(p):
 
 
 FIELDS = ["pid", "process", "priority", "guarantee", "limit", "reserved", "cached", "requested",
-          "peak_reserved", "want", "denials", "pressure_asks", "pressure_given", "pressure_calls"]
+          "peak_reserved", "want", "ledger_denials", "pressure_asks", "pressure_given_bytes",
+          "pressure_callbacks"]
 # The allocator figures of `cuma stats --json` (and of the fixture's "stats"), as integers.
-STAT_FIELDS = ["page_size", "allocated", "peak_requested", "mapped", "managed", "active_allocs",
-               "num_allocs", "num_frees", "failed_allocs", "alloc_retries", "ooms",
-               "oom_callbacks", "managed_fallbacks", "page_creates", "page_releases", "maps",
-               "unmaps", "trims", "page_call_ns", "arenas", "compactions",
+STAT_FIELDS = ["page_size", "allocated_bytes", "peak_requested_bytes", "mapped_bytes",
+               "managed_bytes", "active_allocs", "num_allocs", "num_frees", "failed_allocs",
+               "alloc_retries", "ooms", "oom_callbacks", "managed_fallbacks", "page_creates",
+               "page_releases", "maps", "unmaps", "trims", "page_call_ns", "arenas", "compactions",
                "compact_moved_bytes", "compact_freed_pages"]
 
 

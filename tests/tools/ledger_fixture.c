@@ -76,25 +76,31 @@ static void own_backend(cuma_heap *h, char *out, size_t len) {
     out[n] = 0;
 }
 
-/* The heap's own stats, under the names of cuma_ledger_entry (and of `cuma stats --json`). */
+/* One figure of print_stats: a ratio (a double) exactly, a count or size as it is. */
+static void print_figure(const char *name, double ratio, uint64_t n, int is_double) {
+    if (is_double)
+        printf(",\"%s\":%.17g", name, ratio);
+    else
+        printf(",\"%s\":%" PRIu64, name, n);
+}
+
+/* The heap's own stats: the figures of the list in cuma.h that the ledger carries, under their
+ * names (those of cuma_ledger_entry and of `cuma stats --json`). */
 static void print_stats(cuma_heap *h) {
     cuma_stats s = heap_stats(h);
     char backend[32];
     own_backend(h, backend, sizeof backend);
-    printf(",\"stats\":{\"backend\":\"%s\",\"page_size\":%" PRIu64 ",\"allocated\":%" PRIu64
-           ",\"peak_requested\":%" PRIu64 ",\"mapped\":%" PRIu64 ",\"managed\":%" PRIu64
-           ",\"active_allocs\":%" PRIu64 ",\"num_allocs\":%" PRIu64 ",\"num_frees\":%" PRIu64
-           ",\"failed_allocs\":%" PRIu64 ",\"alloc_retries\":%" PRIu64 ",\"ooms\":%" PRIu64
-           ",\"oom_callbacks\":%" PRIu64 ",\"managed_fallbacks\":%" PRIu64
-           ",\"page_creates\":%" PRIu64 ",\"page_releases\":%" PRIu64 ",\"maps\":%" PRIu64
-           ",\"unmaps\":%" PRIu64 ",\"trims\":%" PRIu64 ",\"page_call_ns\":%" PRIu64
-           ",\"arenas\":%" PRIu64 ",\"compactions\":%" PRIu64 ",\"compact_moved_bytes\":%" PRIu64
-           ",\"compact_freed_pages\":%" PRIu64 ",\"fragmentation\":%.17g}",
-           backend, s.page_size, s.allocated_bytes, s.peak_requested_bytes, s.mapped_bytes,
-           s.managed_bytes, s.active_allocs, s.num_allocs, s.num_frees, s.failed_allocs,
-           s.num_alloc_retries, s.num_ooms, s.oom_callbacks, s.managed_fallbacks, s.page_creates,
-           s.page_releases, s.maps, s.unmaps, s.trims, s.page_call_ns, s.arenas, s.compactions,
-           s.compact_moved_bytes, s.compact_freed_pages, s.fragmentation);
+    printf(",\"stats\":{\"backend\":\"%s\"", backend);
+#define P(type, name, kind, where, help)                                                           \
+    CUMA_STAT_IF_LEDGER(where, print_figure(#name,                                                 \
+                                            _Generic(s.name, double                                \
+                                                     : s.name, default : 0.0),                     \
+                                            _Generic(s.name, double : 0, default                   \
+                                                     : s.name),                                    \
+                                            _Generic(s.name, double : 1, default : 0));)
+    CUMA_STATS_FIELDS(P)
+#undef P
+    printf("}");
 }
 
 /* One heap's line: its ledger entry, and for a heap (h not NULL) its own stats. */
@@ -105,11 +111,11 @@ static void print_entry(const cuma_ledger_entry *e, cuma_heap *h) {
     printf("\",\"device\":\"%s\",\"capacity\":%" PRIu64 ",\"priority\":%d,\"guarantee\":%" PRIu64
            ",\"limit\":%" PRIu64 ",\"reserved\":%" PRIu64 ",\"cached\":%" PRIu64
            ",\"requested\":%" PRIu64 ",\"peak_reserved\":%" PRIu64 ",\"want\":%" PRIu64
-           ",\"denials\":%" PRIu64 ",\"pressure_asks\":%" PRIu64 ",\"pressure_given\":%" PRIu64
-           ",\"pressure_calls\":%" PRIu64,
+           ",\"ledger_denials\":%" PRIu64 ",\"pressure_asks\":%" PRIu64
+           ",\"pressure_given_bytes\":%" PRIu64 ",\"pressure_callbacks\":%" PRIu64,
            e->device, e->capacity, e->priority, e->guarantee, e->limit, e->reserved, e->cached,
-           e->requested, e->peak_reserved, e->want, e->denials, e->pressure_asks, e->pressure_given,
-           e->pressure_calls);
+           e->requested, e->peak_reserved, e->want, e->ledger_denials, e->pressure_asks,
+           e->pressure_given_bytes, e->pressure_callbacks);
     if (h) print_stats(h);
     printf("}\n");
 }
@@ -167,9 +173,9 @@ static void settle_sim(cuma_heap *h, int priority) {
         CHECK(find(&e, "sim", priority));
         if (e.cached == s.cached_bytes && e.requested == s.requested_bytes &&
             e.reserved == s.reserved_bytes) {
-            CHECK(e.denials == s.ledger_denials && e.pressure_asks == s.pressure_asks &&
-                  e.pressure_given == s.pressure_given_bytes &&
-                  e.pressure_calls == s.pressure_callbacks && e.limit == s.limit_bytes &&
+            CHECK(e.ledger_denials == s.ledger_denials && e.pressure_asks == s.pressure_asks &&
+                  e.pressure_given_bytes == s.pressure_given_bytes &&
+                  e.pressure_callbacks == s.pressure_callbacks && e.limit == s.limit_bytes &&
                   e.peak_reserved == s.peak_reserved_bytes);
             wait_stats(priority);
             CHECK(find(&e, "sim", priority));
@@ -222,7 +228,7 @@ static void run_c(cuma_heap *c, void **c3, void **c6) {
     CHECK_OK(cuma_alloc(c, 8 * MB, NULL, &c8));
     CHECK_OK(cuma_free(c, c8, NULL));
     /* Beyond the limit: the cache goes (a trim), the allocation still fails, no callbacks yet
-     * (an out-of-memory all the same: num_ooms counts it). */
+     * (an out-of-memory all the same: ooms counts it). */
     CHECK_ST(cuma_alloc(c, 20 * MB, NULL, &x), CUMA_ERR_LIMIT);
     CHECK_OK(cuma_add_oom_callback(c, oom_pass, NULL, NULL));
     CHECK_OK(cuma_add_oom_callback(c, oom_free, &spare, NULL));
@@ -234,7 +240,7 @@ static void run_c(cuma_heap *c, void **c3, void **c6) {
     CHECK_OK(cuma_trim(c, 0));
     cuma_stats s = heap_stats(c);
     CHECK(s.num_allocs == 4 && s.num_frees == 2 && s.active_allocs == 2 && s.failed_allocs == 1 &&
-          s.num_alloc_retries == 2 && s.num_ooms == 2 && s.oom_callbacks == 2 && s.trims == 3 &&
+          s.alloc_retries == 2 && s.ooms == 2 && s.oom_callbacks == 2 && s.trims == 3 &&
           s.requested_bytes == 9 * MB && s.fragmentation > 0);
 }
 

@@ -125,7 +125,7 @@ static void test_limit_and_max_cached(void) {
     CHECK_ST(cuma_alloc(h, 4 * MB, NULL, &q), CUMA_ERR_LIMIT);
     CHECK(strstr(cuma_last_error(), "limit"));
     /* Counted as an out-of-memory though no callback is registered (what autoscalers watch). */
-    CHECK(heap_stats(h).num_ooms == 1 && heap_stats(h).failed_allocs == 1);
+    CHECK(heap_stats(h).ooms == 1 && heap_stats(h).failed_allocs == 1);
     CHECK_OK(cuma_free(h, p, NULL));
     CHECK(heap_stats(h).cached_bytes == 2 * MB); /* the cap released the rest at once */
     CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &q));
@@ -347,7 +347,7 @@ static void test_oom_ladder(void) {
     CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &p)); /* callbacks free the victim, then it fits */
     CHECK(passes == 1 && o.calls == 1 && o.victim == NULL);
     cuma_stats s = heap_stats(h);
-    CHECK(s.num_ooms == 1 && s.oom_callbacks == 2 && s.num_alloc_retries == 1);
+    CHECK(s.ooms == 1 && s.oom_callbacks == 2 && s.alloc_retries == 1);
     CHECK_ST(cuma_alloc(h, 12 * MB, NULL, &o.victim), CUMA_ERR_OOM); /* nobody can help */
     CHECK(passes == 2 && o.calls == 2);
     CHECK_OK(cuma_remove_oom_callback(h, id1));

@@ -221,7 +221,7 @@ static void test_cached_figures(void) {
     cuma_ledger_entry e[4];
     size_t n = 0;
     CHECK_OK(cuma_ledger_snapshot(ledger, e, 4, &n));
-    CHECK(n == 1 && e[0].cached == 2 * MB && e[0].mapped == 2 * MB && e[0].requested == 1000);
+    CHECK(n == 1 && e[0].cached == 2 * MB && e[0].mapped_bytes == 2 * MB && e[0].requested == 1000);
     /* Both blocks of page 1 in the cache: the page is the cache's too. */
     CHECK_OK(cuma_free(h, b, NULL));
     s = heap_stats(h);
@@ -233,7 +233,7 @@ static void test_cached_figures(void) {
     cuma_heap_ledger_poll(&h->first);
     pthread_mutex_unlock(&h->first.lock);
     CHECK_OK(cuma_ledger_snapshot(ledger, e, 4, &n));
-    CHECK(n == 1 && e[0].cached == 4 * MB && e[0].mapped == 0 && e[0].requested == 0);
+    CHECK(n == 1 && e[0].cached == 4 * MB && e[0].mapped_bytes == 0 && e[0].requested == 0);
     CHECK_OK(cuma_validate(h));
     /* Given back to the heap, the pages are cached as before, counted once. */
     CHECK_OK(cuma_trim(h, 4 * MB));
