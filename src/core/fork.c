@@ -27,7 +27,6 @@
  * anyway, or a simulated device with host backing, whose pages the two processes share) refuses
  * every call but cuma_heap_destroy with CUMA_ERR_UNSUPPORTED, since handing out or giving back
  * one of its pages would change the parent's memory; destroying it frees the child's copy. */
-#include "coord/ledger.h"
 #include "error.h"
 #include "heap.h"
 #include "pools.h"
@@ -35,11 +34,16 @@
 #include "trace/writer.h"
 
 #include <pthread.h>
+#include <stdlib.h>
 
 /* Under fork_lock: the live heaps (first arenas), linked through fork_next / fork_prev. */
 static pthread_mutex_t fork_lock = PTHREAD_MUTEX_INITIALIZER;
 static cuma_heap *live_heaps;
 static pthread_once_t hooks_once = PTHREAD_ONCE_INIT;
+/* Under fork_lock: the layers above the heaps whose locks a fork holds after theirs
+ * (cuma_fork_layer: the ledger's mapping list), in the order they were added. */
+static struct { void (*prepare)(void), (*release)(void); } layers[4];
+static unsigned nlayers;
 
 static unsigned arenas_of(cuma_heap *h) {
     return atomic_load_explicit(&h->narenas, memory_order_acquire);
@@ -57,7 +61,7 @@ static void prepare(void) {
         cuma_pools_prefork(h);
         cuma_backend_lock(h->be);
     }
-    cuma_ledger_prefork();
+    for (unsigned i = 0; i < nlayers; i++) layers[i].prepare();
     cuma_trace_writer_prefork();
 }
 
@@ -65,7 +69,7 @@ static void prepare(void) {
  * OOM callback another thread was in), and retires heaps whose memory is the parent's. */
 static void release(bool child) {
     cuma_trace_writer_postfork(child);
-    cuma_ledger_postfork();
+    for (unsigned i = nlayers; i-- > 0;) layers[i].release();
     for (cuma_heap *h = live_heaps; h; h = h->fork_next) {
         if (child) {
             /* A thread of the parent's may have been running the callbacks: not in the child. */
@@ -120,6 +124,18 @@ cuma_status cuma_heap_inherited(cuma_heap *h, const char *call) {
                      "%s: heap %p came through fork, and its memory is the parent's (backend %s): "
                      "only cuma_heap_destroy works in the child; make a heap of its own",
                      call, (void *)h, h->be->name);
+}
+
+void cuma_fork_layer(void (*prepare)(void), void (*release)(void)) {
+    pthread_mutex_lock(&fork_lock);
+    if (nlayers < sizeof layers / sizeof layers[0]) {
+        layers[nlayers].prepare = prepare;
+        layers[nlayers].release = release;
+        nlayers++;
+    } else {
+        abort(); /* a fixed handful of layers: a fifth is a bug, not a runtime condition */
+    }
+    pthread_mutex_unlock(&fork_lock);
 }
 
 void cuma_fork_track(cuma_heap *h) {

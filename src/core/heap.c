@@ -319,6 +319,22 @@ static bool managed_take(cuma_heap *h, size_t size, uint64_t *managed_addr) {
     return put;
 }
 
+/* The ladder's rung of the other heaps on the device (peers.h): asks them for n bytes as whole
+ * pages (or a segment) and waits (h's lock held on entry and exit, dropped meanwhile); true when
+ * they now fit. */
+static bool ask_peers(cuma_heap *h, uint64_t n) {
+    cuma_heap *p = h->primary;
+    uint64_t ps = h->vmm ? h->pages.page_size : h->be->page_size;
+    uint64_t need = (n + ps - 1) / ps * ps;
+    if (!h->vmm && need < h->set.segment_size) need = h->set.segment_size;
+    /* The attempt that failed left the pages it made idle in the cache: they count as held. */
+    cuma_heap_release_idle(h, 0);
+    pthread_mutex_unlock(&h->lock);
+    bool fits = p->peers.ops->ask(p->peers.ctx, p, need);
+    pthread_mutex_lock(&h->lock);
+    return fits;
+}
+
 /* The out-of-memory ladder: release the cache (this arena's, then the other arenas') and retry,
  * ask other heaps through the ledger, compact (with a mover registered), call the callbacks and
  * retry, fall back to managed memory, then fail. Called with the arena's
@@ -358,9 +374,9 @@ static cuma_status ladder(cuma_heap *h, cuma_status st, size_t size, uint64_t n,
     }
     /* Other processes' heaps on the device may give memory back (not beyond the heap's own
      * limit: nobody can help there). */
-    if (st == CUMA_ERR_OOM && p->ledger && p->set.pressure_timeout_ms > 0) {
+    if (st == CUMA_ERR_OOM && p->peers.ops && p->set.pressure_timeout_ms > 0) {
         cuma_mark_push(marks, CUMA_MARK_OOM_LEDGER);
-        if (cuma_heap_ledger_reclaim(h, n)) st = try_alloc(h, size, n, si, now(h), out);
+        if (ask_peers(h, n)) st = try_alloc(h, size, n, si, now(h), out);
         cuma_mark_pop(marks);
         if (!is_oom(st)) return st;
     }

@@ -1,6 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
 /* Heap calls around the core paths: limits, callbacks, lookups, validation, sim controls. */
-#include "coord/ledger_backend.h"
 #include "cuma/sim.h"
 #include "error.h"
 #include "heap.h"
@@ -216,20 +215,7 @@ static const char *check_arenas(cuma_heap *h, unsigned n) {
     }
     if (h->vmm && pages != atomic_load(&h->pages.own_reserved))
         return "reserved pages differ from the arenas' sum";
-    if (h->ledger) {
-        uint64_t held = 0;
-        /* Oversubscribed memory (backend:managed) is not the device's: the ledger admits none. */
-        if (!(h->be->caps & CUMA_CAP_OVERSUBSCRIBE))
-            for (unsigned i = 0; i < n; i++) held += cuma_heap_reserved(h->arenas[i]);
-        if (held != cuma_backend_ledger_held(h->be))
-            return "the bytes the ledger admitted differ from the arenas' reserved bytes";
-        if (cuma_ledger_validate(h->ledger, held)) {
-            /* The message is formatted into the thread's error text again: copy it first. */
-            static _Thread_local char why[256];
-            snprintf(why, sizeof why, "%s", cuma_last_error());
-            return why;
-        }
-    }
+    if (h->peers.ops) return h->peers.ops->validate(h->peers.ctx, h);
     return NULL;
 }
 

@@ -249,7 +249,7 @@ void *cuma_heap_release_thread(void *arg) {
         wait_ns = policy_at > t ? policy_at - t : 0;
         if (wait_ns < 1000000) wait_ns = 1000000;
         h->thread_wake_at = policy_at; /* a free whose page is due earlier wakes the thread */
-        if (h->ledger && wait_ns > CUMA_LEDGER_POLL_NS) wait_ns = CUMA_LEDGER_POLL_NS;
+        if (h->peers.ops && wait_ns > CUMA_LEDGER_POLL_NS) wait_ns = CUMA_LEDGER_POLL_NS;
         if (watches_device(h) && wait_ns > WATERMARK_POLL_NS) wait_ns = WATERMARK_POLL_NS;
         {
             /* A little late, never early. */
@@ -264,7 +264,7 @@ void *cuma_heap_release_thread(void *arg) {
             cuma_mark_pop(h->set.nvtx);
             policy_at = UINT64_MAX;
         }
-        if (!h->stopping && h->ledger) cuma_heap_ledger_poll(h);
+        if (!h->stopping && h->peers.ops) h->peers.ops->poll(h->peers.ctx, h);
         if (!h->stopping && watches_device(h)) watermark_poll(h);
     }
     pthread_mutex_unlock(&h->lock);

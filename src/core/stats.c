@@ -2,7 +2,6 @@
 /* Statistics: one snapshot struct and its JSON form. */
 #include "error.h"
 #include "strbuf.h"
-#include "coord/ledger.h"
 #include "heap.h"
 
 #include <stdarg.h>
@@ -104,15 +103,8 @@ cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
     if (!h || !out)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_get_stats: %s is NULL", h ? "out" : "heap");
     cuma_heap_snapshot(h, out);
-    out->ledger_room_bytes = h->ledger ? cuma_ledger_room(h->ledger) : UINT64_MAX;
-    if (h->ledger) {
-        cuma_ledger_entry e;
-        cuma_ledger_self(h->ledger, &e);
-        out->ledger_denials = e.denials;
-        out->pressure_asks = e.pressure_asks;
-        out->pressure_given_bytes = e.pressure_given;
-        out->pressure_callbacks = e.pressure_calls;
-    }
+    out->ledger_room_bytes = UINT64_MAX;
+    if (h->peers.ops) h->peers.ops->stats(h->peers.ctx, out);
     /* The driver's view is read outside the locks: it may be slow and needs no heap state. */
     uint64_t fr = 0, tot = 0;
     if (h->be->ops->mem_info(h->be, &fr, &tot) == CUMA_OK)
@@ -192,33 +184,12 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
     U(compactions);
     U(compact_moved_bytes);
     U(compact_freed_pages);
-    if (h->ledger) U(ledger_room_bytes);
+    if (h->peers.ops) U(ledger_room_bytes);
 #undef U
-    if (h->ledger) {
-        cuma_ledger_entry e;
-        cuma_ledger_self(h->ledger, &e);
-        cuma_strbuf_put(&o, "\"ledger\":{\"path\":");
-        cuma_strbuf_json_string(&o, cuma_ledger_where(h->ledger));
-        uint64_t stale, damaged;
-        char problem[320];
-        cuma_ledger_health(h->ledger, &stale, &damaged, problem, sizeof problem);
-        cuma_strbuf_put(&o,
-                        ",\"slot\":%u,\"priority\":%d,\"guarantee\":%llu,\"stale_admissions\":%llu,"
-                        "\"damaged_denials\":%llu,\"problem\":",
-                        e.slot, e.priority, (unsigned long long)e.guarantee,
-                        (unsigned long long)stale, (unsigned long long)damaged);
-        if (problem[0])
-            cuma_strbuf_json_string(&o, problem);
-        else
-            cuma_strbuf_put(&o, "null");
-        if (*cuma_ledger_note(h->ledger)) {
-            cuma_strbuf_put(&o, ",\"notice\":");
-            cuma_strbuf_json_string(&o, cuma_ledger_note(h->ledger));
-        }
-        cuma_strbuf_put(&o, "},");
-    } else {
+    if (h->peers.ops)
+        h->peers.ops->json(h->peers.ctx, &o);
+    else
         cuma_strbuf_put(&o, "\"ledger\":null,");
-    }
     if (h->ledger_error[0]) {
         cuma_strbuf_put(&o, "\"ledger_error\":");
         cuma_strbuf_json_string(&o, h->ledger_error);

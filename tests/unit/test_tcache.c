@@ -3,7 +3,7 @@
  * flushes by trim, age and out-of-memory, thread exit. */
 #include "check.h"
 #include "core/heap.h"
-#include "coord/ledger.h"
+#include "coord/pressure.h"
 #include "core/tcache.h"
 #include "cuma/ledger.h"
 #include "cuma/sim.h"

@@ -1,16 +1,21 @@
 // SPDX-License-Identifier: Apache-2.0
-/* The heap's side of the cross-process ledger (src/coord): joining it at creation, asking the
- * other heaps for memory on the out-of-memory ladder, answering their requests from the release
- * thread, and the pressure callbacks. */
-#include "coord/ledger_backend.h"
-#include "error.h"
-#include "heap.h"
-#include "marks.h"
+/* The ledger as the heap's peers (core/peers.h): joining it at creation (cuma_heap_create),
+ * asking the other heaps for memory on the out-of-memory ladder, answering their requests from
+ * the release thread, the ledger's figures in the stats and the pressure callbacks. The heap
+ * calls these through h->peers only. */
+#include "pressure.h"
+
+#include "core/error.h"
+#include "core/heap.h"
+#include "core/marks.h"
+#include "ledger_backend.h"
 
 #include <stdio.h>
 #include <string.h>
 
-cuma_status cuma_heap_join_ledger(cuma_heap *h) {
+static const cuma_peers_ops ledger_peers;
+
+static cuma_status join(cuma_heap *h) {
     const char *want = h->set.ledger;
     bool explicit_ = strcmp(want, "auto") != 0;
     if (!strcmp(want, "off")) return CUMA_OK;
@@ -57,8 +62,17 @@ cuma_status cuma_heap_join_ledger(cuma_heap *h) {
         return st;
     }
     h->be = wrapped;
-    h->ledger = l;
+    h->peers.ops = &ledger_peers;
+    h->peers.ctx = l;
     return CUMA_OK;
+}
+
+cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
+    return cuma_heap_create_with(cfg, join, out);
+}
+
+cuma_ledger *cuma_heap_ledger(const cuma_heap *h) {
+    return h->peers.ops == &ledger_peers ? h->peers.ctx : NULL;
 }
 
 static uint64_t device_free(void *ctx) {
@@ -68,22 +82,12 @@ static uint64_t device_free(void *ctx) {
     return fr;
 }
 
-bool cuma_heap_ledger_reclaim(cuma_heap *h, uint64_t n) {
-    cuma_heap *p = h->primary;
-    if (!p->ledger || p->set.pressure_timeout_ms <= 0) return false;
-    uint64_t ps = h->vmm ? h->pages.page_size : h->be->page_size;
-    uint64_t need = (n + ps - 1) / ps * ps;
-    if (!h->vmm && need < h->set.segment_size) need = h->set.segment_size;
+static bool ask(void *ctx, cuma_heap *p, uint64_t bytes) {
     /* What the ledger cannot see (other programs on a real GPU) shows in the driver's figure;
      * a simulated device's is the process's own and would mislead. */
     bool real = strcmp(cuma_backend_unwrap(p->be)->name, "sim") != 0;
-    /* The attempt that failed left the pages it made idle in the cache: they count as held. */
-    cuma_heap_release_idle(h, 0);
-    pthread_mutex_unlock(&h->lock);
-    cuma_status st = cuma_ledger_reclaim(p->ledger, need, p->set.pressure_timeout_ms,
-                                         real ? device_free : NULL, p->be);
-    pthread_mutex_lock(&h->lock);
-    return st == CUMA_OK;
+    return cuma_ledger_reclaim(ctx, bytes, p->set.pressure_timeout_ms, real ? device_free : NULL,
+                               p->be) == CUMA_OK;
 }
 
 /* Every arena's idle memory back to the device (no lock held; each release publishes what is
@@ -95,11 +99,13 @@ static uint64_t give_cache(cuma_heap *p) {
     return before > after ? before - after : 0;
 }
 
-void cuma_heap_ledger_publish(cuma_heap *p) {
+/* The heap's figures into its slot, and what it answers with (any lock or none but oom_lock). */
+static void publish(cuma_heap *p) {
     pthread_mutex_lock(&p->oom_lock);
     unsigned answers = CUMA_LEDGER_ANSWERS_CACHE | (p->pressure.n ? CUMA_LEDGER_ANSWERS_SHRINK : 0);
     pthread_mutex_unlock(&p->oom_lock);
-    cuma_ledger_publish(p->ledger, cuma_heap_idle_total(p), cuma_heap_requested_total(p), answers);
+    cuma_ledger_publish(cuma_heap_ledger(p), cuma_heap_idle_total(p), cuma_heap_requested_total(p),
+                        answers);
 }
 
 /* The allocator figures for `cuma stats` and the other tools (no lock held: the snapshot takes
@@ -107,11 +113,11 @@ void cuma_heap_ledger_publish(cuma_heap *p) {
 static void publish_stats(cuma_heap *p) {
     cuma_stats s;
     cuma_heap_snapshot(p, &s);
-    cuma_ledger_publish_stats(p->ledger, &s);
+    cuma_ledger_publish_stats(cuma_heap_ledger(p), &s);
 }
 
 void cuma_heap_ledger_poll(cuma_heap *p) {
-    cuma_ledger *l = p->ledger;
+    cuma_ledger *l = cuma_heap_ledger(p);
     /* The release thread runs on a real clock only (never sim_clock:manual). */
     uint64_t now = cuma_heap_now(p);
     if (now >= p->stats_due) {
@@ -126,7 +132,7 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
                           memory_order_relaxed);
     uint64_t reserved, cached, mapped;
     cuma_heap_memory(p, &reserved, &cached, &mapped); /* and its thread caches' blocks */
-    cuma_heap_ledger_publish(p);
+    publish(p);
     bool cache, fresh;
     uint64_t shrink;
     if (!cuma_ledger_asked(l, &cache, &shrink, &fresh)) return;
@@ -138,7 +144,7 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
          * beyond the guarantee is what the callbacks are asked for (a request that came
          * meanwhile is as new as the first). */
         gave = give_cache(p);
-        cuma_heap_ledger_publish(p);
+        publish(p);
         bool again = false;
         if (!cuma_ledger_asked(l, &cache, &shrink, &again)) shrink = 0;
         fresh |= again;
@@ -153,7 +159,7 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
         /* What the callbacks freed may sit in thread caches and the page cache: it goes too. */
         if (n) gave += give_cache(p);
     }
-    cuma_heap_ledger_publish(p);
+    publish(p);
     cuma_ledger_gave(l, gave, calls);
     cuma_mark_pop(p->set.nvtx);
     pthread_mutex_lock(&p->lock);
@@ -162,13 +168,89 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
 cuma_status cuma_add_pressure_callback(cuma_heap *h, cuma_pressure_fn fn, void *user, int *id) {
     cuma_status st = cuma_cb_add(h, h ? &h->pressure : NULL, (cuma_any_fn)fn, user, id,
                                  "cuma_add_pressure_callback");
-    if (!st && h->ledger && h->thread_running) cuma_heap_ledger_publish(h); /* it can shrink now */
+    if (!st && cuma_heap_ledger(h) && h->thread_running) publish(h); /* it can shrink now */
     return st;
 }
 
 cuma_status cuma_remove_pressure_callback(cuma_heap *h, int id) {
     cuma_status st =
         cuma_cb_remove(h, h ? &h->pressure : NULL, id, "cuma_remove_pressure_callback");
-    if (!st && h->ledger && h->thread_running) cuma_heap_ledger_publish(h);
+    if (!st && cuma_heap_ledger(h) && h->thread_running) publish(h);
     return st;
 }
+
+static void poll_op(void *ctx, cuma_heap *p) {
+    (void)ctx;
+    cuma_heap_ledger_poll(p);
+}
+
+static void publish_op(void *ctx, cuma_heap *p) {
+    (void)ctx;
+    publish(p);
+}
+
+static void set_limit(void *ctx, uint64_t limit) {
+    cuma_ledger_set_limit(ctx, limit);
+}
+
+static void stats(void *ctx, cuma_stats *out) {
+    out->ledger_room_bytes = cuma_ledger_room(ctx);
+    cuma_ledger_entry e;
+    cuma_ledger_self(ctx, &e);
+    out->ledger_denials = e.denials;
+    out->pressure_asks = e.pressure_asks;
+    out->pressure_given_bytes = e.pressure_given;
+    out->pressure_callbacks = e.pressure_calls;
+}
+
+static void json(void *ctx, cuma_strbuf *o) {
+    cuma_ledger *l = ctx;
+    cuma_ledger_entry e;
+    cuma_ledger_self(l, &e);
+    cuma_strbuf_put(o, "\"ledger\":{\"path\":");
+    cuma_strbuf_json_string(o, cuma_ledger_where(l));
+    uint64_t stale, damaged;
+    char problem[320];
+    cuma_ledger_health(l, &stale, &damaged, problem, sizeof problem);
+    cuma_strbuf_put(o,
+                    ",\"slot\":%u,\"priority\":%d,\"guarantee\":%llu,\"stale_admissions\":%llu,"
+                    "\"damaged_denials\":%llu,\"problem\":",
+                    e.slot, e.priority, (unsigned long long)e.guarantee, (unsigned long long)stale,
+                    (unsigned long long)damaged);
+    if (problem[0])
+        cuma_strbuf_json_string(o, problem);
+    else
+        cuma_strbuf_put(o, "null");
+    if (*cuma_ledger_note(l)) {
+        cuma_strbuf_put(o, ",\"notice\":");
+        cuma_strbuf_json_string(o, cuma_ledger_note(l));
+    }
+    cuma_strbuf_put(o, "},");
+}
+
+static const char *validate(void *ctx, cuma_heap *h) {
+    uint64_t held = 0;
+    /* Oversubscribed memory (backend:managed) is not the device's: the ledger admits none. */
+    if (!(h->be->caps & CUMA_CAP_OVERSUBSCRIBE))
+        for (unsigned i = 0, n = atomic_load(&h->narenas); i < n; i++)
+            held += cuma_heap_reserved(h->arenas[i]);
+    if (held != cuma_backend_ledger_held(h->be))
+        return "the bytes the ledger admitted differ from the arenas' reserved bytes";
+    if (cuma_ledger_validate(ctx, held)) {
+        /* The message is formatted into the thread's error text again: copy it first. */
+        static _Thread_local char why[256];
+        snprintf(why, sizeof why, "%s", cuma_last_error());
+        return why;
+    }
+    return NULL;
+}
+
+static const cuma_peers_ops ledger_peers = {
+    .ask = ask,
+    .poll = poll_op,
+    .publish = publish_op,
+    .set_limit = set_limit,
+    .stats = stats,
+    .json = json,
+    .validate = validate,
+};
