@@ -5,6 +5,7 @@
 
 #include "core/config.h"
 #include "core/error.h"
+#include "core/lockrank.h"
 #include "core/peers.h"
 #include "cuma/ledger.h"
 
@@ -298,7 +299,7 @@ static bool lock_byte(int fd, off_t at, uint64_t *moved_ms) {
 }
 
 bool cuma_ledger_lock(ledger_file *f) {
-    pthread_mutex_lock(&f->mu);
+    cuma_mutex_lock(&f->mu, CUMA_RANK_LEDGER);
     /* Found stuck before, and nobody has taken the lock since: one try, no second wait (every
      * page of an allocation would wait LEDGER_STALL_MS again). */
     uint64_t moved_ms = 0;
@@ -324,7 +325,7 @@ bool cuma_ledger_lock(ledger_file *f) {
 void cuma_ledger_unlock(ledger_file *f) {
     if (f->locked) ofd_lock(f->fd, F_UNLCK, 0);
     f->locked = false;
-    pthread_mutex_unlock(&f->mu);
+    cuma_mutex_unlock(&f->mu);
 }
 
 static bool slot_free(const ledger_slot *s) {
@@ -522,13 +523,13 @@ static uint64_t current_ino(const char *path) {
 /* Around fork: no thread holds the list or a file's mu while the process is copied, so that a
  * child's heaps (inherited, their slots their parent's) can still be read. */
 static void prefork(void) {
-    pthread_mutex_lock(&files_lock);
-    for (ledger_file *f = files; f; f = f->next) pthread_mutex_lock(&f->mu);
+    cuma_mutex_lock(&files_lock, CUMA_RANK_LEDGER_LIST);
+    for (ledger_file *f = files; f; f = f->next) cuma_mutex_lock(&f->mu, CUMA_RANK_LEDGER);
 }
 
 static void postfork(void) {
-    for (ledger_file *f = files; f; f = f->next) pthread_mutex_unlock(&f->mu);
-    pthread_mutex_unlock(&files_lock);
+    for (ledger_file *f = files; f; f = f->next) cuma_mutex_unlock(&f->mu);
+    cuma_mutex_unlock(&files_lock);
 }
 
 static void fork_hooks(void) {
@@ -541,7 +542,7 @@ cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_file **out
     if (st) return st;
     static pthread_once_t hooks_once = PTHREAD_ONCE_INIT;
     pthread_once(&hooks_once, fork_hooks);
-    pthread_mutex_lock(&files_lock);
+    cuma_mutex_lock(&files_lock, CUMA_RANK_LEDGER_LIST);
     /* A file that was removed (by hand, or by logind's RemoveIPC at logout) would keep this
      * process's new heaps in a ledger nobody else sees: only the file the name leads to now
      * will do. A child of fork shares its parent's open files, and with them their locks: it
@@ -572,20 +573,20 @@ cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_file **out
             *out = f;
         }
     }
-    pthread_mutex_unlock(&files_lock);
+    cuma_mutex_unlock(&files_lock);
     return st;
 }
 
 void cuma_ledger_release_file(ledger_file *f) {
-    pthread_mutex_lock(&files_lock);
+    cuma_mutex_lock(&files_lock, CUMA_RANK_LEDGER_LIST);
     for (ledger_file **pp = &files; *pp; pp = &(*pp)->next) {
         if (*pp != f) continue;
         if (!--f->refs) {
             *pp = f->next;
-            pthread_mutex_lock(&f->mu);
+            cuma_mutex_lock(&f->mu, CUMA_RANK_LEDGER);
             bool stuck = f->stuck;
             uint64_t gen = f->stuck_gen, since = f->stuck_since;
-            pthread_mutex_unlock(&f->mu);
+            cuma_mutex_unlock(&f->mu);
             if (stuck) {
                 snprintf(last_stuck.path, sizeof last_stuck.path, "%s", f->path);
                 last_stuck.ino = f->ino;
@@ -598,5 +599,5 @@ void cuma_ledger_release_file(ledger_file *f) {
         }
         break;
     }
-    pthread_mutex_unlock(&files_lock);
+    cuma_mutex_unlock(&files_lock);
 }

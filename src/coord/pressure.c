@@ -101,9 +101,9 @@ static uint64_t give_cache(cuma_heap *p) {
 
 /* The heap's figures into its slot, and what it answers with (any lock or none but oom_lock). */
 static void publish(cuma_heap *p) {
-    pthread_mutex_lock(&p->oom_lock);
+    cuma_mutex_lock(&p->oom_lock, CUMA_RANK_OOM);
     unsigned answers = CUMA_LEDGER_ANSWERS_CACHE | (p->pressure.n ? CUMA_LEDGER_ANSWERS_SHRINK : 0);
-    pthread_mutex_unlock(&p->oom_lock);
+    cuma_mutex_unlock(&p->oom_lock);
     cuma_ledger_publish(cuma_heap_ledger(p), cuma_heap_idle_total(p), cuma_heap_requested_total(p),
                         answers);
 }
@@ -122,9 +122,9 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
     uint64_t now = cuma_heap_now(p);
     if (now >= p->stats_due) {
         p->stats_due = now + CUMA_LEDGER_STATS_NS;
-        pthread_mutex_unlock(&p->lock);
+        cuma_mutex_unlock(&p->lock);
         publish_stats(p);
-        pthread_mutex_lock(&p->lock);
+        cuma_mutex_lock(&p->lock, CUMA_RANK_ARENA);
     }
     /* The first arena's idle bytes as of now (its lock is held): frees since its last release
      * policy run count, so that requesters see what they may ask for. */
@@ -136,7 +136,7 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
     bool cache, fresh;
     uint64_t shrink;
     if (!cuma_ledger_asked(l, &cache, &shrink, &fresh)) return;
-    pthread_mutex_unlock(&p->lock);
+    cuma_mutex_unlock(&p->lock);
     cuma_mark_push(p->set.nvtx, CUMA_MARK_LEDGER_ANSWER);
     uint64_t gave = 0, calls = 0;
     if (cache) {
@@ -150,11 +150,11 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
         fresh |= again;
     }
     if (shrink && fresh) {
-        pthread_mutex_lock(&p->oom_lock);
+        cuma_mutex_lock(&p->oom_lock, CUMA_RANK_OOM);
         cuma_cb_slot cbs[CUMA_MAX_OOM_CALLBACKS];
         int n = p->pressure.n;
         memcpy(cbs, p->pressure.s, sizeof cbs);
-        pthread_mutex_unlock(&p->oom_lock);
+        cuma_mutex_unlock(&p->oom_lock);
         for (int i = 0; i < n; i++, calls++) ((cuma_pressure_fn)cbs[i].fn)(cbs[i].user, p, shrink);
         /* What the callbacks freed may sit in thread caches and the page cache: it goes too. */
         if (n) gave += give_cache(p);
@@ -162,7 +162,7 @@ void cuma_heap_ledger_poll(cuma_heap *p) {
     publish(p);
     cuma_ledger_gave(l, gave, calls);
     cuma_mark_pop(p->set.nvtx);
-    pthread_mutex_lock(&p->lock);
+    cuma_mutex_lock(&p->lock, CUMA_RANK_ARENA);
 }
 
 cuma_status cuma_add_pressure_callback(cuma_heap *h, cuma_pressure_fn fn, void *user, int *id) {

@@ -7,6 +7,7 @@
 #include "backend/backend.h"
 #include "config.h"
 #include "hashmap.h"
+#include "lockrank.h"
 #include "pages.h"
 #include "peers.h"
 #include "policy.h"

@@ -158,10 +158,10 @@ fail_streams:
 /* Stops an arena's release thread (it reads every arena's published figures). */
 static void stop_thread(cuma_heap *h) {
     if (!h->thread_running) return;
-    pthread_mutex_lock(&h->lock);
+    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
     h->stopping = true;
     pthread_cond_signal(&h->wake);
-    pthread_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->lock);
     pthread_join(h->thread, NULL);
     h->thread_running = false;
 }

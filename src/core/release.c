@@ -109,11 +109,11 @@ void cuma_heap_release_all(cuma_heap *h, uint64_t keep_bytes, bool count_trim) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         if (!i && count_trim) a->c.trims++;
         /* keep_bytes is the heap's: the first arena keeps them, the others keep nothing. */
         cuma_heap_release_idle(a, i ? 0 : keep_bytes);
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
     }
 }
 
@@ -132,9 +132,9 @@ cuma_status cuma_poll(cuma_heap *h) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         cuma_heap_release_policy(a, cuma_heap_now(a));
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
     }
     return CUMA_OK;
 }
@@ -158,9 +158,9 @@ cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         uint64_t due = next_release_of(a);
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         if (due < *ns) *ns = due;
     }
     return CUMA_OK;
@@ -193,14 +193,14 @@ static void watermark_poll(cuma_heap *p) {
     if (t < p->watermark_due) return;
     p->watermark_due = t + WATERMARK_POLL_NS;
     if (!idle_bytes(p)) return;
-    pthread_mutex_unlock(&p->lock);
+    cuma_mutex_unlock(&p->lock);
     uint64_t fr = 0, total = 0;
     if (p->be->ops->mem_info(p->be, &fr, &total) == CUMA_OK && fr < p->set.free_watermark) {
         uint64_t deficit = p->set.free_watermark - fr;
         unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
         for (unsigned i = 0; i < n && deficit; i++) {
             cuma_heap *a = p->arenas[i];
-            pthread_mutex_lock(&a->lock);
+            cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
             cuma_streams_tick(&a->streams);
             /* Preallocated pages among the idle ones stay (the release skips them): at worst a
              * look every 10 ms walks the cache for nothing. */
@@ -213,10 +213,10 @@ static void watermark_poll(cuma_heap *p) {
                 a->c.watermark_bytes += gone;
                 deficit = gone < deficit ? deficit - gone : 0;
             }
-            pthread_mutex_unlock(&a->lock);
+            cuma_mutex_unlock(&a->lock);
         }
     }
-    pthread_mutex_lock(&p->lock);
+    cuma_mutex_lock(&p->lock, CUMA_RANK_ARENA);
 }
 
 /* Gives idle memory back while the program runs, even when it makes no allocator call: sleeps
@@ -228,7 +228,7 @@ void *cuma_heap_release_thread(void *arg) {
      * caches' ageing included, would run only when woken), brought forward when a look finds
      * something due earlier, and made afresh once the policy ran. */
     uint64_t policy_at = UINT64_MAX;
-    pthread_mutex_lock(&h->lock);
+    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
     while (!h->stopping) {
         uint64_t t = cuma_heap_now(h), due = next_age_due(h), wait_ns = 1000000000ull;
         bool woken = false;
@@ -267,6 +267,6 @@ void *cuma_heap_release_thread(void *arg) {
         if (!h->stopping && h->peers.ops) h->peers.ops->poll(h->peers.ctx, h);
         if (!h->stopping && watches_device(h)) watermark_poll(h);
     }
-    pthread_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->lock);
     return NULL;
 }

@@ -69,15 +69,15 @@ void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         add_arena(a, s);
         if (!i) s->limit_bytes = a->limit_bytes;
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
     }
-    pthread_mutex_lock(&h->managed_lock);
+    cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
     s->managed_bytes = h->c.managed;
     s->managed_fallbacks = h->c.managed_fallbacks;
-    pthread_mutex_unlock(&h->managed_lock);
+    cuma_mutex_unlock(&h->managed_lock);
     s->arenas = n;
     s->pools = atomic_load(&h->pool_count);
     s->pool_bytes = atomic_load(&h->pool_bytes);
