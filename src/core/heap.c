@@ -168,15 +168,15 @@ static void release_other_arenas(cuma_heap *h) {
     cuma_heap *p = h->primary;
     unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
     if (n < 2) return;
-    pthread_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->lock);
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *o = p->arenas[i];
         if (o == h) continue;
-        pthread_mutex_lock(&o->lock);
+        cuma_mutex_lock(&o->lock, CUMA_RANK_ARENA);
         cuma_heap_release_idle(o, 0);
-        pthread_mutex_unlock(&o->lock);
+        cuma_mutex_unlock(&o->lock);
     }
-    pthread_mutex_lock(&h->lock);
+    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
 }
 
 static bool is_oom(cuma_status st) {
@@ -215,7 +215,7 @@ static cuma_status retry_after_frees(cuma_heap *h, size_t size, uint64_t n, unsi
 static bool wait_oom_run(cuma_heap *p) {
     struct timespec ts = cuma_deadline(CLOCK_REALTIME, OOM_WAIT_NS); /* timedlock's clock */
     int r;
-    while ((r = pthread_mutex_timedlock(&p->oom_run, &ts)) == EINTR) {
+    while ((r = cuma_mutex_timedlock(&p->oom_run, &ts, CUMA_RANK_OOM_RUN)) == EINTR) {
     }
     return r == 0;
 }
@@ -233,9 +233,9 @@ static cuma_status run_oom_callbacks(cuma_heap *h, cuma_status st, size_t size, 
                                      unsigned si, cuma_stream stream, cuma_block **out) {
     cuma_heap *p = h->primary;
     if (in_callbacks_of(p)) return st;
-    pthread_mutex_lock(&p->oom_lock);
+    cuma_mutex_lock(&p->oom_lock, CUMA_RANK_OOM);
     bool any = p->oom.n > 0;
-    pthread_mutex_unlock(&p->oom_lock);
+    cuma_mutex_unlock(&p->oom_lock);
     if (!any) return st;
     cuma_mark_push(h->set.nvtx, CUMA_MARK_OOM_CALLBACKS);
     st = call_oom_callbacks(h, st, size, n, si, stream, out);
@@ -247,35 +247,35 @@ static cuma_status run_oom_callbacks(cuma_heap *h, cuma_status st, size_t size, 
 static cuma_status call_oom_callbacks(cuma_heap *h, cuma_status st, size_t size, uint64_t n,
                                       unsigned si, cuma_stream stream, cuma_block **out) {
     cuma_heap *p = h->primary;
-    if (pthread_mutex_trylock(&p->oom_run) != 0) {
+    if (cuma_mutex_trylock(&p->oom_run, CUMA_RANK_OOM_RUN) != 0) {
         if (oom_frames) return st;
-        pthread_mutex_unlock(&h->lock);
+        cuma_mutex_unlock(&h->lock);
         bool got = wait_oom_run(p);
-        pthread_mutex_lock(&h->lock);
+        cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
         st = got ? retry_after_frees(h, size, n, si, out) : try_alloc(h, size, n, si, now(h), out);
         if (!got || !is_oom(st)) {
-            if (got) pthread_mutex_unlock(&p->oom_run);
+            if (got) cuma_mutex_unlock(&p->oom_run);
             return st;
         }
     }
-    pthread_mutex_lock(&p->oom_lock);
+    cuma_mutex_lock(&p->oom_lock, CUMA_RANK_OOM);
     cuma_cb_slot cbs[CUMA_MAX_OOM_CALLBACKS];
     int ncb = p->oom.n;
     memcpy(cbs, p->oom.s, sizeof cbs);
-    pthread_mutex_unlock(&p->oom_lock);
+    cuma_mutex_unlock(&p->oom_lock);
     oom_frame frame = {p, oom_frames};
     oom_frames = &frame;
     for (int i = 0; i < ncb; i++) {
         h->c.oom_calls++;
-        pthread_mutex_unlock(&h->lock);
+        cuma_mutex_unlock(&h->lock);
         int r = ((cuma_oom_fn)cbs[i].fn)(cbs[i].user, p, size, stream);
-        pthread_mutex_lock(&h->lock);
+        cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
         if (r != CUMA_OOM_RETRY) continue;
         st = retry_after_frees(h, size, n, si, out);
         if (!is_oom(st)) break;
     }
     oom_frames = frame.up;
-    pthread_mutex_unlock(&p->oom_run);
+    cuma_mutex_unlock(&p->oom_run);
     return st;
 }
 
@@ -288,18 +288,32 @@ static bool managed_take(cuma_heap *h, size_t size, uint64_t *managed_addr) {
     cuma_status st = h->be->ops->managed_alloc(h->be, size, &addr);
     cuma_mark_pop(h->set.nvtx);
     if (st != CUMA_OK) return false;
-    pthread_mutex_lock(&p->managed_lock);
+    cuma_mutex_lock(&p->managed_lock, CUMA_RANK_MANAGED);
     bool put = cuma_map_put(&p->managed, addr, (void *)(uintptr_t)size);
     if (put) {
         p->c.managed += size;
         p->c.managed_fallbacks++;
     }
-    pthread_mutex_unlock(&p->managed_lock);
+    cuma_mutex_unlock(&p->managed_lock);
     if (put)
         *managed_addr = addr;
     else
         h->be->ops->managed_free(h->be, addr, size);
     return put;
+}
+
+/* The ladder's rung of the other heaps on the device (peers.h): asks them for n bytes as whole
+ * pages (or a segment) and waits (h's lock held on entry and exit, dropped meanwhile); true when
+ * they now fit. */
+static bool ask_peers(cuma_heap *h, uint64_t n) {
+    cuma_heap *p = h->primary;
+    uint64_t need = h->phys.ops->growth(h, n);
+    /* The attempt that failed left the pages it made idle in the cache: they count as held. */
+    cuma_heap_release_idle(h, 0);
+    cuma_mutex_unlock(&h->lock);
+    bool fits = p->peers.ops->ask(p->peers.ctx, p, need);
+    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
+    return fits;
 }
 
 /* The out-of-memory ladder: release the cache (this arena's, then the other arenas') and retry,
@@ -341,9 +355,9 @@ static cuma_status ladder(cuma_heap *h, cuma_status st, size_t size, uint64_t n,
     }
     /* Other processes' heaps on the device may give memory back (not beyond the heap's own
      * limit: nobody can help there). */
-    if (st == CUMA_ERR_OOM && p->ledger && p->set.pressure_timeout_ms > 0) {
+    if (st == CUMA_ERR_OOM && p->peers.ops && p->set.pressure_timeout_ms > 0) {
         cuma_mark_push(marks, CUMA_MARK_OOM_LEDGER);
-        if (cuma_heap_ledger_reclaim(h, n)) st = try_alloc(h, size, n, si, now(h), out);
+        if (ask_peers(h, n)) st = try_alloc(h, size, n, si, now(h), out);
         cuma_mark_pop(marks);
         if (!is_oom(st)) return st;
     }
@@ -395,7 +409,7 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
     int si = cuma_streams_index(&h->streams, stream);
     if (si < 0) {
         h->c.failed++;
-        pthread_mutex_unlock(&h->lock);
+        cuma_mutex_unlock(&h->lock);
         return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_alloc: more than %d streams on one heap",
                          CUMA_MAX_STREAMS);
     }
@@ -453,7 +467,7 @@ alloc_slow(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr, bool tr
                                       (uint64_t)(uintptr_t)*ptr, size, (uint64_t)(uintptr_t)stream,
                                       frames, nframes);
     cuma_heap_release_policy(h, t);
-    pthread_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->lock);
     /* Not for an allocation a callback makes (it fails at once, inside the ladder of another
      * that has not failed yet): it would take the file, and the 10 s, from the real failure. */
     if (is_oom(st) && h->primary->set.oom_dump[0] && !oom_frames)
@@ -496,11 +510,11 @@ free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_
         return cuma_heap_inherited(heap, "cuma_free");
     uint64_t a = (uint64_t)(uintptr_t)ptr;
     cuma_heap *h = cuma_arena_of(heap, a);
-    pthread_mutex_lock(&h->lock);
+    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
     if (tc && tc->npending) cuma_tcache_drain(h, tc, cuma_heap_give_cached);
     if (r == CUMA_TC_DRAIN) {
         cuma_heap_release_policy(h, now(h));
-        pthread_mutex_unlock(&h->lock);
+        cuma_mutex_unlock(&h->lock);
         return CUMA_OK;
     }
     cuma_block *b = cuma_map_get(&h->live, a);
@@ -509,15 +523,15 @@ free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_
         /* Even: it sits in a thread cache, so the program freed it already. A failed exchange:
          * another thread's free of the same pointer won. */
         cuma_status st = bad_pointer(h, ptr, "cuma_free");
-        pthread_mutex_unlock(&h->lock);
+        cuma_mutex_unlock(&h->lock);
         return st;
     }
     if (!b) {
         cuma_heap *p = h->primary;
-        pthread_mutex_lock(&p->managed_lock);
+        cuma_mutex_lock(&p->managed_lock, CUMA_RANK_MANAGED);
         void *msize = cuma_map_remove(&p->managed, a);
         if (msize) p->c.managed -= (uint64_t)(uintptr_t)msize;
-        pthread_mutex_unlock(&p->managed_lock);
+        cuma_mutex_unlock(&p->managed_lock);
         cuma_status st = CUMA_OK;
         if (msize) {
             if (p->tw)
@@ -528,7 +542,7 @@ free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_
         } else {
             st = bad_pointer(h, ptr, "cuma_free");
         }
-        pthread_mutex_unlock(&h->lock);
+        cuma_mutex_unlock(&h->lock);
         return st;
     }
     int si = stream ? cuma_streams_index(&h->streams, stream) : b->stream;
@@ -574,7 +588,7 @@ free_slow(cuma_heap *heap, void *ptr, cuma_stream stream, cuma_tcache *tc, cuma_
         }
     }
     cuma_heap_release_policy(h, t);
-    pthread_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->lock);
     return CUMA_OK;
 }
 
@@ -594,9 +608,9 @@ cuma_status cuma_free(cuma_heap *heap, void *ptr, cuma_stream stream) {
 /* Whether addr is a live managed fallback of the heap. */
 static bool is_managed(cuma_heap *h, uint64_t addr) {
     cuma_heap *p = h->primary;
-    pthread_mutex_lock(&p->managed_lock);
+    cuma_mutex_lock(&p->managed_lock, CUMA_RANK_MANAGED);
     bool m = cuma_map_get(&p->managed, addr) != NULL;
-    pthread_mutex_unlock(&p->managed_lock);
+    cuma_mutex_unlock(&p->managed_lock);
     return m;
 }
 
@@ -605,7 +619,7 @@ cuma_status cuma_record_stream(cuma_heap *heap, void *ptr, cuma_stream stream) {
         return cuma_fail(CUMA_ERR_INVALID, "cuma_record_stream: %s is NULL", heap ? "ptr" : "heap");
     if (atomic_load(&heap->inherited)) return cuma_heap_inherited(heap, "cuma_record_stream");
     cuma_heap *h = cuma_arena_of(heap, (uint64_t)(uintptr_t)ptr);
-    pthread_mutex_lock(&h->lock);
+    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
     cuma_status st = CUMA_OK;
     cuma_block *b = cuma_map_get(&h->live, (uint64_t)(uintptr_t)ptr);
     if (b && !(atomic_load(&b->gen) & 1)) b = NULL; /* in a thread cache: freed */
@@ -625,7 +639,7 @@ cuma_status cuma_record_stream(cuma_heap *heap, void *ptr, cuma_stream stream) {
                 b->extra_all = 1;
         }
     }
-    pthread_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->lock);
     return st;
 }
 
@@ -640,11 +654,11 @@ cuma_status cuma_stream_retire(cuma_heap *heap, cuma_stream stream) {
     unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *a = p->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         bool found;
         cuma_status r = cuma_streams_retire(&a->streams, stream, &found);
         if (found) atomic_fetch_add_explicit(&a->stream_gen, 1, memory_order_relaxed);
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         if (r && !st) st = r;
     }
     return st;

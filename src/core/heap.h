@@ -6,10 +6,11 @@
 
 #include "backend/backend.h"
 #include "config.h"
-#include "cuma/ledger.h"
 #include "hashmap.h"
+#include "lockrank.h"
 #include "pages.h"
 #include "phys.h"
+#include "peers.h"
 #include "policy.h"
 #include "segments.h"
 #include "streams.h"
@@ -20,8 +21,6 @@
 #include <stdatomic.h>
 
 #define CUMA_MAX_OOM_CALLBACKS 16
-/* How often the release thread of a heap in the ledger looks for pressure requests. */
-#define CUMA_LEDGER_POLL_NS 5000000ull
 
 /* The figures an arena publishes (cuma_heap.pub). CACHED: idle pages (the release policy's);
  * TCACHED: bytes of the pages only blocks in thread caches hold, as last counted
@@ -117,10 +116,10 @@ struct cuma_heap {
     /* First arena only, under oom_lock (a leaf lock): the callbacks, OOM and pressure. */
     pthread_mutex_t oom_lock;
     cuma_cb_list oom, pressure;
-    /* First arena only: the heap's slot in the cross-process ledger (owned by the backend
-     * wrapper that admits its memory), or NULL; constant. ledger_error: why a ledger the heap
-     * was not told to use could not be joined (stats), "" otherwise; constant. */
-    struct cuma_ledger *ledger;
+    /* First arena only: the other heaps on the device (peers.h; src/coord's ledger fills it
+     * in), ops NULL without them; constant. ledger_error: why a ledger the heap was not told to
+     * use could not be joined (stats), "" otherwise; constant. */
+    cuma_peers peers;
     char ledger_error[160];
     /* First arena only: why the `trace` log could not be opened (the heap runs without it; in
      * the stats), "" otherwise; constant. */
@@ -302,19 +301,6 @@ typedef struct cuma_sleep_in {
 uint64_t cuma_release_sleep(const cuma_sleep_in *in, uint64_t *policy_at);
 /* The release thread's body (release.c); started by cuma_heap_build. */
 void *cuma_heap_release_thread(void *arg);
-
-/* The cross-process ledger (pressure.c). Joins it as the settings say, wrapping h->be (first
- * arena, at creation, before any arena shares the backend). */
-cuma_status cuma_heap_join_ledger(cuma_heap *h);
-/* Out-of-memory ladder: asks the other heaps for n bytes and waits (h's lock held on entry and
- * exit, dropped meanwhile); true when they now fit. */
-bool cuma_heap_ledger_reclaim(cuma_heap *h, uint64_t n);
-/* Release thread of the first arena (its lock held, dropped meanwhile): publishes the heap's
- * figures and answers the others' requests. */
-void cuma_heap_ledger_poll(cuma_heap *p);
-/* The heap's figures into its slot, and what it answers with (first arena; any lock or none but
- * oom_lock). */
-void cuma_heap_ledger_publish(cuma_heap *p);
 
 /* fork.c: a created heap joins the list whose locks are held across fork(); a heap being
  * destroyed leaves it first (no lock held). */

@@ -1,6 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
 /* Heap life cycle: settings, backend, arenas' common parts, creation and destruction. */
-#include "coord/ledger.h"
 #include "error.h"
 #include "heap.h"
 #include "marks.h"
@@ -25,7 +24,7 @@ void cuma_heap_refresh_limit(cuma_heap *h) {
     }
     if (!h->set.growth && h->set.preallocate < lim) lim = h->set.preallocate;
     h->limit_bytes = lim;
-    if (h->primary == h && h->ledger) cuma_ledger_set_limit(h->ledger, lim);
+    if (h->primary == h && h->peers.ops) h->peers.ops->set_limit(h->peers.ctx, lim);
     h->phys.ops->set_limit(h, lim, lim == h->be->capacity);
 }
 
@@ -99,7 +98,7 @@ cuma_status cuma_heap_build(cuma_heap *h) {
      * max_cached acts on them only after), answers the ledger's pressure requests and watches
      * the device's free memory (free_watermark), whatever the release delay. */
     bool thread =
-        h->release_delay_ns >= 0 || h->tc_on || (first && (h->ledger || h->set.free_watermark));
+        h->release_delay_ns >= 0 || h->tc_on || (first && (h->peers.ops || h->set.free_watermark));
     if (h->set.release_thread && !h->set.sim_clock_manual && thread) {
         if (pthread_create(&h->thread, NULL, cuma_heap_release_thread, h)) {
             st = cuma_fail(CUMA_ERR_BACKEND, "could not start the release thread");
@@ -125,10 +124,10 @@ fail_streams:
 /* Stops an arena's release thread (it reads every arena's published figures). */
 static void stop_thread(cuma_heap *h) {
     if (!h->thread_running) return;
-    pthread_mutex_lock(&h->lock);
+    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
     h->stopping = true;
     pthread_cond_signal(&h->wake);
-    pthread_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->lock);
     pthread_join(h->thread, NULL);
     h->thread_running = false;
 }
@@ -145,7 +144,8 @@ void cuma_heap_teardown(cuma_heap *h) {
     pthread_cond_destroy(&h->wake);
 }
 
-cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
+cuma_status cuma_heap_create_with(const cuma_config *cfg, cuma_peers_join_fn join,
+                                  cuma_heap **out) {
     cuma_clear_error();
     if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_heap_create: out is NULL");
     *out = NULL;
@@ -158,7 +158,7 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     /* backend_fallback:sim and no driver: the settings say the backend the heap runs on, and
      * the stats' "backend_fallback" why. */
     if (h->backend_fallback) snprintf(h->set.backend, sizeof h->set.backend, "sim");
-    st = cuma_heap_join_ledger(h);
+    st = join ? join(h) : CUMA_OK;
     if (st) goto fail_be;
     if (h->set.trace[0]) {
         bool tcache = h->set.tcache;
@@ -222,7 +222,7 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         goto fail_be;
     }
     /* From now on its release thread answers the others: they may count on its cache. */
-    if (h->ledger && h->thread_running) cuma_heap_ledger_publish(h);
+    if (h->peers.ops && h->thread_running) h->peers.ops->publish(h->peers.ctx, h);
     cuma_fork_track(h);
     *out = h;
     return CUMA_OK;

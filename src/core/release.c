@@ -99,11 +99,11 @@ void cuma_heap_release_all(cuma_heap *h, uint64_t keep_bytes, bool count_trim) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         if (!i && count_trim) a->c.trims++;
         /* keep_bytes is the heap's: the first arena keeps them, the others keep nothing. */
         cuma_heap_release_idle(a, i ? 0 : keep_bytes);
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
     }
 }
 
@@ -122,9 +122,9 @@ cuma_status cuma_poll(cuma_heap *h) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         cuma_heap_release_policy(a, cuma_heap_now(a));
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
     }
     return CUMA_OK;
 }
@@ -148,9 +148,9 @@ cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_heap *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         uint64_t due = next_release_of(a);
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         if (due < *ns) *ns = due;
     }
     return CUMA_OK;
@@ -183,14 +183,14 @@ static void watermark_poll(cuma_heap *p) {
     if (t < p->watermark_due) return;
     p->watermark_due = t + WATERMARK_POLL_NS;
     if (!idle_bytes(p)) return;
-    pthread_mutex_unlock(&p->lock);
+    cuma_mutex_unlock(&p->lock);
     uint64_t fr = 0, total = 0;
     if (p->be->ops->mem_info(p->be, &fr, &total) == CUMA_OK && fr < p->set.free_watermark) {
         uint64_t deficit = p->set.free_watermark - fr;
         unsigned n = atomic_load_explicit(&p->narenas, memory_order_acquire);
         for (unsigned i = 0; i < n && deficit; i++) {
             cuma_heap *a = p->arenas[i];
-            pthread_mutex_lock(&a->lock);
+            cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
             cuma_streams_tick(&a->streams);
             /* Preallocated pages among the idle ones stay (the release skips them): at worst a
              * look every 10 ms walks the cache for nothing. */
@@ -203,10 +203,10 @@ static void watermark_poll(cuma_heap *p) {
                 a->c.watermark_bytes += gone;
                 deficit = gone < deficit ? deficit - gone : 0;
             }
-            pthread_mutex_unlock(&a->lock);
+            cuma_mutex_unlock(&a->lock);
         }
     }
-    pthread_mutex_lock(&p->lock);
+    cuma_mutex_lock(&p->lock, CUMA_RANK_ARENA);
 }
 
 #define SECOND_NS 1000000000ull
@@ -246,13 +246,13 @@ void *cuma_heap_release_thread(void *arg) {
      * caches' ageing included, would run only when woken), brought forward when a look finds
      * something due earlier, and made afresh once the policy ran. */
     uint64_t policy_at = UINT64_MAX;
-    pthread_mutex_lock(&h->lock);
+    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
     while (!h->stopping) {
         cuma_sleep_in in = {
             .now = cuma_heap_now(h),
             .age_due = next_age_due(h),
             .tc_age_ns = h->tcaches ? h->tc_age_ns : INT64_MAX,
-            .ledger = h->ledger != NULL,
+            .ledger = h->peers.ops != NULL,
             .watermark = watches_device(h),
         };
         uint64_t wait_ns = cuma_release_sleep(&in, &policy_at);
@@ -272,9 +272,9 @@ void *cuma_heap_release_thread(void *arg) {
             cuma_mark_pop(h->set.nvtx);
             policy_at = UINT64_MAX;
         }
-        if (!h->stopping && h->ledger) cuma_heap_ledger_poll(h);
+        if (!h->stopping && h->peers.ops) h->peers.ops->poll(h->peers.ctx, h);
         if (!h->stopping && watches_device(h)) watermark_poll(h);
     }
-    pthread_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->lock);
     return NULL;
 }

@@ -28,7 +28,7 @@ static pthread_key_t exit_key;
 static pthread_once_t exit_once = PTHREAD_ONCE_INIT;
 
 uint64_t cuma_tcache_register_heap(cuma_heap *h) {
-    pthread_mutex_lock(&registry_lock);
+    cuma_mutex_lock(&registry_lock, CUMA_RANK_TCACHE_REG);
     uint64_t id = next_heap_id++;
     if (nregistry == capregistry) {
         size_t nc = capregistry ? capregistry * 2 : 16;
@@ -41,26 +41,26 @@ uint64_t cuma_tcache_register_heap(cuma_heap *h) {
     } else {
         id = 0; /* no registry entry: this heap gets no thread caches */
     }
-    pthread_mutex_unlock(&registry_lock);
+    cuma_mutex_unlock(&registry_lock);
     return id;
 }
 
 void cuma_tcache_unregister_heap(cuma_heap *h) {
-    pthread_mutex_lock(&registry_lock);
+    cuma_mutex_lock(&registry_lock, CUMA_RANK_TCACHE_REG);
     for (size_t i = 0; i < nregistry; i++)
         if (registry[i].heap == h && registry[i].id == h->id) {
             registry[i] = registry[--nregistry];
             break;
         }
-    pthread_mutex_unlock(&registry_lock);
+    cuma_mutex_unlock(&registry_lock);
 }
 
 void cuma_tcache_prefork(void) {
-    pthread_mutex_lock(&registry_lock);
+    cuma_mutex_lock(&registry_lock, CUMA_RANK_TCACHE_REG);
 }
 
 void cuma_tcache_postfork(void) {
-    pthread_mutex_unlock(&registry_lock);
+    cuma_mutex_unlock(&registry_lock);
 }
 
 static void flush_one(cuma_heap *h, cuma_tcache *tc, uint64_t older_than,
@@ -82,25 +82,25 @@ static void unlink_tc(cuma_heap *h, cuma_tcache *tc) {
 /* A thread ends: its caches' blocks go back to their heaps, if those still live. */
 static void on_thread_exit(void *unused) {
     (void)unused;
-    pthread_mutex_lock(&registry_lock);
+    cuma_mutex_lock(&registry_lock, CUMA_RANK_TCACHE_REG);
     for (unsigned i = 0; i < TL_HEAPS; i++) {
         tl_slot *s = &tl[i];
         if (!s->tc) continue;
         for (size_t r = 0; r < nregistry; r++) {
             if (registry[r].id != s->heap_id || registry[r].heap != s->heap) continue;
             cuma_heap *h = s->heap;
-            pthread_mutex_lock(&h->lock);
+            cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
             flush_one(h, s->tc, UINT64_MAX, cuma_heap_give_cached);
             unlink_tc(h, s->tc);
             cuma_tcache_sums_retire(h, s->tc);
-            pthread_mutex_unlock(&h->lock);
+            cuma_mutex_unlock(&h->lock);
             free_tc(s->tc);
             break;
         }
         s->tc = NULL, s->heap = NULL;
     }
     cuma_tl_last.tc = NULL, cuma_tl_last.heap = NULL;
-    pthread_mutex_unlock(&registry_lock);
+    cuma_mutex_unlock(&registry_lock);
 }
 
 static void make_key(void) {
@@ -121,14 +121,14 @@ cuma_tcache *cuma_tcache_get_slow(cuma_heap *h) {
     }
     if (free_slot == TL_HEAPS) {
         /* Every slot names a heap: free those whose heap was destroyed since. */
-        pthread_mutex_lock(&registry_lock);
+        cuma_mutex_lock(&registry_lock, CUMA_RANK_TCACHE_REG);
         for (unsigned i = 0; i < TL_HEAPS && free_slot == TL_HEAPS; i++) {
             bool alive = false;
             for (size_t r = 0; r < nregistry && !alive; r++)
                 alive = registry[r].id == tl[i].heap_id && registry[r].heap == tl[i].heap;
             if (!alive) free_slot = i;
         }
-        pthread_mutex_unlock(&registry_lock);
+        cuma_mutex_unlock(&registry_lock);
         if (free_slot == TL_HEAPS) return NULL;
     }
     cuma_tcache *tc = calloc(1, sizeof *tc);
@@ -139,7 +139,7 @@ cuma_tcache *cuma_tcache_get_slow(cuma_heap *h) {
     tc->page_shift = h->phys.refs ? h->phys.shift : 0;
     pthread_once(&exit_once, make_key);
     pthread_setspecific(exit_key, tc); /* any non-NULL value makes the destructor run */
-    pthread_mutex_lock(&h->lock);
+    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
     tc->next = h->tcaches;
     h->tcaches = tc;
     /* The release thread ages caches only once one exists: one that sleeps past the first
@@ -148,7 +148,7 @@ cuma_tcache *cuma_tcache_get_slow(cuma_heap *h) {
         h->thread_wake_at >
             atomic_load_explicit(&h->coarse_now, memory_order_relaxed) + (uint64_t)h->tc_age_ns)
         pthread_cond_signal(&h->wake);
-    pthread_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->lock);
     tl[free_slot] = (tl_slot){h, h->id, tc};
     cuma_tl_last = tl[free_slot];
     return tc;
