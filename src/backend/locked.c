@@ -5,6 +5,7 @@
  * already allow those from any thread. */
 #include "backend.h"
 #include "core/error.h"
+#include "core/lockrank.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -33,9 +34,9 @@ static locked *as_locked(cuma_backend *be) {
     do {                                                                                           \
         locked *l_ = as_locked(be);                                                                \
         bool on_ = atomic_load_explicit(&l_->shared, memory_order_relaxed);                        \
-        if (on_) pthread_mutex_lock(&l_->lock);                                                    \
+        if (on_) cuma_mutex_lock(&l_->lock, CUMA_RANK_BACKEND);                                    \
         expr;                                                                                      \
-        if (on_) pthread_mutex_unlock(&l_->lock);                                                  \
+        if (on_) cuma_mutex_unlock(&l_->lock);                                                     \
     } while (0)
 
 static cuma_status l_reserve(cuma_backend *be, uint64_t size, uint64_t align, uint64_t *addr) {
@@ -143,9 +144,9 @@ void cuma_backend_share(cuma_backend *be) {
 }
 
 void cuma_backend_lock(cuma_backend *be) {
-    if (be->ops == &locked_ops) pthread_mutex_lock(&as_locked(be)->lock);
+    if (be->ops == &locked_ops) cuma_mutex_lock(&as_locked(be)->lock, CUMA_RANK_BACKEND);
 }
 
 void cuma_backend_unlock(cuma_backend *be) {
-    if (be->ops == &locked_ops) pthread_mutex_unlock(&as_locked(be)->lock);
+    if (be->ops == &locked_ops) cuma_mutex_unlock(&as_locked(be)->lock);
 }

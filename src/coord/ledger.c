@@ -20,6 +20,7 @@
 #include "ledger_shm.h"
 
 #include "core/error.h"
+#include "core/lockrank.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -311,32 +312,32 @@ cuma_status cuma_ledger_admit(cuma_ledger *l, uint64_t bytes) {
  * process's other writers of the slot, and nobody else writes a live slot. */
 void cuma_ledger_unadmit(cuma_ledger *l, uint64_t bytes) {
     if (!owned(l)) return;
-    pthread_mutex_lock(&l->f->mu);
+    cuma_mutex_lock(&l->f->mu, CUMA_RANK_LEDGER);
     uint64_t r = atomic_load(&l->mine.reserved);
     /* Only ever what was admitted; never below zero, whatever a caller does. */
     atomic_store(&l->mine.reserved, r > bytes ? r - bytes : 0);
     write_mine(l);
-    pthread_mutex_unlock(&l->f->mu);
+    cuma_mutex_unlock(&l->f->mu);
 }
 
 void cuma_ledger_set_limit(cuma_ledger *l, uint64_t limit) {
     if (!owned(l)) return;
-    pthread_mutex_lock(&l->f->mu);
+    cuma_mutex_lock(&l->f->mu, CUMA_RANK_LEDGER);
     atomic_store(&l->mine.limit, limit);
     write_mine(l);
-    pthread_mutex_unlock(&l->f->mu);
+    cuma_mutex_unlock(&l->f->mu);
 }
 
 void cuma_ledger_publish(cuma_ledger *l, uint64_t cached, uint64_t requested, unsigned answers) {
     if (!owned(l)) return;
-    pthread_mutex_lock(&l->f->mu);
+    cuma_mutex_lock(&l->f->mu, CUMA_RANK_LEDGER);
     ledger_slot *me = &l->mine;
     atomic_store_explicit(&me->answers, answers, memory_order_relaxed);
     atomic_store_explicit(&me->cached, cached, memory_order_relaxed);
     atomic_store_explicit(&me->requested, requested, memory_order_relaxed);
     atomic_store_explicit(&me->published_ns, cuma_ledger_now_ns(), memory_order_relaxed);
     write_mine(l);
-    pthread_mutex_unlock(&l->f->mu);
+    cuma_mutex_unlock(&l->f->mu);
 }
 
 /* Where each of a slot's allocator figures comes from (a field of cuma_stats) and goes to (the
@@ -371,7 +372,7 @@ static uint64_t to_ppm(double x) {
 
 void cuma_ledger_publish_stats(cuma_ledger *l, const cuma_stats *s) {
     if (!owned(l)) return;
-    pthread_mutex_lock(&l->f->mu);
+    cuma_mutex_lock(&l->f->mu, CUMA_RANK_LEDGER);
     ledger_slot *me = &l->mine;
     for (unsigned w = 0; w < LEDGER_FIGURES_N; w++) {
         const char *from = (const char *)s + figures[w].from;
@@ -380,7 +381,7 @@ void cuma_ledger_publish_stats(cuma_ledger *l, const cuma_stats *s) {
     }
     atomic_store_explicit(&me->stats_ns, cuma_ledger_now_ns(), memory_order_release);
     write_mine(l);
-    pthread_mutex_unlock(&l->f->mu);
+    cuma_mutex_unlock(&l->f->mu);
 }
 
 /* ---- joining -------------------------------------------------------------------------------- */
@@ -595,9 +596,9 @@ bool cuma_ledger_asked(cuma_ledger *l, bool *cache, uint64_t *shrink, bool *fres
     ledger_file *f = l->f;
     uint64_t seq = cuma_ledger_read_seq(f);
     if (seq == l->seen_seq && !l->active) return false;
-    pthread_mutex_lock(&f->mu);
+    cuma_mutex_lock(&f->mu, CUMA_RANK_LEDGER);
     if (refresh(l)) {
-        pthread_mutex_unlock(&f->mu);
+        cuma_mutex_unlock(&f->mu);
         cuma_clear_error();
         return false;
     }
@@ -621,7 +622,7 @@ bool cuma_ledger_asked(cuma_ledger *l, bool *cache, uint64_t *shrink, bool *fres
         if (o->priority > me->priority || under) want = add_sat(want, lack);
     }
     uint64_t res = atomic_load(&me->reserved), cached = atomic_load(&me->cached);
-    pthread_mutex_unlock(&f->mu);
+    cuma_mutex_unlock(&f->mu);
     uint64_t used = res > cached ? res - cached : 0;
     uint64_t over = used > l->mine.guarantee ? used - l->mine.guarantee : 0;
     *cache = c;
@@ -632,12 +633,12 @@ bool cuma_ledger_asked(cuma_ledger *l, bool *cache, uint64_t *shrink, bool *fres
 
 void cuma_ledger_gave(cuma_ledger *l, uint64_t bytes, uint64_t calls) {
     if (!owned(l)) return;
-    pthread_mutex_lock(&l->f->mu);
+    cuma_mutex_lock(&l->f->mu, CUMA_RANK_LEDGER);
     ledger_slot *me = &l->mine;
     if (bytes) atomic_fetch_add(&me->given, bytes);
     if (calls) atomic_fetch_add(&me->calls, calls);
     write_mine(l);
-    pthread_mutex_unlock(&l->f->mu);
+    cuma_mutex_unlock(&l->f->mu);
 }
 
 /* ---- reading -------------------------------------------------------------------------------- */
@@ -686,9 +687,9 @@ static void entry_of(const ledger_slot *s, unsigned i, uint64_t now, cuma_ledger
 }
 
 void cuma_ledger_self(cuma_ledger *l, cuma_ledger_entry *out) {
-    pthread_mutex_lock(&l->f->mu);
+    cuma_mutex_lock(&l->f->mu, CUMA_RANK_LEDGER);
     entry_of(&l->mine, l->slot, cuma_ledger_now_ns(), out);
-    pthread_mutex_unlock(&l->f->mu);
+    cuma_mutex_unlock(&l->f->mu);
 }
 
 const char *cuma_ledger_where(const cuma_ledger *l) {
@@ -704,9 +705,9 @@ void cuma_ledger_health(cuma_ledger *l, uint64_t *stale, uint64_t *damaged, char
     *stale = atomic_load(&l->stale);
     *damaged = atomic_load(&l->damaged);
     if (!len) return;
-    pthread_mutex_lock(&l->f->mu);
+    cuma_mutex_lock(&l->f->mu, CUMA_RANK_LEDGER);
     snprintf(problem, len, "%s", *damaged ? l->problem : "");
-    pthread_mutex_unlock(&l->f->mu);
+    cuma_mutex_unlock(&l->f->mu);
 }
 
 cuma_status cuma_ledger_snapshot(const char *name, cuma_ledger_entry *out, size_t max, size_t *n) {
@@ -758,18 +759,18 @@ cuma_status cuma_ledger_test_hold_lock(cuma_ledger *l) {
     bool ok = cuma_ledger_lock(l->f);
     /* Held against the other processes; this one's next lock and unlock end it. */
     l->f->locked = false;
-    pthread_mutex_unlock(&l->f->mu);
+    cuma_mutex_unlock(&l->f->mu);
     return ok ? CUMA_OK : cuma_fail(CUMA_ERR_BACKEND, "ledger %s: lock not taken", l->path);
 }
 
 cuma_status cuma_ledger_validate(cuma_ledger *l, uint64_t held) {
-    pthread_mutex_lock(&l->f->mu);
+    cuma_mutex_lock(&l->f->mu, CUMA_RANK_LEDGER);
     cuma_status st = cuma_ledger_read(l->f);
     ledger_slot file;
     memcpy(&file, &l->f->img->slot[l->slot], sizeof file);
     ledger_slot me;
     memcpy(&me, &l->mine, sizeof me);
-    pthread_mutex_unlock(&l->f->mu);
+    cuma_mutex_unlock(&l->f->mu);
     if (st) return cuma_fail(CUMA_ERR_CORRUPT, "ledger %s: %s", l->path, cuma_last_error());
     /* A heap that came through fork has no slot to compare with: the slot is its parent's. */
     if (!owned(l)) return CUMA_OK;

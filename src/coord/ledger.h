@@ -13,10 +13,6 @@
 
 typedef struct cuma_ledger cuma_ledger;
 
-/* Whether a `ledger` setting names a ledger: 1 to 48 letters, digits, '_', '-' or '.', @GROUP or
- * @GROUP+NAME (each part so). The one grammar of the config parser and the ledger's files. */
-bool cuma_ledger_name_valid(const char *name);
-
 /* What a heap brings to the ledger when it joins. */
 typedef struct cuma_ledger_join_info {
     const char *name;    /* the `ledger` setting: "on" (the user's default) or a name */
@@ -88,11 +84,6 @@ const char *cuma_ledger_note(const cuma_ledger *l);
  * over), and the last damage seen ("" when none; into problem, len bytes). */
 void cuma_ledger_health(cuma_ledger *l, uint64_t *stale, uint64_t *damaged, char *problem,
                         size_t len);
-
-/* Around fork (src/core/fork.c): the list of the process's ledger mappings is held across it, so
- * that the child does not inherit it half-changed or locked by a thread it does not have. */
-void cuma_ledger_prefork(void);
-void cuma_ledger_postfork(void);
 
 /* Tests: where the slots lie in the file (a slot starts with its 4-byte state, 1 = live, its
  * 4-byte pid and its 8-byte start time: field 22 of /proc/PID/stat) and where in a slot its

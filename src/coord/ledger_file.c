@@ -3,7 +3,10 @@
  * this layout, its lock, reading and writing it, and the process's one open file of it. */
 #include "ledger_shm.h"
 
+#include "core/config.h"
 #include "core/error.h"
+#include "core/lockrank.h"
+#include "core/peers.h"
 #include "cuma/ledger.h"
 
 #include <errno.h>
@@ -15,28 +18,6 @@
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-static bool valid_name(const char *n) {
-    size_t len = strlen(n);
-    if (!len || len > 48) return false;
-    for (const char *p = n; *p; p++)
-        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
-              *p == '_' || *p == '-' || *p == '.'))
-            return false;
-    return true;
-}
-
-bool cuma_ledger_name_valid(const char *name) {
-    if (name[0] != '@') return valid_name(name);
-    const char *plus = strchr(name + 1, '+');
-    if (!plus) return valid_name(name + 1);
-    char group[49];
-    size_t glen = (size_t)(plus - name - 1);
-    if (!glen || glen >= sizeof group) return false;
-    memcpy(group, name + 1, glen);
-    group[glen] = 0;
-    return valid_name(group) && valid_name(plus + 1);
-}
 
 /* shm_open's name: /cuma-UID for the user's ledger, /cuma-UID-NAME for a named one, /cuma-gGID
  * for the ledger of a Unix group ("@GROUP": the jobs of every member share it) and /cuma-gGID-NAME
@@ -318,7 +299,7 @@ static bool lock_byte(int fd, off_t at, uint64_t *moved_ms) {
 }
 
 bool cuma_ledger_lock(ledger_file *f) {
-    pthread_mutex_lock(&f->mu);
+    cuma_mutex_lock(&f->mu, CUMA_RANK_LEDGER);
     /* Found stuck before, and nobody has taken the lock since: one try, no second wait (every
      * page of an allocation would wait LEDGER_STALL_MS again). */
     uint64_t moved_ms = 0;
@@ -344,7 +325,7 @@ bool cuma_ledger_lock(ledger_file *f) {
 void cuma_ledger_unlock(ledger_file *f) {
     if (f->locked) ofd_lock(f->fd, F_UNLCK, 0);
     f->locked = false;
-    pthread_mutex_unlock(&f->mu);
+    cuma_mutex_unlock(&f->mu);
 }
 
 static bool slot_free(const ledger_slot *s) {
@@ -541,21 +522,27 @@ static uint64_t current_ino(const char *path) {
 
 /* Around fork: no thread holds the list or a file's mu while the process is copied, so that a
  * child's heaps (inherited, their slots their parent's) can still be read. */
-void cuma_ledger_prefork(void) {
-    pthread_mutex_lock(&files_lock);
-    for (ledger_file *f = files; f; f = f->next) pthread_mutex_lock(&f->mu);
+static void prefork(void) {
+    cuma_mutex_lock(&files_lock, CUMA_RANK_LEDGER_LIST);
+    for (ledger_file *f = files; f; f = f->next) cuma_mutex_lock(&f->mu, CUMA_RANK_LEDGER);
 }
 
-void cuma_ledger_postfork(void) {
-    for (ledger_file *f = files; f; f = f->next) pthread_mutex_unlock(&f->mu);
-    pthread_mutex_unlock(&files_lock);
+static void postfork(void) {
+    for (ledger_file *f = files; f; f = f->next) cuma_mutex_unlock(&f->mu);
+    cuma_mutex_unlock(&files_lock);
+}
+
+static void fork_hooks(void) {
+    cuma_fork_layer(prefork, postfork);
 }
 
 cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_file **out) {
     char path[160];
     cuma_status st = cuma_ledger_path(name, path, sizeof path);
     if (st) return st;
-    pthread_mutex_lock(&files_lock);
+    static pthread_once_t hooks_once = PTHREAD_ONCE_INIT;
+    pthread_once(&hooks_once, fork_hooks);
+    cuma_mutex_lock(&files_lock, CUMA_RANK_LEDGER_LIST);
     /* A file that was removed (by hand, or by logind's RemoveIPC at logout) would keep this
      * process's new heaps in a ledger nobody else sees: only the file the name leads to now
      * will do. A child of fork shares its parent's open files, and with them their locks: it
@@ -586,20 +573,20 @@ cuma_status cuma_ledger_acquire(const char *name, bool create, ledger_file **out
             *out = f;
         }
     }
-    pthread_mutex_unlock(&files_lock);
+    cuma_mutex_unlock(&files_lock);
     return st;
 }
 
 void cuma_ledger_release_file(ledger_file *f) {
-    pthread_mutex_lock(&files_lock);
+    cuma_mutex_lock(&files_lock, CUMA_RANK_LEDGER_LIST);
     for (ledger_file **pp = &files; *pp; pp = &(*pp)->next) {
         if (*pp != f) continue;
         if (!--f->refs) {
             *pp = f->next;
-            pthread_mutex_lock(&f->mu);
+            cuma_mutex_lock(&f->mu, CUMA_RANK_LEDGER);
             bool stuck = f->stuck;
             uint64_t gen = f->stuck_gen, since = f->stuck_since;
-            pthread_mutex_unlock(&f->mu);
+            cuma_mutex_unlock(&f->mu);
             if (stuck) {
                 snprintf(last_stuck.path, sizeof last_stuck.path, "%s", f->path);
                 last_stuck.ino = f->ino;
@@ -612,5 +599,5 @@ void cuma_ledger_release_file(ledger_file *f) {
         }
         break;
     }
-    pthread_mutex_unlock(&files_lock);
+    cuma_mutex_unlock(&files_lock);
 }

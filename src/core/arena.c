@@ -61,8 +61,8 @@ static void move(cuma_heap *h, cuma_arena *a) {
     unsigned at = index_of(h, a, n);
     for (unsigned k = 1; k < n; k++) {
         cuma_arena *o = h->arenas[(at + k) % n];
-        if (pthread_mutex_trylock(&o->lock)) continue;
-        pthread_mutex_unlock(&o->lock);
+        if (cuma_mutex_trylock(&o->lock, CUMA_RANK_ARENA)) continue;
+        cuma_mutex_unlock(&o->lock);
         tl.arena = o;
         return;
     }
@@ -77,7 +77,7 @@ static void move(cuma_heap *h, cuma_arena *a) {
 
 void cuma_arena_lock(cuma_heap *h, cuma_arena *a) {
     bool mine = tl.heap == h && tl.id == h->first.id;
-    if (!pthread_mutex_trylock(&a->lock)) {
+    if (!cuma_mutex_trylock(&a->lock, CUMA_RANK_ARENA)) {
         if (mine && tl.score > 0) tl.score--;
         return;
     }
@@ -89,14 +89,14 @@ void cuma_arena_lock(cuma_heap *h, cuma_arena *a) {
             move(h, a);
         }
     }
-    pthread_mutex_lock(&a->lock);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
 }
 
 cuma_status cuma_arena_add(cuma_heap *h, cuma_arena **out) {
     *out = NULL;
     if (!(h->first.phys.ops->caps & CUMA_PHYS_RANGE))
         return cuma_fail(CUMA_ERR_UNSUPPORTED, "arenas need a virtual range (pages)");
-    pthread_mutex_lock(&h->arena_lock);
+    cuma_mutex_lock(&h->arena_lock, CUMA_RANK_ARENAS);
     cuma_status st = CUMA_OK;
     unsigned n = atomic_load(&h->narenas);
     cuma_arena *a = NULL;
@@ -111,9 +111,9 @@ cuma_status cuma_arena_add(cuma_heap *h, cuma_arena **out) {
     }
     /* The heap's settings as they are now (a lowered limit included): changes of them walk the
      * arenas under arena_lock, which this holds. */
-    pthread_mutex_lock(&h->first.lock);
+    cuma_mutex_lock(&h->first.lock, CUMA_RANK_ARENA);
     cuma_backend_share(h->be); /* the first arena's calls, under this lock, take the mutex now */
-    pthread_mutex_unlock(&h->first.lock);
+    cuma_mutex_unlock(&h->first.lock);
     a->be = h->be;
     a->heap = h;
     atomic_store(&a->manual_now, atomic_load(&h->first.manual_now));
@@ -126,7 +126,7 @@ cuma_status cuma_arena_add(cuma_heap *h, cuma_arena **out) {
     atomic_store_explicit(&h->narenas, n + 1, memory_order_release);
     *out = a;
 out:
-    pthread_mutex_unlock(&h->arena_lock);
+    cuma_mutex_unlock(&h->arena_lock);
     return st;
 }
 

@@ -361,9 +361,9 @@ static cuma_status compact_all(cuma_heap *h, cuma_move_fn fn, void *user, bool r
     for (unsigned i = 0; i < n && !st; i++) {
         cuma_arena *a = h->arenas[i];
         plan p;
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         st = plan_make(a, &p);
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         in_mover = true;
         for (size_t k = 0; k < p.nmv; k++) {
             move *m = &p.mv[k];
@@ -371,9 +371,9 @@ static cuma_status compact_all(cuma_heap *h, cuma_move_fn fn, void *user, bool r
                        (size_t)m->size, m->stream);
         }
         in_mover = false;
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         plan_commit(&p, release, r);
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         plan_free(&p);
     }
     atomic_fetch_add(&h->compactions, 1);
@@ -409,9 +409,9 @@ cuma_status cuma_compact(cuma_heap *h, cuma_move_fn move, void *user, cuma_compa
     cuma_status st = enter(h, "cuma_compact");
     if (st) return st;
     if (!move) return cuma_fail(CUMA_ERR_INVALID, "cuma_compact: move is NULL");
-    pthread_mutex_lock(&h->compact_run);
+    cuma_mutex_lock(&h->compact_run, CUMA_RANK_COMPACT_RUN);
     st = compact_all(h, move, user, true, &r);
-    pthread_mutex_unlock(&h->compact_run);
+    cuma_mutex_unlock(&h->compact_run);
     if (out) *out = r;
     return st;
 }
@@ -422,19 +422,19 @@ cuma_status cuma_set_mover(cuma_heap *h, cuma_move_fn move, void *user) {
         cuma_status st = can_compact(h, "cuma_set_mover");
         if (st) return st;
     }
-    pthread_mutex_lock(&h->oom_lock);
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
     h->mover = (cuma_any_fn)move;
     h->mover_user = user;
-    pthread_mutex_unlock(&h->oom_lock);
+    cuma_mutex_unlock(&h->oom_lock);
     return CUMA_OK;
 }
 
 /* The registered mover, if the heap's fragmentation is over its threshold (no lock held). */
 static cuma_move_fn mover_if_needed(cuma_heap *h, void **user) {
-    pthread_mutex_lock(&h->oom_lock);
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
     cuma_move_fn fn = (cuma_move_fn)h->mover;
     *user = h->mover_user;
-    pthread_mutex_unlock(&h->oom_lock);
+    cuma_mutex_unlock(&h->oom_lock);
     if (!fn) return NULL;
     cuma_stats s;
     cuma_heap_snapshot(h, &s);
@@ -452,10 +452,10 @@ cuma_status cuma_compact_if_needed(cuma_heap *h, cuma_compact_result *out) {
     if (atomic_load(&h->inherited)) return cuma_heap_inherited(h, "cuma_compact_if_needed");
     void *user;
     if (!mover_if_needed(h, &user)) return CUMA_OK;
-    pthread_mutex_lock(&h->compact_run);
+    cuma_mutex_lock(&h->compact_run, CUMA_RANK_COMPACT_RUN);
     cuma_move_fn fn = mover_if_needed(h, &user); /* again: another compaction may have run */
     cuma_status st = fn ? compact_all(h, fn, user, true, &r) : CUMA_OK;
-    pthread_mutex_unlock(&h->compact_run);
+    cuma_mutex_unlock(&h->compact_run);
     if (out) *out = r;
     return st;
 }
@@ -465,17 +465,17 @@ bool cuma_heap_compact_rung(cuma_arena *a) {
     /* A mover that allocates and runs out does not compact again; a compaction running on
      * another thread is not waited for (its mover may need what this thread holds). */
     if (in_mover || !(a->phys.ops->caps & CUMA_PHYS_MOVABLE) || !a->pol->ops->carve) return false;
-    pthread_mutex_lock(&h->oom_lock);
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
     bool any = h->mover != NULL;
-    pthread_mutex_unlock(&h->oom_lock);
-    if (!any || pthread_mutex_trylock(&h->compact_run) != 0) return false;
-    pthread_mutex_unlock(&a->lock);
+    cuma_mutex_unlock(&h->oom_lock);
+    if (!any || cuma_mutex_trylock(&h->compact_run, CUMA_RANK_COMPACT_RUN) != 0) return false;
+    cuma_mutex_unlock(&a->lock);
     void *user;
     cuma_move_fn fn = mover_if_needed(h, &user);
     cuma_compact_result r;
     memset(&r, 0, sizeof r);
     if (fn) compact_all(h, fn, user, false, &r);
-    pthread_mutex_unlock(&h->compact_run);
-    pthread_mutex_lock(&a->lock);
+    cuma_mutex_unlock(&h->compact_run);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
     return r.blocks_moved > 0;
 }

@@ -2,7 +2,6 @@
 /* The CUMA_CONF grammar: "key:value,key:value". One table describes every key, so parsing,
  * `cuma config` and the JSON dump cannot disagree. */
 #include "config.h"
-#include "coord/ledger.h"
 #include "error.h"
 #include "marks.h"
 #include "strbuf.h"
@@ -694,4 +693,27 @@ cuma_status cuma_config_set(const char *conf, const char *origin, const char *ke
     if (st) return st;
     cuma_strbuf_put(&r.out, "%s%s:%s", r.out.used ? "," : "", key, t);
     return text_done(&r.out, needed);
+}
+
+/* A name part of the `ledger` setting. */
+static bool valid_name(const char *n) {
+    size_t len = strlen(n);
+    if (!len || len > 48) return false;
+    for (const char *p = n; *p; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+              *p == '_' || *p == '-' || *p == '.'))
+            return false;
+    return true;
+}
+
+bool cuma_ledger_name_valid(const char *name) {
+    if (name[0] != '@') return valid_name(name);
+    const char *plus = strchr(name + 1, '+');
+    if (!plus) return valid_name(name + 1);
+    char group[49];
+    size_t glen = (size_t)(plus - name - 1);
+    if (!glen || glen >= sizeof group) return false;
+    memcpy(group, name + 1, glen);
+    group[glen] = 0;
+    return valid_name(group) && valid_name(plus + 1);
 }

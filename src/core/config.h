@@ -78,4 +78,8 @@ size_t cuma_settings_json(const cuma_settings *s, char *buf, size_t len);
 /* Parses a size ("512", "2M", "1.5G"); false on a bad one. */
 bool cuma_parse_size(const char *text, uint64_t *out);
 
+/* Whether a `ledger` setting names a ledger: 1 to 48 letters, digits, '_', '-' or '.', @GROUP or
+ * @GROUP+NAME (each part so). The one grammar of the config parser and the ledger's files. */
+bool cuma_ledger_name_valid(const char *name);
+
 #endif

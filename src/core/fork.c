@@ -21,13 +21,13 @@
  * destruction take fork_lock alone. A heap's oom_run (held while a thread runs its OOM callbacks,
  * which may take long, or fork) and its compact_run (held while a compaction's mover runs) are
  * not taken: they start free in the child, whose copy of the callbacks' thread does not exist.
+ * lockrank.h ranks this order, and debug builds check it (docs/DESIGN.md, lock order).
  *
  * What a child may do with an inherited heap depends on the device: a simulated heap works as
  * it did; a heap whose memory is the parent's (CUDA memory, which a forked child cannot use
  * anyway, or a simulated device with host backing, whose pages the two processes share) refuses
  * every call but cuma_heap_destroy with CUMA_ERR_UNSUPPORTED, since handing out or giving back
  * one of its pages would change the parent's memory; destroying it frees the child's copy. */
-#include "coord/ledger.h"
 #include "error.h"
 #include "heap.h"
 #include "pools.h"
@@ -35,29 +35,39 @@
 #include "trace/writer.h"
 
 #include <pthread.h>
+#include <stdlib.h>
 
 /* Under fork_lock: the live heaps, linked through fork_next / fork_prev. */
 static pthread_mutex_t fork_lock = PTHREAD_MUTEX_INITIALIZER;
 static cuma_heap *live_heaps;
 static pthread_once_t hooks_once = PTHREAD_ONCE_INIT;
+/* Under fork_lock: the layers above the heaps whose locks a fork holds after theirs
+ * (cuma_fork_layer: the ledger's mapping list), in the order they were added. */
+static struct { void (*prepare)(void), (*release)(void); } layers[4];
+static unsigned nlayers;
 
 static unsigned arenas_of(cuma_heap *h) {
     return atomic_load_explicit(&h->narenas, memory_order_acquire);
 }
 
 static void prepare(void) {
-    pthread_mutex_lock(&fork_lock);
-    for (cuma_heap *h = live_heaps; h; h = h->fork_next) pthread_mutex_lock(&h->arena_lock);
+    /* Heap after heap: the second heap's arena locks come after the first's backend lock, which
+     * ranks above them (lockrank.h). fork_lock keeps any other thread out meanwhile. */
+    cuma_rank_suspend(true);
+    cuma_mutex_lock(&fork_lock, CUMA_RANK_FORK);
+    for (cuma_heap *h = live_heaps; h; h = h->fork_next)
+        cuma_mutex_lock(&h->arena_lock, CUMA_RANK_ARENAS);
     cuma_tcache_prefork();
     for (cuma_heap *h = live_heaps; h; h = h->fork_next) {
         /* arena_lock is held: no arena is being added, narenas is final. */
-        for (unsigned i = 0, n = arenas_of(h); i < n; i++) pthread_mutex_lock(&h->arenas[i]->lock);
-        pthread_mutex_lock(&h->oom_lock);
-        pthread_mutex_lock(&h->managed_lock);
+        for (unsigned i = 0, n = arenas_of(h); i < n; i++)
+            cuma_mutex_lock(&h->arenas[i]->lock, CUMA_RANK_ARENA);
+        cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
+        cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
         cuma_pools_prefork(h);
         cuma_backend_lock(h->be);
     }
-    cuma_ledger_prefork();
+    for (unsigned i = 0; i < nlayers; i++) layers[i].prepare();
     cuma_trace_writer_prefork();
 }
 
@@ -65,7 +75,7 @@ static void prepare(void) {
  * OOM callback another thread was in), and retires heaps whose memory is the parent's. */
 static void release(bool child) {
     cuma_trace_writer_postfork(child);
-    cuma_ledger_postfork();
+    for (unsigned i = nlayers; i-- > 0;) layers[i].release();
     for (cuma_heap *h = live_heaps; h; h = h->fork_next) {
         if (child) {
             /* A thread of the parent's may have been running the callbacks: not in the child. */
@@ -85,8 +95,8 @@ static void release(bool child) {
         }
         cuma_backend_unlock(h->be);
         cuma_pools_postfork(h);
-        pthread_mutex_unlock(&h->managed_lock);
-        pthread_mutex_unlock(&h->oom_lock);
+        cuma_mutex_unlock(&h->managed_lock);
+        cuma_mutex_unlock(&h->oom_lock);
         for (unsigned i = arenas_of(h); i-- > 0;) {
             cuma_arena *a = h->arenas[i];
             if (child && a->thread_running) {
@@ -95,12 +105,13 @@ static void release(bool child) {
                 a->thread_running = false;
                 cuma_heap_init_wake(a);
             }
-            pthread_mutex_unlock(&a->lock);
+            cuma_mutex_unlock(&a->lock);
         }
     }
     cuma_tcache_postfork();
-    for (cuma_heap *h = live_heaps; h; h = h->fork_next) pthread_mutex_unlock(&h->arena_lock);
-    pthread_mutex_unlock(&fork_lock);
+    for (cuma_heap *h = live_heaps; h; h = h->fork_next) cuma_mutex_unlock(&h->arena_lock);
+    cuma_mutex_unlock(&fork_lock);
+    cuma_rank_suspend(false);
 }
 
 static void parent(void) {
@@ -122,23 +133,35 @@ cuma_status cuma_heap_inherited(cuma_heap *h, const char *call) {
                      call, (void *)h, h->be->name);
 }
 
+void cuma_fork_layer(void (*prepare)(void), void (*release)(void)) {
+    cuma_mutex_lock(&fork_lock, CUMA_RANK_FORK);
+    if (nlayers < sizeof layers / sizeof layers[0]) {
+        layers[nlayers].prepare = prepare;
+        layers[nlayers].release = release;
+        nlayers++;
+    } else {
+        abort(); /* a fixed handful of layers: a fifth is a bug, not a runtime condition */
+    }
+    cuma_mutex_unlock(&fork_lock);
+}
+
 void cuma_fork_track(cuma_heap *h) {
     pthread_once(&hooks_once, install_hooks);
-    pthread_mutex_lock(&fork_lock);
+    cuma_mutex_lock(&fork_lock, CUMA_RANK_FORK);
     h->fork_prev = NULL;
     h->fork_next = live_heaps;
     if (live_heaps) live_heaps->fork_prev = h;
     live_heaps = h;
-    pthread_mutex_unlock(&fork_lock);
+    cuma_mutex_unlock(&fork_lock);
 }
 
 void cuma_fork_untrack(cuma_heap *h) {
-    pthread_mutex_lock(&fork_lock);
+    cuma_mutex_lock(&fork_lock, CUMA_RANK_FORK);
     if (h->fork_prev)
         h->fork_prev->fork_next = h->fork_next;
     else if (live_heaps == h)
         live_heaps = h->fork_next;
     if (h->fork_next) h->fork_next->fork_prev = h->fork_prev;
     h->fork_next = h->fork_prev = NULL;
-    pthread_mutex_unlock(&fork_lock);
+    cuma_mutex_unlock(&fork_lock);
 }

@@ -168,15 +168,15 @@ static void release_other_arenas(cuma_arena *a) {
     cuma_heap *h = a->heap;
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     if (n < 2) return;
-    pthread_mutex_unlock(&a->lock);
+    cuma_mutex_unlock(&a->lock);
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *o = h->arenas[i];
         if (o == a) continue;
-        pthread_mutex_lock(&o->lock);
+        cuma_mutex_lock(&o->lock, CUMA_RANK_ARENA);
         cuma_heap_release_idle(o, 0);
-        pthread_mutex_unlock(&o->lock);
+        cuma_mutex_unlock(&o->lock);
     }
-    pthread_mutex_lock(&a->lock);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
 }
 
 static bool is_oom(cuma_status st) {
@@ -215,7 +215,7 @@ static cuma_status retry_after_frees(cuma_arena *a, size_t size, uint64_t n, uns
 static bool wait_oom_run(cuma_heap *h) {
     struct timespec ts = cuma_deadline(CLOCK_REALTIME, OOM_WAIT_NS); /* timedlock's clock */
     int r;
-    while ((r = pthread_mutex_timedlock(&h->oom_run, &ts)) == EINTR) {
+    while ((r = cuma_mutex_timedlock(&h->oom_run, &ts, CUMA_RANK_OOM_RUN)) == EINTR) {
     }
     return r == 0;
 }
@@ -233,9 +233,9 @@ static cuma_status run_oom_callbacks(cuma_arena *a, cuma_status st, size_t size,
                                      unsigned si, cuma_stream stream, cuma_block **out) {
     cuma_heap *h = a->heap;
     if (in_callbacks_of(h)) return st;
-    pthread_mutex_lock(&h->oom_lock);
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
     bool any = h->oom.n > 0;
-    pthread_mutex_unlock(&h->oom_lock);
+    cuma_mutex_unlock(&h->oom_lock);
     if (!any) return st;
     cuma_mark_push(h->set.nvtx, CUMA_MARK_OOM_CALLBACKS);
     st = call_oom_callbacks(a, st, size, n, si, stream, out);
@@ -247,35 +247,35 @@ static cuma_status run_oom_callbacks(cuma_arena *a, cuma_status st, size_t size,
 static cuma_status call_oom_callbacks(cuma_arena *a, cuma_status st, size_t size, uint64_t n,
                                       unsigned si, cuma_stream stream, cuma_block **out) {
     cuma_heap *h = a->heap;
-    if (pthread_mutex_trylock(&h->oom_run) != 0) {
+    if (cuma_mutex_trylock(&h->oom_run, CUMA_RANK_OOM_RUN) != 0) {
         if (oom_frames) return st;
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         bool got = wait_oom_run(h);
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         st = got ? retry_after_frees(a, size, n, si, out) : try_alloc(a, size, n, si, now(a), out);
         if (!got || !is_oom(st)) {
-            if (got) pthread_mutex_unlock(&h->oom_run);
+            if (got) cuma_mutex_unlock(&h->oom_run);
             return st;
         }
     }
-    pthread_mutex_lock(&h->oom_lock);
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
     cuma_cb_slot cbs[CUMA_MAX_OOM_CALLBACKS];
     int ncb = h->oom.n;
     memcpy(cbs, h->oom.s, sizeof cbs);
-    pthread_mutex_unlock(&h->oom_lock);
+    cuma_mutex_unlock(&h->oom_lock);
     oom_frame frame = {h, oom_frames};
     oom_frames = &frame;
     for (int i = 0; i < ncb; i++) {
         a->c.oom_calls++;
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         int r = ((cuma_oom_fn)cbs[i].fn)(cbs[i].user, h, size, stream);
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         if (r != CUMA_OOM_RETRY) continue;
         st = retry_after_frees(a, size, n, si, out);
         if (!is_oom(st)) break;
     }
     oom_frames = frame.up;
-    pthread_mutex_unlock(&h->oom_run);
+    cuma_mutex_unlock(&h->oom_run);
     return st;
 }
 
@@ -288,18 +288,32 @@ static bool managed_take(cuma_arena *a, size_t size, uint64_t *managed_addr) {
     cuma_status st = a->be->ops->managed_alloc(a->be, size, &addr);
     cuma_mark_pop(h->set.nvtx);
     if (st != CUMA_OK) return false;
-    pthread_mutex_lock(&h->managed_lock);
+    cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
     bool put = cuma_map_put(&h->managed, addr, (void *)(uintptr_t)size);
     if (put) {
         h->first.c.managed += size;
         h->first.c.managed_fallbacks++;
     }
-    pthread_mutex_unlock(&h->managed_lock);
+    cuma_mutex_unlock(&h->managed_lock);
     if (put)
         *managed_addr = addr;
     else
         a->be->ops->managed_free(a->be, addr, size);
     return put;
+}
+
+/* The ladder's rung of the other heaps on the device (peers.h): asks them for n bytes as whole
+ * pages (or a segment) and waits (a's lock held on entry and exit, dropped meanwhile); true when
+ * they now fit. */
+static bool ask_peers(cuma_arena *a, uint64_t n) {
+    cuma_heap *h = a->heap;
+    uint64_t need = a->phys.ops->growth(a, n);
+    /* The attempt that failed left the pages it made idle in the cache: they count as held. */
+    cuma_heap_release_idle(a, 0);
+    cuma_mutex_unlock(&a->lock);
+    bool fits = h->peers.ops->ask(h->peers.ctx, h, need);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
+    return fits;
 }
 
 /* The out-of-memory ladder: release the cache (this arena's, then the other arenas') and retry,
@@ -341,9 +355,9 @@ static cuma_status ladder(cuma_arena *a, cuma_status st, size_t size, uint64_t n
     }
     /* Other processes' heaps on the device may give memory back (not beyond the heap's own
      * limit: nobody can help there). */
-    if (st == CUMA_ERR_OOM && h->ledger && h->set.pressure_timeout_ms > 0) {
+    if (st == CUMA_ERR_OOM && h->peers.ops && h->set.pressure_timeout_ms > 0) {
         cuma_mark_push(marks, CUMA_MARK_OOM_LEDGER);
-        if (cuma_heap_ledger_reclaim(a, n)) st = try_alloc(a, size, n, si, now(a), out);
+        if (ask_peers(a, n)) st = try_alloc(a, size, n, si, now(a), out);
         cuma_mark_pop(marks);
         if (!is_oom(st)) return st;
     }
@@ -395,7 +409,7 @@ alloc_slow(cuma_heap *h, size_t size, cuma_stream stream, void **ptr, bool tried
     int si = cuma_streams_index(&a->streams, stream);
     if (si < 0) {
         a->c.failed++;
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_alloc: more than %d streams on one heap",
                          CUMA_MAX_STREAMS);
     }
@@ -453,7 +467,7 @@ alloc_slow(cuma_heap *h, size_t size, cuma_stream stream, void **ptr, bool tried
                                       (uint64_t)(uintptr_t)*ptr, size, (uint64_t)(uintptr_t)stream,
                                       frames, nframes);
     cuma_heap_release_policy(a, t);
-    pthread_mutex_unlock(&a->lock);
+    cuma_mutex_unlock(&a->lock);
     /* Not for an allocation a callback makes (it fails at once, inside the ladder of another
      * that has not failed yet): it would take the file, and the 10 s, from the real failure. */
     if (is_oom(st) && h->set.oom_dump[0] && !oom_frames) cuma_heap_oom_dump(a->heap, size);
@@ -495,11 +509,11 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
         return cuma_heap_inherited(h, "cuma_free");
     uint64_t addr = (uint64_t)(uintptr_t)ptr;
     cuma_arena *a = cuma_arena_of(h, addr);
-    pthread_mutex_lock(&a->lock);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
     if (tc && tc->npending) cuma_tcache_drain(a, tc, cuma_heap_give_cached);
     if (r == CUMA_TC_DRAIN) {
         cuma_heap_release_policy(a, now(a));
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         return CUMA_OK;
     }
     cuma_block *b = cuma_map_get(&a->live, addr);
@@ -508,14 +522,14 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
         /* Even: it sits in a thread cache, so the program freed it already. A failed exchange:
          * another thread's free of the same pointer won. */
         cuma_status st = bad_pointer(a, ptr, "cuma_free");
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         return st;
     }
     if (!b) {
-        pthread_mutex_lock(&h->managed_lock);
+        cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
         void *msize = cuma_map_remove(&h->managed, addr);
         if (msize) h->first.c.managed -= (uint64_t)(uintptr_t)msize;
-        pthread_mutex_unlock(&h->managed_lock);
+        cuma_mutex_unlock(&h->managed_lock);
         cuma_status st = CUMA_OK;
         if (msize) {
             if (h->tw)
@@ -526,7 +540,7 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
         } else {
             st = bad_pointer(a, ptr, "cuma_free");
         }
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         return st;
     }
     int si = stream ? cuma_streams_index(&a->streams, stream) : b->stream;
@@ -572,7 +586,7 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
         }
     }
     cuma_heap_release_policy(a, t);
-    pthread_mutex_unlock(&a->lock);
+    cuma_mutex_unlock(&a->lock);
     return CUMA_OK;
 }
 
@@ -592,9 +606,9 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
 /* Whether addr is a live managed fallback of the heap. */
 static bool is_managed(cuma_arena *a, uint64_t addr) {
     cuma_heap *h = a->heap;
-    pthread_mutex_lock(&h->managed_lock);
+    cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
     bool m = cuma_map_get(&h->managed, addr) != NULL;
-    pthread_mutex_unlock(&h->managed_lock);
+    cuma_mutex_unlock(&h->managed_lock);
     return m;
 }
 
@@ -603,7 +617,7 @@ cuma_status cuma_record_stream(cuma_heap *h, void *ptr, cuma_stream stream) {
         return cuma_fail(CUMA_ERR_INVALID, "cuma_record_stream: %s is NULL", h ? "ptr" : "heap");
     if (atomic_load(&h->inherited)) return cuma_heap_inherited(h, "cuma_record_stream");
     cuma_arena *a = cuma_arena_of(h, (uint64_t)(uintptr_t)ptr);
-    pthread_mutex_lock(&a->lock);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
     cuma_status st = CUMA_OK;
     cuma_block *b = cuma_map_get(&a->live, (uint64_t)(uintptr_t)ptr);
     if (b && !(atomic_load(&b->gen) & 1)) b = NULL; /* in a thread cache: freed */
@@ -623,7 +637,7 @@ cuma_status cuma_record_stream(cuma_heap *h, void *ptr, cuma_stream stream) {
                 b->extra_all = 1;
         }
     }
-    pthread_mutex_unlock(&a->lock);
+    cuma_mutex_unlock(&a->lock);
     return st;
 }
 
@@ -637,11 +651,11 @@ cuma_status cuma_stream_retire(cuma_heap *h, cuma_stream stream) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         bool found;
         cuma_status r = cuma_streams_retire(&a->streams, stream, &found);
         if (found) atomic_fetch_add_explicit(&a->stream_gen, 1, memory_order_relaxed);
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         if (r && !st) st = r;
     }
     return st;

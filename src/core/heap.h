@@ -7,10 +7,11 @@
 
 #include "backend/backend.h"
 #include "config.h"
-#include "cuma/ledger.h"
 #include "hashmap.h"
+#include "lockrank.h"
 #include "pages.h"
 #include "phys.h"
+#include "peers.h"
 #include "policy.h"
 #include "segments.h"
 #include "streams.h"
@@ -21,8 +22,6 @@
 #include <stdatomic.h>
 
 #define CUMA_MAX_OOM_CALLBACKS 16
-/* How often the release thread of a heap in the ledger looks for pressure requests. */
-#define CUMA_LEDGER_POLL_NS 5000000ull
 
 typedef struct cuma_arena cuma_arena;
 
@@ -168,10 +167,10 @@ struct cuma_heap {
     /* Held by the thread running the OOM callbacks (one at a time a heap); taken with no arena
      * lock held, or tried with one (heap.c run_oom_callbacks). */
     pthread_mutex_t oom_run;
-    /* The heap's slot in the cross-process ledger (owned by the backend wrapper that admits its
-     * memory), or NULL; constant. ledger_error: why a ledger the heap was not told to use could
-     * not be joined (stats), "" otherwise; constant. */
-    struct cuma_ledger *ledger;
+    /* The other heaps on the device (peers.h; src/coord's ledger fills it in), ops NULL without
+     * them; constant. ledger_error: why a ledger the heap was not told to use could not be
+     * joined (stats), "" otherwise; constant. */
+    cuma_peers peers;
     char ledger_error[160];
     uint64_t stats_due;     /* the first arena's release thread only: next publication of figures */
     uint64_t watermark_due; /* the first arena's release thread only: next look at free memory */
@@ -320,18 +319,6 @@ typedef struct cuma_sleep_in {
 uint64_t cuma_release_sleep(const cuma_sleep_in *in, uint64_t *policy_at);
 /* The release thread's body (release.c); started by cuma_heap_build. */
 void *cuma_heap_release_thread(void *arg);
-
-/* The cross-process ledger (pressure.c). Joins it as the settings say, wrapping h->be (at
- * creation, before any arena shares the backend). */
-cuma_status cuma_heap_join_ledger(cuma_heap *h);
-/* Out-of-memory ladder of arena a: asks the other heaps for n bytes and waits (a's lock held on
- * entry and exit, dropped meanwhile); true when they now fit. */
-bool cuma_heap_ledger_reclaim(cuma_arena *a, uint64_t n);
-/* Release thread of the first arena (its lock held, dropped meanwhile): publishes the heap's
- * figures and answers the others' requests. */
-void cuma_heap_ledger_poll(cuma_arena *a);
-/* The heap's figures into its slot, and what it answers with (any lock or none but oom_lock). */
-void cuma_heap_ledger_publish(cuma_heap *h);
 
 /* fork.c: a created heap joins the list whose locks are held across fork(); a heap being
  * destroyed leaves it first (no lock held). */

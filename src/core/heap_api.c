@@ -1,6 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
 /* Heap calls around the core paths: limits, callbacks, lookups, validation, sim controls. */
-#include "coord/ledger_backend.h"
 #include "cuma/sim.h"
 #include "error.h"
 #include "heap.h"
@@ -14,29 +13,29 @@ cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_set_limit: heap is NULL");
     if (atomic_load(&h->inherited)) return cuma_heap_inherited(h, "cuma_set_limit");
     /* Every arena gets the new limit (arena_lock: no arena is made meanwhile with the old). */
-    pthread_mutex_lock(&h->arena_lock);
+    cuma_mutex_lock(&h->arena_lock, CUMA_RANK_ARENAS);
     h->set.limit = bytes ? bytes : CUMA_UNLIMITED;
     unsigned n = atomic_load(&h->narenas);
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         cuma_heap_flush_tcaches(a);
         cuma_heap_refresh_limit(a);
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
     }
     /* Over the new limit: the caches go first, arena by arena; live memory stays until freed. */
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         uint64_t reserved = cuma_heap_reserved_all(a), cached = cuma_heap_cached(a);
         if (reserved > a->limit_bytes) {
             uint64_t excess = reserved - a->limit_bytes;
             cuma_heap_release(a, cuma_heap_now(a), -1, cached > excess ? cached - excess : 0, 0,
                               true);
         }
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
     }
-    pthread_mutex_unlock(&h->arena_lock);
+    cuma_mutex_unlock(&h->arena_lock);
     return CUMA_OK;
 }
 
@@ -51,14 +50,14 @@ cuma_status cuma_set_memory_fraction(cuma_heap *h, double fraction) {
 cuma_status cuma_cb_add(cuma_heap *h, cuma_cb_list *l, cuma_any_fn fn, void *user, int *id,
                         const char *who) {
     if (!h || !fn) return cuma_fail(CUMA_ERR_INVALID, "%s: %s is NULL", who, h ? "fn" : "heap");
-    pthread_mutex_lock(&h->oom_lock);
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
     bool full = l->n == CUMA_MAX_OOM_CALLBACKS;
     if (!full) {
         cuma_cb_slot *s = &l->s[l->n++];
         s->fn = fn, s->user = user, s->id = ++l->next_id;
         if (id) *id = s->id;
     }
-    pthread_mutex_unlock(&h->oom_lock);
+    cuma_mutex_unlock(&h->oom_lock);
     if (full)
         return cuma_fail(CUMA_ERR_INVALID, "%s: already %d callbacks", who, CUMA_MAX_OOM_CALLBACKS);
     return CUMA_OK;
@@ -66,7 +65,7 @@ cuma_status cuma_cb_add(cuma_heap *h, cuma_cb_list *l, cuma_any_fn fn, void *use
 
 cuma_status cuma_cb_remove(cuma_heap *h, cuma_cb_list *l, int id, const char *who) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "%s: heap is NULL", who);
-    pthread_mutex_lock(&h->oom_lock);
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
     bool found = false;
     for (int i = 0; i < l->n && !found; i++) {
         if (l->s[i].id != id) continue;
@@ -74,7 +73,7 @@ cuma_status cuma_cb_remove(cuma_heap *h, cuma_cb_list *l, int id, const char *wh
         l->n--;
         found = true;
     }
-    pthread_mutex_unlock(&h->oom_lock);
+    cuma_mutex_unlock(&h->oom_lock);
     return found ? CUMA_OK : cuma_fail(CUMA_ERR_INVALID, "%s: no callback with id %d", who, id);
 }
 
@@ -89,15 +88,15 @@ cuma_status cuma_remove_oom_callback(cuma_heap *h, int id) {
 cuma_status cuma_block_size(cuma_heap *h, const void *ptr, size_t *size) {
     if (!h || !ptr || !size) return cuma_fail(CUMA_ERR_INVALID, "cuma_block_size: NULL argument");
     cuma_arena *a = cuma_arena_of(h, (uint64_t)(uintptr_t)ptr);
-    pthread_mutex_lock(&a->lock);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
     cuma_block *b = cuma_map_get(&a->live, (uint64_t)(uintptr_t)ptr);
     if (b && !(atomic_load(&b->gen) & 1)) b = NULL; /* in a thread cache: freed */
     size_t bsize = b ? b->size : 0;
-    pthread_mutex_unlock(&a->lock);
+    cuma_mutex_unlock(&a->lock);
     if (!b) {
-        pthread_mutex_lock(&h->managed_lock);
+        cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
         bsize = (size_t)(uintptr_t)cuma_map_get(&h->managed, (uint64_t)(uintptr_t)ptr);
-        pthread_mutex_unlock(&h->managed_lock);
+        cuma_mutex_unlock(&h->managed_lock);
     }
     if (!bsize)
         return cuma_fail(CUMA_ERR_BAD_POINTER,
@@ -218,39 +217,26 @@ static const char *check_arenas(cuma_heap *h, unsigned n) {
     }
     if (pages != atomic_load(h->first.phys.nall))
         return "reserved pages differ from the arenas' sum";
-    if (h->ledger) {
-        uint64_t held = 0;
-        /* Oversubscribed memory (backend:managed) is not the device's: the ledger admits none. */
-        if (!(h->be->caps & CUMA_CAP_OVERSUBSCRIBE))
-            for (unsigned i = 0; i < n; i++) held += cuma_heap_reserved(h->arenas[i]);
-        if (held != cuma_backend_ledger_held(h->be))
-            return "the bytes the ledger admitted differ from the arenas' reserved bytes";
-        if (cuma_ledger_validate(h->ledger, held)) {
-            /* The message is formatted into the thread's error text again: copy it first. */
-            static _Thread_local char why[256];
-            snprintf(why, sizeof why, "%s", cuma_last_error());
-            return why;
-        }
-    }
+    if (h->peers.ops) return h->peers.ops->validate(h->peers.ctx, h);
     return NULL;
 }
 
 cuma_status cuma_validate(cuma_heap *h) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_validate: heap is NULL");
     /* Every arena at once, in their order (the only place that holds two arena locks). */
-    pthread_mutex_lock(&h->arena_lock);
+    cuma_mutex_lock(&h->arena_lock, CUMA_RANK_ARENAS);
     unsigned n = atomic_load(&h->narenas);
-    for (unsigned i = 0; i < n; i++) pthread_mutex_lock(&h->arenas[i]->lock);
+    for (unsigned i = 0; i < n; i++) cuma_mutex_lock(&h->arenas[i]->lock, CUMA_RANK_ARENA);
     cuma_status st = CUMA_OK;
     for (unsigned i = 0; i < n && !st; i++) st = cuma_arena_check(h->arenas[i]);
     const char *why = st ? NULL : check_arenas(h, n);
     if (!st) {
-        pthread_mutex_lock(&h->managed_lock);
+        cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
         if (!why) cuma_map_validate(&h->managed, &why);
-        pthread_mutex_unlock(&h->managed_lock);
+        cuma_mutex_unlock(&h->managed_lock);
     }
-    for (unsigned i = n; i-- > 0;) pthread_mutex_unlock(&h->arenas[i]->lock);
-    pthread_mutex_unlock(&h->arena_lock);
+    for (unsigned i = n; i-- > 0;) cuma_mutex_unlock(&h->arenas[i]->lock);
+    cuma_mutex_unlock(&h->arena_lock);
     if (!st && !why) why = cuma_pools_check(h); /* takes the pools' locks: after the arenas' */
     if (why) st = cuma_fail(CUMA_ERR_CORRUPT, "cuma_validate: %s", why);
     return st;
@@ -264,18 +250,18 @@ cuma_status cuma_sim_set_time(cuma_heap *h, uint64_t ns) {
     if (ns < atomic_load(&h->first.manual_now))
         return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_set_time: time goes backwards");
     /* Every arena keeps the clock (arena_lock: a new arena starts at the time set last). */
-    pthread_mutex_lock(&h->arena_lock);
+    cuma_mutex_lock(&h->arena_lock, CUMA_RANK_ARENAS);
     unsigned n = atomic_load(&h->narenas);
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         if (ns > atomic_load(&a->manual_now)) {
             atomic_store(&a->manual_now, ns);
             atomic_store_explicit(&a->coarse_now, ns, memory_order_relaxed);
         }
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
     }
-    pthread_mutex_unlock(&h->arena_lock);
+    cuma_mutex_unlock(&h->arena_lock);
     return CUMA_OK;
 }
 
@@ -288,11 +274,11 @@ cuma_status cuma_sim_get_time(cuma_heap *h, uint64_t *ns) {
 /* The simulated stream's state is the backend's: under the first arena's lock (its calls before
  * a second arena exists) and the arenas' shared-backend mutex (theirs after). */
 static cuma_status hold(cuma_heap *h, cuma_stream s, bool on) {
-    pthread_mutex_lock(&h->first.lock);
+    cuma_mutex_lock(&h->first.lock, CUMA_RANK_ARENA);
     cuma_backend_lock(h->be);
     cuma_status st = cuma_simbe_hold(cuma_backend_unwrap(h->be), s, on);
     cuma_backend_unlock(h->be);
-    pthread_mutex_unlock(&h->first.lock);
+    cuma_mutex_unlock(&h->first.lock);
     return st;
 }
 
@@ -303,11 +289,11 @@ cuma_status cuma_sim_hold_stream(cuma_heap *h, cuma_stream s) {
 
 cuma_status cuma_sim_take_memory(cuma_heap *h, uint64_t bytes) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_take_memory: heap is NULL");
-    pthread_mutex_lock(&h->first.lock);
+    cuma_mutex_lock(&h->first.lock, CUMA_RANK_ARENA);
     cuma_backend_lock(h->be);
     cuma_status st = cuma_simbe_take(cuma_backend_unwrap(h->be), bytes);
     cuma_backend_unlock(h->be);
-    pthread_mutex_unlock(&h->first.lock);
+    cuma_mutex_unlock(&h->first.lock);
     return st;
 }
 

@@ -1,6 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
 /* Heap life cycle: settings, backend, arenas' common parts, creation and destruction. */
-#include "coord/ledger.h"
 #include "error.h"
 #include "heap.h"
 #include "marks.h"
@@ -12,21 +11,21 @@
 #include <string.h>
 
 void cuma_heap_refresh_limit(cuma_arena *a) {
+    cuma_heap *h = a->heap;
     /* The device size, or a smaller limit; on managed memory (backend:managed) any limit the user
      * sets, since oversubscription is what it is for. Without one it stays the device size: past
      * it every page is paged over the bus, and a program that did not ask for that is better
      * told it is out of memory than slowed down many times over. */
     uint64_t lim = a->be->capacity;
     bool over = a->be->caps & CUMA_CAP_OVERSUBSCRIBE;
-    if (a->heap->set.limit != CUMA_UNLIMITED && (over || a->heap->set.limit < lim))
-        lim = a->heap->set.limit;
-    if (a->heap->set.memory_fraction > 0) {
-        uint64_t f = (uint64_t)(a->heap->set.memory_fraction * (double)a->be->capacity);
+    if (h->set.limit != CUMA_UNLIMITED && (over || h->set.limit < lim)) lim = h->set.limit;
+    if (h->set.memory_fraction > 0) {
+        uint64_t f = (uint64_t)(h->set.memory_fraction * (double)a->be->capacity);
         if (f < lim) lim = f;
     }
-    if (!a->heap->set.growth && a->heap->set.preallocate < lim) lim = a->heap->set.preallocate;
+    if (!h->set.growth && h->set.preallocate < lim) lim = h->set.preallocate;
     a->limit_bytes = lim;
-    if (a == &a->heap->first && a->heap->ledger) cuma_ledger_set_limit(a->heap->ledger, lim);
+    if (a == &h->first && h->peers.ops) h->peers.ops->set_limit(h->peers.ctx, lim);
     a->phys.ops->set_limit(a, lim, lim == a->be->capacity);
 }
 
@@ -103,7 +102,7 @@ cuma_status cuma_heap_build(cuma_arena *a) {
      * max_cached acts on them only after), answers the ledger's pressure requests and watches
      * the device's free memory (free_watermark), whatever the release delay. */
     bool thread = a->release_delay_ns >= 0 || a->tc_on ||
-                  (first && (a->heap->ledger || a->heap->set.free_watermark));
+                  (first && (a->heap->peers.ops || a->heap->set.free_watermark));
     if (a->heap->set.release_thread && !a->heap->set.sim_clock_manual && thread) {
         if (pthread_create(&a->thread, NULL, cuma_heap_release_thread, a)) {
             st = cuma_fail(CUMA_ERR_BACKEND, "could not start the release thread");
@@ -129,10 +128,10 @@ fail_streams:
 /* Stops an arena's release thread (it reads every arena's published figures). */
 static void stop_thread(cuma_arena *a) {
     if (!a->thread_running) return;
-    pthread_mutex_lock(&a->lock);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
     a->stopping = true;
     pthread_cond_signal(&a->wake);
-    pthread_mutex_unlock(&a->lock);
+    cuma_mutex_unlock(&a->lock);
     pthread_join(a->thread, NULL);
     a->thread_running = false;
 }
@@ -149,7 +148,8 @@ void cuma_heap_teardown(cuma_arena *a) {
     pthread_cond_destroy(&a->wake);
 }
 
-cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
+cuma_status cuma_heap_create_with(const cuma_config *cfg, cuma_peers_join_fn join,
+                                  cuma_heap **out) {
     cuma_clear_error();
     if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_heap_create: out is NULL");
     *out = NULL;
@@ -162,7 +162,7 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
     /* backend_fallback:sim and no driver: the settings say the backend the heap runs on, and
      * the stats' "backend_fallback" why. */
     if (h->backend_fallback) snprintf(h->set.backend, sizeof h->set.backend, "sim");
-    st = cuma_heap_join_ledger(h);
+    st = join ? join(h) : CUMA_OK;
     if (st) goto fail_be;
     if (h->set.trace[0]) {
         bool tcache = h->set.tcache;
@@ -226,7 +226,7 @@ cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
         goto fail_be;
     }
     /* From now on its release thread answers the others: they may count on its cache. */
-    if (h->ledger && h->first.thread_running) cuma_heap_ledger_publish(h);
+    if (h->peers.ops && h->first.thread_running) h->peers.ops->publish(h->peers.ctx, h);
     cuma_fork_track(h);
     *out = h;
     return CUMA_OK;

@@ -76,9 +76,9 @@ __attribute__((unused)) static inline bool check_one(const cuma_pool *p, uint32_
 
 cuma_status cuma_pool_validate(cuma_pool *p) {
     if (!p) return cuma_fail(CUMA_ERR_INVALID, "cuma_pool_validate: pool is NULL");
-    pthread_mutex_lock(&p->lock);
+    cuma_mutex_lock(&p->lock, CUMA_RANK_POOL);
     const char *why = check(p);
-    pthread_mutex_unlock(&p->lock);
+    cuma_mutex_unlock(&p->lock);
     size_t live = 0;
     if (!why && (cuma_block_size(p->heap, (void *)(uintptr_t)p->base, &live) ||
                  live < p->count * p->stride))
@@ -135,14 +135,14 @@ cuma_status cuma_pool_create(cuma_heap *heap, size_t size, size_t count, cuma_st
     for (uint32_t k = 0; k < p->count; k++) p->stack[k] = p->count - 1 - k;
     pthread_mutex_init(&p->lock, NULL);
     assert(!check(p));
-    pthread_mutex_lock(&heap->pool_lock);
+    cuma_mutex_lock(&heap->pool_lock, CUMA_RANK_POOL_LIST);
     p->next = heap->pool_list;
     if (p->next) p->next->prev = p;
     heap->pool_list = p;
     atomic_fetch_add(&heap->pool_count, 1);
     atomic_fetch_add(&heap->pool_bytes, count * stride);
     atomic_fetch_add(&heap->pool_blocks, count);
-    pthread_mutex_unlock(&heap->pool_lock);
+    cuma_mutex_unlock(&heap->pool_lock);
     *out = p;
     return CUMA_OK;
 }
@@ -151,10 +151,10 @@ cuma_status cuma_pool_destroy(cuma_pool *p) {
     if (!p) return CUMA_OK;
     cuma_heap *h = p->heap;
     if (atomic_load(&h->inherited)) return cuma_heap_inherited(h, "cuma_pool_destroy");
-    pthread_mutex_lock(&p->lock);
+    cuma_mutex_lock(&p->lock, CUMA_RANK_POOL);
     uint32_t nout = p->count - p->nfree;
     assert(!check(p));
-    pthread_mutex_unlock(&p->lock);
+    cuma_mutex_unlock(&p->lock);
     if (nout)
         return cuma_fail(CUMA_ERR_INVALID,
                          "cuma_pool_destroy: %u of the pool's %u blocks are still allocated; free "
@@ -162,7 +162,7 @@ cuma_status cuma_pool_destroy(cuma_pool *p) {
                          nout, p->count);
     cuma_status st = cuma_free(h, (void *)(uintptr_t)p->base, p->stream);
     if (st) return st; /* the heap's message: the carve stays, and so does the pool */
-    pthread_mutex_lock(&h->pool_lock);
+    cuma_mutex_lock(&h->pool_lock, CUMA_RANK_POOL_LIST);
     if (p->prev)
         p->prev->next = p->next;
     else
@@ -171,7 +171,7 @@ cuma_status cuma_pool_destroy(cuma_pool *p) {
     atomic_fetch_sub(&h->pool_count, 1);
     atomic_fetch_sub(&h->pool_bytes, (uint64_t)p->count * p->stride);
     atomic_fetch_sub(&h->pool_blocks, p->count);
-    pthread_mutex_unlock(&h->pool_lock);
+    cuma_mutex_unlock(&h->pool_lock);
     pool_free_host(p);
     return CUMA_OK;
 }
@@ -181,9 +181,9 @@ cuma_status cuma_pool_alloc(cuma_pool *p, void **ptr) {
         return cuma_fail(CUMA_ERR_INVALID, "cuma_pool_alloc: %s is NULL", p ? "ptr" : "pool");
     if (atomic_load_explicit(&p->heap->inherited, memory_order_relaxed))
         return cuma_heap_inherited(p->heap, "cuma_pool_alloc");
-    pthread_mutex_lock(&p->lock);
+    cuma_mutex_lock(&p->lock, CUMA_RANK_POOL);
     if (!p->nfree) {
-        pthread_mutex_unlock(&p->lock);
+        cuma_mutex_unlock(&p->lock);
         return cuma_fail(CUMA_ERR_OOM,
                          "cuma_pool_alloc: out of memory: all %u blocks of %zu bytes of pool %p "
                          "are in use",
@@ -193,7 +193,7 @@ cuma_status cuma_pool_alloc(cuma_pool *p, void **ptr) {
     p->out[i] = 1;
     p->steps++;
     assert(check_one(p, i, true));
-    pthread_mutex_unlock(&p->lock);
+    cuma_mutex_unlock(&p->lock);
     atomic_fetch_add_explicit(&p->heap->pool_in_use, 1, memory_order_relaxed);
     *ptr = (void *)(uintptr_t)(p->base + (uint64_t)i * p->stride);
     return CUMA_OK;
@@ -218,9 +218,9 @@ cuma_status cuma_pool_free(cuma_pool *p, void *ptr) {
                          ptr, (unsigned long long)(off % p->stride),
                          (unsigned long long)(off / p->stride), (void *)p);
     uint32_t i = (uint32_t)(off / p->stride);
-    pthread_mutex_lock(&p->lock);
+    cuma_mutex_lock(&p->lock, CUMA_RANK_POOL);
     if (!p->out[i]) {
-        pthread_mutex_unlock(&p->lock);
+        cuma_mutex_unlock(&p->lock);
         return cuma_fail(CUMA_ERR_BAD_POINTER,
                          "cuma_pool_free: block %u at %p of pool %p is already free (double free)",
                          i, ptr, (void *)p);
@@ -229,25 +229,25 @@ cuma_status cuma_pool_free(cuma_pool *p, void *ptr) {
     p->stack[p->nfree++] = i;
     p->steps++;
     assert(check_one(p, i, false));
-    pthread_mutex_unlock(&p->lock);
+    cuma_mutex_unlock(&p->lock);
     atomic_fetch_sub_explicit(&p->heap->pool_in_use, 1, memory_order_relaxed);
     return CUMA_OK;
 }
 
 cuma_status cuma_pool_info(cuma_pool *p, size_t *block_size, size_t *count, size_t *in_use) {
     if (!p) return cuma_fail(CUMA_ERR_INVALID, "cuma_pool_info: pool is NULL");
-    pthread_mutex_lock(&p->lock);
+    cuma_mutex_lock(&p->lock, CUMA_RANK_POOL);
     if (block_size) *block_size = p->stride;
     if (count) *count = p->count;
     if (in_use) *in_use = p->count - p->nfree;
-    pthread_mutex_unlock(&p->lock);
+    cuma_mutex_unlock(&p->lock);
     return CUMA_OK;
 }
 
 uint64_t cuma_pool_steps(cuma_pool *p) {
-    pthread_mutex_lock(&p->lock);
+    cuma_mutex_lock(&p->lock, CUMA_RANK_POOL);
     uint64_t n = p->steps;
-    pthread_mutex_unlock(&p->lock);
+    cuma_mutex_unlock(&p->lock);
     return n;
 }
 
@@ -268,17 +268,17 @@ void cuma_pools_destroy_all(cuma_heap *h) {
 const char *cuma_pools_check(cuma_heap *h) {
     uint64_t n = 0, bytes = 0, blocks = 0, out = 0;
     const char *why = NULL;
-    pthread_mutex_lock(&h->pool_lock);
+    cuma_mutex_lock(&h->pool_lock, CUMA_RANK_POOL_LIST);
     for (cuma_pool *p = h->pool_list; p && !why; p = p->next) {
         if (p->heap != h || (p->next && p->next->prev != p) || (!p->prev) != (p == h->pool_list))
             why = "the heap's pool list is broken";
-        pthread_mutex_lock(&p->lock);
+        cuma_mutex_lock(&p->lock, CUMA_RANK_POOL);
         if (!why) why = check(p);
         n++, bytes += (uint64_t)p->count * p->stride, blocks += p->count;
         out += p->count - p->nfree;
-        pthread_mutex_unlock(&p->lock);
+        cuma_mutex_unlock(&p->lock);
     }
-    pthread_mutex_unlock(&h->pool_lock);
+    cuma_mutex_unlock(&h->pool_lock);
     if (!why && (n != atomic_load(&h->pool_count) || bytes != atomic_load(&h->pool_bytes) ||
                  blocks != atomic_load(&h->pool_blocks) || out != atomic_load(&h->pool_in_use)))
         why = "the heap's pool figures differ from its pools' sums";
@@ -286,19 +286,19 @@ const char *cuma_pools_check(cuma_heap *h) {
 }
 
 void cuma_pools_prefork(cuma_heap *h) {
-    pthread_mutex_lock(&h->pool_lock);
-    for (cuma_pool *p = h->pool_list; p; p = p->next) pthread_mutex_lock(&p->lock);
+    cuma_mutex_lock(&h->pool_lock, CUMA_RANK_POOL_LIST);
+    for (cuma_pool *p = h->pool_list; p; p = p->next) cuma_mutex_lock(&p->lock, CUMA_RANK_POOL);
 }
 
 void cuma_pools_postfork(cuma_heap *h) {
-    for (cuma_pool *p = h->pool_list; p; p = p->next) pthread_mutex_unlock(&p->lock);
-    pthread_mutex_unlock(&h->pool_lock);
+    for (cuma_pool *p = h->pool_list; p; p = p->next) cuma_mutex_unlock(&p->lock);
+    cuma_mutex_unlock(&h->pool_lock);
 }
 
 bool cuma_pools_owns(cuma_heap *h, uint64_t addr) {
     bool found = false;
-    pthread_mutex_lock(&h->pool_lock);
+    cuma_mutex_lock(&h->pool_lock, CUMA_RANK_POOL_LIST);
     for (cuma_pool *p = h->pool_list; p && !found; p = p->next) found = p->base == addr;
-    pthread_mutex_unlock(&h->pool_lock);
+    cuma_mutex_unlock(&h->pool_lock);
     return found;
 }

@@ -99,11 +99,11 @@ void cuma_heap_release_all(cuma_heap *h, uint64_t keep_bytes, bool count_trim) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         if (!i && count_trim) a->c.trims++;
         /* keep_bytes is the heap's: the first arena keeps them, the others keep nothing. */
         cuma_heap_release_idle(a, i ? 0 : keep_bytes);
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
     }
 }
 
@@ -122,9 +122,9 @@ cuma_status cuma_poll(cuma_heap *h) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         cuma_heap_release_policy(a, cuma_heap_now(a));
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
     }
     return CUMA_OK;
 }
@@ -148,9 +148,9 @@ cuma_status cuma_next_release(cuma_heap *h, uint64_t *ns) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         uint64_t due = next_release_of(a);
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         if (due < *ns) *ns = due;
     }
     return CUMA_OK;
@@ -183,14 +183,14 @@ static void watermark_poll(cuma_arena *a) {
     if (t < h->watermark_due) return;
     h->watermark_due = t + WATERMARK_POLL_NS;
     if (!idle_bytes(a)) return;
-    pthread_mutex_unlock(&a->lock);
+    cuma_mutex_unlock(&a->lock);
     uint64_t fr = 0, total = 0;
     if (a->be->ops->mem_info(a->be, &fr, &total) == CUMA_OK && fr < h->set.free_watermark) {
         uint64_t deficit = h->set.free_watermark - fr;
         unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
         for (unsigned i = 0; i < n && deficit; i++) {
             cuma_arena *o = h->arenas[i];
-            pthread_mutex_lock(&o->lock);
+            cuma_mutex_lock(&o->lock, CUMA_RANK_ARENA);
             cuma_streams_tick(&o->streams);
             /* Preallocated pages among the idle ones stay (the release skips them): at worst a
              * look every 10 ms walks the cache for nothing. */
@@ -203,10 +203,10 @@ static void watermark_poll(cuma_arena *a) {
                 o->c.watermark_bytes += gone;
                 deficit = gone < deficit ? deficit - gone : 0;
             }
-            pthread_mutex_unlock(&o->lock);
+            cuma_mutex_unlock(&o->lock);
         }
     }
-    pthread_mutex_lock(&a->lock);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
 }
 
 #define SECOND_NS 1000000000ull
@@ -246,15 +246,16 @@ void *cuma_heap_release_thread(void *arg) {
      * caches' ageing included, would run only when woken), brought forward when a look finds
      * something due earlier, and made afresh once the policy ran. */
     uint64_t policy_at = UINT64_MAX;
-    /* The first arena's thread answers the ledger for the heap. */
-    bool ledger = a == &a->heap->first && a->heap->ledger;
-    pthread_mutex_lock(&a->lock);
+    /* The first arena's thread answers the peers for the heap. */
+    cuma_heap *h = a->heap;
+    bool peers = a == &h->first && h->peers.ops;
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
     while (!a->stopping) {
         cuma_sleep_in in = {
             .now = cuma_heap_now(a),
             .age_due = next_age_due(a),
             .tc_age_ns = a->tcaches ? a->tc_age_ns : INT64_MAX,
-            .ledger = ledger,
+            .ledger = peers,
             .watermark = watches_device(a),
         };
         uint64_t wait_ns = cuma_release_sleep(&in, &policy_at);
@@ -269,14 +270,14 @@ void *cuma_heap_release_thread(void *arg) {
         uint64_t now = cuma_heap_now(a);
         if (!a->stopping && (woken || now >= policy_at)) {
             /* The pass holds the heap lock: a timeline shows it against the program's calls. */
-            cuma_mark_push(a->heap->set.nvtx, CUMA_MARK_RELEASE_PASS);
+            cuma_mark_push(h->set.nvtx, CUMA_MARK_RELEASE_PASS);
             cuma_heap_release_policy(a, now);
-            cuma_mark_pop(a->heap->set.nvtx);
+            cuma_mark_pop(h->set.nvtx);
             policy_at = UINT64_MAX;
         }
-        if (!a->stopping && ledger) cuma_heap_ledger_poll(a);
+        if (!a->stopping && peers) h->peers.ops->poll(h->peers.ctx, h);
         if (!a->stopping && watches_device(a)) watermark_poll(a);
     }
-    pthread_mutex_unlock(&a->lock);
+    cuma_mutex_unlock(&a->lock);
     return NULL;
 }

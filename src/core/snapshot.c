@@ -164,14 +164,14 @@ cuma_status cuma_snapshot_json(cuma_heap *h, char *buf, size_t len, size_t *need
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         add_arena(&s, a, i);
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
     }
-    pthread_mutex_lock(&h->managed_lock);
+    cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
     s.managed_n = h->managed.count;
     s.managed_bytes = h->first.c.managed;
-    pthread_mutex_unlock(&h->managed_lock);
+    cuma_mutex_unlock(&h->managed_lock);
     cuma_strbuf o = {buf, len, 0};
     if (buf && len) buf[0] = 0;
     put_json(&o, &s, n, h->be->page_size);

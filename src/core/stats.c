@@ -2,8 +2,10 @@
 /* Statistics: one snapshot struct and its JSON form. */
 #include "error.h"
 #include "strbuf.h"
-#include "coord/ledger.h"
 #include "heap.h"
+/* Only the public entry type: the list's table says where a reader of cuma_ledger_entry finds each
+ * ledger figure. The ledger itself is reached through peers.h. */
+#include "cuma/ledger.h"
 
 #include <stdarg.h>
 #include <stddef.h>
@@ -73,15 +75,15 @@ void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s) {
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *a = h->arenas[i];
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         add_arena(a, s);
         if (!i) s->limit_bytes = a->limit_bytes;
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
     }
-    pthread_mutex_lock(&h->managed_lock);
+    cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
     s->managed_bytes = h->first.c.managed;
     s->managed_fallbacks = h->first.c.managed_fallbacks;
-    pthread_mutex_unlock(&h->managed_lock);
+    cuma_mutex_unlock(&h->managed_lock);
     s->arenas = n;
     s->pools = atomic_load(&h->pool_count);
     s->pool_bytes = atomic_load(&h->pool_bytes);
@@ -107,15 +109,8 @@ cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
     if (!h || !out)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_get_stats: %s is NULL", h ? "out" : "heap");
     cuma_heap_snapshot(h, out);
-    out->ledger_room_bytes = h->ledger ? cuma_ledger_room(h->ledger) : UINT64_MAX;
-    if (h->ledger) {
-        cuma_ledger_entry e;
-        cuma_ledger_self(h->ledger, &e);
-        out->ledger_denials = e.ledger_denials;
-        out->pressure_asks = e.pressure_asks;
-        out->pressure_given_bytes = e.pressure_given_bytes;
-        out->pressure_callbacks = e.pressure_callbacks;
-    }
+    out->ledger_room_bytes = UINT64_MAX;
+    if (h->peers.ops) h->peers.ops->stats(h->peers.ctx, out);
     /* The driver's view is read outside the locks: it may be slow and needs no heap state. */
     uint64_t fr = 0, tot = 0;
     if (h->be->ops->mem_info(h->be, &fr, &tot) == CUMA_OK)
@@ -179,31 +174,10 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
             if (v != UINT64_MAX) cuma_strbuf_put(&o, "\"%s\":%llu,", fields[i].name, ULL(v));
         }
     }
-    if (h->ledger) {
-        cuma_ledger_entry e;
-        cuma_ledger_self(h->ledger, &e);
-        cuma_strbuf_put(&o, "\"ledger\":{\"path\":");
-        cuma_strbuf_json_string(&o, cuma_ledger_where(h->ledger));
-        uint64_t stale, damaged;
-        char problem[320];
-        cuma_ledger_health(h->ledger, &stale, &damaged, problem, sizeof problem);
-        cuma_strbuf_put(&o,
-                        ",\"slot\":%u,\"priority\":%d,\"guarantee\":%llu,\"stale_admissions\":%llu,"
-                        "\"damaged_denials\":%llu,\"problem\":",
-                        e.slot, e.priority, (unsigned long long)e.guarantee,
-                        (unsigned long long)stale, (unsigned long long)damaged);
-        if (problem[0])
-            cuma_strbuf_json_string(&o, problem);
-        else
-            cuma_strbuf_put(&o, "null");
-        if (*cuma_ledger_note(h->ledger)) {
-            cuma_strbuf_put(&o, ",\"notice\":");
-            cuma_strbuf_json_string(&o, cuma_ledger_note(h->ledger));
-        }
-        cuma_strbuf_put(&o, "},");
-    } else {
+    if (h->peers.ops)
+        h->peers.ops->json(h->peers.ctx, &o);
+    else
         cuma_strbuf_put(&o, "\"ledger\":null,");
-    }
     if (h->ledger_error[0]) {
         cuma_strbuf_put(&o, "\"ledger_error\":");
         cuma_strbuf_json_string(&o, h->ledger_error);

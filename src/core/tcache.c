@@ -28,7 +28,7 @@ static pthread_key_t exit_key;
 static pthread_once_t exit_once = PTHREAD_ONCE_INIT;
 
 uint64_t cuma_tcache_register_arena(cuma_arena *a) {
-    pthread_mutex_lock(&registry_lock);
+    cuma_mutex_lock(&registry_lock, CUMA_RANK_TCACHE_REG);
     uint64_t id = next_arena_id++;
     if (nregistry == capregistry) {
         size_t nc = capregistry ? capregistry * 2 : 16;
@@ -41,26 +41,26 @@ uint64_t cuma_tcache_register_arena(cuma_arena *a) {
     } else {
         id = 0; /* no registry entry: this arena gets no thread caches */
     }
-    pthread_mutex_unlock(&registry_lock);
+    cuma_mutex_unlock(&registry_lock);
     return id;
 }
 
 void cuma_tcache_unregister_arena(cuma_arena *a) {
-    pthread_mutex_lock(&registry_lock);
+    cuma_mutex_lock(&registry_lock, CUMA_RANK_TCACHE_REG);
     for (size_t i = 0; i < nregistry; i++)
         if (registry[i].arena == a && registry[i].id == a->id) {
             registry[i] = registry[--nregistry];
             break;
         }
-    pthread_mutex_unlock(&registry_lock);
+    cuma_mutex_unlock(&registry_lock);
 }
 
 void cuma_tcache_prefork(void) {
-    pthread_mutex_lock(&registry_lock);
+    cuma_mutex_lock(&registry_lock, CUMA_RANK_TCACHE_REG);
 }
 
 void cuma_tcache_postfork(void) {
-    pthread_mutex_unlock(&registry_lock);
+    cuma_mutex_unlock(&registry_lock);
 }
 
 static void flush_one(cuma_arena *a, cuma_tcache *tc, uint64_t older_than,
@@ -82,25 +82,25 @@ static void unlink_tc(cuma_arena *a, cuma_tcache *tc) {
 /* A thread ends: its caches' blocks go back to their arenas, if those still live. */
 static void on_thread_exit(void *unused) {
     (void)unused;
-    pthread_mutex_lock(&registry_lock);
+    cuma_mutex_lock(&registry_lock, CUMA_RANK_TCACHE_REG);
     for (unsigned i = 0; i < TL_HEAPS; i++) {
         tl_slot *s = &tl[i];
         if (!s->tc) continue;
         for (size_t r = 0; r < nregistry; r++) {
             if (registry[r].id != s->arena_id || registry[r].arena != s->arena) continue;
             cuma_arena *a = s->arena;
-            pthread_mutex_lock(&a->lock);
+            cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
             flush_one(a, s->tc, UINT64_MAX, cuma_heap_give_cached);
             unlink_tc(a, s->tc);
             cuma_tcache_sums_retire(a, s->tc);
-            pthread_mutex_unlock(&a->lock);
+            cuma_mutex_unlock(&a->lock);
             free_tc(s->tc);
             break;
         }
         s->tc = NULL, s->arena = NULL;
     }
     cuma_tl_last.tc = NULL, cuma_tl_last.arena = NULL;
-    pthread_mutex_unlock(&registry_lock);
+    cuma_mutex_unlock(&registry_lock);
 }
 
 static void make_key(void) {
@@ -121,14 +121,14 @@ cuma_tcache *cuma_tcache_get_slow(cuma_arena *a) {
     }
     if (free_slot == TL_HEAPS) {
         /* Every slot names an arena: free those whose arena was destroyed since. */
-        pthread_mutex_lock(&registry_lock);
+        cuma_mutex_lock(&registry_lock, CUMA_RANK_TCACHE_REG);
         for (unsigned i = 0; i < TL_HEAPS && free_slot == TL_HEAPS; i++) {
             bool alive = false;
             for (size_t r = 0; r < nregistry && !alive; r++)
                 alive = registry[r].id == tl[i].arena_id && registry[r].arena == tl[i].arena;
             if (!alive) free_slot = i;
         }
-        pthread_mutex_unlock(&registry_lock);
+        cuma_mutex_unlock(&registry_lock);
         if (free_slot == TL_HEAPS) return NULL;
     }
     cuma_tcache *tc = calloc(1, sizeof *tc);
@@ -139,7 +139,7 @@ cuma_tcache *cuma_tcache_get_slow(cuma_arena *a) {
     tc->page_shift = a->phys.refs ? a->phys.shift : 0;
     pthread_once(&exit_once, make_key);
     pthread_setspecific(exit_key, tc); /* any non-NULL value makes the destructor run */
-    pthread_mutex_lock(&a->lock);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
     tc->next = a->tcaches;
     a->tcaches = tc;
     /* The release thread ages caches only once one exists: one that sleeps past the first
@@ -148,7 +148,7 @@ cuma_tcache *cuma_tcache_get_slow(cuma_arena *a) {
         a->thread_wake_at >
             atomic_load_explicit(&a->coarse_now, memory_order_relaxed) + (uint64_t)a->tc_age_ns)
         pthread_cond_signal(&a->wake);
-    pthread_mutex_unlock(&a->lock);
+    cuma_mutex_unlock(&a->lock);
     tl[free_slot] = (tl_slot){a, a->id, tc};
     cuma_tl_last = tl[free_slot];
     return tc;

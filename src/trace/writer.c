@@ -4,6 +4,7 @@
 #include "writer.h"
 
 #include "core/error.h"
+#include "core/lockrank.h"
 #include "core/safefile.h"
 #include "stack_log.h"
 #include "core/strbuf.h"
@@ -90,20 +91,21 @@ static void unlink_open(cuma_trace_writer *w) {
 
 /* The default heaps outlive main: their logs are closed here, complete. */
 static void close_all_at_exit(void) {
-    pthread_mutex_lock(&list_mu);
+    cuma_mutex_lock(&list_mu, CUMA_RANK_TRACE_LIST);
     for (cuma_trace_writer *w = open_list; w; w = w->next_open) {
-        pthread_mutex_lock(&w->mu);
+        cuma_mutex_lock(&w->mu, CUMA_RANK_TRACE);
         finish(w);
-        pthread_mutex_unlock(&w->mu);
+        cuma_mutex_unlock(&w->mu);
     }
     open_list = NULL;
-    pthread_mutex_unlock(&list_mu);
+    cuma_mutex_unlock(&list_mu);
 }
 
 void cuma_trace_writer_prefork(void) {
-    pthread_mutex_lock(&list_mu);
+    cuma_mutex_lock(&list_mu, CUMA_RANK_TRACE_LIST);
     forks++;
-    for (cuma_trace_writer *w = open_list; w; w = w->next_open) pthread_mutex_lock(&w->mu);
+    for (cuma_trace_writer *w = open_list; w; w = w->next_open)
+        cuma_mutex_lock(&w->mu, CUMA_RANK_TRACE);
 }
 
 void cuma_trace_writer_postfork(bool child) {
@@ -116,10 +118,10 @@ void cuma_trace_writer_postfork(bool child) {
          * parent closed the log. The stream is never used again, so its descriptor goes (also
          * that of a writer the parent was still starting: its thread is not in the child). */
         if (child && w->fd >= 0) close(w->fd), w->fd = -1;
-        pthread_mutex_unlock(&w->mu);
+        cuma_mutex_unlock(&w->mu);
     }
     if (child) open_list = NULL;
-    pthread_mutex_unlock(&list_mu);
+    cuma_mutex_unlock(&list_mu);
 }
 
 static void register_exit(void) {
@@ -232,14 +234,14 @@ static int claim(cuma_trace_writer *w, const char *name, char *path, size_t len,
             errno = ENAMETOOLONG;
             return -1;
         }
-        pthread_mutex_lock(&list_mu);
+        cuma_mutex_lock(&list_mu, CUMA_RANK_TRACE_LIST);
         if (is_claimed(path)) {
-            pthread_mutex_unlock(&list_mu);
+            cuma_mutex_unlock(&list_mu);
             *mine |= !k;
             continue;
         }
         if (!add_claim(path)) {
-            pthread_mutex_unlock(&list_mu);
+            cuma_mutex_unlock(&list_mu);
             errno = ENOMEM;
             return -1;
         }
@@ -247,11 +249,11 @@ static int claim(cuma_trace_writer *w, const char *name, char *path, size_t len,
         int fd = -1, e = 0;
         for (int tries = 0;; tries++) {
             unsigned gen = forks;
-            pthread_mutex_unlock(&list_mu);
+            cuma_mutex_unlock(&list_mu);
             if (cuma_trace_writer_open_hook) cuma_trace_writer_open_hook(path);
             fd = cuma_file_open_log(path, why, wlen);
             e = errno;
-            pthread_mutex_lock(&list_mu);
+            cuma_mutex_lock(&list_mu, CUMA_RANK_TRACE_LIST);
             if (fd < 0 || gen == forks) break;
             close(fd);
             if (tries == 100) {
@@ -262,14 +264,14 @@ static int claim(cuma_trace_writer *w, const char *name, char *path, size_t len,
         }
         if (fd < 0) {
             drop_claim(path);
-            pthread_mutex_unlock(&list_mu);
+            cuma_mutex_unlock(&list_mu);
             errno = e;
             return -1;
         }
         if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
             if (errno == EWOULDBLOCK) {
                 drop_claim(path);
-                pthread_mutex_unlock(&list_mu);
+                cuma_mutex_unlock(&list_mu);
                 close(fd);
                 continue;
             }
@@ -282,7 +284,7 @@ static int claim(cuma_trace_writer *w, const char *name, char *path, size_t len,
         w->fd = fd;
         w->next_open = open_list;
         open_list = w;
-        pthread_mutex_unlock(&list_mu);
+        cuma_mutex_unlock(&list_mu);
         if (say_nolock) {
             char shown[2 * CUMA_TRACE_PATH_MAX];
             fprintf(stderr,
@@ -298,12 +300,12 @@ static int claim(cuma_trace_writer *w, const char *name, char *path, size_t len,
 
 /* Undoes a claim whose file could not be started: off the open list, the name free again. */
 static void unclaim(cuma_trace_writer *w, const char *path, bool close_fd) {
-    pthread_mutex_lock(&list_mu);
+    cuma_mutex_lock(&list_mu, CUMA_RANK_TRACE_LIST);
     unlink_open(w);
     drop_claim(path);
     int fd = w->fd;
     w->fd = -1;
-    pthread_mutex_unlock(&list_mu);
+    cuma_mutex_unlock(&list_mu);
     if (fd >= 0 && close_fd) close(fd);
 }
 
@@ -369,9 +371,9 @@ cuma_status cuma_trace_writer_open(const char *pattern, int device, char *opened
     w->t0 = now_ns();
     if (opened) snprintf(opened, len, "%s", path);
     pthread_once(&exit_once, register_exit);
-    pthread_mutex_lock(&w->mu);
+    cuma_mutex_lock(&w->mu, CUMA_RANK_TRACE);
     w->gz = z;
-    pthread_mutex_unlock(&w->mu);
+    cuma_mutex_unlock(&w->mu);
     *out = w;
     return CUMA_OK;
 fail:
@@ -386,9 +388,9 @@ static __thread unsigned tid_cached;
 
 cuma_status cuma_trace_writer_keep_stacks(cuma_trace_writer *w) {
     (void)cuma_stack_capture((void *[CUMA_STACK_FRAMES]){0}); /* loads what backtrace needs */
-    pthread_mutex_lock(&w->mu);
+    cuma_mutex_lock(&w->mu, CUMA_RANK_TRACE);
     cuma_status st = w->stacks ? CUMA_OK : cuma_stack_log_open(w->path, &w->stacks);
-    pthread_mutex_unlock(&w->mu);
+    cuma_mutex_unlock(&w->mu);
     return st;
 }
 
@@ -402,7 +404,7 @@ void cuma_trace_writer_event_stack(cuma_trace_writer *w, cuma_trace_action actio
                                    int nframes) {
     if (!tid_cached) tid_cached = (unsigned)syscall(SYS_gettid);
     char line[160];
-    pthread_mutex_lock(&w->mu);
+    cuma_mutex_lock(&w->mu, CUMA_RANK_TRACE);
     if (w->gz) {
         /* Stamped under the lock, so that times never go backwards in the file. */
         uint64_t us = (now_ns() - w->t0) / 1000;
@@ -427,7 +429,7 @@ void cuma_trace_writer_event_stack(cuma_trace_writer *w, cuma_trace_action actio
             w->nevents++;
         }
     }
-    pthread_mutex_unlock(&w->mu);
+    cuma_mutex_unlock(&w->mu);
 }
 
 /* Writers a forked child closed while they held the parent's stream: kept (under list_mu), since
@@ -436,18 +438,18 @@ static cuma_trace_writer *parked;
 
 void cuma_trace_writer_close(cuma_trace_writer *w) {
     if (!w) return;
-    pthread_mutex_lock(&list_mu);
+    cuma_mutex_lock(&list_mu, CUMA_RANK_TRACE_LIST);
     unlink_open(w);
-    pthread_mutex_lock(&w->mu);
+    cuma_mutex_lock(&w->mu, CUMA_RANK_TRACE);
     finish(w);
-    pthread_mutex_unlock(&w->mu);
+    cuma_mutex_unlock(&w->mu);
     if (w->inherited) {
         w->next_open = parked;
         parked = w;
-        pthread_mutex_unlock(&list_mu);
+        cuma_mutex_unlock(&list_mu);
         return;
     }
-    pthread_mutex_unlock(&list_mu);
+    cuma_mutex_unlock(&list_mu);
     pthread_mutex_destroy(&w->mu);
     free(w->path);
     free(w);

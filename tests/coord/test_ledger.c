@@ -5,7 +5,7 @@
  * not ours or not a ledger, and the snapshot the tools read. Heaps on the simulated device in a
  * ledger named for this run, so that runs side by side do not meet. */
 #include "check.h"
-#include "coord/ledger.h"
+#include "coord/pressure.h"
 #include "core/heap.h"
 #include "cuma/ledger.h"
 #include "cuma/sim.h"
@@ -299,7 +299,7 @@ static pid_t child_holding(const char *extra, int mb, bool idle, int lock_mode) 
         void *p;
         CHECK_OK(cuma_alloc(h, (size_t)mb * MB, NULL, &p));
         if (idle) CHECK_OK(cuma_free(h, p, NULL));
-        if (lock_mode != LOCK_NONE) CHECK_OK(cuma_ledger_test_hold_lock(h->ledger));
+        if (lock_mode != LOCK_NONE) CHECK_OK(cuma_ledger_test_hold_lock(cuma_heap_ledger(h)));
         char c = 1;
         CHECK(write(fds[1], &c, 1) == 1);
         if (lock_mode == LOCK_DIE) _exit(0);

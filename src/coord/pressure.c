@@ -1,16 +1,21 @@
 // SPDX-License-Identifier: Apache-2.0
-/* The heap's side of the cross-process ledger (src/coord): joining it at creation, asking the
- * other heaps for memory on the out-of-memory ladder, answering their requests from the release
- * thread, and the pressure callbacks. */
-#include "coord/ledger_backend.h"
-#include "error.h"
-#include "heap.h"
-#include "marks.h"
+/* The ledger as the heap's peers (core/peers.h): joining it at creation (cuma_heap_create),
+ * asking the other heaps for memory on the out-of-memory ladder, answering their requests from
+ * the release thread, the ledger's figures in the stats and the pressure callbacks. The heap
+ * calls these through h->peers only. */
+#include "pressure.h"
+
+#include "core/error.h"
+#include "core/heap.h"
+#include "core/marks.h"
+#include "ledger_backend.h"
 
 #include <stdio.h>
 #include <string.h>
 
-cuma_status cuma_heap_join_ledger(cuma_heap *h) {
+static const cuma_peers_ops ledger_peers;
+
+static cuma_status join(cuma_heap *h) {
     const char *want = h->set.ledger;
     bool explicit_ = strcmp(want, "auto") != 0;
     if (!strcmp(want, "off")) return CUMA_OK;
@@ -56,8 +61,17 @@ cuma_status cuma_heap_join_ledger(cuma_heap *h) {
         return st;
     }
     h->be = wrapped;
-    h->ledger = l;
+    h->peers.ops = &ledger_peers;
+    h->peers.ctx = l;
     return CUMA_OK;
+}
+
+cuma_status cuma_heap_create(const cuma_config *cfg, cuma_heap **out) {
+    return cuma_heap_create_with(cfg, join, out);
+}
+
+cuma_ledger *cuma_heap_ledger(const cuma_heap *h) {
+    return h->peers.ops == &ledger_peers ? h->peers.ctx : NULL;
 }
 
 static uint64_t device_free(void *ctx) {
@@ -67,20 +81,12 @@ static uint64_t device_free(void *ctx) {
     return fr;
 }
 
-bool cuma_heap_ledger_reclaim(cuma_arena *a, uint64_t n) {
-    cuma_heap *h = a->heap;
-    if (!h->ledger || h->set.pressure_timeout_ms <= 0) return false;
-    uint64_t need = a->phys.ops->growth(a, n);
+static bool ask(void *ctx, cuma_heap *h, uint64_t bytes) {
     /* What the ledger cannot see (other programs on a real GPU) shows in the driver's figure;
      * a simulated device's is the process's own and would mislead. */
     bool real = h->be->kind != CUMA_BACKEND_SIM;
-    /* The attempt that failed left the pages it made idle in the cache: they count as held. */
-    cuma_heap_release_idle(a, 0);
-    pthread_mutex_unlock(&a->lock);
-    cuma_status st = cuma_ledger_reclaim(h->ledger, need, h->set.pressure_timeout_ms,
-                                         real ? device_free : NULL, h->be);
-    pthread_mutex_lock(&a->lock);
-    return st == CUMA_OK;
+    return cuma_ledger_reclaim(ctx, bytes, h->set.pressure_timeout_ms, real ? device_free : NULL,
+                               h->be) == CUMA_OK;
 }
 
 /* Every arena's idle memory back to the device (no lock held; each release publishes what is
@@ -92,11 +98,13 @@ static uint64_t give_cache(cuma_heap *h) {
     return before > after ? before - after : 0;
 }
 
-void cuma_heap_ledger_publish(cuma_heap *h) {
-    pthread_mutex_lock(&h->oom_lock);
+/* The heap's figures into its slot, and what it answers with (any lock or none but oom_lock). */
+static void publish(cuma_heap *h) {
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
     unsigned answers = CUMA_LEDGER_ANSWERS_CACHE | (h->pressure.n ? CUMA_LEDGER_ANSWERS_SHRINK : 0);
-    pthread_mutex_unlock(&h->oom_lock);
-    cuma_ledger_publish(h->ledger, cuma_heap_idle_total(h), cuma_heap_requested_total(h), answers);
+    cuma_mutex_unlock(&h->oom_lock);
+    cuma_ledger_publish(cuma_heap_ledger(h), cuma_heap_idle_total(h), cuma_heap_requested_total(h),
+                        answers);
 }
 
 /* The allocator figures for `cuma stats` and the other tools (no lock held: the snapshot takes
@@ -104,19 +112,19 @@ void cuma_heap_ledger_publish(cuma_heap *h) {
 static void publish_stats(cuma_heap *h) {
     cuma_stats s;
     cuma_heap_snapshot(h, &s);
-    cuma_ledger_publish_stats(h->ledger, &s);
+    cuma_ledger_publish_stats(cuma_heap_ledger(h), &s);
 }
 
-void cuma_heap_ledger_poll(cuma_arena *a) {
-    cuma_heap *h = a->heap;
-    cuma_ledger *l = h->ledger;
+void cuma_heap_ledger_poll(cuma_heap *h) {
+    cuma_arena *a = &h->first;
+    cuma_ledger *l = cuma_heap_ledger(h);
     /* The release thread runs on a real clock only (never sim_clock:manual). */
     uint64_t now = cuma_heap_now(a);
     if (now >= h->stats_due) {
         h->stats_due = now + CUMA_LEDGER_STATS_NS;
-        pthread_mutex_unlock(&a->lock);
+        cuma_mutex_unlock(&a->lock);
         publish_stats(h);
-        pthread_mutex_lock(&a->lock);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
     }
     /* The first arena's idle bytes as of now (its lock is held): frees since its last release
      * policy run count, so that requesters see what they may ask for. */
@@ -124,11 +132,11 @@ void cuma_heap_ledger_poll(cuma_arena *a) {
                           memory_order_relaxed);
     uint64_t reserved, cached, mapped;
     cuma_heap_memory(a, &reserved, &cached, &mapped); /* and its thread caches' blocks */
-    cuma_heap_ledger_publish(h);
+    publish(h);
     bool cache, fresh;
     uint64_t shrink;
     if (!cuma_ledger_asked(l, &cache, &shrink, &fresh)) return;
-    pthread_mutex_unlock(&a->lock);
+    cuma_mutex_unlock(&a->lock);
     cuma_mark_push(h->set.nvtx, CUMA_MARK_LEDGER_ANSWER);
     uint64_t gave = 0, calls = 0;
     if (cache) {
@@ -136,38 +144,113 @@ void cuma_heap_ledger_poll(cuma_arena *a) {
          * beyond the guarantee is what the callbacks are asked for (a request that came
          * meanwhile is as new as the first). */
         gave = give_cache(h);
-        cuma_heap_ledger_publish(h);
+        publish(h);
         bool again = false;
         if (!cuma_ledger_asked(l, &cache, &shrink, &again)) shrink = 0;
         fresh |= again;
     }
     if (shrink && fresh) {
-        pthread_mutex_lock(&h->oom_lock);
+        cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
         cuma_cb_slot cbs[CUMA_MAX_OOM_CALLBACKS];
         int n = h->pressure.n;
         memcpy(cbs, h->pressure.s, sizeof cbs);
-        pthread_mutex_unlock(&h->oom_lock);
+        cuma_mutex_unlock(&h->oom_lock);
         for (int i = 0; i < n; i++, calls++) ((cuma_pressure_fn)cbs[i].fn)(cbs[i].user, h, shrink);
         /* What the callbacks freed may sit in thread caches and the page cache: it goes too. */
         if (n) gave += give_cache(h);
     }
-    cuma_heap_ledger_publish(h);
+    publish(h);
     cuma_ledger_gave(l, gave, calls);
     cuma_mark_pop(h->set.nvtx);
-    pthread_mutex_lock(&a->lock);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
 }
 
 cuma_status cuma_add_pressure_callback(cuma_heap *h, cuma_pressure_fn fn, void *user, int *id) {
     cuma_status st = cuma_cb_add(h, h ? &h->pressure : NULL, (cuma_any_fn)fn, user, id,
                                  "cuma_add_pressure_callback");
-    if (!st && h->ledger && h->first.thread_running)
-        cuma_heap_ledger_publish(h); /* it can shrink now */
+    if (!st && cuma_heap_ledger(h) && h->first.thread_running) publish(h); /* it can shrink now */
     return st;
 }
 
 cuma_status cuma_remove_pressure_callback(cuma_heap *h, int id) {
     cuma_status st =
         cuma_cb_remove(h, h ? &h->pressure : NULL, id, "cuma_remove_pressure_callback");
-    if (!st && h->ledger && h->first.thread_running) cuma_heap_ledger_publish(h);
+    if (!st && cuma_heap_ledger(h) && h->first.thread_running) publish(h);
     return st;
 }
+
+static void poll_op(void *ctx, cuma_heap *h) {
+    (void)ctx;
+    cuma_heap_ledger_poll(h);
+}
+
+static void publish_op(void *ctx, cuma_heap *h) {
+    (void)ctx;
+    publish(h);
+}
+
+static void set_limit(void *ctx, uint64_t limit) {
+    cuma_ledger_set_limit(ctx, limit);
+}
+
+static void stats(void *ctx, cuma_stats *out) {
+    out->ledger_room_bytes = cuma_ledger_room(ctx);
+    cuma_ledger_entry e;
+    cuma_ledger_self(ctx, &e);
+    out->ledger_denials = e.ledger_denials;
+    out->pressure_asks = e.pressure_asks;
+    out->pressure_given_bytes = e.pressure_given_bytes;
+    out->pressure_callbacks = e.pressure_callbacks;
+}
+
+static void json(void *ctx, cuma_strbuf *o) {
+    cuma_ledger *l = ctx;
+    cuma_ledger_entry e;
+    cuma_ledger_self(l, &e);
+    cuma_strbuf_put(o, "\"ledger\":{\"path\":");
+    cuma_strbuf_json_string(o, cuma_ledger_where(l));
+    uint64_t stale, damaged;
+    char problem[320];
+    cuma_ledger_health(l, &stale, &damaged, problem, sizeof problem);
+    cuma_strbuf_put(o,
+                    ",\"slot\":%u,\"priority\":%d,\"guarantee\":%llu,\"stale_admissions\":%llu,"
+                    "\"damaged_denials\":%llu,\"problem\":",
+                    e.slot, e.priority, (unsigned long long)e.guarantee, (unsigned long long)stale,
+                    (unsigned long long)damaged);
+    if (problem[0])
+        cuma_strbuf_json_string(o, problem);
+    else
+        cuma_strbuf_put(o, "null");
+    if (*cuma_ledger_note(l)) {
+        cuma_strbuf_put(o, ",\"notice\":");
+        cuma_strbuf_json_string(o, cuma_ledger_note(l));
+    }
+    cuma_strbuf_put(o, "},");
+}
+
+static const char *validate(void *ctx, cuma_heap *h) {
+    uint64_t held = 0;
+    /* Oversubscribed memory (backend:managed) is not the device's: the ledger admits none. */
+    if (!(h->be->caps & CUMA_CAP_OVERSUBSCRIBE))
+        for (unsigned i = 0, n = atomic_load(&h->narenas); i < n; i++)
+            held += cuma_heap_reserved(h->arenas[i]);
+    if (held != cuma_backend_ledger_held(h->be))
+        return "the bytes the ledger admitted differ from the arenas' reserved bytes";
+    if (cuma_ledger_validate(ctx, held)) {
+        /* The message is formatted into the thread's error text again: copy it first. */
+        static _Thread_local char why[256];
+        snprintf(why, sizeof why, "%s", cuma_last_error());
+        return why;
+    }
+    return NULL;
+}
+
+static const cuma_peers_ops ledger_peers = {
+    .ask = ask,
+    .poll = poll_op,
+    .publish = publish_op,
+    .set_limit = set_limit,
+    .stats = stats,
+    .json = json,
+    .validate = validate,
+};
