@@ -19,6 +19,14 @@ if [ ! -d deploy/validate/node_modules ]; then
   echo "== deploy-check: npm ci (deploy/validate)"
   (cd deploy/validate && npm ci --no-audit --no-fund --silent)
 fi
+# Where a machine has no kubectl, deps.sh installs Debian 12's (kubernetes-client 1.20), whose
+# kustomize (v2) refuses the newer `labels:` field and a generator's own `options:` with
+# 'unknown field': the kit keeps its labels in the resources and its generator options at the
+# top, which every kustomize since v2 renders alike. Checked here too, whichever kubectl this is.
+if grep -nE '^labels:|^ +options:' deploy/*/kustomization.yaml; then
+  echo "deploy-check: FAILED: a kustomization uses a field Debian's kubectl (kustomize v2) refuses" >&2
+  exit 1
+fi
 echo "== deploy-check: kubectl kustomize ($(kubectl version --client 2>/dev/null | grep -i kustomize || echo 'kustomize version unknown'))"
 for kit in daemonset sidecar adapter; do
   kubectl kustomize "deploy/$kit" >"$tmp/$kit.yaml" || { echo "deploy-check: FAILED: kubectl kustomize deploy/$kit" >&2; exit 1; }
