@@ -119,7 +119,7 @@ void cuma_heap_ledger_poll(cuma_heap *h) {
     cuma_arena *a = &h->first;
     cuma_ledger *l = cuma_heap_ledger(h);
     /* The release thread runs on a real clock only (never sim_clock:manual). */
-    uint64_t now = cuma_heap_now(a);
+    uint64_t now = cuma_arena_now(a);
     if (now >= h->stats_due) {
         h->stats_due = now + CUMA_LEDGER_STATS_NS;
         cuma_mutex_unlock(&a->lock);
@@ -128,10 +128,10 @@ void cuma_heap_ledger_poll(cuma_heap *h) {
     }
     /* The first arena's idle bytes as of now (its lock is held): frees since its last release
      * policy run count, so that requesters see what they may ask for. */
-    atomic_store_explicit(&a->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(a),
+    atomic_store_explicit(&a->pub[CUMA_PUB_CACHED], (int64_t)cuma_arena_cached(a),
                           memory_order_relaxed);
     uint64_t reserved, cached, mapped;
-    cuma_heap_memory(a, &reserved, &cached, &mapped); /* and its thread caches' blocks */
+    cuma_arena_memory(a, &reserved, &cached, &mapped); /* and its thread caches' blocks */
     publish(h);
     bool cache, fresh;
     uint64_t shrink;
@@ -233,7 +233,7 @@ static const char *validate(void *ctx, cuma_heap *h) {
     /* Oversubscribed memory (backend:managed) is not the device's: the ledger admits none. */
     if (!(h->be->caps & CUMA_CAP_OVERSUBSCRIBE))
         for (unsigned i = 0, n = atomic_load(&h->narenas); i < n; i++)
-            held += cuma_heap_reserved(h->arenas[i]);
+            held += cuma_arena_reserved(h->arenas[i]);
     if (held != cuma_backend_ledger_held(h->be))
         return "the bytes the ledger admitted differ from the arenas' reserved bytes";
     if (cuma_ledger_validate(ctx, held)) {

@@ -117,7 +117,7 @@ cuma_status cuma_arena_add(cuma_heap *h, cuma_arena **out) {
     a->be = h->be;
     a->heap = h;
     atomic_store(&a->manual_now, atomic_load(&h->first.manual_now));
-    st = cuma_heap_build(a);
+    st = cuma_arena_build(a);
     if (st) {
         free(a);
         goto out;

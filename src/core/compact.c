@@ -240,7 +240,7 @@ static spot find_spot(const plan *p, uint64_t n, uint64_t r, uint16_t si) {
  * mv[0..nmv) afterwards. */
 static void place(plan *p) {
     cuma_arena *a = p->a;
-    uint64_t t = cuma_heap_now(a);
+    uint64_t t = cuma_arena_now(a);
     size_t placed = 0;
     for (size_t i = 0; i < p->nmv; i++) {
         move m = p->mv[i];
@@ -290,9 +290,9 @@ static cuma_status plan_make(cuma_arena *a, plan *p) {
     p->ps = a->pages.page_size;
     p->sh = a->pages.shift;
     cuma_streams_tick(&a->streams);
-    cuma_heap_flush_tcaches(a);
-    if (a->deferred) cuma_heap_process_deferred(a, false);
-    p->cached_before = cuma_heap_cached(a);
+    cuma_arena_flush_tcaches(a);
+    if (a->deferred) cuma_arena_process_deferred(a, false);
+    p->cached_before = cuma_arena_cached(a);
     p->releases_before = a->pages.releases;
     p->fill = calloc(a->pages.nva, sizeof *p->fill);
     p->mark = calloc(a->pages.nva, 1);
@@ -312,7 +312,7 @@ static void plan_commit(plan *p, bool release, cuma_compact_result *r) {
     cuma_heap *h = a->heap;
     a->moving = NULL; /* one compaction at a time: every block on it is this plan's */
     cuma_streams_tick(&a->streams);
-    uint64_t t = cuma_heap_now(a);
+    uint64_t t = cuma_arena_now(a);
     for (size_t i = 0; i < p->nmv; i++) {
         move *m = &p->mv[i];
         uint64_t g = m->gen;
@@ -320,7 +320,7 @@ static void plan_commit(plan *p, bool release, cuma_compact_result *r) {
         bool ok = m->ok && atomic_compare_exchange_strong(&m->old->gen, &g, g + 1);
         uint64_t seq = cuma_streams_note_free(&a->streams, m->si);
         if (!ok) {
-            cuma_heap_release_block(a, m->nb, m->si, seq, t, false);
+            cuma_arena_release_block(a, m->nb, m->si, seq, t, false);
             r->blocks_refused++;
             continue;
         }
@@ -337,7 +337,7 @@ static void plan_commit(plan *p, bool release, cuma_compact_result *r) {
                                     (uint64_t)(uintptr_t)m->stream);
         }
         /* Stream-ordered, as cuma_free(old, stream): the copy queued there runs first. */
-        cuma_heap_release_block(a, m->old, m->si, seq, t, false);
+        cuma_arena_release_block(a, m->old, m->si, seq, t, false);
         r->blocks_moved++;
         r->bytes_moved += m->size;
     }
@@ -346,10 +346,10 @@ static void plan_commit(plan *p, bool release, cuma_compact_result *r) {
         emptied += (p->mark[v] & PAGE_VICTIM) && !a->pages.live[v];
     r->pages_emptied += emptied;
     atomic_fetch_add(&h->compact_freed, emptied);
-    if (release && cuma_heap_cached(a) > p->cached_before)
-        cuma_heap_release(a, t, -1, p->cached_before, 0, false);
+    if (release && cuma_arena_cached(a) > p->cached_before)
+        cuma_arena_release(a, t, -1, p->cached_before, 0, false);
     r->pages_released += a->pages.releases - p->releases_before;
-    cuma_heap_release_policy(a, t);
+    cuma_arena_release_policy(a, t);
 }
 
 /* Every arena in turn: plan (lock held), move (no lock), commit (lock held). compact_run held. */
@@ -460,7 +460,7 @@ cuma_status cuma_compact_if_needed(cuma_heap *h, cuma_compact_result *out) {
     return st;
 }
 
-bool cuma_heap_compact_rung(cuma_arena *a) {
+bool cuma_arena_compact_rung(cuma_arena *a) {
     cuma_heap *h = a->heap;
     /* A mover that allocates and runs out does not compact again; a compaction running on
      * another thread is not waited for (its mover may need what this thread holds). */

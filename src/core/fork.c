@@ -103,7 +103,7 @@ static void release(bool child) {
                 /* Its thread did not come along: nothing to stop or join at destroy, and the
                  * condition variable must not wait for the waiter it had in the parent. */
                 a->thread_running = false;
-                cuma_heap_init_wake(a);
+                cuma_arena_init_wake(a);
             }
             cuma_mutex_unlock(&a->lock);
         }

@@ -17,7 +17,7 @@
 #include <time.h>
 
 static uint64_t now(cuma_arena *a) {
-    return cuma_heap_now(a);
+    return cuma_arena_now(a);
 }
 
 /* Raises a peak of the whole heap to `v` (lock-free: arenas and fast paths race here). */
@@ -44,7 +44,7 @@ static void account_alloc(cuma_arena *a, uint64_t req, uint64_t size, cuma_tcach
         c->requested += (uint64_t)share;
         c->allocated += (uint64_t)atomic_load_explicit(&tc->allocated, memory_order_relaxed);
         /* In REQUESTED from now on: the ledger's sum must not count it twice until the next
-         * count (cuma_heap_memory). */
+         * count (cuma_arena_memory). */
         atomic_store_explicit(&a->pub[CUMA_PUB_TREQ],
                               atomic_load_explicit(&a->pub[CUMA_PUB_TREQ], memory_order_relaxed) -
                                   share,
@@ -52,38 +52,38 @@ static void account_alloc(cuma_arena *a, uint64_t req, uint64_t size, cuma_tcach
         atomic_store_explicit(&tc->requested, 0, memory_order_relaxed);
         atomic_store_explicit(&tc->allocated, 0, memory_order_relaxed);
     }
-    cuma_heap_publish(a);
+    cuma_arena_publish(a);
     /* Other threads' shares since their last slow calls are not seen (documented in cuma.h). */
     int64_t all_req = cuma_heap_total(h, CUMA_PUB_REQUESTED);
     int64_t all_alloc = cuma_heap_total(h, CUMA_PUB_ALLOCATED);
     if (tc) tc->others_req = all_req - (int64_t)c->requested;
     if (all_req > 0) raise_peak(&h->peak_req, (uint64_t)all_req);
     if (all_alloc > 0) raise_peak(&h->peak_alloc, (uint64_t)all_alloc);
-    raise_peak(&h->peak_res, cuma_heap_reserved_all(a));
+    raise_peak(&h->peak_res, cuma_arena_reserved_all(a));
 }
 
 /* Gives a block back to the policy and its pages to the cache. */
-void cuma_heap_release_block(cuma_arena *a, cuma_block *b, uint16_t fstream, uint64_t fseq,
-                             uint64_t t, bool counted) {
+void cuma_arena_release_block(cuma_arena *a, cuma_block *b, uint16_t fstream, uint64_t fseq,
+                              uint64_t t, bool counted) {
     if (counted) {
         /* The counters are the sums over the live blocks: this one is among them. */
         assert(a->c.requested >= b->req && a->c.allocated >= b->size && a->c.active > 0);
         a->c.requested -= b->req;
         a->c.allocated -= b->size;
         a->c.active--;
-        cuma_heap_publish(a);
+        cuma_arena_publish(a);
     }
-    bool was_empty = cuma_heap_cached(a) == 0;
+    bool was_empty = cuma_arena_cached(a) == 0;
     a->phys.ops->free(a, b, fstream, fseq, t);
     /* Wake the release thread only if it would otherwise sleep past this memory's due time:
      * a signal per free costs a context switch each. */
-    if (was_empty && cuma_heap_cached(a) && a->thread_running && a->release_delay_ns >= 0 &&
+    if (was_empty && cuma_arena_cached(a) && a->thread_running && a->release_delay_ns >= 0 &&
         a->thread_wake_at > t + (uint64_t)a->release_delay_ns)
         pthread_cond_signal(&a->wake);
 }
 
 /* Releases deferred blocks whose record_stream fences completed. */
-void cuma_heap_process_deferred(cuma_arena *a, bool wait) {
+void cuma_arena_process_deferred(cuma_arena *a, bool wait) {
     cuma_block **pp = &a->deferred;
     uint64_t t = now(a);
     while (*pp) {
@@ -91,15 +91,15 @@ void cuma_heap_process_deferred(cuma_arena *a, bool wait) {
         if (cuma_fence_poll(&a->streams, b->fence_stream, b->fence_seq, wait)) {
             *pp = b->fnext;
             b->fnext = NULL;
-            cuma_heap_release_block(a, b, 0, 0, t,
-                                    true); /* its work is complete: the memory is clean */
+            cuma_arena_release_block(a, b, 0, 0, t,
+                                     true); /* its work is complete: the memory is clean */
         } else {
             pp = &b->fnext;
         }
     }
 }
 
-void cuma_heap_give_cached(cuma_arena *a, cuma_block *b) {
+void cuma_arena_give_cached(cuma_arena *a, cuma_block *b) {
     cuma_map_remove(&a->live, a->base + b->off);
     /* The thread caches' published share shrinks with it until the next count, so that the
      * ledger does not see it twice once its pages are idle. */
@@ -108,11 +108,11 @@ void cuma_heap_give_cached(cuma_arena *a, cuma_block *b) {
                           tc > (int64_t)b->size ? tc - (int64_t)b->size : 0, memory_order_relaxed);
     /* Freed into the cache at some point before now: a fence taken now covers that free. */
     uint64_t seq = cuma_streams_note_free(&a->streams, b->stream);
-    cuma_heap_release_block(a, b, b->stream, seq, now(a), false);
+    cuma_arena_release_block(a, b, b->stream, seq, now(a), false);
 }
 
-void cuma_heap_flush_tcaches(cuma_arena *a) {
-    if (a->tcaches) cuma_tcache_flush_all(a, UINT64_MAX, cuma_heap_give_cached);
+void cuma_arena_flush_tcaches(cuma_arena *a) {
+    if (a->tcaches) cuma_tcache_flush_all(a, UINT64_MAX, cuma_arena_give_cached);
 }
 
 /* One placement attempt: a block and the pages under it, or a status. */
@@ -145,7 +145,7 @@ static cuma_status try_alloc(cuma_arena *a, uint64_t req, uint64_t n, unsigned s
  * first after an out-of-memory. a's lock held. */
 static cuma_status fail_oom(cuma_arena *a, cuma_status st, size_t size) {
     uint64_t reserved, cached, mapped;
-    cuma_heap_memory(a, &reserved, &cached, &mapped);
+    cuma_arena_memory(a, &reserved, &cached, &mapped);
     int64_t tq, ta, tn;
     uint64_t tallocs, tfrees;
     cuma_tcache_sums(a, &tq, &ta, &tn, &tallocs, &tfrees);
@@ -156,7 +156,7 @@ static cuma_status fail_oom(cuma_arena *a, cuma_status st, size_t size) {
                      " cached) of a %" PRIu64 "-byte limit, %" PRIu64 " bytes live (%s); %" PRIu64
                      " bytes free but stranded in pages that live blocks keep mapped, in "
                      "gaps too small for this request",
-                     size, cuma_heap_reserved_all(a), cuma_heap_cached(a), a->limit_bytes,
+                     size, cuma_arena_reserved_all(a), cuma_arena_cached(a), a->limit_bytes,
                      (uint64_t)cuma_heap_total(a->heap, CUMA_PUB_REQUESTED),
                      st == CUMA_ERR_LIMIT ? "limit reached" : "device full", stranded);
 }
@@ -173,7 +173,7 @@ static void release_other_arenas(cuma_arena *a) {
         cuma_arena *o = h->arenas[i];
         if (o == a) continue;
         cuma_mutex_lock(&o->lock, CUMA_RANK_ARENA);
-        cuma_heap_release_idle(o, 0);
+        cuma_arena_release_idle(o, 0);
         cuma_mutex_unlock(&o->lock);
     }
     cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
@@ -201,7 +201,7 @@ static bool in_callbacks_of(const cuma_heap *h) {
  * what sits idle in thread caches and in the other arenas goes back first. */
 static cuma_status retry_after_frees(cuma_arena *a, size_t size, uint64_t n, unsigned si,
                                      cuma_block **out) {
-    cuma_heap_release_idle(a, 0);
+    cuma_arena_release_idle(a, 0);
     release_other_arenas(a);
     return try_alloc(a, size, n, si, now(a), out);
 }
@@ -309,7 +309,7 @@ static bool ask_peers(cuma_arena *a, uint64_t n) {
     cuma_heap *h = a->heap;
     uint64_t need = a->phys.ops->growth(a, n);
     /* The attempt that failed left the pages it made idle in the cache: they count as held. */
-    cuma_heap_release_idle(a, 0);
+    cuma_arena_release_idle(a, 0);
     cuma_mutex_unlock(&a->lock);
     bool fits = h->peers.ops->ask(h->peers.ctx, h, need);
     cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
@@ -338,11 +338,11 @@ static cuma_status ladder(cuma_arena *a, cuma_status st, size_t size, uint64_t n
     bool marks = h->set.nvtx;
     /* A growth refused part-way (a limit, a full device, the ledger) held its pages for a
      * moment: the peak says so, before the cache release below gives them back. */
-    raise_peak(&h->peak_res, cuma_heap_reserved_all(a));
+    raise_peak(&h->peak_res, cuma_arena_reserved_all(a));
     a->c.retries++;
     a->c.trims++;
     cuma_mark_push(marks, CUMA_MARK_OOM_CACHE);
-    cuma_heap_release_idle(a, 0);
+    cuma_arena_release_idle(a, 0);
     st = try_alloc(a, size, n, si, now(a), out);
     cuma_mark_pop(marks);
     if (!is_oom(st)) return st;
@@ -364,7 +364,7 @@ static cuma_status ladder(cuma_arena *a, cuma_status st, size_t size, uint64_t n
     /* Still out of memory: counted whether or not callbacks are registered, so that an
      * autoscaler watching the count sees a job that registered none run out too (one failed
      * 1,841 allocations with a count of 0). */
-    if (cuma_heap_compact_rung(a)) {
+    if (cuma_arena_compact_rung(a)) {
         st = try_alloc(a, size, n, si, now(a), out);
         if (!is_oom(st)) return st;
     }
@@ -374,7 +374,7 @@ static cuma_status ladder(cuma_arena *a, cuma_status st, size_t size, uint64_t n
     /* The ladder released the cache first: what is idle now are the pages the failed attempts made
      * before they ran out. A failed allocation leaves the device as it found it, so they go
      * back now, not a release delay later (another program, or managed memory, may need them). */
-    cuma_heap_release_idle(a, 0);
+    cuma_arena_release_idle(a, 0);
     if (managed_take(a, size, managed_addr)) return CUMA_OK;
     return fail_oom(a, st, size);
 }
@@ -415,8 +415,8 @@ alloc_slow(cuma_heap *h, size_t size, cuma_stream stream, void **ptr, bool tried
     }
     cuma_streams_tick(&a->streams);
     /* This thread's batched frees first: their memory may serve this very request. */
-    if (tc && tc->npending) cuma_tcache_drain(a, tc, cuma_heap_give_cached);
-    if (a->deferred) cuma_heap_process_deferred(a, false);
+    if (tc && tc->npending) cuma_tcache_drain(a, tc, cuma_arena_give_cached);
+    if (a->deferred) cuma_arena_process_deferred(a, false);
     /* Read after the frees above: they stamp what they make idle with the clock, and a failed
      * attempt gives its pages back to the cache stamped t, which must be no older than those
      * (the cache is newest first). Read before them, a request whose mapping failed put pages
@@ -443,7 +443,7 @@ alloc_slow(cuma_heap *h, size_t size, cuma_stream stream, void **ptr, bool tried
     if (st == CUMA_OK && b) {
         uint64_t addr = a->base + b->off;
         if (!cuma_map_put(&a->live, addr, b)) {
-            cuma_heap_release_block(a, b, 0, 0, t, false);
+            cuma_arena_release_block(a, b, 0, 0, t, false);
             b = NULL;
             st = cuma_fail(CUMA_ERR_OOM, "no host memory for the pointer table");
         } else {
@@ -466,7 +466,7 @@ alloc_slow(cuma_heap *h, size_t size, cuma_stream stream, void **ptr, bool tried
         cuma_trace_writer_event_stack(h->tw, st ? CUMA_TRACE_ALLOC_FAIL : CUMA_TRACE_ALLOC,
                                       (uint64_t)(uintptr_t)*ptr, size, (uint64_t)(uintptr_t)stream,
                                       frames, nframes);
-    cuma_heap_release_policy(a, t);
+    cuma_arena_release_policy(a, t);
     cuma_mutex_unlock(&a->lock);
     /* Not for an allocation a callback makes (it fails at once, inside the ladder of another
      * that has not failed yet): it would take the file, and the 10 s, from the real failure. */
@@ -510,9 +510,9 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
     uint64_t addr = (uint64_t)(uintptr_t)ptr;
     cuma_arena *a = cuma_arena_of(h, addr);
     cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
-    if (tc && tc->npending) cuma_tcache_drain(a, tc, cuma_heap_give_cached);
+    if (tc && tc->npending) cuma_tcache_drain(a, tc, cuma_arena_give_cached);
     if (r == CUMA_TC_DRAIN) {
-        cuma_heap_release_policy(a, now(a));
+        cuma_arena_release_policy(a, now(a));
         cuma_mutex_unlock(&a->lock);
         return CUMA_OK;
     }
@@ -569,9 +569,9 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
         b->fence_stream = fs, b->fence_seq = fq;
         b->fnext = a->deferred;
         a->deferred = b;
-        cuma_heap_process_deferred(a, false);
+        cuma_arena_process_deferred(a, false);
     } else {
-        cuma_heap_release_block(a, b, (uint16_t)si, seq, t, true);
+        cuma_arena_release_block(a, b, (uint16_t)si, seq, t, true);
     }
     /* With several streams, memory freed on one is reusable by the others only once its fence
      * is known complete: ask every so often, so that it does not wait for a shortage. */
@@ -579,13 +579,13 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
         a->last_fence_tick = seq;
         /* Merging then too only where a merge can free memory (a segment made whole). */
         if (a->phys.ops->whole) {
-            cuma_heap_coalesce(a, false);
+            cuma_arena_coalesce(a, false);
         } else {
             for (unsigned i = 0; i < a->streams.n; i++)
                 cuma_fence_poll(&a->streams, i, a->streams.slot[i].last, false);
         }
     }
-    cuma_heap_release_policy(a, t);
+    cuma_arena_release_policy(a, t);
     cuma_mutex_unlock(&a->lock);
     return CUMA_OK;
 }

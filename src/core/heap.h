@@ -27,7 +27,7 @@ typedef struct cuma_arena cuma_arena;
 
 /* The figures an arena publishes (cuma_arena.pub). CACHED: idle pages (the release policy's);
  * TCACHED: bytes of the pages only blocks in thread caches hold, as last counted
- * (cuma_heap_memory; lowered by each block given back from a cache until the next count); TREQ:
+ * (cuma_arena_memory; lowered by each block given back from a cache until the next count); TREQ:
  * the thread caches' requested shares not yet in REQUESTED (negative after their frees), as last
  * counted (less what slow calls moved into REQUESTED since). */
 enum {
@@ -120,7 +120,7 @@ struct cuma_arena {
     /* Bumped (under the lock) when a stream of this arena is retired: thread caches then forget
      * which stream index their handles had (tcache.h), since a new stream may reuse the handle. */
     _Atomic uint64_t stream_gen;
-    /* This arena's c.requested and c.allocated (cuma_heap_publish) and its idle bytes as of its
+    /* This arena's c.requested and c.allocated (cuma_arena_publish) and its idle bytes as of its
      * last release policy run, indexed by CUMA_PUB_*: the totals of the whole heap are taken
      * from them without locks (peaks, max_cached). Written under this arena's lock, read by
      * anyone; on a cache line of their own, so that arenas of threads running side by side do
@@ -218,7 +218,7 @@ static inline int64_t cuma_heap_total(const cuma_heap *h, int what) {
 }
 
 /* Publishes the arena's requested and allocated bytes (its lock held). */
-static inline void cuma_heap_publish(cuma_arena *a) {
+static inline void cuma_arena_publish(cuma_arena *a) {
     atomic_store_explicit(&a->pub[CUMA_PUB_REQUESTED], (int64_t)a->c.requested,
                           memory_order_relaxed);
     atomic_store_explicit(&a->pub[CUMA_PUB_ALLOCATED], (int64_t)a->c.allocated,
@@ -226,28 +226,28 @@ static inline void cuma_heap_publish(cuma_arena *a) {
 }
 
 /* Reserved bytes of the whole heap (every arena, read through any): what the limit bounds. */
-static inline uint64_t cuma_heap_reserved_all(const cuma_arena *a) {
+static inline uint64_t cuma_arena_reserved_all(const cuma_arena *a) {
     return cuma_phys_reserved_all(&a->phys);
 }
 
 /* The physical layer of one arena: bytes held from the device, idle in the cache. */
-static inline uint64_t cuma_heap_reserved(const cuma_arena *a) {
+static inline uint64_t cuma_arena_reserved(const cuma_arena *a) {
     return cuma_phys_reserved(&a->phys);
 }
-static inline uint64_t cuma_heap_cached(const cuma_arena *a) {
+static inline uint64_t cuma_arena_cached(const cuma_arena *a) {
     return cuma_phys_cached(&a->phys);
 }
-static inline uint64_t cuma_heap_oldest_idle(const cuma_arena *a) {
+static inline uint64_t cuma_arena_oldest_idle(const cuma_arena *a) {
     return a->phys.ops->oldest_idle(a);
 }
 /* Gives back idle memory: older than delay_ns (< 0: none by age) while more than age_keep_bytes
  * idle, then the oldest while more than max_cached_bytes idle. */
-void cuma_heap_release(cuma_arena *a, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes,
-                       uint64_t age_keep_bytes, bool wait);
+void cuma_arena_release(cuma_arena *a, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes,
+                        uint64_t age_keep_bytes, bool wait);
 
 /* The heap's clock: the backend's, or with sim_clock:manual (any backend) the time that
  * cuma_sim_set_time last set, so a replay drives the release policy with trace time. */
-static inline uint64_t cuma_heap_now(cuma_arena *a) {
+static inline uint64_t cuma_arena_now(cuma_arena *a) {
     return a->heap->set.sim_clock_manual
                ? atomic_load_explicit(&a->manual_now, memory_order_relaxed)
                : a->be->ops->now_ns(a->be);
@@ -255,19 +255,19 @@ static inline uint64_t cuma_heap_now(cuma_arena *a) {
 
 /* Gives a block back to the policy and its pages to the cache with the fence of its free;
  * `counted`: it leaves the live counters (arena lock held). */
-void cuma_heap_release_block(cuma_arena *a, cuma_block *b, uint16_t fstream, uint64_t fseq,
-                             uint64_t t, bool counted);
+void cuma_arena_release_block(cuma_arena *a, cuma_block *b, uint16_t fstream, uint64_t fseq,
+                              uint64_t t, bool counted);
 
 /* Compaction (compact.c): the out-of-memory ladder's rung. With a mover registered and the
  * heap's stranded share over fragmentation_threshold, moves blocks (a's lock held on entry and
  * exit, dropped meanwhile); whether anything moved. Never from inside a mover. */
-bool cuma_heap_compact_rung(cuma_arena *a);
+bool cuma_arena_compact_rung(cuma_arena *a);
 
 /* Takes back a block a thread cache held (arena lock held). */
-void cuma_heap_give_cached(cuma_arena *a, cuma_block *b);
+void cuma_arena_give_cached(cuma_arena *a, cuma_block *b);
 
 /* Flushes every thread cache of the arena (its lock held). */
-void cuma_heap_flush_tcaches(cuma_arena *a);
+void cuma_arena_flush_tcaches(cuma_arena *a);
 
 /* Arenas (arena.c). The arena the calling thread allocates from: the first one until its
  * slow paths kept colliding with other threads'. */
@@ -289,19 +289,19 @@ cuma_status cuma_arena_add(cuma_heap *h, cuma_arena **out);
  * needed (tests: arenas without waiting for collisions). */
 cuma_status cuma_arena_use(cuma_heap *h, unsigned index);
 /* Builds an arena of its heap (a->heap and a->be set; heap_life.c); undoes it. */
-cuma_status cuma_heap_build(cuma_arena *a);
-void cuma_heap_teardown(cuma_arena *a);
+cuma_status cuma_arena_build(cuma_arena *a);
+void cuma_arena_teardown(cuma_arena *a);
 
 /* Arena helpers (its lock held) shared by heap.c, heap_life.c, release.c and heap_api.c. Deferred
  * frees whose fences completed go back (`wait`: block on the fences where the backend can). */
-void cuma_heap_process_deferred(cuma_arena *a, bool wait);
+void cuma_arena_process_deferred(cuma_arena *a, bool wait);
 /* Merges free blocks whose fences completed since their free (segments that become whole go
  * back to the segment list). */
-void cuma_heap_coalesce(cuma_arena *a, bool wait);
+void cuma_arena_coalesce(cuma_arena *a, bool wait);
 /* Gives back all idle memory but keep_bytes, the oldest first: thread caches, deferred frees
  * and merges whose fences complete (waiting where the device can), the cache. cuma_trim and
  * the out-of-memory ladder. */
-void cuma_heap_release_idle(cuma_arena *a, uint64_t keep_bytes);
+void cuma_arena_release_idle(cuma_arena *a, uint64_t keep_bytes);
 /* The same for every arena of heap h in turn, one lock at a time (no lock held on entry): the
  * first keeps keep_bytes, the others nothing. count_trim: a trim in the stats (cuma_trim). */
 void cuma_heap_release_all(cuma_heap *h, uint64_t keep_bytes, bool count_trim);
@@ -317,15 +317,15 @@ typedef struct cuma_sleep_in {
  * *policy_at (UINT64_MAX: no plan yet) is kept across the short looks of the ledger and the
  * watermark and brought forward when something is due earlier (release.c). */
 uint64_t cuma_release_sleep(const cuma_sleep_in *in, uint64_t *policy_at);
-/* The release thread's body (release.c); started by cuma_heap_build. */
-void *cuma_heap_release_thread(void *arg);
+/* The release thread's body (release.c); started by cuma_arena_build. */
+void *cuma_arena_release_thread(void *arg);
 
 /* fork.c: a created heap joins the list whose locks are held across fork(); a heap being
  * destroyed leaves it first (no lock held). */
 void cuma_fork_track(cuma_heap *h);
 /* (Re)initialises the release thread's condition variable (heap_life.c): at creation, and in a
  * forked child, where the parent's waiter will never leave it. */
-void cuma_heap_init_wake(cuma_arena *a);
+void cuma_arena_init_wake(cuma_arena *a);
 /* The error of a call on a heap that came through fork with its parent's memory. */
 cuma_status cuma_heap_inherited(cuma_heap *h, const char *call);
 void cuma_fork_untrack(cuma_heap *h);
@@ -339,7 +339,7 @@ void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s);
  * caches hold (cuma_tcache_idle_bytes, at most the mapped ones), which mapped then leaves out, so
  * that reserved = mapped + cached. Publishes the thread caches' share (pub[CUMA_PUB_TCACHED]).
  * stats.c and snapshot.c both count with it. */
-void cuma_heap_memory(cuma_arena *a, uint64_t *reserved, uint64_t *cached, uint64_t *mapped);
+void cuma_arena_memory(cuma_arena *a, uint64_t *reserved, uint64_t *cached, uint64_t *mapped);
 
 /* The heap's idle bytes for the ledger: every arena's idle pages and thread-cached blocks as last
  * published (lock-free). */
@@ -365,8 +365,8 @@ void cuma_heap_oom_dump(cuma_heap *h, size_t size);
 
 /* Arena helpers (its lock held) shared by heap.c and heap_api.c: the effective limit from the
  * heap's settings (arena_lock held too), the release policy, the arena's invariants. */
-void cuma_heap_refresh_limit(cuma_arena *a);
-void cuma_heap_release_policy(cuma_arena *a, uint64_t now);
+void cuma_arena_refresh_limit(cuma_arena *a);
+void cuma_arena_release_policy(cuma_arena *a, uint64_t now);
 cuma_status cuma_arena_check(cuma_arena *a);
 
 #endif

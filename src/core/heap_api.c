@@ -19,19 +19,19 @@ cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *a = h->arenas[i];
         cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
-        cuma_heap_flush_tcaches(a);
-        cuma_heap_refresh_limit(a);
+        cuma_arena_flush_tcaches(a);
+        cuma_arena_refresh_limit(a);
         cuma_mutex_unlock(&a->lock);
     }
     /* Over the new limit: the caches go first, arena by arena; live memory stays until freed. */
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *a = h->arenas[i];
         cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
-        uint64_t reserved = cuma_heap_reserved_all(a), cached = cuma_heap_cached(a);
+        uint64_t reserved = cuma_arena_reserved_all(a), cached = cuma_arena_cached(a);
         if (reserved > a->limit_bytes) {
             uint64_t excess = reserved - a->limit_bytes;
-            cuma_heap_release(a, cuma_heap_now(a), -1, cached > excess ? cached - excess : 0, 0,
-                              true);
+            cuma_arena_release(a, cuma_arena_now(a), -1, cached > excess ? cached - excess : 0, 0,
+                               true);
         }
         cuma_mutex_unlock(&a->lock);
     }
@@ -267,7 +267,7 @@ cuma_status cuma_sim_set_time(cuma_heap *h, uint64_t ns) {
 
 cuma_status cuma_sim_get_time(cuma_heap *h, uint64_t *ns) {
     if (!h || !ns) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_get_time: NULL argument");
-    *ns = cuma_heap_now(&h->first);
+    *ns = cuma_arena_now(&h->first);
     return CUMA_OK;
 }
 

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void cuma_heap_refresh_limit(cuma_arena *a) {
+void cuma_arena_refresh_limit(cuma_arena *a) {
     cuma_heap *h = a->heap;
     /* The device size, or a smaller limit; on managed memory (backend:managed) any limit the user
      * sets, since oversubscription is what it is for. Without one it stays the device size: past
@@ -29,7 +29,7 @@ void cuma_heap_refresh_limit(cuma_arena *a) {
     a->phys.ops->set_limit(a, lim, lim == a->be->capacity);
 }
 
-void cuma_heap_init_wake(cuma_arena *a) {
+void cuma_arena_init_wake(cuma_arena *a) {
     /* The release thread's timed waits are on the monotonic clock, as the heap's time is. */
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -42,7 +42,7 @@ void cuma_heap_init_wake(cuma_arena *a) {
  * placement, the physical layer (phys.h: a virtual range and pages, or segments), tables,
  * limits, the first arena's preallocation, the lock and the release thread. On failure nothing
  * is left to undo. */
-cuma_status cuma_heap_build(cuma_arena *a) {
+cuma_status cuma_arena_build(cuma_arena *a) {
     cuma_status st;
     bool first = a == &a->heap->first;
     /* The one place the layer is chosen: everything after asks it, never which it is. */
@@ -85,9 +85,9 @@ cuma_status cuma_heap_build(cuma_arena *a) {
                                                                                 : room;
     a->max_cached_bytes =
         a->heap->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : a->heap->set.max_cached;
-    cuma_heap_refresh_limit(a);
+    cuma_arena_refresh_limit(a);
     if (a->heap->set.preallocate && first) {
-        st = phys->prefill(a, a->heap->set.preallocate, cuma_heap_now(a));
+        st = phys->prefill(a, a->heap->set.preallocate, cuma_arena_now(a));
         if (st) goto fail_all;
     }
     /* Adaptive: threads whose slow paths collide spin a little before sleeping, which costs
@@ -97,14 +97,14 @@ cuma_status cuma_heap_build(cuma_arena *a) {
     pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_ADAPTIVE_NP);
     pthread_mutex_init(&a->lock, &ma);
     pthread_mutexattr_destroy(&ma);
-    cuma_heap_init_wake(a);
+    cuma_arena_init_wake(a);
     /* The thread also ages the thread caches (a batched free holds its pages mapped until then;
      * max_cached acts on them only after), answers the ledger's pressure requests and watches
      * the device's free memory (free_watermark), whatever the release delay. */
     bool thread = a->release_delay_ns >= 0 || a->tc_on ||
                   (first && (a->heap->peers.ops || a->heap->set.free_watermark));
     if (a->heap->set.release_thread && !a->heap->set.sim_clock_manual && thread) {
-        if (pthread_create(&a->thread, NULL, cuma_heap_release_thread, a)) {
+        if (pthread_create(&a->thread, NULL, cuma_arena_release_thread, a)) {
             st = cuma_fail(CUMA_ERR_BACKEND, "could not start the release thread");
             pthread_mutex_destroy(&a->lock);
             pthread_cond_destroy(&a->wake);
@@ -112,7 +112,7 @@ cuma_status cuma_heap_build(cuma_arena *a) {
         }
         a->thread_running = true;
     }
-    atomic_store(&a->coarse_now, cuma_heap_now(a));
+    atomic_store(&a->coarse_now, cuma_arena_now(a));
     a->id = cuma_tcache_register_arena(a);
     return CUMA_OK;
 fail_all:
@@ -136,7 +136,7 @@ static void stop_thread(cuma_arena *a) {
     a->thread_running = false;
 }
 
-void cuma_heap_teardown(cuma_arena *a) {
+void cuma_arena_teardown(cuma_arena *a) {
     stop_thread(a);
     cuma_tcache_unregister_arena(a);
     cuma_tcache_destroy_all(a);
@@ -214,7 +214,7 @@ cuma_status cuma_heap_create_with(const cuma_config *cfg, cuma_peers_join_fn joi
     pthread_mutex_init(&h->compact_run, NULL);
     pthread_mutex_init(&h->managed_lock, NULL);
     pthread_mutex_init(&h->pool_lock, NULL);
-    st = cuma_heap_build(&h->first);
+    st = cuma_arena_build(&h->first);
     if (st) {
         pthread_mutex_destroy(&h->arena_lock);
         pthread_mutex_destroy(&h->oom_lock);
@@ -257,12 +257,12 @@ void cuma_heap_destroy(cuma_heap *h) {
     for (unsigned i = atomic_load(&h->narenas); i-- > 0;) stop_thread(h->arenas[i]);
     /* The other arenas first: their pages count against the first arena's page counter. */
     for (unsigned i = atomic_load(&h->narenas); i-- > 1;) {
-        cuma_heap_teardown(h->arenas[i]);
+        cuma_arena_teardown(h->arenas[i]);
         free(h->arenas[i]);
     }
     cuma_map_each(&h->managed, free_managed, h);
     cuma_map_destroy(&h->managed);
-    cuma_heap_teardown(&h->first);
+    cuma_arena_teardown(&h->first);
     h->be->ops->destroy(h->be);
     pthread_mutex_destroy(&h->arena_lock);
     pthread_mutex_destroy(&h->oom_lock);

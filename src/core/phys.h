@@ -19,7 +19,7 @@
  * - It takes the arena `a` and runs under a->lock, or while the arena is built or torn down
  *   (no other thread sees it then). It takes no other lock but the backend's own (a shared
  *   backend serialises its calls, cuma_backend_locked) and never drops a->lock.
- * - Sizes are bytes, times the heap's clock (cuma_heap_now). A failed operation leaves the
+ * - Sizes are bytes, times the heap's clock (cuma_arena_now). A failed operation leaves the
  *   layer, the policy and the figures as it found them, and says why (cuma_fail).
  * - Memory goes back to the device only once the work of the streams that last used it is
  *   complete (its fence); an idle unit whose fence is pending stays, and stays due.

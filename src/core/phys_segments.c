@@ -60,7 +60,7 @@ static void segs_free(cuma_arena *a, cuma_block *b, uint16_t fstream, uint64_t f
 
 static void segs_whole(void *ctx, cuma_block *whole) {
     cuma_arena *a = ctx;
-    cuma_segs_on_free(&a->segs, whole, cuma_heap_now(a));
+    cuma_segs_on_free(&a->segs, whole, cuma_arena_now(a));
 }
 
 static uint64_t segs_release(cuma_arena *a, uint64_t now, int64_t delay_ns,

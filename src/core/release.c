@@ -25,19 +25,19 @@ static void age_tcaches(cuma_arena *a, uint64_t t) {
     atomic_store_explicit(&a->coarse_now, t, memory_order_relaxed);
     if (!a->tcaches || a->tc_age_ns == INT64_MAX || t < a->tc_due) return;
     if (t >= (uint64_t)a->tc_age_ns)
-        cuma_tcache_flush_all(a, t - (uint64_t)a->tc_age_ns + 1, cuma_heap_give_cached);
+        cuma_tcache_flush_all(a, t - (uint64_t)a->tc_age_ns + 1, cuma_arena_give_cached);
     uint64_t oldest = cuma_tcache_oldest(a);
     a->tc_due = (oldest < t ? oldest : t) + (uint64_t)a->tc_age_ns;
 }
 
-void cuma_heap_release(cuma_arena *a, uint64_t t, int64_t delay_ns, uint64_t max_cached_bytes,
-                       uint64_t age_keep_bytes, bool wait) {
+void cuma_arena_release(cuma_arena *a, uint64_t t, int64_t delay_ns, uint64_t max_cached_bytes,
+                        uint64_t age_keep_bytes, bool wait) {
     cuma_mark_push(a->heap->set.nvtx, CUMA_MARK_RELEASE);
     a->phys.ops->release(a, t, delay_ns, max_cached_bytes, age_keep_bytes, wait);
-    assert(cuma_heap_cached(a) <= cuma_heap_reserved(a));
+    assert(cuma_arena_cached(a) <= cuma_arena_reserved(a));
     /* Every release (trim, OOM ladder, limit) publishes what is left idle: max_cached and the
      * cross-process ledger read it. */
-    atomic_store_explicit(&a->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(a),
+    atomic_store_explicit(&a->pub[CUMA_PUB_CACHED], (int64_t)cuma_arena_cached(a),
                           memory_order_relaxed);
     cuma_mark_pop(a->heap->set.nvtx);
 }
@@ -47,30 +47,30 @@ void cuma_heap_release(cuma_arena *a, uint64_t t, int64_t delay_ns, uint64_t max
  * little and saves the next step the churn of creating and mapping pages again; an idle heap
  * (nothing in use) keeps nothing. */
 static uint64_t age_keep(const cuma_arena *a) {
-    uint64_t in_use = cuma_heap_reserved(a) - cuma_heap_cached(a);
+    uint64_t in_use = cuma_arena_reserved(a) - cuma_arena_cached(a);
     return (uint64_t)(a->heap->set.fragmentation_threshold * (double)in_use);
 }
 
 /* When the release policy will next act by age: UINT64_MAX when nothing is due. */
 static uint64_t next_age_due(const cuma_arena *a) {
-    uint64_t oldest = cuma_heap_oldest_idle(a);
-    if (a->release_delay_ns < 0 || oldest == UINT64_MAX || cuma_heap_cached(a) <= age_keep(a))
+    uint64_t oldest = cuma_arena_oldest_idle(a);
+    if (a->release_delay_ns < 0 || oldest == UINT64_MAX || cuma_arena_cached(a) <= age_keep(a))
         return UINT64_MAX;
     return oldest + (uint64_t)a->release_delay_ns;
 }
 
 /* Merges free blocks whose fences completed since they were freed; with segments that is how
  * one freed by several streams becomes whole again and can go back (the layer's `whole`). */
-void cuma_heap_coalesce(cuma_arena *a, bool wait) {
+void cuma_arena_coalesce(cuma_arena *a, bool wait) {
     if (a->streams.n <= 1) return;
     for (unsigned i = 0; i < a->streams.n; i++)
         cuma_fence_poll(&a->streams, i, a->streams.slot[i].last, wait);
     a->pol->ops->coalesce(a->pol, a->phys.ops->whole, a);
 }
 
-void cuma_heap_release_policy(cuma_arena *a, uint64_t t) {
+void cuma_arena_release_policy(cuma_arena *a, uint64_t t) {
     cuma_streams_tick(&a->streams);
-    if (a->deferred) cuma_heap_process_deferred(a, false);
+    if (a->deferred) cuma_arena_process_deferred(a, false);
     age_tcaches(a, t);
     /* max_cached is the heap's: this arena keeps what the others' caches leave of it. */
     uint64_t cap = a->max_cached_bytes;
@@ -79,20 +79,20 @@ void cuma_heap_release_policy(cuma_arena *a, uint64_t t) {
                                      atomic_load(&a->pub[CUMA_PUB_CACHED]));
         cap = others >= cap ? 0 : cap - others;
     }
-    if (t >= next_age_due(a) || cuma_heap_cached(a) > cap)
-        cuma_heap_release(a, t, a->release_delay_ns, cap, age_keep(a), false); /* reaps too */
+    if (t >= next_age_due(a) || cuma_arena_cached(a) > cap)
+        cuma_arena_release(a, t, a->release_delay_ns, cap, age_keep(a), false); /* reaps too */
     else if (*a->phys.nlagging)
         a->phys.ops->reap(a, false); /* old mappings whose work is done go all the same */
-    atomic_store_explicit(&a->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(a),
+    atomic_store_explicit(&a->pub[CUMA_PUB_CACHED], (int64_t)cuma_arena_cached(a),
                           memory_order_relaxed);
 }
 
-void cuma_heap_release_idle(cuma_arena *a, uint64_t keep_bytes) {
+void cuma_arena_release_idle(cuma_arena *a, uint64_t keep_bytes) {
     cuma_streams_tick(&a->streams);
-    cuma_heap_flush_tcaches(a);
-    cuma_heap_process_deferred(a, true);
-    cuma_heap_coalesce(a, true);
-    cuma_heap_release(a, cuma_heap_now(a), -1, keep_bytes, 0, true);
+    cuma_arena_flush_tcaches(a);
+    cuma_arena_process_deferred(a, true);
+    cuma_arena_coalesce(a, true);
+    cuma_arena_release(a, cuma_arena_now(a), -1, keep_bytes, 0, true);
 }
 
 void cuma_heap_release_all(cuma_heap *h, uint64_t keep_bytes, bool count_trim) {
@@ -102,7 +102,7 @@ void cuma_heap_release_all(cuma_heap *h, uint64_t keep_bytes, bool count_trim) {
         cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         if (!i && count_trim) a->c.trims++;
         /* keep_bytes is the heap's: the first arena keeps them, the others keep nothing. */
-        cuma_heap_release_idle(a, i ? 0 : keep_bytes);
+        cuma_arena_release_idle(a, i ? 0 : keep_bytes);
         cuma_mutex_unlock(&a->lock);
     }
 }
@@ -123,7 +123,7 @@ cuma_status cuma_poll(cuma_heap *h) {
     for (unsigned i = 0; i < n; i++) {
         cuma_arena *a = h->arenas[i];
         cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
-        cuma_heap_release_policy(a, cuma_heap_now(a));
+        cuma_arena_release_policy(a, cuma_arena_now(a));
         cuma_mutex_unlock(&a->lock);
     }
     return CUMA_OK;
@@ -169,7 +169,7 @@ static bool watches_device(const cuma_arena *a) {
 static uint64_t idle_bytes(cuma_arena *a) {
     int64_t others = cuma_heap_total(a->heap, CUMA_PUB_CACHED) -
                      atomic_load_explicit(&a->pub[CUMA_PUB_CACHED], memory_order_relaxed);
-    return cuma_heap_cached(a) + (others > 0 ? (uint64_t)others : 0);
+    return cuma_arena_cached(a) + (others > 0 ? (uint64_t)others : 0);
 }
 
 /* Device pressure (free_watermark): while the device's free memory is under the watermark, the
@@ -178,7 +178,7 @@ static uint64_t idle_bytes(cuma_arena *a) {
  * asked with no lock held (it may be slow, and needs no heap state). */
 static void watermark_poll(cuma_arena *a) {
     /* The thread may pass by more often (the ledger's looks, a due page still busy). */
-    uint64_t t = cuma_heap_now(a);
+    uint64_t t = cuma_arena_now(a);
     cuma_heap *h = a->heap;
     if (t < h->watermark_due) return;
     h->watermark_due = t + WATERMARK_POLL_NS;
@@ -194,12 +194,12 @@ static void watermark_poll(cuma_arena *a) {
             cuma_streams_tick(&o->streams);
             /* Preallocated pages among the idle ones stay (the release skips them): at worst a
              * look every 10 ms walks the cache for nothing. */
-            uint64_t cached = cuma_heap_cached(o);
+            uint64_t cached = cuma_arena_cached(o);
             uint64_t go = deficit < cached ? deficit : cached;
             if (go) {
                 /* No age limit (-1), a cap of what may stay: the oldest pages above it go. */
-                cuma_heap_release(o, cuma_heap_now(o), -1, cached - go, 0, false);
-                uint64_t gone = cached - cuma_heap_cached(o);
+                cuma_arena_release(o, cuma_arena_now(o), -1, cached - go, 0, false);
+                uint64_t gone = cached - cuma_arena_cached(o);
                 o->c.watermark_bytes += gone;
                 deficit = gone < deficit ? deficit - gone : 0;
             }
@@ -239,7 +239,7 @@ uint64_t cuma_release_sleep(const cuma_sleep_in *in, uint64_t *policy_at) {
 
 /* Gives idle memory back while the program runs, even when it makes no allocator call: sleeps
  * until the oldest idle page's delay ends (or a page goes idle in an empty cache). */
-void *cuma_heap_release_thread(void *arg) {
+void *cuma_arena_release_thread(void *arg) {
     cuma_arena *a = arg;
     /* When the release policy runs next: kept across the short looks of the ledger and the
      * watermark (a plan made anew at every look would always lie ahead, and the policy, thread
@@ -252,7 +252,7 @@ void *cuma_heap_release_thread(void *arg) {
     cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
     while (!a->stopping) {
         cuma_sleep_in in = {
-            .now = cuma_heap_now(a),
+            .now = cuma_arena_now(a),
             .age_due = next_age_due(a),
             .tc_age_ns = a->tcaches ? a->tc_age_ns : INT64_MAX,
             .ledger = peers,
@@ -267,11 +267,11 @@ void *cuma_heap_release_thread(void *arg) {
             struct timespec ts = cuma_deadline(CLOCK_MONOTONIC, wait_ns + 100000);
             woken = pthread_cond_timedwait(&a->wake, &a->lock, &ts) == 0;
         }
-        uint64_t now = cuma_heap_now(a);
+        uint64_t now = cuma_arena_now(a);
         if (!a->stopping && (woken || now >= policy_at)) {
             /* The pass holds the heap lock: a timeline shows it against the program's calls. */
             cuma_mark_push(h->set.nvtx, CUMA_MARK_RELEASE_PASS);
-            cuma_heap_release_policy(a, now);
+            cuma_arena_release_policy(a, now);
             cuma_mark_pop(h->set.nvtx);
             policy_at = UINT64_MAX;
         }

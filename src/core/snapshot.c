@@ -108,7 +108,7 @@ static void add_arena(snap *s, cuma_arena *a, unsigned index) {
     uint64_t lf = a->pol->ops->largest_free(a->pol);
     if (lf > s->largest_free) s->largest_free = lf;
     uint64_t reserved, cached, mapped;
-    cuma_heap_memory(a, &reserved, &cached, &mapped);
+    cuma_arena_memory(a, &reserved, &cached, &mapped);
     s->reserved += reserved;
     s->cached += cached;
     s->mapped += mapped;

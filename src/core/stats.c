@@ -12,9 +12,9 @@
 #include <stdio.h>
 #include <string.h>
 
-void cuma_heap_memory(cuma_arena *a, uint64_t *reserved, uint64_t *cached, uint64_t *mapped) {
-    *reserved = cuma_heap_reserved(a);
-    *cached = cuma_heap_cached(a);
+void cuma_arena_memory(cuma_arena *a, uint64_t *reserved, uint64_t *cached, uint64_t *mapped) {
+    *reserved = cuma_arena_reserved(a);
+    *cached = cuma_arena_cached(a);
     *mapped = *reserved - *cached; /* pages: nreserved = nmapped + ncached */
     /* What the thread caches' blocks alone keep mapped is what a flush gives back: cached, not
      * in use (a block freed into a cache used to count as in use until its age sent it back). */
@@ -38,7 +38,7 @@ static void add_arena(cuma_arena *a, cuma_stats *s) {
     s->requested_bytes += c->requested + (uint64_t)tq;
     s->allocated_bytes += c->allocated + (uint64_t)ta;
     uint64_t reserved, cached, mapped;
-    cuma_heap_memory(a, &reserved, &cached, &mapped);
+    cuma_arena_memory(a, &reserved, &cached, &mapped);
     s->reserved_bytes += reserved;
     s->cached_bytes += cached;
     s->mapped_bytes += mapped;

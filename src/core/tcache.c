@@ -90,7 +90,7 @@ static void on_thread_exit(void *unused) {
             if (registry[r].id != s->arena_id || registry[r].arena != s->arena) continue;
             cuma_arena *a = s->arena;
             cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
-            flush_one(a, s->tc, UINT64_MAX, cuma_heap_give_cached);
+            flush_one(a, s->tc, UINT64_MAX, cuma_arena_give_cached);
             unlink_tc(a, s->tc);
             cuma_tcache_sums_retire(a, s->tc);
             cuma_mutex_unlock(&a->lock);
@@ -359,5 +359,5 @@ void cuma_tcache_sums_retire(cuma_arena *a, cuma_tcache *tc) {
                    atomic_load_explicit(&tc->frees, memory_order_relaxed);
     a->c.allocs += atomic_load_explicit(&tc->allocs, memory_order_relaxed);
     a->c.frees += atomic_load_explicit(&tc->frees, memory_order_relaxed);
-    cuma_heap_publish(a);
+    cuma_arena_publish(a);
 }
