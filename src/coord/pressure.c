@@ -81,111 +81,112 @@ static uint64_t device_free(void *ctx) {
     return fr;
 }
 
-static bool ask(void *ctx, cuma_heap *p, uint64_t bytes) {
+static bool ask(void *ctx, cuma_heap *h, uint64_t bytes) {
     /* What the ledger cannot see (other programs on a real GPU) shows in the driver's figure;
      * a simulated device's is the process's own and would mislead. */
-    bool real = p->be->kind != CUMA_BACKEND_SIM;
-    return cuma_ledger_reclaim(ctx, bytes, p->set.pressure_timeout_ms, real ? device_free : NULL,
-                               p->be) == CUMA_OK;
+    bool real = h->be->kind != CUMA_BACKEND_SIM;
+    return cuma_ledger_reclaim(ctx, bytes, h->set.pressure_timeout_ms, real ? device_free : NULL,
+                               h->be) == CUMA_OK;
 }
 
 /* Every arena's idle memory back to the device (no lock held; each release publishes what is
  * left idle); the bytes that went. */
-static uint64_t give_cache(cuma_heap *p) {
-    uint64_t before = cuma_backend_ledger_held(p->be);
-    cuma_heap_release_all(p, 0, false);
-    uint64_t after = cuma_backend_ledger_held(p->be);
+static uint64_t give_cache(cuma_heap *h) {
+    uint64_t before = cuma_backend_ledger_held(h->be);
+    cuma_heap_release_all(h, 0, false);
+    uint64_t after = cuma_backend_ledger_held(h->be);
     return before > after ? before - after : 0;
 }
 
 /* The heap's figures into its slot, and what it answers with (any lock or none but oom_lock). */
-static void publish(cuma_heap *p) {
-    cuma_mutex_lock(&p->oom_lock, CUMA_RANK_OOM);
-    unsigned answers = CUMA_LEDGER_ANSWERS_CACHE | (p->pressure.n ? CUMA_LEDGER_ANSWERS_SHRINK : 0);
-    cuma_mutex_unlock(&p->oom_lock);
-    cuma_ledger_publish(cuma_heap_ledger(p), cuma_heap_idle_total(p), cuma_heap_requested_total(p),
+static void publish(cuma_heap *h) {
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
+    unsigned answers = CUMA_LEDGER_ANSWERS_CACHE | (h->pressure.n ? CUMA_LEDGER_ANSWERS_SHRINK : 0);
+    cuma_mutex_unlock(&h->oom_lock);
+    cuma_ledger_publish(cuma_heap_ledger(h), cuma_heap_idle_total(h), cuma_heap_requested_total(h),
                         answers);
 }
 
 /* The allocator figures for `cuma stats` and the other tools (no lock held: the snapshot takes
  * each arena's in turn). */
-static void publish_stats(cuma_heap *p) {
+static void publish_stats(cuma_heap *h) {
     cuma_stats s;
-    cuma_heap_snapshot(p, &s);
-    cuma_ledger_publish_stats(cuma_heap_ledger(p), &s);
+    cuma_heap_snapshot(h, &s);
+    cuma_ledger_publish_stats(cuma_heap_ledger(h), &s);
 }
 
-void cuma_heap_ledger_poll(cuma_heap *p) {
-    cuma_ledger *l = cuma_heap_ledger(p);
+void cuma_heap_ledger_poll(cuma_heap *h) {
+    cuma_arena *a = &h->first;
+    cuma_ledger *l = cuma_heap_ledger(h);
     /* The release thread runs on a real clock only (never sim_clock:manual). */
-    uint64_t now = cuma_heap_now(p);
-    if (now >= p->stats_due) {
-        p->stats_due = now + CUMA_LEDGER_STATS_NS;
-        cuma_mutex_unlock(&p->lock);
-        publish_stats(p);
-        cuma_mutex_lock(&p->lock, CUMA_RANK_ARENA);
+    uint64_t now = cuma_arena_now(a);
+    if (now >= h->stats_due) {
+        h->stats_due = now + CUMA_LEDGER_STATS_NS;
+        cuma_mutex_unlock(&a->lock);
+        publish_stats(h);
+        cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
     }
     /* The first arena's idle bytes as of now (its lock is held): frees since its last release
      * policy run count, so that requesters see what they may ask for. */
-    atomic_store_explicit(&p->pub[CUMA_PUB_CACHED], (int64_t)cuma_heap_cached(p),
+    atomic_store_explicit(&a->pub[CUMA_PUB_CACHED], (int64_t)cuma_arena_cached(a),
                           memory_order_relaxed);
     uint64_t reserved, cached, mapped;
-    cuma_heap_memory(p, &reserved, &cached, &mapped); /* and its thread caches' blocks */
-    publish(p);
+    cuma_arena_memory(a, &reserved, &cached, &mapped); /* and its thread caches' blocks */
+    publish(h);
     bool cache, fresh;
     uint64_t shrink;
     if (!cuma_ledger_asked(l, &cache, &shrink, &fresh)) return;
-    cuma_mutex_unlock(&p->lock);
-    cuma_mark_push(p->set.nvtx, CUMA_MARK_LEDGER_ANSWER);
+    cuma_mutex_unlock(&a->lock);
+    cuma_mark_push(h->set.nvtx, CUMA_MARK_LEDGER_ANSWER);
     uint64_t gave = 0, calls = 0;
     if (cache) {
         /* Idle memory first, thread caches' pending frees included; then what is still in use
          * beyond the guarantee is what the callbacks are asked for (a request that came
          * meanwhile is as new as the first). */
-        gave = give_cache(p);
-        publish(p);
+        gave = give_cache(h);
+        publish(h);
         bool again = false;
         if (!cuma_ledger_asked(l, &cache, &shrink, &again)) shrink = 0;
         fresh |= again;
     }
     if (shrink && fresh) {
-        cuma_mutex_lock(&p->oom_lock, CUMA_RANK_OOM);
+        cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
         cuma_cb_slot cbs[CUMA_MAX_OOM_CALLBACKS];
-        int n = p->pressure.n;
-        memcpy(cbs, p->pressure.s, sizeof cbs);
-        cuma_mutex_unlock(&p->oom_lock);
-        for (int i = 0; i < n; i++, calls++) ((cuma_pressure_fn)cbs[i].fn)(cbs[i].user, p, shrink);
+        int n = h->pressure.n;
+        memcpy(cbs, h->pressure.s, sizeof cbs);
+        cuma_mutex_unlock(&h->oom_lock);
+        for (int i = 0; i < n; i++, calls++) ((cuma_pressure_fn)cbs[i].fn)(cbs[i].user, h, shrink);
         /* What the callbacks freed may sit in thread caches and the page cache: it goes too. */
-        if (n) gave += give_cache(p);
+        if (n) gave += give_cache(h);
     }
-    publish(p);
+    publish(h);
     cuma_ledger_gave(l, gave, calls);
-    cuma_mark_pop(p->set.nvtx);
-    cuma_mutex_lock(&p->lock, CUMA_RANK_ARENA);
+    cuma_mark_pop(h->set.nvtx);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
 }
 
 cuma_status cuma_add_pressure_callback(cuma_heap *h, cuma_pressure_fn fn, void *user, int *id) {
     cuma_status st = cuma_cb_add(h, h ? &h->pressure : NULL, (cuma_any_fn)fn, user, id,
                                  "cuma_add_pressure_callback");
-    if (!st && cuma_heap_ledger(h) && h->thread_running) publish(h); /* it can shrink now */
+    if (!st && cuma_heap_ledger(h) && h->first.thread_running) publish(h); /* it can shrink now */
     return st;
 }
 
 cuma_status cuma_remove_pressure_callback(cuma_heap *h, int id) {
     cuma_status st =
         cuma_cb_remove(h, h ? &h->pressure : NULL, id, "cuma_remove_pressure_callback");
-    if (!st && cuma_heap_ledger(h) && h->thread_running) publish(h);
+    if (!st && cuma_heap_ledger(h) && h->first.thread_running) publish(h);
     return st;
 }
 
-static void poll_op(void *ctx, cuma_heap *p) {
+static void poll_op(void *ctx, cuma_heap *h) {
     (void)ctx;
-    cuma_heap_ledger_poll(p);
+    cuma_heap_ledger_poll(h);
 }
 
-static void publish_op(void *ctx, cuma_heap *p) {
+static void publish_op(void *ctx, cuma_heap *h) {
     (void)ctx;
-    publish(p);
+    publish(h);
 }
 
 static void set_limit(void *ctx, uint64_t limit) {
@@ -232,7 +233,7 @@ static const char *validate(void *ctx, cuma_heap *h) {
     /* Oversubscribed memory (backend:managed) is not the device's: the ledger admits none. */
     if (!(h->be->caps & CUMA_CAP_OVERSUBSCRIBE))
         for (unsigned i = 0, n = atomic_load(&h->narenas); i < n; i++)
-            held += cuma_heap_reserved(h->arenas[i]);
+            held += cuma_arena_reserved(h->arenas[i]);
     if (held != cuma_backend_ledger_held(h->be))
         return "the bytes the ledger admitted differ from the arenas' reserved bytes";
     if (cuma_ledger_validate(ctx, held)) {

@@ -7,12 +7,12 @@
 #include "cuma/ledger.h"
 #include "ledger.h"
 
-/* The heap's slot in the ledger (first arena), or NULL when it is in none. */
+/* The heap's slot in the ledger , or NULL when it is in none. */
 cuma_ledger *cuma_heap_ledger(const cuma_heap *h);
 
 /* The release thread's poll (peers.poll; tests call it with the thread off): publishes the
  * heap's figures and answers the others' requests (first arena, its lock held, dropped
  * meanwhile). */
-void cuma_heap_ledger_poll(cuma_heap *p);
+void cuma_heap_ledger_poll(cuma_heap *h);
 
 #endif

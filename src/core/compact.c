@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-/* Compaction (include/cuma/compact.h): live blocks move, by their owner's mover, out of the
+/* Compaction (include/cuma/compact.a): live blocks move, by their owner's mover, out of the
  * pages that only they keep mapped.
  *
  * One arena at a time: under its lock a plan picks the pages to empty and places every block on
@@ -36,7 +36,7 @@ typedef struct move {
  * free blocks of the policy (none twice); mv[0..nmv) the blocks to move, mv[i].nb their new
  * places once placed. */
 typedef struct plan {
-    cuma_heap *h;
+    cuma_arena *a;
     uint64_t ps;
     unsigned sh;
     uint64_t *fill;
@@ -54,21 +54,21 @@ static uint32_t page_of(const plan *p, uint64_t off) {
 }
 
 /* May block b move? Small, the program's, on one stream, not a pool's carve. */
-static bool movable(cuma_heap *h, cuma_block *b, uint64_t ps) {
+static bool movable(cuma_arena *a, cuma_block *b, uint64_t ps) {
     if (b->mapped_len > ps / 2 || b->extra[0] != CUMA_NO_STREAM || b->extra_all) return false;
-    if (cuma_map_get(&h->live, h->base + b->off) != b) return false; /* deferred or moving */
+    if (cuma_map_get(&a->live, a->base + b->off) != b) return false; /* deferred or moving */
     if (!(atomic_load_explicit(&b->gen, memory_order_acquire) & 1)) return false; /* cached */
-    return !cuma_pools_owns(h->primary, h->base + b->off);
+    return !cuma_pools_owns(a->heap, a->base + b->off);
 }
 
-#define FOR_BLOCKS(h, b)                                                                           \
-    for (cuma_block *b = (h)->pol->ops->first((h)->pol); b; b = b->range_end ? NULL : b->next)
+#define FOR_BLOCKS(a, b)                                                                           \
+    for (cuma_block *b = (a)->pol->ops->first((a)->pol); b; b = b->range_end ? NULL : b->next)
 
 static void count_fill(plan *p) {
-    cuma_heap *h = p->h;
-    FOR_BLOCKS(h, b) {
+    cuma_arena *a = p->a;
+    FOR_BLOCKS(a, b) {
         if (b->is_free || !b->mapped_len) continue;
-        bool mov = movable(h, b, p->ps);
+        bool mov = movable(a, b, p->ps);
         uint64_t end = b->off + b->mapped_len;
         for (uint32_t v = page_of(p, b->off); v <= page_of(p, end - 1); v++) {
             uint64_t lo = (uint64_t)v << p->sh, hi = lo + p->ps;
@@ -99,8 +99,8 @@ static uint64_t fresh_needed(const plan *p, uint64_t moved, uint64_t dense) {
  * fresh pages the limit allows, and only while emptying them frees more pages than the moves
  * take anew. */
 static cuma_status pick_victims(plan *p) {
-    cuma_heap *h = p->h;
-    cuma_pages *pp = &h->pages;
+    cuma_arena *a = p->a;
+    cuma_pages *pp = &a->pages;
     page_fill *c = malloc((size_t)pp->nva * sizeof *c);
     if (!c) return cuma_fail(CUMA_ERR_OOM, "cuma_compact: no host memory for the page list");
     uint32_t nc = 0;
@@ -140,9 +140,9 @@ static int by_size_desc(const void *a, const void *b) {
 
 /* The blocks on the pages to empty, and the free blocks where they may go. */
 static cuma_status collect(plan *p) {
-    cuma_heap *h = p->h;
+    cuma_arena *a = p->a;
     size_t nmv = 0, nfree = 0;
-    FOR_BLOCKS(h, b) {
+    FOR_BLOCKS(a, b) {
         if (b->is_free)
             nfree++;
         else
@@ -152,12 +152,12 @@ static cuma_status collect(plan *p) {
     p->cand = malloc((nfree + nmv + 1) * sizeof *p->cand); /* each carve adds at most one */
     if (!p->mv || !p->cand)
         return cuma_fail(CUMA_ERR_OOM, "cuma_compact: no host memory for the block lists");
-    FOR_BLOCKS(h, b) {
+    FOR_BLOCKS(a, b) {
         if (b->is_free) {
             p->cand[p->ncand++] = b;
             continue;
         }
-        if (!b->mapped_len || !movable(h, b, p->ps)) continue;
+        if (!b->mapped_len || !movable(a, b, p->ps)) continue;
         bool on_victim = false;
         for (uint32_t v = page_of(p, b->off); v <= page_of(p, b->off + b->mapped_len - 1); v++)
             on_victim |= (p->mark[v] & PAGE_VICTIM) != 0;
@@ -165,10 +165,10 @@ static cuma_status collect(plan *p) {
         move *m = &p->mv[p->nmv++];
         m->old = b;
         m->gen = atomic_load_explicit(&b->gen, memory_order_acquire);
-        m->old_addr = h->base + b->off;
+        m->old_addr = a->base + b->off;
         m->size = b->req;
         m->si = b->stream;
-        m->stream = h->streams.slot[b->stream].handle;
+        m->stream = a->streams.slot[b->stream].handle;
     }
     qsort(p->mv, p->nmv, sizeof *p->mv, by_size_desc); /* large first: they need the room */
     return CUMA_OK;
@@ -185,7 +185,7 @@ static uint32_t last_victim(const plan *p, uint64_t off, uint64_t len) {
 static uint64_t new_pages(const plan *p, uint64_t off, uint64_t len) {
     uint64_t n = 0;
     for (uint32_t v = page_of(p, off); v <= page_of(p, off + len - 1); v++)
-        n += !p->h->pages.live[v];
+        n += !p->a->pages.live[v];
     return n;
 }
 
@@ -219,7 +219,7 @@ static spot find_spot(const plan *p, uint64_t n, uint64_t r, uint16_t si) {
         const cuma_block *f = p->cand[k];
         if (f->size < n) continue;
         if (f->fence_seq && f->fence_stream != si &&
-            !cuma_fence_known_done(&p->h->streams, f->fence_stream, f->fence_seq))
+            !cuma_fence_known_done(&p->a->streams, f->fence_stream, f->fence_seq))
             continue;
         uint64_t end = f->off + f->size;
         consider(p, k, end - n, n, r, &best);
@@ -239,8 +239,8 @@ static spot find_spot(const plan *p, uint64_t n, uint64_t r, uint16_t si) {
 /* Places the blocks of the plan; stops at the first that cannot be mapped. The placed ones are
  * mv[0..nmv) afterwards. */
 static void place(plan *p) {
-    cuma_heap *h = p->h;
-    uint64_t t = cuma_heap_now(h);
+    cuma_arena *a = p->a;
+    uint64_t t = cuma_arena_now(a);
     size_t placed = 0;
     for (size_t i = 0; i < p->nmv; i++) {
         move m = p->mv[i];
@@ -250,19 +250,19 @@ static void place(plan *p) {
         cuma_block *f = p->cand[s.k];
         uint64_t foff = f->off, fend = f->off + f->size, fseq = f->fence_seq;
         uint16_t fst = f->fence_stream;
-        cuma_block *nb = h->pol->ops->carve(h->pol, f, s.pos, n);
+        cuma_block *nb = a->pol->ops->carve(a->pol, f, s.pos, n);
         if (!nb) break;
         if (s.pos + n < fend)
             p->cand[s.k] = nb->next;
         else
             p->cand[s.k] = p->cand[--p->ncand];
         if (s.pos > foff) p->cand[p->ncand++] = nb->prev;
-        cuma_status st = cuma_pages_ref(&h->pages, nb->off, r, t,
-                                        h->set.early_remap && (h->be->caps & CUMA_CAP_ALIAS)
+        cuma_status st = cuma_pages_ref(&a->pages, nb->off, r, t,
+                                        a->heap->set.early_remap && (a->be->caps & CUMA_CAP_ALIAS)
                                             ? (int)m.si
                                             : CUMA_PAGES_NO_STREAM);
         if (st) {
-            h->pol->ops->free(h->pol, nb, fst, fseq); /* merges: the free list is stale now */
+            a->pol->ops->free(a->pol, nb, fst, fseq); /* merges: the free list is stale now */
             break;
         }
         nb->req = r;
@@ -270,10 +270,10 @@ static void place(plan *p) {
         nb->stream = m.si;
         nb->extra[0] = nb->extra[1] = CUMA_NO_STREAM;
         nb->extra_all = 0;
-        nb->fnext = h->moving;
-        h->moving = nb;
+        nb->fnext = a->moving;
+        a->moving = nb;
         m.nb = nb;
-        m.new_addr = h->base + nb->off;
+        m.new_addr = a->base + nb->off;
         p->mv[placed++] = m;
     }
     p->nmv = placed;
@@ -283,22 +283,22 @@ static void plan_free(plan *p) {
     free(p->fill), free(p->mark), free(p->cand), free(p->mv);
 }
 
-/* The plan of arena h (its lock held): victims chosen, blocks placed. */
-static cuma_status plan_make(cuma_heap *h, plan *p) {
+/* The plan of arena a (its lock held): victims chosen, blocks placed. */
+static cuma_status plan_make(cuma_arena *a, plan *p) {
     memset(p, 0, sizeof *p);
-    p->h = h;
-    p->ps = h->pages.page_size;
-    p->sh = h->pages.shift;
-    cuma_streams_tick(&h->streams);
-    cuma_heap_flush_tcaches(h);
-    if (h->deferred) cuma_heap_process_deferred(h, false);
-    p->cached_before = cuma_heap_cached(h);
-    p->releases_before = h->pages.releases;
-    p->fill = calloc(h->pages.nva, sizeof *p->fill);
-    p->mark = calloc(h->pages.nva, 1);
+    p->a = a;
+    p->ps = a->pages.page_size;
+    p->sh = a->pages.shift;
+    cuma_streams_tick(&a->streams);
+    cuma_arena_flush_tcaches(a);
+    if (a->deferred) cuma_arena_process_deferred(a, false);
+    p->cached_before = cuma_arena_cached(a);
+    p->releases_before = a->pages.releases;
+    p->fill = calloc(a->pages.nva, sizeof *p->fill);
+    p->mark = calloc(a->pages.nva, 1);
     if (!p->fill || !p->mark)
         return cuma_fail(CUMA_ERR_OOM, "cuma_compact: no host memory for a page table of %u pages",
-                         h->pages.nva);
+                         a->pages.nva);
     count_fill(p);
     cuma_status st = pick_victims(p);
     if (!st && p->nvictims) st = collect(p);
@@ -306,60 +306,60 @@ static cuma_status plan_make(cuma_heap *h, plan *p) {
     return st;
 }
 
-/* Commits or undoes the moves (h's lock held again) and adds what they did to r. */
+/* Commits or undoes the moves (a's lock held again) and adds what they did to r. */
 static void plan_commit(plan *p, bool release, cuma_compact_result *r) {
-    cuma_heap *h = p->h;
-    cuma_heap *pr = h->primary;
-    h->moving = NULL; /* one compaction at a time: every block on it is this plan's */
-    cuma_streams_tick(&h->streams);
-    uint64_t t = cuma_heap_now(h);
+    cuma_arena *a = p->a;
+    cuma_heap *h = a->heap;
+    a->moving = NULL; /* one compaction at a time: every block on it is this plan's */
+    cuma_streams_tick(&a->streams);
+    uint64_t t = cuma_arena_now(a);
     for (size_t i = 0; i < p->nmv; i++) {
         move *m = &p->mv[i];
         uint64_t g = m->gen;
         /* Claimed as a free claims it: a free of the old pointer racing with this fails. */
         bool ok = m->ok && atomic_compare_exchange_strong(&m->old->gen, &g, g + 1);
-        uint64_t seq = cuma_streams_note_free(&h->streams, m->si);
+        uint64_t seq = cuma_streams_note_free(&a->streams, m->si);
         if (!ok) {
-            cuma_heap_release_block(h, m->nb, m->si, seq, t, false);
+            cuma_arena_release_block(a, m->nb, m->si, seq, t, false);
             r->blocks_refused++;
             continue;
         }
         /* One entry out, one in: the table never grows here, so the put cannot fail. */
-        cuma_map_remove(&h->live, m->old_addr);
-        cuma_map_put(&h->live, m->new_addr, m->nb);
+        cuma_map_remove(&a->live, m->old_addr);
+        cuma_map_put(&a->live, m->new_addr, m->nb);
         atomic_store_explicit(&m->nb->gen,
                               atomic_load_explicit(&m->nb->gen, memory_order_relaxed) + 1,
                               memory_order_release);
-        if (pr->tw) {
-            cuma_trace_writer_event(pr->tw, CUMA_TRACE_FREE, m->old_addr, m->size,
+        if (h->tw) {
+            cuma_trace_writer_event(h->tw, CUMA_TRACE_FREE, m->old_addr, m->size,
                                     (uint64_t)(uintptr_t)m->stream);
-            cuma_trace_writer_event(pr->tw, CUMA_TRACE_ALLOC, m->new_addr, m->size,
+            cuma_trace_writer_event(h->tw, CUMA_TRACE_ALLOC, m->new_addr, m->size,
                                     (uint64_t)(uintptr_t)m->stream);
         }
         /* Stream-ordered, as cuma_free(old, stream): the copy queued there runs first. */
-        cuma_heap_release_block(h, m->old, m->si, seq, t, false);
+        cuma_arena_release_block(a, m->old, m->si, seq, t, false);
         r->blocks_moved++;
         r->bytes_moved += m->size;
     }
     uint64_t emptied = 0;
-    for (uint32_t v = 0; v < h->pages.nva; v++)
-        emptied += (p->mark[v] & PAGE_VICTIM) && !h->pages.live[v];
+    for (uint32_t v = 0; v < a->pages.nva; v++)
+        emptied += (p->mark[v] & PAGE_VICTIM) && !a->pages.live[v];
     r->pages_emptied += emptied;
-    atomic_fetch_add(&pr->compact_freed, emptied);
-    if (release && cuma_heap_cached(h) > p->cached_before)
-        cuma_heap_release(h, t, -1, p->cached_before, 0, false);
-    r->pages_released += h->pages.releases - p->releases_before;
-    cuma_heap_release_policy(h, t);
+    atomic_fetch_add(&h->compact_freed, emptied);
+    if (release && cuma_arena_cached(a) > p->cached_before)
+        cuma_arena_release(a, t, -1, p->cached_before, 0, false);
+    r->pages_released += a->pages.releases - p->releases_before;
+    cuma_arena_release_policy(a, t);
 }
 
 /* Every arena in turn: plan (lock held), move (no lock), commit (lock held). compact_run held. */
-static cuma_status compact_all(cuma_heap *pr, cuma_move_fn fn, void *user, bool release,
+static cuma_status compact_all(cuma_heap *h, cuma_move_fn fn, void *user, bool release,
                                cuma_compact_result *r) {
     memset(r, 0, sizeof *r);
     cuma_status st = CUMA_OK;
-    unsigned n = atomic_load_explicit(&pr->narenas, memory_order_acquire);
+    unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n && !st; i++) {
-        cuma_heap *a = pr->arenas[i];
+        cuma_arena *a = h->arenas[i];
         plan p;
         cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         st = plan_make(a, &p);
@@ -376,22 +376,22 @@ static cuma_status compact_all(cuma_heap *pr, cuma_move_fn fn, void *user, bool 
         cuma_mutex_unlock(&a->lock);
         plan_free(&p);
     }
-    atomic_fetch_add(&pr->compactions, 1);
-    atomic_fetch_add(&pr->compact_moved, r->bytes_moved);
+    atomic_fetch_add(&h->compactions, 1);
+    atomic_fetch_add(&h->compact_moved, r->bytes_moved);
     return st;
 }
 
 static cuma_status can_compact(cuma_heap *h, const char *who) {
-    if (!(h->phys.ops->caps & CUMA_PHYS_MOVABLE))
+    if (!(h->first.phys.ops->caps & CUMA_PHYS_MOVABLE))
         return cuma_fail(CUMA_ERR_UNSUPPORTED,
                          "%s: the heap is in segment mode (backend %s), where a segment goes back "
                          "only when all of it is free; compaction moves blocks between pages "
                          "(page mode only)",
                          who, h->be->name);
-    if (!h->pol->ops->carve)
+    if (!h->first.pol->ops->carve)
         return cuma_fail(CUMA_ERR_UNSUPPORTED,
                          "%s: policy:%s cannot place a block at a chosen address (use tlsf)", who,
-                         h->pol->ops->name);
+                         h->first.pol->ops->name);
     return CUMA_OK;
 }
 
@@ -409,7 +409,6 @@ cuma_status cuma_compact(cuma_heap *h, cuma_move_fn move, void *user, cuma_compa
     cuma_status st = enter(h, "cuma_compact");
     if (st) return st;
     if (!move) return cuma_fail(CUMA_ERR_INVALID, "cuma_compact: move is NULL");
-    h = h->primary;
     cuma_mutex_lock(&h->compact_run, CUMA_RANK_COMPACT_RUN);
     st = compact_all(h, move, user, true, &r);
     cuma_mutex_unlock(&h->compact_run);
@@ -423,7 +422,6 @@ cuma_status cuma_set_mover(cuma_heap *h, cuma_move_fn move, void *user) {
         cuma_status st = can_compact(h, "cuma_set_mover");
         if (st) return st;
     }
-    h = h->primary;
     cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
     h->mover = (cuma_any_fn)move;
     h->mover_user = user;
@@ -432,15 +430,15 @@ cuma_status cuma_set_mover(cuma_heap *h, cuma_move_fn move, void *user) {
 }
 
 /* The registered mover, if the heap's fragmentation is over its threshold (no lock held). */
-static cuma_move_fn mover_if_needed(cuma_heap *p, void **user) {
-    cuma_mutex_lock(&p->oom_lock, CUMA_RANK_OOM);
-    cuma_move_fn fn = (cuma_move_fn)p->mover;
-    *user = p->mover_user;
-    cuma_mutex_unlock(&p->oom_lock);
+static cuma_move_fn mover_if_needed(cuma_heap *h, void **user) {
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
+    cuma_move_fn fn = (cuma_move_fn)h->mover;
+    *user = h->mover_user;
+    cuma_mutex_unlock(&h->oom_lock);
     if (!fn) return NULL;
     cuma_stats s;
-    cuma_heap_snapshot(p, &s);
-    return s.fragmentation > p->set.fragmentation_threshold ? fn : NULL;
+    cuma_heap_snapshot(h, &s);
+    return s.fragmentation > h->set.fragmentation_threshold ? fn : NULL;
 }
 
 cuma_status cuma_compact_if_needed(cuma_heap *h, cuma_compact_result *out) {
@@ -452,7 +450,6 @@ cuma_status cuma_compact_if_needed(cuma_heap *h, cuma_compact_result *out) {
         return cuma_fail(CUMA_ERR_INVALID,
                          "cuma_compact_if_needed: called from inside a move callback");
     if (atomic_load(&h->inherited)) return cuma_heap_inherited(h, "cuma_compact_if_needed");
-    h = h->primary;
     void *user;
     if (!mover_if_needed(h, &user)) return CUMA_OK;
     cuma_mutex_lock(&h->compact_run, CUMA_RANK_COMPACT_RUN);
@@ -463,22 +460,22 @@ cuma_status cuma_compact_if_needed(cuma_heap *h, cuma_compact_result *out) {
     return st;
 }
 
-bool cuma_heap_compact_rung(cuma_heap *h) {
-    cuma_heap *p = h->primary;
+bool cuma_arena_compact_rung(cuma_arena *a) {
+    cuma_heap *h = a->heap;
     /* A mover that allocates and runs out does not compact again; a compaction running on
      * another thread is not waited for (its mover may need what this thread holds). */
-    if (in_mover || !(h->phys.ops->caps & CUMA_PHYS_MOVABLE) || !h->pol->ops->carve) return false;
-    cuma_mutex_lock(&p->oom_lock, CUMA_RANK_OOM);
-    bool any = p->mover != NULL;
-    cuma_mutex_unlock(&p->oom_lock);
-    if (!any || cuma_mutex_trylock(&p->compact_run, CUMA_RANK_COMPACT_RUN) != 0) return false;
-    cuma_mutex_unlock(&h->lock);
+    if (in_mover || !(a->phys.ops->caps & CUMA_PHYS_MOVABLE) || !a->pol->ops->carve) return false;
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
+    bool any = h->mover != NULL;
+    cuma_mutex_unlock(&h->oom_lock);
+    if (!any || cuma_mutex_trylock(&h->compact_run, CUMA_RANK_COMPACT_RUN) != 0) return false;
+    cuma_mutex_unlock(&a->lock);
     void *user;
-    cuma_move_fn fn = mover_if_needed(p, &user);
+    cuma_move_fn fn = mover_if_needed(h, &user);
     cuma_compact_result r;
     memset(&r, 0, sizeof r);
-    if (fn) compact_all(p, fn, user, false, &r);
-    cuma_mutex_unlock(&p->compact_run);
-    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
+    if (fn) compact_all(h, fn, user, false, &r);
+    cuma_mutex_unlock(&h->compact_run);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
     return r.blocks_moved > 0;
 }

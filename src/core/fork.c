@@ -37,7 +37,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-/* Under fork_lock: the live heaps (first arenas), linked through fork_next / fork_prev. */
+/* Under fork_lock: the live heaps, linked through fork_next / fork_prev. */
 static pthread_mutex_t fork_lock = PTHREAD_MUTEX_INITIALIZER;
 static cuma_heap *live_heaps;
 static pthread_once_t hooks_once = PTHREAD_ONCE_INIT;
@@ -98,12 +98,12 @@ static void release(bool child) {
         cuma_mutex_unlock(&h->managed_lock);
         cuma_mutex_unlock(&h->oom_lock);
         for (unsigned i = arenas_of(h); i-- > 0;) {
-            cuma_heap *a = h->arenas[i];
+            cuma_arena *a = h->arenas[i];
             if (child && a->thread_running) {
                 /* Its thread did not come along: nothing to stop or join at destroy, and the
                  * condition variable must not wait for the waiter it had in the parent. */
                 a->thread_running = false;
-                cuma_heap_init_wake(a);
+                cuma_arena_init_wake(a);
             }
             cuma_mutex_unlock(&a->lock);
         }

@@ -14,24 +14,24 @@ cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
     if (atomic_load(&h->inherited)) return cuma_heap_inherited(h, "cuma_set_limit");
     /* Every arena gets the new limit (arena_lock: no arena is made meanwhile with the old). */
     cuma_mutex_lock(&h->arena_lock, CUMA_RANK_ARENAS);
+    h->set.limit = bytes ? bytes : CUMA_UNLIMITED;
     unsigned n = atomic_load(&h->narenas);
     for (unsigned i = 0; i < n; i++) {
-        cuma_heap *a = h->arenas[i];
+        cuma_arena *a = h->arenas[i];
         cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
-        cuma_heap_flush_tcaches(a);
-        a->set.limit = bytes ? bytes : CUMA_UNLIMITED;
-        cuma_heap_refresh_limit(a);
+        cuma_arena_flush_tcaches(a);
+        cuma_arena_refresh_limit(a);
         cuma_mutex_unlock(&a->lock);
     }
     /* Over the new limit: the caches go first, arena by arena; live memory stays until freed. */
     for (unsigned i = 0; i < n; i++) {
-        cuma_heap *a = h->arenas[i];
+        cuma_arena *a = h->arenas[i];
         cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
-        uint64_t reserved = cuma_heap_reserved_all(a), cached = cuma_heap_cached(a);
+        uint64_t reserved = cuma_arena_reserved_all(a), cached = cuma_arena_cached(a);
         if (reserved > a->limit_bytes) {
             uint64_t excess = reserved - a->limit_bytes;
-            cuma_heap_release(a, cuma_heap_now(a), -1, cached > excess ? cached - excess : 0, 0,
-                              true);
+            cuma_arena_release(a, cuma_arena_now(a), -1, cached > excess ? cached - excess : 0, 0,
+                               true);
         }
         cuma_mutex_unlock(&a->lock);
     }
@@ -85,19 +85,18 @@ cuma_status cuma_remove_oom_callback(cuma_heap *h, int id) {
     return cuma_cb_remove(h, h ? &h->oom : NULL, id, "cuma_remove_oom_callback");
 }
 
-cuma_status cuma_block_size(cuma_heap *heap, const void *ptr, size_t *size) {
-    if (!heap || !ptr || !size)
-        return cuma_fail(CUMA_ERR_INVALID, "cuma_block_size: NULL argument");
-    cuma_heap *h = cuma_arena_of(heap, (uint64_t)(uintptr_t)ptr);
-    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
-    cuma_block *b = cuma_map_get(&h->live, (uint64_t)(uintptr_t)ptr);
+cuma_status cuma_block_size(cuma_heap *h, const void *ptr, size_t *size) {
+    if (!h || !ptr || !size) return cuma_fail(CUMA_ERR_INVALID, "cuma_block_size: NULL argument");
+    cuma_arena *a = cuma_arena_of(h, (uint64_t)(uintptr_t)ptr);
+    cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
+    cuma_block *b = cuma_map_get(&a->live, (uint64_t)(uintptr_t)ptr);
     if (b && !(atomic_load(&b->gen) & 1)) b = NULL; /* in a thread cache: freed */
     size_t bsize = b ? b->size : 0;
-    cuma_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&a->lock);
     if (!b) {
-        cuma_mutex_lock(&heap->managed_lock, CUMA_RANK_MANAGED);
-        bsize = (size_t)(uintptr_t)cuma_map_get(&heap->managed, (uint64_t)(uintptr_t)ptr);
-        cuma_mutex_unlock(&heap->managed_lock);
+        cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
+        bsize = (size_t)(uintptr_t)cuma_map_get(&h->managed, (uint64_t)(uintptr_t)ptr);
+        cuma_mutex_unlock(&h->managed_lock);
     }
     if (!bsize)
         return cuma_fail(CUMA_ERR_BAD_POINTER,
@@ -107,7 +106,7 @@ cuma_status cuma_block_size(cuma_heap *heap, const void *ptr, size_t *size) {
 }
 
 typedef struct walk {
-    cuma_heap *h;
+    cuma_arena *a;
     uint32_t *live;
     uint64_t requested, allocated, n, cached, all_sizes;
     const char *why;
@@ -115,22 +114,22 @@ typedef struct walk {
 
 static void count_pages(walk *w, const cuma_block *b) {
     if (!w->live) return;
-    unsigned sh = w->h->phys.shift;
+    unsigned sh = w->a->phys.shift;
     for (uint64_t v = b->off >> sh; v <= (b->off + b->mapped_len - 1) >> sh; v++) w->live[v]++;
 }
 
 static bool check_live(void *ctx, uint64_t key, void *val) {
     walk *w = ctx;
     cuma_block *b = val;
-    if (key != w->h->base + b->off)
+    if (key != w->a->base + b->off)
         return w->why = "live table key differs from the block's address", false;
     if (b->is_free) return w->why = "a live pointer maps to a free block", false;
     if (!b->req || b->req > b->size)
         return w->why = "a live block's request is 0 or over its size", false;
     /* A layer that counts blocks over its units (pages) needs each to map some byte. */
-    if (b->mapped_len > b->size || (w->h->phys.refs && !b->mapped_len))
+    if (b->mapped_len > b->size || (w->a->phys.refs && !b->mapped_len))
         return w->why = "a live block's mapped length is wrong", false;
-    if (b->stream >= w->h->streams.n) return w->why = "a live block names an unknown stream", false;
+    if (b->stream >= w->a->streams.n) return w->why = "a live block names an unknown stream", false;
     w->all_sizes += b->size;
     count_pages(w, b);
     if (!(atomic_load(&b->gen) & 1)) { /* in a thread cache */
@@ -143,50 +142,50 @@ static bool check_live(void *ctx, uint64_t key, void *val) {
     return true;
 }
 
-cuma_status cuma_heap_check(cuma_heap *h) {
+cuma_status cuma_arena_check(cuma_arena *a) {
     const char *why = NULL;
     uint64_t free_b, live_b;
-    if (!h->pol->ops->validate(h->pol, &why, &free_b, &live_b)) goto bad;
-    if (!cuma_map_validate(&h->live, &why)) goto bad;
-    if (!cuma_streams_validate(&h->streams, &why)) goto bad;
-    if (!h->phys.ops->validate(h, &why)) goto bad;
-    const uint32_t *refs = h->phys.refs;
-    walk w = {h, refs ? calloc(h->phys.nrefs, sizeof(uint32_t)) : NULL, 0, 0, 0, 0, 0, NULL};
+    if (!a->pol->ops->validate(a->pol, &why, &free_b, &live_b)) goto bad;
+    if (!cuma_map_validate(&a->live, &why)) goto bad;
+    if (!cuma_streams_validate(&a->streams, &why)) goto bad;
+    if (!a->phys.ops->validate(a, &why)) goto bad;
+    const uint32_t *refs = a->phys.refs;
+    walk w = {a, refs ? calloc(a->phys.nrefs, sizeof(uint32_t)) : NULL, 0, 0, 0, 0, 0, NULL};
     if (refs && !w.live)
         return cuma_fail(CUMA_ERR_OOM, "cuma_validate: no host memory for the page count check");
-    cuma_map_each(&h->live, check_live, &w);
-    for (cuma_block *b = h->deferred; b && !w.why; b = b->fnext) {
+    cuma_map_each(&a->live, check_live, &w);
+    for (cuma_block *b = a->deferred; b && !w.why; b = b->fnext) {
         w.requested += b->req, w.allocated += b->size, w.n++, w.all_sizes += b->size;
         count_pages(&w, b);
     }
     /* A compaction's new places, while its mover runs: placed and mapped, not yet counted. */
-    for (cuma_block *b = h->moving; b && !w.why; b = b->fnext) {
+    for (cuma_block *b = a->moving; b && !w.why; b = b->fnext) {
         w.all_sizes += b->size;
         count_pages(&w, b);
     }
     int64_t tq, ta, tn;
     uint64_t tallocs, tfrees, slots = 0;
-    cuma_tcache_sums(h, &tq, &ta, &tn, &tallocs, &tfrees);
-    for (cuma_tcache *tc = h->tcaches; tc; tc = tc->next) {
+    cuma_tcache_sums(a, &tq, &ta, &tn, &tallocs, &tfrees);
+    for (cuma_tcache *tc = a->tcaches; tc; tc = tc->next) {
         for (unsigned i = 0; i < CUMA_TC_BINS; i++)
             for (unsigned k = 0; k < CUMA_TC_DEPTH; k++)
                 slots += atomic_load(&tc->bins[i].slot[k]) != NULL;
         for (unsigned k = 0; k < CUMA_TC_PENDING; k++)
             slots += atomic_load(&tc->pending[k]) != NULL;
     }
-    if (!w.why && w.requested != h->c.requested + (uint64_t)tq)
+    if (!w.why && w.requested != a->c.requested + (uint64_t)tq)
         w.why = "requested bytes differ from the live blocks' sum";
-    if (!w.why && w.allocated != h->c.allocated + (uint64_t)ta)
+    if (!w.why && w.allocated != a->c.allocated + (uint64_t)ta)
         w.why = "allocated bytes differ from the live blocks' sum";
     if (!w.why && w.all_sizes != live_b)
         w.why = "the policy's live bytes differ from the live and cached blocks'";
-    if (!w.why && w.n != h->c.active + (uint64_t)tn)
+    if (!w.why && w.n != a->c.active + (uint64_t)tn)
         w.why = "active allocation count differs from the live blocks";
     if (!w.why && w.cached != slots)
         w.why = "blocks marked cached differ from the blocks in thread caches";
-    if (!w.why && free_b + live_b != h->phys.ops->range_bytes(h))
+    if (!w.why && free_b + live_b != a->phys.ops->range_bytes(a))
         w.why = "free + live bytes differ from the address space the policy manages";
-    for (uint32_t v = 0; !w.why && refs && v < h->phys.nrefs; v++)
+    for (uint32_t v = 0; !w.why && refs && v < a->phys.nrefs; v++)
         if (w.live[v] != refs[v])
             w.why = "a page's reference count differs from the blocks over it";
     free(w.live);
@@ -199,21 +198,25 @@ bad:
 /* What ties the arenas together (every arena's lock held). */
 static const char *check_arenas(cuma_heap *h, unsigned n) {
     uint64_t pages = 0;
+    if (h->arenas[0] != &h->first) return "the first arena is not the heap's own";
     for (unsigned i = 0; i < n; i++) {
-        cuma_heap *a = h->arenas[i];
-        if (a->primary != h || (i == 0) != (a == h)) return "an arena names another heap";
+        cuma_arena *a = h->arenas[i];
+        if (a->heap != h || (i == 0) != (a == &h->first) || a->be != h->be)
+            return "an arena names another heap";
         if (atomic_load(&a->pub[CUMA_PUB_REQUESTED]) != (int64_t)a->c.requested ||
             atomic_load(&a->pub[CUMA_PUB_ALLOCATED]) != (int64_t)a->c.allocated)
             return "an arena's published counters differ from its own";
         pages += *a->phys.nreserved;
-        if (a->phys.nall != h->phys.nall) return "an arena counts its pages apart from the heap's";
+        if (a->phys.nall != h->first.phys.nall)
+            return "an arena counts its pages apart from the heap's";
         for (unsigned j = 0; j < i; j++) {
-            cuma_heap *b = h->arenas[j];
+            cuma_arena *b = h->arenas[j];
             if (a->base < b->base + b->va_size && b->base < a->base + a->va_size)
                 return "two arenas' virtual ranges overlap";
         }
     }
-    if (pages != atomic_load(h->phys.nall)) return "reserved pages differ from the arenas' sum";
+    if (pages != atomic_load(h->first.phys.nall))
+        return "reserved pages differ from the arenas' sum";
     if (h->peers.ops) return h->peers.ops->validate(h->peers.ctx, h);
     return NULL;
 }
@@ -225,7 +228,7 @@ cuma_status cuma_validate(cuma_heap *h) {
     unsigned n = atomic_load(&h->narenas);
     for (unsigned i = 0; i < n; i++) cuma_mutex_lock(&h->arenas[i]->lock, CUMA_RANK_ARENA);
     cuma_status st = CUMA_OK;
-    for (unsigned i = 0; i < n && !st; i++) st = cuma_heap_check(h->arenas[i]);
+    for (unsigned i = 0; i < n && !st; i++) st = cuma_arena_check(h->arenas[i]);
     const char *why = st ? NULL : check_arenas(h, n);
     if (!st) {
         cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
@@ -244,13 +247,13 @@ cuma_status cuma_sim_set_time(cuma_heap *h, uint64_t ns) {
     if (!h->set.sim_clock_manual)
         return cuma_fail(CUMA_ERR_UNSUPPORTED,
                          "cuma_sim_set_time: the heap needs sim_clock:manual");
-    if (ns < atomic_load(&h->manual_now))
+    if (ns < atomic_load(&h->first.manual_now))
         return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_set_time: time goes backwards");
     /* Every arena keeps the clock (arena_lock: a new arena starts at the time set last). */
     cuma_mutex_lock(&h->arena_lock, CUMA_RANK_ARENAS);
     unsigned n = atomic_load(&h->narenas);
     for (unsigned i = 0; i < n; i++) {
-        cuma_heap *a = h->arenas[i];
+        cuma_arena *a = h->arenas[i];
         cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         if (ns > atomic_load(&a->manual_now)) {
             atomic_store(&a->manual_now, ns);
@@ -264,18 +267,18 @@ cuma_status cuma_sim_set_time(cuma_heap *h, uint64_t ns) {
 
 cuma_status cuma_sim_get_time(cuma_heap *h, uint64_t *ns) {
     if (!h || !ns) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_get_time: NULL argument");
-    *ns = cuma_heap_now(h);
+    *ns = cuma_arena_now(&h->first);
     return CUMA_OK;
 }
 
 /* The simulated stream's state is the backend's: under the first arena's lock (its calls before
  * a second arena exists) and the arenas' shared-backend mutex (theirs after). */
 static cuma_status hold(cuma_heap *h, cuma_stream s, bool on) {
-    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
+    cuma_mutex_lock(&h->first.lock, CUMA_RANK_ARENA);
     cuma_backend_lock(h->be);
     cuma_status st = cuma_simbe_hold(cuma_backend_unwrap(h->be), s, on);
     cuma_backend_unlock(h->be);
-    cuma_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->first.lock);
     return st;
 }
 
@@ -286,11 +289,11 @@ cuma_status cuma_sim_hold_stream(cuma_heap *h, cuma_stream s) {
 
 cuma_status cuma_sim_take_memory(cuma_heap *h, uint64_t bytes) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_sim_take_memory: heap is NULL");
-    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
+    cuma_mutex_lock(&h->first.lock, CUMA_RANK_ARENA);
     cuma_backend_lock(h->be);
     cuma_status st = cuma_simbe_take(cuma_backend_unwrap(h->be), bytes);
     cuma_backend_unlock(h->be);
-    cuma_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->first.lock);
     return st;
 }
 

@@ -63,7 +63,7 @@ typedef struct cuma_ghost {
 
 /* Invariants (cuma_pages_validate): nreserved == slots in use == nmapped + ncached;
  * nreserved <= *shared <= limit_pages unless the limit was lowered below it (*shared sums
- * nreserved over the heap's arenas: cuma_heap_check); live[v] > 0 implies
+ * nreserved over the heap's arenas: cuma_validate); live[v] > 0 implies
  * phys_of[v] != 0 and is no ghost; the cache list is ordered by idle_since, newest first;
  * nghost sums to nghosts. */
 typedef struct cuma_pages {

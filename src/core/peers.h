@@ -8,7 +8,7 @@
  * so that every page and segment passes through it (backend.h's interface). This is the
  * failure-callback adaptor pattern: when the device is full, ask someone else, then retry.
  *
- * Every operation is called on the first arena p. */
+ * Every operation takes the heap h; poll runs on its first arena's release thread. */
 #ifndef CUMA_CORE_PEERS_H
 #define CUMA_CORE_PEERS_H
 
@@ -24,14 +24,14 @@
 typedef struct cuma_peers_ops {
     /* The out-of-memory ladder: asks the peers for `bytes` (whole pages or segments) and waits
      * for them (no lock held); true when they should now fit. */
-    bool (*ask)(void *ctx, cuma_heap *p, uint64_t bytes);
-    /* The first arena's release thread, every CUMA_LEDGER_POLL_NS (p's lock held, may be
-     * dropped meanwhile): publishes the heap's figures and answers the peers' requests. */
-    void (*poll)(void *ctx, cuma_heap *p);
+    bool (*ask)(void *ctx, cuma_heap *h, uint64_t bytes);
+    /* The first arena's release thread, every CUMA_LEDGER_POLL_NS (h->first's lock held, may
+     * be dropped meanwhile): publishes the heap's figures and answers the peers' requests. */
+    void (*poll)(void *ctx, cuma_heap *h);
     /* Publishes what the heap holds and can give now (its release thread has started; any lock
      * or none but oom_lock). */
-    void (*publish)(void *ctx, cuma_heap *p);
-    /* The heap's limit on reserved bytes changed to `limit` (p's lock held). */
+    void (*publish)(void *ctx, cuma_heap *h);
+    /* The heap's limit on reserved bytes changed to `limit` (the first arena's lock held). */
     void (*set_limit)(void *ctx, uint64_t limit);
     /* cuma_get_stats: the peers' fields of *out (ledger_room_bytes, ledger_denials,
      * pressure_*). */
@@ -40,7 +40,7 @@ typedef struct cuma_peers_ops {
     void (*json)(void *ctx, cuma_strbuf *o);
     /* cuma_validate (every arena lock held): what the peers' figures of the heap get wrong,
      * or NULL. */
-    const char *(*validate)(void *ctx, cuma_heap *p);
+    const char *(*validate)(void *ctx, cuma_heap *h);
 } cuma_peers_ops;
 
 /* Constant after creation; ops NULL when the heap has no peers. */
@@ -49,7 +49,7 @@ typedef struct cuma_peers {
     void *ctx;
 } cuma_peers;
 
-/* Joins the peers as the heap's settings say (at creation, first arena, before any arena
+/* Joins the peers as the heap's settings say (at creation, before any arena
  * shares the backend): fills in h->peers and wraps h->be, or leaves both (CUMA_OK, alone). */
 typedef cuma_status (*cuma_peers_join_fn)(cuma_heap *h);
 

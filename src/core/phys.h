@@ -19,7 +19,7 @@
  * - It takes the arena `a` and runs under a->lock, or while the arena is built or torn down
  *   (no other thread sees it then). It takes no other lock but the backend's own (a shared
  *   backend serialises its calls, cuma_backend_locked) and never drops a->lock.
- * - Sizes are bytes, times the heap's clock (cuma_heap_now). A failed operation leaves the
+ * - Sizes are bytes, times the heap's clock (cuma_arena_now). A failed operation leaves the
  *   layer, the policy and the figures as it found them, and says why (cuma_fail).
  * - Memory goes back to the device only once the work of the streams that last used it is
  *   complete (its fence); an idle unit whose fence is pending stays, and stays due.
@@ -35,6 +35,8 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
+
+typedef struct cuma_arena cuma_arena;
 
 /* Capabilities (cuma_phys_ops.caps): what the heap may do on top of the layer. */
 enum {
@@ -57,26 +59,26 @@ typedef struct cuma_phys_ops {
     /* Sets the layer up over a->be, a->pol (created, holding no range) and a->streams, and
      * fills a->phys's figures; with CUMA_PHYS_RANGE also sets a->base and a->va_size and gives
      * the range to the policy. On failure nothing is left to undo. */
-    cuma_status (*init)(cuma_heap *a);
+    cuma_status (*init)(cuma_arena *a);
     /* Gives everything back to the device (the policy is destroyed after). */
-    void (*destroy)(cuma_heap *a);
+    void (*destroy)(cuma_arena *a);
     /* The limit on the arena's memory: `bytes` in all arenas (nall); is_device: reaching it
      * means the device is full (CUMA_ERR_OOM), otherwise CUMA_ERR_LIMIT. */
-    void (*set_limit)(cuma_heap *a, uint64_t bytes, bool is_device);
+    void (*set_limit)(cuma_arena *a, uint64_t bytes, bool is_device);
     /* Makes at least `bytes` idle up front (preallocate) that never go back. */
-    cuma_status (*prefill)(cuma_heap *a, uint64_t bytes, uint64_t now);
+    cuma_status (*prefill)(cuma_arena *a, uint64_t bytes, uint64_t now);
     /* The largest request the layer could ever serve (larger ones are out of memory at once). */
-    uint64_t (*max_request)(const cuma_heap *a);
+    uint64_t (*max_request)(const cuma_arena *a);
     /* Backs the block the policy placed for a request of `req` bytes rounded to n, used from
      * stream index `stream`: *b, or NULL when the policy had none, in which case the layer may
      * add memory and place again. On success *b is live and backed for its first req bytes; on
      * failure (CUMA_ERR_OOM, CUMA_ERR_LIMIT, CUMA_ERR_BACKEND) a placed block went back to the
      * policy. */
-    cuma_status (*back)(cuma_heap *a, cuma_block **b, uint64_t req, uint64_t n, unsigned stream,
+    cuma_status (*back)(cuma_arena *a, cuma_block **b, uint64_t req, uint64_t n, unsigned stream,
                         uint64_t now);
     /* Gives live block b back to the policy (b->mapped_len bytes backed), with the fence of its
      * free; what no live byte holds any more idles from `now`. */
-    void (*free)(cuma_heap *a, cuma_block *b, uint16_t fence_stream, uint64_t fence_seq,
+    void (*free)(cuma_arena *a, cuma_block *b, uint16_t fence_stream, uint64_t fence_seq,
                  uint64_t now);
     /* For the policy's coalesce (context: the arena): a range became one free block again and
      * idles. NULL where a merge frees no memory (pages idle by their live bytes alone), so the
@@ -85,21 +87,21 @@ typedef struct cuma_phys_ops {
     /* Gives back idle memory: what has idled for delay_ns (< 0: none by age) while more than
      * age_keep_bytes idle, then the oldest while more than max_cached_bytes idle; `wait`: block
      * on pending fences where the backend can. Returns the bytes given back. */
-    uint64_t (*release)(cuma_heap *a, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes,
+    uint64_t (*release)(cuma_arena *a, uint64_t now, int64_t delay_ns, uint64_t max_cached_bytes,
                         uint64_t age_keep_bytes, bool wait);
     /* Drops the old mappings (*nlagging of them) whose work completed. */
-    void (*reap)(cuma_heap *a, bool wait);
+    void (*reap)(cuma_arena *a, bool wait);
     /* When the oldest idle memory went idle (UINT64_MAX: none idle). */
-    uint64_t (*oldest_idle)(const cuma_heap *a);
+    uint64_t (*oldest_idle)(const cuma_arena *a);
     /* Bytes the device must give the arena before a failed request of n bytes could fit: what
      * the heap asks other processes for (pressure.c). */
-    uint64_t (*growth)(const cuma_heap *a, uint64_t n);
+    uint64_t (*growth)(const cuma_arena *a, uint64_t n);
     /* The bytes of address space the policy holds (free + live blocks). */
-    uint64_t (*range_bytes)(const cuma_heap *a);
+    uint64_t (*range_bytes)(const cuma_arena *a);
     /* Units (pages, segments) created from and given back to the device so far. */
-    void (*counts)(const cuma_heap *a, uint64_t *creates, uint64_t *releases);
+    void (*counts)(const cuma_arena *a, uint64_t *creates, uint64_t *releases);
     /* The layer's own invariants. */
-    bool (*validate)(const cuma_heap *a, const char **why);
+    bool (*validate)(const cuma_arena *a, const char **why);
 } cuma_phys_ops;
 
 extern const cuma_phys_ops cuma_phys_pages;

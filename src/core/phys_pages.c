@@ -13,7 +13,7 @@ static uint64_t round_pow2(uint64_t x) {
     return p;
 }
 
-static void set_figures(cuma_heap *a) {
+static void set_figures(cuma_arena *a) {
     cuma_pages *pp = &a->pages;
     assert(pp->page_size == 1ull << pp->shift); /* figures are units << shift */
     a->phys.shift = pp->shift;
@@ -25,8 +25,8 @@ static void set_figures(cuma_heap *a) {
     a->phys.nrefs = pp->nva;
 }
 
-static cuma_status pages_init(cuma_heap *a) {
-    a->va_size = a->set.virtual_size ? a->set.virtual_size : 4 * a->be->capacity;
+static cuma_status pages_init(cuma_arena *a) {
+    a->va_size = a->heap->set.virtual_size ? a->heap->set.virtual_size : 4 * a->be->capacity;
     a->va_size = round_pow2(a->va_size);
     if (a->va_size < a->be->page_size) a->va_size = a->be->page_size;
     /* Aligned to its size, the buddy's orders line up with real addresses and pages. */
@@ -37,10 +37,10 @@ static cuma_status pages_init(cuma_heap *a) {
     if (st) goto fail_reserve;
     /* On a manual clock the page calls are timed only where they move the backend's clock (the
      * sim with sim_call_us): pacing on real time would make replays depend on the machine. */
-    cuma_pages_policy(&a->pages, a->set.remap_threshold, a->set.page_call_budget,
-                      !a->set.sim_clock_manual || cuma_simbe_costed_clock(a->be));
-    a->pages.shared = &a->primary->pages.own_reserved;
-    a->pages.marks = a->set.nvtx;
+    cuma_pages_policy(&a->pages, a->heap->set.remap_threshold, a->heap->set.page_call_budget,
+                      !a->heap->set.sim_clock_manual || cuma_simbe_costed_clock(a->be));
+    a->pages.shared = &a->heap->first.pages.own_reserved;
+    a->pages.marks = a->heap->set.nvtx;
     st = a->pol->ops->add_range(a->pol, 0, a->va_size);
     if (st) goto fail_pages;
     set_figures(a);
@@ -52,26 +52,26 @@ fail_reserve:
     return st;
 }
 
-static void pages_destroy(cuma_heap *a) {
+static void pages_destroy(cuma_arena *a) {
     cuma_pages_destroy(&a->pages);
     a->be->ops->unreserve(a->be, a->base, a->va_size);
 }
 
-static void pages_set_limit(cuma_heap *a, uint64_t bytes, bool is_device) {
+static void pages_set_limit(cuma_arena *a, uint64_t bytes, bool is_device) {
     a->pages.limit_pages = bytes / a->pages.page_size;
     a->pages.limit_is_device = is_device;
 }
 
-static cuma_status pages_prefill(cuma_heap *a, uint64_t bytes, uint64_t now) {
+static cuma_status pages_prefill(cuma_arena *a, uint64_t bytes, uint64_t now) {
     uint64_t ps = a->pages.page_size;
     return cuma_pages_prefill(&a->pages, (bytes + ps - 1) / ps, now);
 }
 
-static uint64_t pages_max_request(const cuma_heap *a) {
+static uint64_t pages_max_request(const cuma_arena *a) {
     return a->va_size;
 }
 
-static cuma_status pages_back(cuma_heap *a, cuma_block **bp, uint64_t req, uint64_t n,
+static cuma_status pages_back(cuma_arena *a, cuma_block **bp, uint64_t req, uint64_t n,
                               unsigned stream, uint64_t now) {
     cuma_block *b = *bp;
     if (!b)
@@ -80,8 +80,8 @@ static cuma_status pages_back(cuma_heap *a, cuma_block **bp, uint64_t req, uint6
                          n, a->va_size);
     /* Pages with pending work on this very stream may be mapped anew at once (ghosts), where
      * the device can alias a page. */
-    int s =
-        a->set.early_remap && (a->be->caps & CUMA_CAP_ALIAS) ? (int)stream : CUMA_PAGES_NO_STREAM;
+    int s = a->heap->set.early_remap && (a->be->caps & CUMA_CAP_ALIAS) ? (int)stream
+                                                                       : CUMA_PAGES_NO_STREAM;
     cuma_status st = cuma_pages_ref(&a->pages, b->off, req, now, s);
     if (st) {
         a->pol->ops->free(a->pol, b, 0, 0);
@@ -90,14 +90,15 @@ static cuma_status pages_back(cuma_heap *a, cuma_block **bp, uint64_t req, uint6
     return st;
 }
 
-static void pages_free(cuma_heap *a, cuma_block *b, uint16_t fstream, uint64_t fseq, uint64_t now) {
+static void pages_free(cuma_arena *a, cuma_block *b, uint16_t fstream, uint64_t fseq,
+                       uint64_t now) {
     assert(!b->is_free && b->mapped_len <= b->size);
     cuma_pages_unref(&a->pages, b->off, b->mapped_len, now, fstream, fseq);
     a->pol->ops->free(a->pol, b, fstream, fseq);
     assert(a->pages.ncached <= a->pages.nreserved);
 }
 
-static uint64_t pages_release(cuma_heap *a, uint64_t now, int64_t delay_ns,
+static uint64_t pages_release(cuma_arena *a, uint64_t now, int64_t delay_ns,
                               uint64_t max_cached_bytes, uint64_t age_keep_bytes, bool wait) {
     uint64_t ps = a->pages.page_size;
     return cuma_pages_release(&a->pages, now, delay_ns,
@@ -106,29 +107,29 @@ static uint64_t pages_release(cuma_heap *a, uint64_t now, int64_t delay_ns,
            ps;
 }
 
-static void pages_reap(cuma_heap *a, bool wait) {
+static void pages_reap(cuma_arena *a, bool wait) {
     cuma_pages_reap(&a->pages, wait);
 }
 
-static uint64_t pages_oldest_idle(const cuma_heap *a) {
+static uint64_t pages_oldest_idle(const cuma_arena *a) {
     return cuma_pages_oldest_idle(&a->pages);
 }
 
-static uint64_t pages_growth(const cuma_heap *a, uint64_t n) {
+static uint64_t pages_growth(const cuma_arena *a, uint64_t n) {
     uint64_t ps = a->pages.page_size;
     return (n + ps - 1) / ps * ps;
 }
 
-static uint64_t pages_range_bytes(const cuma_heap *a) {
+static uint64_t pages_range_bytes(const cuma_arena *a) {
     return a->va_size;
 }
 
-static void pages_counts(const cuma_heap *a, uint64_t *creates, uint64_t *releases) {
+static void pages_counts(const cuma_arena *a, uint64_t *creates, uint64_t *releases) {
     *creates = a->pages.creates;
     *releases = a->pages.releases;
 }
 
-static bool pages_validate(const cuma_heap *a, const char **why) {
+static bool pages_validate(const cuma_arena *a, const char **why) {
     return cuma_pages_validate(&a->pages, why);
 }
 

@@ -24,7 +24,7 @@
  * when a pool is made or destroyed. */
 struct cuma_pool {
     /* Constant after creation. */
-    cuma_heap *heap; /* the first arena of the heap the carve is from */
+    cuma_heap *heap; /* the heap the carve is from */
     cuma_stream stream;
     uint64_t base;
     size_t size, stride;
@@ -112,7 +112,6 @@ cuma_status cuma_pool_create(cuma_heap *heap, size_t size, size_t count, cuma_st
         return cuma_fail(CUMA_ERR_INVALID,
                          "cuma_pool_create: %zu blocks of %zu bytes (stride %zu) overflow size_t",
                          count, size, stride);
-    heap = heap->primary;
     cuma_pool *p = calloc(1, sizeof *p);
     if (p) p->stack = malloc(count * sizeof *p->stack);
     if (p) p->out = calloc(count, 1);

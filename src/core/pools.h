@@ -23,7 +23,7 @@ const char *cuma_pools_check(struct cuma_heap *h);
 void cuma_pools_prefork(struct cuma_heap *h);
 void cuma_pools_postfork(struct cuma_heap *h);
 
-/* Whether addr is the carve of one of heap h's pools (first arena; takes its pool_lock, a leaf
+/* Whether addr is the carve of one of heap h's pools (takes its pool_lock, a leaf
  * lock, so callable with an arena lock held): compaction leaves carves where they are. */
 bool cuma_pools_owns(struct cuma_heap *h, uint64_t addr);
 

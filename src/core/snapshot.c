@@ -35,7 +35,7 @@ typedef struct snap_block {
  * and holds the first ntop of all live blocks seen so far in that order; bucket i holds the live
  * blocks whose size s has 2^(i-1) < s <= 2^i (the last bucket also anything larger). */
 typedef struct snap {
-    cuma_heap *arena; /* the arena being walked and its index */
+    cuma_arena *arena; /* the arena being walked and its index */
     unsigned arena_index;
     uint64_t live_n, live_bytes, live_req;
     uint64_t bucket_n[NBUCKETS], bucket_bytes[NBUCKETS];
@@ -81,7 +81,7 @@ static bool add_block(void *ctx, uint64_t addr, void *val) {
         s->tc_bytes += b->size;
         return true;
     }
-    const cuma_heap *a = s->arena;
+    const cuma_arena *a = s->arena;
     s->live_n++;
     s->live_bytes += b->size;
     s->live_req += b->req;
@@ -97,7 +97,7 @@ static bool add_block(void *ctx, uint64_t addr, void *val) {
 
 /* One arena's figures (its lock held). reserved, cached and mapped as stats.c's add_arena
  * counts them, so that the totals equal cuma_get_stats's. */
-static void add_arena(snap *s, cuma_heap *a, unsigned index) {
+static void add_arena(snap *s, cuma_arena *a, unsigned index) {
     s->arena = a, s->arena_index = index;
     cuma_map_each(&a->live, add_block, s);
     for (const cuma_block *b = a->deferred; b; b = b->fnext) {
@@ -108,7 +108,7 @@ static void add_arena(snap *s, cuma_heap *a, unsigned index) {
     uint64_t lf = a->pol->ops->largest_free(a->pol);
     if (lf > s->largest_free) s->largest_free = lf;
     uint64_t reserved, cached, mapped;
-    cuma_heap_memory(a, &reserved, &cached, &mapped);
+    cuma_arena_memory(a, &reserved, &cached, &mapped);
     s->reserved += reserved;
     s->cached += cached;
     s->mapped += mapped;
@@ -163,14 +163,14 @@ cuma_status cuma_snapshot_json(cuma_heap *h, char *buf, size_t len, size_t *need
     memset(&s, 0, sizeof s);
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
-        cuma_heap *a = h->arenas[i];
+        cuma_arena *a = h->arenas[i];
         cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         add_arena(&s, a, i);
         cuma_mutex_unlock(&a->lock);
     }
     cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
     s.managed_n = h->managed.count;
-    s.managed_bytes = h->c.managed;
+    s.managed_bytes = h->first.c.managed;
     cuma_mutex_unlock(&h->managed_lock);
     cuma_strbuf o = {buf, len, 0};
     if (buf && len) buf[0] = 0;

@@ -12,9 +12,9 @@
 #include <stdio.h>
 #include <string.h>
 
-void cuma_heap_memory(cuma_heap *a, uint64_t *reserved, uint64_t *cached, uint64_t *mapped) {
-    *reserved = cuma_heap_reserved(a);
-    *cached = cuma_heap_cached(a);
+void cuma_arena_memory(cuma_arena *a, uint64_t *reserved, uint64_t *cached, uint64_t *mapped) {
+    *reserved = cuma_arena_reserved(a);
+    *cached = cuma_arena_cached(a);
     *mapped = *reserved - *cached; /* pages: nreserved = nmapped + ncached */
     /* What the thread caches' blocks alone keep mapped is what a flush gives back: cached, not
      * in use (a block freed into a cache used to count as in use until its age sent it back). */
@@ -30,7 +30,7 @@ void cuma_heap_memory(cuma_heap *a, uint64_t *reserved, uint64_t *cached, uint64
 }
 
 /* Adds one arena's figures into s (the arena's lock held). */
-static void add_arena(cuma_heap *a, cuma_stats *s) {
+static void add_arena(cuma_arena *a, cuma_stats *s) {
     const cuma_counters *c = &a->c;
     int64_t tq, ta, tn;
     uint64_t tallocs, tfrees;
@@ -38,7 +38,7 @@ static void add_arena(cuma_heap *a, cuma_stats *s) {
     s->requested_bytes += c->requested + (uint64_t)tq;
     s->allocated_bytes += c->allocated + (uint64_t)ta;
     uint64_t reserved, cached, mapped;
-    cuma_heap_memory(a, &reserved, &cached, &mapped);
+    cuma_arena_memory(a, &reserved, &cached, &mapped);
     s->reserved_bytes += reserved;
     s->cached_bytes += cached;
     s->mapped_bytes += mapped;
@@ -74,15 +74,15 @@ void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s) {
     memset(s, 0, sizeof *s);
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
     for (unsigned i = 0; i < n; i++) {
-        cuma_heap *a = h->arenas[i];
+        cuma_arena *a = h->arenas[i];
         cuma_mutex_lock(&a->lock, CUMA_RANK_ARENA);
         add_arena(a, s);
         if (!i) s->limit_bytes = a->limit_bytes;
         cuma_mutex_unlock(&a->lock);
     }
     cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
-    s->managed_bytes = h->c.managed;
-    s->managed_fallbacks = h->c.managed_fallbacks;
+    s->managed_bytes = h->first.c.managed;
+    s->managed_fallbacks = h->first.c.managed_fallbacks;
     cuma_mutex_unlock(&h->managed_lock);
     s->arenas = n;
     s->pools = atomic_load(&h->pool_count);
@@ -161,9 +161,10 @@ cuma_status cuma_stats_json(cuma_heap *h, char *buf, size_t len, size_t *needed)
         &o,
         "{\"version\":\"%d.%d.%d\",\"mode\":\"%s\",\"backend\":\"%s\",\"backend_fallback\":%s,"
         "\"page_alias\":%s,\"device\":\"%s\",\"policy\":\"%s\",",
-        CUMA_VERSION_MAJOR, CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->phys.ops->name, h->be->name,
-        h->backend_fallback ? "true" : "false", (h->be->caps & CUMA_CAP_ALIAS) ? "true" : "false",
-        h->be->device_id, h->pol->ops->name);
+        CUMA_VERSION_MAJOR, CUMA_VERSION_MINOR, CUMA_VERSION_PATCH, h->first.phys.ops->name,
+        h->be->name, h->backend_fallback ? "true" : "false",
+        (h->be->caps & CUMA_CAP_ALIAS) ? "true" : "false", h->be->device_id,
+        h->first.pol->ops->name);
     for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
         const char *at = (const char *)&s + fields[i].offset;
         if (fields[i].is_double) {

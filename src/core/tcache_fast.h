@@ -63,8 +63,9 @@ static inline void cuma_tc_tab_remove(cuma_tcache *tc, cuma_tc_entry *e) {
 
 static inline int cuma_tc_stream_index(const cuma_tcache *tc, cuma_stream s) {
     /* A stream was retired since the map was made: its handle may name a new stream now. */
-    if (__builtin_expect(
-            tc->stream_gen != atomic_load_explicit(&tc->heap->stream_gen, memory_order_relaxed), 0))
+    if (__builtin_expect(tc->stream_gen !=
+                             atomic_load_explicit(&tc->arena->stream_gen, memory_order_relaxed),
+                         0))
         return -1;
     for (unsigned i = 0; i < tc->nstreams; i++)
         if (tc->streams[i].handle == s) return tc->streams[i].index;
@@ -78,9 +79,9 @@ static inline int cuma_tc_stream_index(const cuma_tcache *tc, cuma_stream s) {
                           memory_order_relaxed)
 
 static inline void cuma_tc_note_peaks(cuma_tcache *tc) {
-    cuma_heap *h = tc->primary;
+    cuma_heap *h = tc->heap;
     int64_t req = tc->others_req +
-                  atomic_load_explicit(&tc->heap->pub[CUMA_PUB_REQUESTED], memory_order_relaxed) +
+                  atomic_load_explicit(&tc->arena->pub[CUMA_PUB_REQUESTED], memory_order_relaxed) +
                   atomic_load_explicit(&tc->requested, memory_order_relaxed);
     uint64_t peak = atomic_load_explicit(&h->peak_req, memory_order_relaxed);
     while (req > 0 && (uint64_t)req > peak &&
@@ -160,7 +161,7 @@ cuma_tcache_free(cuma_tcache *tc, uint64_t addr, cuma_stream stream) {
     b->tc_slot = (uint32_t)(e - tc->tab), b->tc_tabgen = tc->tabgen;
     cuma_tc_tab_remove(tc, e);
     b->stream = (uint16_t)si; /* the stream it was last used on: its fence when flushed */
-    uint64_t now = atomic_load_explicit(&tc->heap->coarse_now, memory_order_relaxed);
+    uint64_t now = atomic_load_explicit(&tc->arena->coarse_now, memory_order_relaxed);
     if (!to_bin) {
         if (!tc->npending) atomic_store_explicit(&tc->pending_stamp, now, memory_order_relaxed);
         atomic_store_explicit(&tc->pending[tc->npending++], b, memory_order_release);

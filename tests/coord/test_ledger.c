@@ -613,9 +613,9 @@ static void test_auto(void) {
 
 /* When the heap's release thread means to run the release policy next (heap clock). */
 static uint64_t thread_plan(cuma_heap *h) {
-    pthread_mutex_lock(&h->lock);
-    uint64_t at = h->thread_wake_at;
-    pthread_mutex_unlock(&h->lock);
+    pthread_mutex_lock(&h->first.lock);
+    uint64_t at = h->first.thread_wake_at;
+    pthread_mutex_unlock(&h->first.lock);
     return at;
 }
 

@@ -21,7 +21,7 @@ static cuma_heap *make(const char *conf) {
     return heap_make(full);
 }
 
-static bool in_range(cuma_heap *a, void *p) {
+static bool in_range(cuma_arena *a, void *p) {
     return (uint64_t)(uintptr_t)p - a->base < a->va_size;
 }
 
@@ -34,13 +34,13 @@ static void test_routing_and_stats(void) {
     CHECK(heap_stats(h).arenas == 2);
     CHECK_OK(cuma_alloc(h, 5 * MB, NULL, &p1));
     CHECK_OK(cuma_alloc(h, 1000, NULL, &q1));
-    CHECK(in_range(h, p0) && !in_range(h, p1) && in_range(h->arenas[1], p1));
+    CHECK(in_range(&h->first, p0) && !in_range(&h->first, p1) && in_range(h->arenas[1], p1));
     memset(p1, 0xab, 5 * MB); /* really mapped, with host backing */
     cuma_stats s = heap_stats(h);
     CHECK(s.requested_bytes == 8 * MB + 1000 && s.active_allocs == 3 && s.num_allocs == 3);
     CHECK(s.reserved_bytes == 10 * MB); /* 2 pages under p0; 3 under p1, q1 on p1's last */
     CHECK(s.peak_requested_bytes == s.requested_bytes);
-    CHECK(s.virtual_bytes == h->va_size + h->arenas[1]->va_size);
+    CHECK(s.virtual_bytes == h->first.va_size + h->arenas[1]->va_size);
     CHECK_OK(cuma_validate(h));
     size_t bs;
     CHECK_OK(cuma_block_size(h, p1, &bs));
@@ -97,11 +97,11 @@ static void test_one_limit(void) {
     CHECK(heap_stats(h).reserved_bytes == 12 * MB);
     /* Arena 0's idle page is given back for arena 1 (the out-of-memory path's first rung). */
     CHECK_OK(cuma_free(h, b, NULL));
-    CHECK(h->pages.ncached == 1);
+    CHECK(h->first.pages.ncached == 1);
     CHECK_OK(cuma_alloc(h, 2 * MB, NULL, &d));
     cuma_stats s = heap_stats(h);
     CHECK(s.reserved_bytes == 12 * MB && s.alloc_retries == 2 && s.peak_reserved_bytes == 12 * MB);
-    CHECK(h->pages.nreserved == 3 && h->arenas[1]->pages.nreserved == 3);
+    CHECK(h->first.pages.nreserved == 3 && h->arenas[1]->pages.nreserved == 3);
     CHECK_OK(cuma_validate(h));
     /* Callbacks: registered on the heap, called from arena 1 with the heap's handle. */
     void *victim = a;
@@ -140,7 +140,7 @@ static void test_max_cached(void) {
     CHECK_OK(cuma_free(h, b, NULL)); /* arena 1: the heap's 4 MiB are taken: none kept */
     cuma_stats s = heap_stats(h);
     CHECK(s.cached_bytes == 4 * MB && s.reserved_bytes == 4 * MB);
-    CHECK(h->pages.ncached == 2 && h->arenas[1]->pages.ncached == 0);
+    CHECK(h->first.pages.ncached == 2 && h->arenas[1]->pages.ncached == 0);
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
 }
@@ -237,11 +237,11 @@ static void test_collisions(void) {
     CHECK(!pthread_create(&w, NULL, forced_worker, &f));
     int rounds = 0;
     for (; rounds < 20000 && heap_stats(f.h).arenas < 2; rounds++) {
-        pthread_mutex_lock(&f.h->lock);
+        pthread_mutex_lock(&f.h->first.lock);
         atomic_store(&f.done, 0);
         atomic_store(&f.go, 1);
         usleep(rounds < 100 ? 1000 : 5000); /* the worker's call finds the lock held */
-        pthread_mutex_unlock(&f.h->lock);
+        pthread_mutex_unlock(&f.h->first.lock);
         while (!atomic_load(&f.done)) sched_yield();
     }
     atomic_store(&f.stop, 1);

@@ -56,9 +56,9 @@ static void free_and_wait(const char *what, const char *conf, uint64_t keep, uin
 
 /* When the heap's release thread means to wake next (heap clock; 0 before its first sleep). */
 static uint64_t thread_plan(cuma_heap *h) {
-    pthread_mutex_lock(&h->lock);
-    uint64_t at = h->thread_wake_at;
-    pthread_mutex_unlock(&h->lock);
+    pthread_mutex_lock(&h->first.lock);
+    uint64_t at = h->first.thread_wake_at;
+    pthread_mutex_unlock(&h->first.lock);
     return at;
 }
 

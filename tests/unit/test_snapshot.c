@@ -185,7 +185,7 @@ static void test_exact(void) {
     CHECK(field(j, "managed", "count") == 0);
     /* The largest free block: at most a virtual range, at least what is left above the top. */
     uint64_t lf = field(j, "free", "largest_block");
-    CHECK(lf > 0 && lf <= h->va_size);
+    CHECK(lf > 0 && lf <= h->first.va_size);
     free(j);
     check_against_stats(h);
 
@@ -236,7 +236,7 @@ static void test_thread_cache(void) {
     size_t bs;
     CHECK_OK(cuma_block_size(h, b, &bs));
     CHECK_OK(cuma_free(h, b, NULL));
-    CHECK(h->tcaches); /* the free went to this thread's cache */
+    CHECK(h->first.tcaches); /* the free went to this thread's cache */
     char *j = snapshot(h);
     CHECK(field(j, "live", "count") == 1 && field(j, "live", "requested") == 100000);
     CHECK(field(j, "thread_cached", "count") == 1 && field(j, "thread_cached", "bytes") == bs);

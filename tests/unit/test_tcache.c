@@ -215,9 +215,9 @@ static void test_cached_figures(void) {
     CHECK_OK(cuma_snapshot_json(h, json, sizeof json, NULL));
     CHECK(strstr(json, "\"cached_bytes\":2097152") && strstr(json, "\"mapped_bytes\":2097152"));
     /* What the release thread publishes to the ledger (called here: the thread is off). */
-    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
+    cuma_mutex_lock(&h->first.lock, CUMA_RANK_ARENA);
     cuma_heap_ledger_poll(h);
-    cuma_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->first.lock);
     cuma_ledger_entry e[4];
     size_t n = 0;
     CHECK_OK(cuma_ledger_snapshot(ledger, e, 4, &n));
@@ -229,9 +229,9 @@ static void test_cached_figures(void) {
     CHECK(s.fragmentation == 0 && s.stranded_bytes == 0); /* idle, the cache full */
     /* The allocator figures (mapped) go out every CUMA_LEDGER_STATS_NS of the heap's clock. */
     CHECK_OK(cuma_sim_set_time(h, CUMA_LEDGER_STATS_NS));
-    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
+    cuma_mutex_lock(&h->first.lock, CUMA_RANK_ARENA);
     cuma_heap_ledger_poll(h);
-    cuma_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->first.lock);
     CHECK_OK(cuma_ledger_snapshot(ledger, e, 4, &n));
     CHECK(n == 1 && e[0].cached == 4 * MB && e[0].mapped_bytes == 0 && e[0].requested == 0);
     CHECK_OK(cuma_validate(h));
@@ -241,9 +241,9 @@ static void test_cached_figures(void) {
     CHECK(s.cached_bytes == 4 * MB && s.mapped_bytes == 0 && s.reserved_bytes == 4 * MB);
     /* A slow call moves the cache's share into the arena's counters: counted once. */
     CHECK_OK(cuma_alloc(h, 3 * MB, NULL, &big));
-    cuma_mutex_lock(&h->lock, CUMA_RANK_ARENA);
+    cuma_mutex_lock(&h->first.lock, CUMA_RANK_ARENA);
     cuma_heap_ledger_poll(h);
-    cuma_mutex_unlock(&h->lock);
+    cuma_mutex_unlock(&h->first.lock);
     CHECK_OK(cuma_ledger_snapshot(ledger, e, 4, &n));
     CHECK(n == 1 && e[0].requested == 3 * MB);
     CHECK_OK(cuma_free(h, big, NULL));
