@@ -75,24 +75,23 @@ static inline void cuma_mutex_lock(pthread_mutex_t *m, cuma_rank r) {
     pthread_mutex_lock(m);
 }
 
-static inline int cuma_mutex_trylock(pthread_mutex_t *m, cuma_rank r) {
-    int e = pthread_mutex_trylock(m);
+/* A try or timed take's result `e`: the lock is recorded as held only when it was taken. */
+static inline int cuma_rank_if_taken(pthread_mutex_t *m, cuma_rank r, int e) {
 #if CUMA_LOCK_CHECK
     if (!e) cuma_rank_took(m, r);
 #else
+    (void)m;
     (void)r;
 #endif
     return e;
 }
 
+static inline int cuma_mutex_trylock(pthread_mutex_t *m, cuma_rank r) {
+    return cuma_rank_if_taken(m, r, pthread_mutex_trylock(m));
+}
+
 static inline int cuma_mutex_timedlock(pthread_mutex_t *m, const struct timespec *ts, cuma_rank r) {
-    int e = pthread_mutex_timedlock(m, ts);
-#if CUMA_LOCK_CHECK
-    if (!e) cuma_rank_took(m, r);
-#else
-    (void)r;
-#endif
-    return e;
+    return cuma_rank_if_taken(m, r, pthread_mutex_timedlock(m, ts));
 }
 
 static inline void cuma_mutex_unlock(pthread_mutex_t *m) {
