@@ -17,7 +17,7 @@
  * Every heap is made before the poller's timer slack is lowered: threads inherit the slack of
  * the thread that creates them, and the release threads must sleep as in any program. */
 #include "bench.h"
-#include "core/heap.h" /* CUMA_LEDGER_POLL_NS: how often a release thread looks at the ledger */
+#include "heap/heap.h" /* CUMA_LEDGER_POLL_NS: how often a release thread looks at the ledger */
 #include "cuma/ledger.h"
 
 #include <errno.h>

@@ -2,7 +2,7 @@
 /* What every subcommand of the `cuma` command parses and reports the same way. */
 #include "cli.h"
 
-#include "core/strbuf.h"
+#include "util/strbuf.h"
 
 #include <stdarg.h>
 #include <stdio.h>

@@ -2,7 +2,7 @@
 /* Picks the backend a heap's settings name, and the simulated device in its place where the
  * settings ask for that fallback and no CUDA driver can be used. */
 #include "backend.h"
-#include "core/error.h"
+#include "util/error.h"
 #ifdef CUMA_HAVE_CUDA
 #include "cuda_driver.h"
 #endif

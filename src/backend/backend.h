@@ -14,7 +14,7 @@
 #ifndef CUMA_BACKEND_BACKEND_H
 #define CUMA_BACKEND_BACKEND_H
 
-#include "core/config.h"
+#include "settings/config.h"
 #include "cuma/cuma.h"
 
 #include <stdatomic.h>
@@ -28,7 +28,7 @@
 #define CUMA_CAP_ALIAS       16u /* a page may be mapped at a second address (early remaps) */
 /* The device's memory is the process's own, so a forked child may go on using its copy of the
  * heap (a simulated device without host backing: addresses and pages are only bookkeeping).
- * Without it the child's heap refuses to work: its memory is the parent's (src/core/fork.c). */
+ * Without it the child's heap refuses to work: its memory is the parent's (src/heap/fork.c). */
 #define CUMA_CAP_FORK_PRIVATE 32u
 /* Its memory may exceed the device's (managed memory, which the driver pages between host and
  * device): a limit the settings give above the device size holds, and the ledger does not count

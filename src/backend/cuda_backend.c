@@ -2,7 +2,7 @@
 /* What every CUDA backend shares: creation (device, primary context, UUID, which kind), the
  * event pool, device memory info, the clock, the stuck list, destroy. The kinds themselves are
  * in cuda_vmm.c and cuda_segment.c; cuda_internal.h says how they fit together. */
-#include "core/error.h"
+#include "util/error.h"
 #include "cuda_internal.h"
 
 #include <inttypes.h>

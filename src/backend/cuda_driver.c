@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 /* Loads libcuda at run time: see cuda_driver.h for why. */
 #include "cuda_driver.h"
-#include "core/error.h"
+#include "util/error.h"
 
 #include <dlfcn.h>
 #include <stdatomic.h>

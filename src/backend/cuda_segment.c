@@ -2,7 +2,7 @@
 /* The segment backend (whole cuMemAlloc segments, for devices without virtual memory
  * management) and the managed backend (whole cuMemAllocManaged segments, oversubscribable);
  * also the managed-memory fallback every CUDA backend offers. See cuda_internal.h. */
-#include "core/error.h"
+#include "util/error.h"
 #include "cuda_internal.h"
 
 #include <inttypes.h>

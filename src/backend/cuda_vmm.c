@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 /* The vmm backend: physical pages from cuMemCreate, mapped with cuMemMap into one range from
  * cuMemAddressReserve and made accessible with cuMemSetAccess. See cuda_internal.h. */
-#include "core/error.h"
+#include "util/error.h"
 #include "cuda_internal.h"
 
 #include <inttypes.h>

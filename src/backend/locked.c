@@ -4,8 +4,8 @@
  * backend a single caller at a time). now_ns and mem_info pass straight through: backends
  * already allow those from any thread. */
 #include "backend.h"
-#include "core/error.h"
-#include "core/lockrank.h"
+#include "util/error.h"
+#include "util/lockrank.h"
 
 #include <pthread.h>
 #include <stdatomic.h>

@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-/* The marks of src/core/marks.h as NVTX v3 ranges in a "cuma" domain. NVTX v3 is header-only:
+/* The marks of src/util/marks.h as NVTX v3 ranges in a "cuma" domain. NVTX v3 is header-only:
  * the first call looks for a tool (NVTX_INJECTION64_PATH, which nsys sets) and without one
  * every later call is an empty function. Names are registered strings, so that a push hands
  * the tool a handle, not text to hash. Built without the headers (CUMA_HAVE_NVTX unset), the
  * functions are stubs and nvtx:on is refused with cuma_marks_missing's reason. */
-#include "core/marks.h"
+#include "util/marks.h"
 
 #include <stddef.h>
 

@@ -6,7 +6,7 @@
  * Without it, addresses are numbers nobody dereferences and the simulator costs no memory, which
  * lets a replay simulate an 80 GiB device anywhere. */
 #include "backend.h"
-#include "core/error.h"
+#include "util/error.h"
 
 #include <errno.h>
 #include <fcntl.h>

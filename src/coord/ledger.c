@@ -19,8 +19,8 @@
 #include "ledger.h"
 #include "ledger_shm.h"
 
-#include "core/error.h"
-#include "core/lockrank.h"
+#include "util/error.h"
+#include "util/lockrank.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -7,7 +7,7 @@
  * needed), so it is not counted: neither the managed fallbacks nor the segments of an
  * oversubscribing backend (backend:managed). */
 #include "backend/backend.h"
-#include "core/error.h"
+#include "util/error.h"
 #include "ledger_backend.h"
 
 #include <stdatomic.h>

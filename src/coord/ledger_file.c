@@ -3,10 +3,10 @@
  * this layout, its lock, reading and writing it, and the process's one open file of it. */
 #include "ledger_shm.h"
 
-#include "core/config.h"
-#include "core/error.h"
-#include "core/lockrank.h"
-#include "core/peers.h"
+#include "settings/config.h"
+#include "util/error.h"
+#include "util/lockrank.h"
+#include "heap/peers.h"
 #include "cuma/ledger.h"
 
 #include <errno.h>

@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-/* The ledger as the heap's peers (core/peers.h): joining it at creation (cuma_heap_create),
+/* The ledger as the heap's peers (heap/peers.h): joining it at creation (cuma_heap_create),
  * asking the other heaps for memory on the out-of-memory ladder, answering their requests from
  * the release thread, the ledger's figures in the stats and the pressure callbacks. The heap
  * calls these through h->peers only. */
 #include "pressure.h"
 
-#include "core/error.h"
-#include "core/heap.h"
-#include "core/marks.h"
+#include "util/error.h"
+#include "heap/heap.h"
+#include "util/marks.h"
 #include "ledger_backend.h"
 
 #include <stdio.h>

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-/* The ledger as a heap's peers (core/peers.h): what src/coord/pressure.c offers besides the
+/* The ledger as a heap's peers (heap/peers.h): what src/coord/pressure.c offers besides the
  * operations it fills in. */
 #ifndef CUMA_COORD_PRESSURE_H
 #define CUMA_COORD_PRESSURE_H

@@ -13,8 +13,8 @@
  */
 #include "default_heap.h"
 
-#include "core/error.h"
-#include "core/heap.h"
+#include "util/error.h"
+#include "heap/heap.h"
 #ifdef CUMA_HAVE_CUDA
 #include "backend/cuda_driver.h"
 #endif

@@ -7,7 +7,7 @@
  */
 #include "cuma/torch.h"
 
-#include "core/error.h"
+#include "util/error.h"
 #include "default_heap.h"
 
 #include <limits.h>

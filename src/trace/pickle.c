@@ -8,7 +8,7 @@
  */
 #include "pickle.h"
 
-#include "core/error.h"
+#include "util/error.h"
 
 #include <stdlib.h>
 #include <string.h>

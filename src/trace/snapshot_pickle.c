@@ -22,7 +22,7 @@
  */
 #include "snapshot_pickle.h"
 
-#include "core/error.h"
+#include "util/error.h"
 #include "pickle.h"
 #include "stacks.h"
 

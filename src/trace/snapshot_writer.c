@@ -18,7 +18,7 @@
  */
 #include "trace.h"
 
-#include "core/error.h"
+#include "util/error.h"
 
 #include <errno.h>
 #include <stdint.h>

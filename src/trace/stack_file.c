@@ -5,7 +5,7 @@
  * wants, for executables and shared libraries alike. */
 #include "stack_file.h"
 
-#include "core/error.h"
+#include "util/error.h"
 #include "stacks.h"
 
 #include <elf.h>

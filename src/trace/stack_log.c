@@ -5,9 +5,9 @@
  * into the parent's file. */
 #include "stack_log.h"
 
-#include "core/error.h"
-#include "core/hashmap.h"
-#include "core/safefile.h"
+#include "util/error.h"
+#include "util/hashmap.h"
+#include "util/safefile.h"
 
 #include <errno.h>
 #include <execinfo.h>

@@ -2,7 +2,7 @@
 /* Interned call stacks (stacks.h). */
 #include "stacks.h"
 
-#include "core/error.h"
+#include "util/error.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -10,7 +10,7 @@
 #ifndef CUMA_TRACE_STACKS_H
 #define CUMA_TRACE_STACKS_H
 
-#include "core/hashmap.h"
+#include "util/hashmap.h"
 #include "trace.h"
 
 typedef struct cuma_stacks_builder {

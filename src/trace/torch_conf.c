@@ -4,7 +4,7 @@
  * skipped), plus the bracketed list form of roundup_power2_divisions, whose commas are its own. */
 #include "torch_model.h"
 
-#include "core/error.h"
+#include "util/error.h"
 
 #include <errno.h>
 #include <stdio.h>

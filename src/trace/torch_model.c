@@ -3,7 +3,7 @@
  * release steps, and the replay of a trace. */
 #include "torch_model.h"
 
-#include "core/error.h"
+#include "util/error.h"
 
 #include <assert.h>
 #include <stdlib.h>

@@ -13,7 +13,7 @@
 #include "stack_file.h"
 #include "stacks.h"
 
-#include "core/error.h"
+#include "util/error.h"
 
 #include <errno.h>
 #include <fcntl.h>

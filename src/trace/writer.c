@@ -3,11 +3,11 @@
  * a log is written while the program runs), "wbT" passes text through. */
 #include "writer.h"
 
-#include "core/error.h"
-#include "core/lockrank.h"
-#include "core/safefile.h"
+#include "util/error.h"
+#include "util/lockrank.h"
+#include "util/safefile.h"
 #include "stack_log.h"
-#include "core/strbuf.h"
+#include "util/strbuf.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -64,7 +64,7 @@ void cuma_trace_writer_event_stack(cuma_trace_writer *w, cuma_trace_action actio
 /* Flushes, closes and frees. NULL is fine. */
 void cuma_trace_writer_close(cuma_trace_writer *w);
 
-/* Around fork (src/core/fork.c, after every heap's locks): every writer's lock is held across it.
+/* Around fork (src/heap/fork.c, after every heap's locks): every writer's lock is held across it.
  * In the child the logs are the parent's (their buffers and the file offset are shared): the
  * child's copies are dropped unwritten, and its heaps log nothing. */
 void cuma_trace_writer_prefork(void);

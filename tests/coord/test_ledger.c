@@ -6,7 +6,7 @@
  * ledger named for this run, so that runs side by side do not meet. */
 #include "check.h"
 #include "coord/pressure.h"
-#include "core/heap.h"
+#include "heap/heap.h"
 #include "cuma/ledger.h"
 #include "cuma/sim.h"
 

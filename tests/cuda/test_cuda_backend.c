@@ -15,7 +15,7 @@
 #include "cuda_test.h"
 
 #include "backend/backend.h"
-#include "core/config.h"
+#include "settings/config.h"
 #include "cuma/compact.h"
 
 #include <pthread.h>

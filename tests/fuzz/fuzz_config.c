@@ -18,7 +18,7 @@
  */
 #include "fuzz.h"
 
-#include "core/config.h"
+#include "settings/config.h"
 
 #include <math.h>
 #include <string.h>

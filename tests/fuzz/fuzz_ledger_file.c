@@ -35,7 +35,7 @@
 #include "fuzz.h"
 
 #include "coord/ledger.h"
-#include "core/error.h"
+#include "util/error.h"
 #include "coord/ledger_shm.h"
 #include "cuma/ledger.h"
 

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-/* nvtx:on marks the slow paths as NVTX ranges (src/core/marks.h), nvtx:off makes no NVTX call.
+/* nvtx:on marks the slow paths as NVTX ranges (src/util/marks.h), nvtx:off makes no NVTX call.
  * Run with NVTX_INJECTION64_PATH naming tests/nvtx/inject.c's library and CUMA_NVTX_LOG the file
  * it records to (CMake sets both). The same work runs on a simulated heap twice: with nvtx:off
  * the injection is never even loaded (no log file: NVTX loads it at its first call); with

@@ -14,7 +14,7 @@
  * CUMA_STRESS_OPS (default 1200000) sets the total operation count; CUMA_TEST_SEED replays a run.
  */
 #include "check.h"
-#include "core/heap.h"
+#include "heap/heap.h"
 
 #include <pthread.h>
 #include <stdint.h>

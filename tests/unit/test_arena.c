@@ -3,7 +3,7 @@
  * out-of-memory path reaching other arenas' caches, settings every arena sees, and arenas made
  * by colliding threads (and not by a single thread). */
 #include "check.h"
-#include "core/heap.h"
+#include "heap/heap.h"
 #include "cuma/sim.h"
 
 #include <pthread.h>

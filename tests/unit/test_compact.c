@@ -6,7 +6,7 @@
  * allocation succeed; cuma_compact_if_needed runs only over the threshold; pools' carves never
  * move; segment mode and the buddy refuse. Randomized sizes print their seed. */
 #include "check.h"
-#include "core/heap.h"
+#include "heap/heap.h"
 #include "cuma/compact.h"
 #include "cuma/pool.h"
 

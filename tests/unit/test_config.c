@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-/* The CUMA_CONF grammar (src/core/config.c): every key of the table, sizes, bad values and the
+/* The CUMA_CONF grammar (src/settings/config.c): every key of the table, sizes, bad values and the
  * messages that name them, none/never, whitespace, the order in which settings apply (defaults,
  * CUMA_CONF, cfg->conf), cuma_config_describe, cuma_config_check and cuma_settings_validate. */
 #include "check.h"
-#include "core/config.h"
-#include "core/marks.h"
+#include "settings/config.h"
+#include "util/marks.h"
 
 #include <stdbool.h>
 #include <stdint.h>

@@ -5,7 +5,7 @@
  * spellings of on and off), a bad string refused with cuma_config_check's very message, a key
  * rewritten, and the buffer protocol of cuma_config_describe. */
 #include "check.h"
-#include "core/config.h"
+#include "settings/config.h"
 
 #include <stdbool.h>
 #include <stdlib.h>

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-/* The open-addressing map (src/core/hashmap.c): put/get/remove/replace, growth, each, removal
+/* The open-addressing map (src/util/hashmap.c): put/get/remove/replace, growth, each, removal
  * whose backward shift wraps around the end of the table, and 10^6 random operations checked
  * against a plain array, with cuma_map_validate after every phase. */
 #include "check.h"
-#include "core/hashmap.h"
+#include "util/hashmap.h"
 
 #include <stdbool.h>
 #include <stdint.h>

@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-/* The lock-rank checker (core/lockrank.h): a thread that takes two of cuma's mutexes against
+/* The lock-rank checker (util/lockrank.h): a thread that takes two of cuma's mutexes against
  * their ranks aborts, naming both; the order of docs/DESIGN.md passes. The checker is compiled
  * in here whatever the build type (the library's own calls have it only without NDEBUG). */
 #undef CUMA_LOCK_CHECK
 #define CUMA_LOCK_CHECK 1
 #include "check.h"
-#include "core/lockrank.h"
+#include "util/lockrank.h"
 
 #include <pthread.h>
 #include <signal.h>

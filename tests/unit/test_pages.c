@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-/* Physical pages under the virtual range (src/core/pages.c) on a host-backed simulated device of
+/* Physical pages under the virtual range (src/phys/pages.c) on a host-backed simulated device of
  * 32 pages of 2 MiB under a 128-page virtual range: reference counts, the idle cache and reuse
  * in place, stealing an idle page for another virtual page, release by age and by cache cap,
  * the page limit, fences that keep a page, pinned (preallocated) pages, data that survives a
@@ -7,9 +7,9 @@
  * every step. */
 #include "check.h"
 #include "backend/backend.h"
-#include "core/config.h"
-#include "core/pages.h"
-#include "core/streams.h"
+#include "settings/config.h"
+#include "phys/pages.h"
+#include "place/streams.h"
 
 #include <stdatomic.h>
 #include <stdbool.h>

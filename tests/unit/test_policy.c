@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-/* The placement policies (src/core/tlsf.c, src/core/buddy.c) through cuma_policy_ops, each
+/* The placement policies (src/place/tlsf.c, src/place/buddy.c) through cuma_policy_ops, each
  * over a stream table on a simulated device: rounding, ranges, 10^5 random allocations and
  * frees against a shadow list (no overlap, inside the range, big enough, aligned; validate()
  * and free + live bytes after every phase), filling the range completely, freeing back to one
@@ -8,9 +8,9 @@
  * checks every granule handed out, merge rules, coalesce and remove_range. */
 #include "check.h"
 #include "backend/backend.h"
-#include "core/config.h"
-#include "core/policy.h"
-#include "core/streams.h"
+#include "settings/config.h"
+#include "place/policy.h"
+#include "place/streams.h"
 
 #include <stdbool.h>
 #include <stdint.h>

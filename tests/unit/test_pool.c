@@ -2,8 +2,8 @@
 /* Fixed-size pools (cuma/pool.h) on the simulated device: blocks and reuse, constant work per
  * call (counted), misuse, the heap's figures, threads sharing a pool, fork, heap destruction. */
 #include "check.h"
-#include "core/heap.h"
-#include "core/pools.h"
+#include "heap/heap.h"
+#include "heap/pools.h"
 #include "cuma/pool.h"
 #include "cuma/sim.h"
 

@@ -5,7 +5,7 @@
  * 1 ms floor. Then on a heap on the manual clock: a page freed with a 100 ms delay makes the
  * plan exactly its due time. No thread runs: the times are the test's. */
 #include "check.h"
-#include "core/heap.h"
+#include "heap/heap.h"
 #include "cuma/sim.h"
 
 #include <stdint.h>

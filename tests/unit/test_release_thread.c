@@ -9,7 +9,7 @@
  * That the fresh heap's thread does not sleep through its second is checked on the thread's own
  * plan (when it means to wake, heap clock) instead of on wall time. */
 #include "check.h"
-#include "core/heap.h"
+#include "heap/heap.h"
 #include "cuma/ledger.h"
 #include "cuma/sim.h"
 

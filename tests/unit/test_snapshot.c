@@ -7,7 +7,7 @@
  * failure, in a file named by %p/%d, at most once in 10 s, the caller's error kept. */
 #define _DEFAULT_SOURCE
 #include "check.h"
-#include "core/heap.h"
+#include "heap/heap.h"
 #include "cuma/sim.h"
 
 #include <stdarg.h>

@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-/* Stream fences (src/core/streams.c) over the simulated device: the stream table, lazy event
+/* Stream fences (src/place/streams.c) over the simulated device: the stream table, lazy event
  * recording (none until someone asks, one event for many frees), held streams, the event
  * ring, MULTI tags, cuma_fence_join and cuma_streams_validate. */
 #include "check.h"
 #include "backend/backend.h"
-#include "core/config.h"
-#include "core/streams.h"
+#include "settings/config.h"
+#include "place/streams.h"
 
 #include <stdatomic.h>
 #include <stdbool.h>

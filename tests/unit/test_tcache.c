@@ -2,9 +2,9 @@
 /* The per-thread caches (fast path): reuse, accounting, double frees, frees from other threads,
  * flushes by trim, age and out-of-memory, thread exit. */
 #include "check.h"
-#include "core/heap.h"
+#include "heap/heap.h"
 #include "coord/pressure.h"
-#include "core/tcache.h"
+#include "heap/tcache.h"
 #include "cuma/ledger.h"
 #include "cuma/sim.h"
 

@@ -16,7 +16,7 @@
  */
 #include "preload.h"
 
-#include "core/strbuf.h"
+#include "util/strbuf.h"
 
 #include <assert.h>
 #include <dlfcn.h>

@@ -20,7 +20,7 @@
  */
 #include "preload.h"
 
-#include "core/config.h"
+#include "settings/config.h"
 #include "cuma/cuma.h"
 #include "shim/default_heap.h"
 
@@ -540,7 +540,7 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuStreamDestroy(CUstream hStream) {
 /* ---- what the program is told about memory ------------------------------------------------- */
 
 /* The limit CUMA_CONF sets for a device of `capacity` bytes, as the heap computes it
- * (cuma_arena_refresh_limit in src/core/heap_life.c), for a device whose heap does not exist
+ * (cuma_arena_refresh_limit in src/heap/heap_life.c), for a device whose heap does not exist
  * yet: creating one would retain its primary context, which a query must not do. */
 static uint64_t configured_limit(uint64_t capacity) {
     uint64_t lim = capacity;

@@ -1,0 +1,169 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "place/streams.h"
+#include "util/error.h"
+#include "util/marks.h"
+
+#include <stdlib.h>
+
+cuma_status cuma_streams_init(cuma_streams *ss, cuma_backend *be) {
+    ss->be = be;
+    ss->n = 0;
+    ss->gseq = 0;
+    ss->epoch = 1; /* slots start at nd_epoch 0: nothing remembered */
+    ss->events_recorded = 0;
+    ss->event_queries = 0;
+    ss->marks = false; /* the heap sets it after; a table made alone has no ranges */
+    ss->slot = calloc(CUMA_MAX_STREAMS, sizeof *ss->slot);
+    if (!ss->slot) return cuma_fail(CUMA_ERR_OOM, "no host memory for the stream table");
+    return CUMA_OK;
+}
+
+void cuma_streams_destroy(cuma_streams *ss) {
+    if (!ss->slot) return;
+    for (unsigned i = 0; i < ss->n; i++) {
+        cuma_stream_slot *s = &ss->slot[i];
+        for (unsigned k = 0; k < s->npending; k++)
+            ss->be->ops->event_release(ss->be, s->ring[(s->head + k) % CUMA_FENCE_RING].event);
+    }
+    free(ss->slot);
+    ss->slot = NULL;
+}
+
+static void retire(cuma_streams *ss, cuma_stream_slot *s, uint64_t wait_until);
+
+int cuma_streams_index(cuma_streams *ss, cuma_stream handle) {
+    int reuse = -1;
+    for (unsigned i = 0; i < ss->n; i++) {
+        cuma_stream_slot *s = &ss->slot[i];
+        if (!s->dead) {
+            if (s->handle == handle) return (int)i;
+        } else if (s->fenced == s->last) {
+            /* Every dead slot is asked, not only up to the first drained one: a slot nobody
+             * asks about would never drain, and the table would grow with the device's lag. */
+            if (s->done < s->last) retire(ss, s, 0);
+            if (reuse < 0 && s->done == s->last) reuse = (int)i;
+        }
+    }
+    if (reuse >= 0) {
+        /* Every tag of the old stream is done (done == last): they stay known done for the new
+         * one, whose tags are all later. */
+        cuma_stream_slot *s = &ss->slot[reuse];
+        s->dead = false;
+        s->handle = handle;
+        s->nd_seq = s->nd_epoch = 0;
+        return reuse;
+    }
+    if (ss->n == CUMA_MAX_STREAMS) return -1;
+    ss->slot[ss->n].handle = handle;
+    return (int)ss->n++;
+}
+
+cuma_status cuma_streams_retire(cuma_streams *ss, cuma_stream handle, bool *found) {
+    *found = false;
+    cuma_stream_slot *s = NULL;
+    for (unsigned i = 0; i < ss->n && !s; i++)
+        if (!ss->slot[i].dead && ss->slot[i].handle == handle) s = &ss->slot[i];
+    if (!s) return CUMA_OK;
+    *found = true;
+    /* The last fence covers the work still to come from memory the program holds, or that thread
+     * caches keep, which no tag counts: so it is recorded even when every tag is done. */
+    retire(ss, s, 0);
+    if (s->npending == CUMA_FENCE_RING) retire(ss, s, s->ring[s->head].covers);
+    s->dead = true;
+    s->last = ++ss->gseq;
+    if (s->npending == CUMA_FENCE_RING)
+        return cuma_fail(CUMA_ERR_BACKEND,
+                         "retiring stream %p: its fence ring stays full; memory freed on it is "
+                         "held for good",
+                         handle);
+    uint64_t ev;
+    cuma_status st = ss->be->ops->event_record(ss->be, handle, &ev);
+    if (st) return st;
+    s->ring[(s->head + s->npending) % CUMA_FENCE_RING].event = ev;
+    s->ring[(s->head + s->npending) % CUMA_FENCE_RING].covers = s->last;
+    s->npending++;
+    s->fenced = s->last;
+    ss->events_recorded++;
+    retire(ss, s, 0);
+    return CUMA_OK;
+}
+
+/* Retires completed events from the front of the ring, waiting for those that cover tags up to
+ * wait_until (0: none); the work after that tag may go on. */
+static void retire(cuma_streams *ss, cuma_stream_slot *s, uint64_t wait_until) {
+    cuma_backend *be = ss->be;
+    while (s->npending) {
+        uint64_t ev = s->ring[s->head].event;
+        int q = be->ops->event_query(be, ev);
+        ss->event_queries++;
+        if (q == 0 && s->done < wait_until) {
+            cuma_mark_push(ss->marks, CUMA_MARK_FENCE_WAIT);
+            if (be->ops->event_wait(be, ev) == CUMA_OK) q = 1;
+            cuma_mark_pop(ss->marks);
+        }
+        if (q <= 0) return; /* an error counts as not done: memory stays held, never reused early */
+        s->done = s->ring[s->head].covers;
+        be->ops->event_release(be, ev);
+        s->head = (s->head + 1) % CUMA_FENCE_RING;
+        s->npending--;
+    }
+}
+
+static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
+    cuma_stream_slot *s = &ss->slot[i];
+    if (s->done >= seq) return true;
+    if (!wait && s->nd_epoch == ss->epoch && seq >= s->nd_seq) return false;
+    retire(ss, s, 0);
+    if (s->done >= seq) return true;
+    /* A full ring has no event for this tag yet: a wait first waits for the oldest event,
+     * which frees a place for one that covers the tag. */
+    if (wait && s->fenced < seq && s->npending == CUMA_FENCE_RING && !s->dead)
+        retire(ss, s, s->ring[s->head].covers);
+    if (s->fenced < seq && s->npending < CUMA_FENCE_RING && !s->dead) {
+        uint64_t ev;
+        if (ss->be->ops->event_record(ss->be, s->handle, &ev) == CUMA_OK) {
+            s->ring[(s->head + s->npending) % CUMA_FENCE_RING].event = ev;
+            s->ring[(s->head + s->npending) % CUMA_FENCE_RING].covers = s->last;
+            s->npending++;
+            s->fenced = s->last;
+            ss->events_recorded++;
+        }
+    }
+    retire(ss, s, wait ? seq : 0);
+    if (s->done >= seq) return true;
+    if (!wait && (s->nd_epoch != ss->epoch || seq < s->nd_seq))
+        s->nd_seq = seq, s->nd_epoch = ss->epoch;
+    return false;
+}
+
+bool cuma_fence_poll(cuma_streams *ss, unsigned stream, uint64_t seq, bool wait) {
+    if (cuma_fence_known_done(ss, stream, seq)) return true;
+    if (stream != CUMA_FENCE_MULTI) return poll_one(ss, stream, seq, wait);
+    bool all = true;
+    for (unsigned i = 0; i < ss->n; i++) {
+        cuma_stream_slot *s = &ss->slot[i];
+        all &= poll_one(ss, i, s->last < seq ? s->last : seq, wait);
+    }
+    return all;
+}
+
+bool cuma_streams_validate(const cuma_streams *ss, const char **why) {
+    if (ss->n > CUMA_MAX_STREAMS) return *why = "stream count over the table size", false;
+    for (unsigned i = 0; i < ss->n; i++) {
+        const cuma_stream_slot *s = &ss->slot[i];
+        if (s->done > s->fenced || s->fenced > s->last || s->last > ss->gseq)
+            return *why = "stream fence counters out of order (done <= fenced <= last <= gseq)",
+                   false;
+        if (s->npending > CUMA_FENCE_RING) return *why = "stream fence ring overfull", false;
+        uint64_t prev = s->done;
+        for (unsigned k = 0; k < s->npending; k++) {
+            uint64_t c = s->ring[(s->head + k) % CUMA_FENCE_RING].covers;
+            if (c < prev || c <= s->done) return *why = "stream fence ring not increasing", false;
+            prev = c;
+        }
+        for (unsigned j = 0; j < i && !s->dead; j++)
+            if (!ss->slot[j].dead && ss->slot[j].handle == s->handle)
+                return *why = "stream listed twice", false;
+    }
+    return true;
+}

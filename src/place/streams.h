@@ -1,0 +1,125 @@
+// SPDX-License-Identifier: Apache-2.0
+/* Stream fences: when may memory freed on one stream be reused by another, or unmapped?
+ *
+ * Every free gets a heap-wide sequence number (gseq) and is tagged (stream index, gseq).
+ * Events are recorded lazily, only when someone needs to know whether a tag is complete, and
+ * each event covers every free issued on its stream before it. So a program that frees and
+ * reallocates on one stream records no event at all on its hot path.
+ *
+ * Streams that die: a stream the program destroys is retired (cuma_streams_retire) while its
+ * handle is still valid: one last event is recorded on it, covering all the work it will ever
+ * run, and its slot becomes dead. A dead slot matches no handle (the driver may hand the same
+ * handle to a new stream), records no event, and tags every later free of memory allocated on
+ * it with that last fence. Once the last fence is complete every tag of the slot is known done,
+ * and a new stream may take the slot over: so a program that makes and destroys a stream per
+ * request runs in a table of a few slots.
+ *
+ * Not thread-safe: the heap lock protects the whole table.
+ */
+#ifndef CUMA_PLACE_STREAMS_H
+#define CUMA_PLACE_STREAMS_H
+
+#include "backend/backend.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define CUMA_MAX_STREAMS 256
+#define CUMA_FENCE_MULTI 0xFFFFu /* tag of memory freed by several streams */
+#define CUMA_FENCE_RING  8
+
+/* Invariants: done <= fenced <= last (in gseq); the ring holds npending events with
+ * non-decreasing `covers`, each > done; a dead slot has fenced == last unless its retirement
+ * could record no event (then its tags never complete: memory is held, never reused early). */
+typedef struct cuma_stream_slot {
+    cuma_stream handle;
+    uint64_t last;   /* gseq of the last free tagged with this stream */
+    uint64_t fenced; /* highest gseq that a recorded event covers */
+    uint64_t done;   /* every free on this stream with gseq <= done has completed */
+    struct {
+        uint64_t event, covers;
+    } ring[CUMA_FENCE_RING];
+    unsigned head, npending;
+    /* The device said gseq nd_seq was not done yet during epoch nd_epoch: later tags of this
+     * stream are not done either, and are not asked about again in that epoch. */
+    uint64_t nd_seq, nd_epoch;
+    bool dead; /* retired: the handle is gone (see above) */
+} cuma_stream_slot;
+
+typedef struct cuma_streams {
+    cuma_backend *be;
+    cuma_stream_slot *slot; /* CUMA_MAX_STREAMS entries, the first n in use */
+    unsigned n;
+    uint64_t gseq; /* last sequence number handed out */
+    /* A device that runs behind the host leaves many idle pages and blocks with pending tags;
+     * a scan over them must not ask the device once per tag. Within one epoch (one allocator
+     * operation: cuma_streams_tick) each stream's pending work is asked about once. */
+    uint64_t epoch;
+    bool marks;               /* nvtx:on: waits are NVTX ranges (marks.h); constant */
+    uint64_t events_recorded; /* statistics */
+    uint64_t event_queries;
+} cuma_streams;
+
+cuma_status cuma_streams_init(cuma_streams *ss, cuma_backend *be);
+void cuma_streams_destroy(cuma_streams *ss);
+
+/* The index of a stream, adding it on first sight (in a drained dead slot if there is one); -1
+ * when the table is full. */
+int cuma_streams_index(cuma_streams *ss, cuma_stream handle);
+
+/* Retires the stream `handle` before the program destroys it: records its last fence and makes
+ * its slot dead. False when the table has no live slot for it (nothing to do). CUMA_OK, or the
+ * backend's failure to record the fence (the slot is dead all the same). */
+cuma_status cuma_streams_retire(cuma_streams *ss, cuma_stream handle, bool *found);
+
+/* A new allocator operation: what the device said about pending work may have changed. */
+static inline void cuma_streams_tick(cuma_streams *ss) {
+    ss->epoch++;
+}
+
+/* Tags a free on stream index i: returns its gseq. On a dead slot, its last fence: the memory's
+ * work was all on the stream, which ran nothing after it. */
+static inline uint64_t cuma_streams_note_free(cuma_streams *ss, unsigned i) {
+    cuma_stream_slot *s = &ss->slot[i];
+    if (__builtin_expect(s->dead, 0)) return s->last;
+    return s->last = ++ss->gseq;
+}
+
+/* Whether a tag is known complete, without asking the device. Tag (any, 0) is clean. */
+static inline bool cuma_fence_known_done(const cuma_streams *ss, unsigned stream, uint64_t seq) {
+    if (seq == 0) return true;
+    if (stream != CUMA_FENCE_MULTI) return ss->slot[stream].done >= seq;
+    for (unsigned i = 0; i < ss->n; i++) {
+        const cuma_stream_slot *s = &ss->slot[i];
+        if (s->done < (s->last < seq ? s->last : seq)) return false;
+    }
+    return true;
+}
+
+/* Whether a tag is complete now: asks the device, recording an event if none covers the
+ * tag yet, unless the device said in this epoch that an earlier tag of the stream was not done.
+ * With `wait`, blocks until complete where the backend can. */
+bool cuma_fence_poll(cuma_streams *ss, unsigned stream, uint64_t seq, bool wait);
+
+/* Combines two tags of memory that becomes one (a merged block, a page freed by two
+ * streams). */
+static inline void cuma_fence_join(const cuma_streams *ss, uint16_t *stream, uint64_t *seq,
+                                   uint16_t ostream, uint64_t oseq) {
+    /* One stream (the common case: a page freed again by its stream): its later tag covers
+     * the earlier, done or not; for CUMA_FENCE_MULTI the later tag waits at least as long. */
+    if (*stream == ostream) {
+        if (oseq > *seq) *seq = oseq;
+        return;
+    }
+    if (cuma_fence_known_done(ss, ostream, oseq)) return;
+    if (cuma_fence_known_done(ss, *stream, *seq)) {
+        *stream = ostream, *seq = oseq;
+        return;
+    }
+    if (*stream != ostream) *stream = CUMA_FENCE_MULTI;
+    if (oseq > *seq) *seq = oseq;
+}
+
+bool cuma_streams_validate(const cuma_streams *ss, const char **why);
+
+#endif
