@@ -64,7 +64,8 @@ const char *cuma_status_string(cuma_status s);
 const char *cuma_last_error(void);
 
 /* A stream: a CUstream / cudaStream_t on CUDA backends, any opaque value on the simulated
- * device. NULL is the default stream. */
+ * device. NULL is the default stream. CU_STREAM_PER_THREAD (cudaStreamPerThread) is the calling
+ * thread's own default stream: each thread's counts as a stream of its own. */
 typedef void *cuma_stream;
 
 /* Opaque heap handle: one per device. Thread-safe (see above). */

@@ -93,6 +93,9 @@ struct cuma_backend {
     uint64_t capacity;   /* device memory in bytes */
     char device_id[64];  /* UUID or "sim" */
     cuma_backend *inner; /* a wrapper's (locked, ledger): the backend it calls; else NULL */
+    /* The handle that names each calling thread's own default stream (CU_STREAM_PER_THREAD), or
+     * NULL where the device has none: the stream table tells threads' streams apart by it. */
+    cuma_stream per_thread_stream;
 };
 
 /* Creates the backend the settings name ("auto" picks the best available). Where no CUDA driver

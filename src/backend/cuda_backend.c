@@ -263,6 +263,7 @@ static cuma_status open_device(cuda_be *b, int ordinal) {
     st = attribute(b, CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY, "MANAGED_MEMORY", &managed);
     if (st) return st;
     b->be.caps = managed ? CUMA_CAP_MANAGED : 0;
+    b->be.per_thread_stream = (cuma_stream)CU_STREAM_PER_THREAD;
     return CUMA_OK;
 }
 

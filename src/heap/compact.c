@@ -168,7 +168,7 @@ static cuma_status collect(plan *p) {
         m->old_addr = a->base + b->off;
         m->size = b->req;
         m->si = b->stream;
-        m->stream = a->streams.slot[b->stream].handle;
+        m->stream = cuma_streams_usable(&a->streams, b->stream); /* the mover runs here */
     }
     qsort(p->mv, p->nmv, sizeof *p->mv, by_size_desc); /* large first: they need the room */
     return CUMA_OK;
@@ -331,10 +331,9 @@ static void plan_commit(plan *p, bool release, cuma_compact_result *r) {
                               atomic_load_explicit(&m->nb->gen, memory_order_relaxed) + 1,
                               memory_order_release);
         if (h->tw) {
-            cuma_trace_writer_event(h->tw, CUMA_TRACE_FREE, m->old_addr, m->size,
-                                    (uint64_t)(uintptr_t)m->stream);
-            cuma_trace_writer_event(h->tw, CUMA_TRACE_ALLOC, m->new_addr, m->size,
-                                    (uint64_t)(uintptr_t)m->stream);
+            uint64_t shown = (uint64_t)(uintptr_t)cuma_streams_shown(&a->streams, m->si);
+            cuma_trace_writer_event(h->tw, CUMA_TRACE_FREE, m->old_addr, m->size, shown);
+            cuma_trace_writer_event(h->tw, CUMA_TRACE_ALLOC, m->new_addr, m->size, shown);
         }
         /* Stream-ordered, as cuma_free(old, stream): the copy queued there runs first. */
         cuma_arena_release_block(a, m->old, m->si, seq, t, false);

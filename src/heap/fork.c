@@ -165,3 +165,9 @@ void cuma_fork_untrack(cuma_heap *h) {
     h->fork_next = h->fork_prev = NULL;
     cuma_mutex_unlock(&fork_lock);
 }
+
+void cuma_heaps_each(void (*fn)(cuma_heap *h, void *arg), void *arg) {
+    cuma_mutex_lock(&fork_lock, CUMA_RANK_FORK);
+    for (cuma_heap *h = live_heaps; h; h = h->fork_next) fn(h, arg);
+    cuma_mutex_unlock(&fork_lock);
+}

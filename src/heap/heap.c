@@ -406,7 +406,7 @@ alloc_slow(cuma_heap *h, size_t size, cuma_stream stream, void **ptr, bool tried
     int nframes = h->set.trace_stacks ? cuma_stack_capture(frames) : 0;
     cuma_arena_lock(h, a);
     cuma_status st;
-    int si = cuma_streams_index(&a->streams, stream);
+    int si = cuma_arena_stream_index(a, stream);
     if (si < 0) {
         a->c.failed++;
         cuma_mutex_unlock(&a->lock);
@@ -543,7 +543,7 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
         cuma_mutex_unlock(&a->lock);
         return st;
     }
-    int si = stream ? cuma_streams_index(&a->streams, stream) : b->stream;
+    int si = stream ? cuma_arena_stream_index(a, stream) : b->stream;
     /* The thread's next free on this stream can go fast (also after a retirement reset its map). */
     if (tc && stream && si >= 0) cuma_tcache_note_stream(tc, stream, (unsigned)si);
     if (si < 0) si = b->stream; /* table full: the allocation stream still orders this free */
@@ -554,7 +554,7 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
     if (h->tw)
         cuma_trace_writer_event(
             h->tw, CUMA_TRACE_FREE, addr, b->req,
-            (uint64_t)(uintptr_t)(stream ? stream : a->streams.slot[si].handle));
+            (uint64_t)(uintptr_t)(stream ? stream : cuma_streams_shown(&a->streams, (unsigned)si)));
     uint64_t t = now(a);
     uint64_t seq = cuma_streams_note_free(&a->streams, (unsigned)si);
     if (b->extra[0] != CUMA_NO_STREAM || b->extra_all) {
@@ -625,7 +625,7 @@ cuma_status cuma_record_stream(cuma_heap *h, void *ptr, cuma_stream stream) {
         st = is_managed(a, (uint64_t)(uintptr_t)ptr) ? CUMA_OK
                                                      : bad_pointer(a, ptr, "cuma_record_stream");
     } else {
-        int si = cuma_streams_index(&a->streams, stream);
+        int si = cuma_arena_stream_index(a, stream);
         if (si < 0)
             b->extra_all = 1;
         else if (si != b->stream && b->extra[0] != si && b->extra[1] != si) {

@@ -329,6 +329,19 @@ void cuma_arena_init_wake(cuma_arena *a);
 /* The error of a call on a heap that came through fork with its parent's memory. */
 cuma_status cuma_heap_inherited(cuma_heap *h, const char *call);
 void cuma_fork_untrack(cuma_heap *h);
+/* Calls fn on every live heap, under fork.c's list lock (fn may take arena locks, not create or
+ * destroy a heap). */
+void cuma_heaps_each(void (*fn)(cuma_heap *h, void *arg), void *arg);
+
+/* thread_streams.c: the calling thread used its per-thread stream: retire it in every heap when
+ * the thread exits. */
+void cuma_thread_streams_arm(void);
+/* The index of `stream` in arena a's table (cuma_streams_index), arming the exit hook for a
+ * thread's per-thread stream. Under the arena lock. */
+static inline int cuma_arena_stream_index(cuma_arena *a, cuma_stream stream) {
+    if (__builtin_expect(stream && stream == a->streams.per_thread, 0)) cuma_thread_streams_arm();
+    return cuma_streams_index(&a->streams, stream);
+}
 
 /* The whole heap's figures (stats.c): every arena's in turn, one lock at a time (none held on
  * entry); without the ledger's and the driver's (cuma_get_stats adds those). */

@@ -89,7 +89,7 @@ static bool add_block(void *ctx, uint64_t addr, void *val) {
     s->bucket_n[k]++;
     s->bucket_bytes[k] += b->size;
     snap_block e = {addr, b->size, b->req,
-                    b->stream < a->streams.n ? a->streams.slot[b->stream].handle : NULL,
+                    b->stream < a->streams.n ? cuma_streams_shown(&a->streams, b->stream) : NULL,
                     s->arena_index};
     top_add(s, &e);
     return true;

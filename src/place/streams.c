@@ -3,10 +3,45 @@
 #include "util/error.h"
 #include "util/marks.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
+
+/* A thread's token: a number no other thread of the process ever gets (so a token outlives its
+ * thread harmlessly), odd and above the driver's special handles, so never a stream object's
+ * address either. 0 until the thread first uses its per-thread stream. */
+static _Thread_local uintptr_t thread_token;
+static _Thread_local bool thread_exiting;
+static _Atomic uintptr_t tokens_given;
+
+cuma_stream cuma_streams_thread_token(void) {
+    if (!thread_token) thread_token = (atomic_fetch_add(&tokens_given, 1) + 1) << 4 | 9;
+    return (cuma_stream)thread_token;
+}
+
+void cuma_streams_thread_exiting(void) {
+    thread_exiting = true;
+}
+
+cuma_stream cuma_streams_usable(const cuma_streams *ss, unsigned i) {
+    const cuma_stream_slot *s = &ss->slot[i];
+    if (!s->per_thread) return s->handle;
+    return s->handle == (cuma_stream)thread_token && !thread_exiting ? ss->per_thread : NULL;
+}
+
+/* The key of a handle in the table: a per-thread handle is the calling thread's token. */
+static cuma_stream key_of(const cuma_streams *ss, cuma_stream handle, bool *per_thread) {
+    *per_thread = handle && handle == ss->per_thread;
+    return *per_thread ? cuma_streams_thread_token() : handle;
+}
+
+/* Records an event covering all work issued so far on slot s. */
+static cuma_status record(cuma_streams *ss, cuma_stream_slot *s, uint64_t *ev) {
+    return ss->be->ops->event_record(ss->be, cuma_streams_usable(ss, (unsigned)(s - ss->slot)), ev);
+}
 
 cuma_status cuma_streams_init(cuma_streams *ss, cuma_backend *be) {
     ss->be = be;
+    ss->per_thread = be->per_thread_stream;
     ss->n = 0;
     ss->gseq = 0;
     ss->epoch = 1; /* slots start at nd_epoch 0: nothing remembered */
@@ -32,6 +67,8 @@ void cuma_streams_destroy(cuma_streams *ss) {
 static void retire(cuma_streams *ss, cuma_stream_slot *s, uint64_t wait_until);
 
 int cuma_streams_index(cuma_streams *ss, cuma_stream handle) {
+    bool per_thread;
+    handle = key_of(ss, handle, &per_thread);
     int reuse = -1;
     for (unsigned i = 0; i < ss->n; i++) {
         cuma_stream_slot *s = &ss->slot[i];
@@ -50,16 +87,20 @@ int cuma_streams_index(cuma_streams *ss, cuma_stream handle) {
         cuma_stream_slot *s = &ss->slot[reuse];
         s->dead = false;
         s->handle = handle;
+        s->per_thread = per_thread;
         s->nd_seq = s->nd_epoch = 0;
         return reuse;
     }
     if (ss->n == CUMA_MAX_STREAMS) return -1;
     ss->slot[ss->n].handle = handle;
+    ss->slot[ss->n].per_thread = per_thread;
     return (int)ss->n++;
 }
 
 cuma_status cuma_streams_retire(cuma_streams *ss, cuma_stream handle, bool *found) {
     *found = false;
+    bool per_thread;
+    handle = key_of(ss, handle, &per_thread);
     cuma_stream_slot *s = NULL;
     for (unsigned i = 0; i < ss->n && !s; i++)
         if (!ss->slot[i].dead && ss->slot[i].handle == handle) s = &ss->slot[i];
@@ -75,9 +116,9 @@ cuma_status cuma_streams_retire(cuma_streams *ss, cuma_stream handle, bool *foun
         return cuma_fail(CUMA_ERR_BACKEND,
                          "retiring stream %p: its fence ring stays full; memory freed on it is "
                          "held for good",
-                         handle);
+                         cuma_streams_shown(ss, (unsigned)(s - ss->slot)));
     uint64_t ev;
-    cuma_status st = ss->be->ops->event_record(ss->be, handle, &ev);
+    cuma_status st = record(ss, s, &ev);
     if (st) return st;
     s->ring[(s->head + s->npending) % CUMA_FENCE_RING].event = ev;
     s->ring[(s->head + s->npending) % CUMA_FENCE_RING].covers = s->last;
@@ -121,7 +162,7 @@ static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
         retire(ss, s, s->ring[s->head].covers);
     if (s->fenced < seq && s->npending < CUMA_FENCE_RING && !s->dead) {
         uint64_t ev;
-        if (ss->be->ops->event_record(ss->be, s->handle, &ev) == CUMA_OK) {
+        if (record(ss, s, &ev) == CUMA_OK) {
             s->ring[(s->head + s->npending) % CUMA_FENCE_RING].event = ev;
             s->ring[(s->head + s->npending) % CUMA_FENCE_RING].covers = s->last;
             s->npending++;

@@ -14,6 +14,15 @@
  * and a new stream may take the slot over: so a program that makes and destroys a stream per
  * request runs in a table of a few slots.
  *
+ * Per-thread default streams: the backend's per-thread handle (CU_STREAM_PER_THREAD) names
+ * each calling thread's own stream, so the table keys it by a token of the calling thread, not by
+ * the handle: a block one thread frees on its per-thread stream is not another thread's to reuse
+ * before that stream's work is done. Only the owner can name its stream, so an event for such a
+ * slot recorded by another thread (or by the owner as it exits, when the driver may already have
+ * let its stream go) is recorded on the legacy stream, which waits for every blocking stream's
+ * work, the per-thread ones among them. No two threads get the same token, and the heap retires
+ * a thread's slots when it exits (heap/thread_streams.c), so that the table does not fill.
+ *
  * Not thread-safe: the heap lock protects the whole table.
  */
 #ifndef CUMA_PLACE_STREAMS_H
@@ -43,11 +52,13 @@ typedef struct cuma_stream_slot {
     /* The device said gseq nd_seq was not done yet during epoch nd_epoch: later tags of this
      * stream are not done either, and are not asked about again in that epoch. */
     uint64_t nd_seq, nd_epoch;
-    bool dead; /* retired: the handle is gone (see above) */
+    bool dead;       /* retired: the handle is gone (see above) */
+    bool per_thread; /* handle is a thread's token, its stream the thread's per-thread one */
 } cuma_stream_slot;
 
 typedef struct cuma_streams {
     cuma_backend *be;
+    cuma_stream per_thread; /* the backend's per-thread handle, or NULL: constant */
     cuma_stream_slot *slot; /* CUMA_MAX_STREAMS entries, the first n in use */
     unsigned n;
     uint64_t gseq; /* last sequence number handed out */
@@ -71,6 +82,23 @@ int cuma_streams_index(cuma_streams *ss, cuma_stream handle);
  * its slot dead. False when the table has no live slot for it (nothing to do). CUMA_OK, or the
  * backend's failure to record the fence (the slot is dead all the same). */
 cuma_status cuma_streams_retire(cuma_streams *ss, cuma_stream handle, bool *found);
+
+/* The calling thread's token, as the table keys its per-thread stream. */
+cuma_stream cuma_streams_thread_token(void);
+
+/* The calling thread is exiting: its per-thread stream is no longer named by the handle. */
+void cuma_streams_thread_exiting(void);
+
+/* The handle to show for slot i (logs, snapshots): a thread's token is shown as the per-thread
+ * handle the program passed. */
+static inline cuma_stream cuma_streams_shown(const cuma_streams *ss, unsigned i) {
+    return ss->slot[i].per_thread ? ss->per_thread : ss->slot[i].handle;
+}
+
+/* A handle the calling thread may issue work on that orders after slot i's work: its own
+ * handle; for a per-thread slot, the per-thread handle in its owner, the legacy stream (NULL)
+ * in any other thread. */
+cuma_stream cuma_streams_usable(const cuma_streams *ss, unsigned i);
 
 /* A new allocator operation: what the device said about pending work may have changed. */
 static inline void cuma_streams_tick(cuma_streams *ss) {

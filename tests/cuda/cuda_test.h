@@ -13,12 +13,22 @@
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #define MB (1024ull * 1024)
 
 #define CHECK_CU(expr) CHECK((expr) == CUDA_SUCCESS)
+
+/* The stream a test uses where a program would use its default one: the legacy stream (NULL),
+ * or with CUMA_TEST_PER_THREAD_STREAM=1 (the _lagged variants) the per-thread default stream,
+ * as in a program built with --default-stream per-thread. */
+static inline CUstream default_stream(void) {
+    const char *e = getenv("CUMA_TEST_PER_THREAD_STREAM");
+    return e && e[0] == '1' ? CU_STREAM_PER_THREAD : NULL;
+}
+#define DS default_stream()
 
 /* The test thread's own view of device 0, as a CUDA program has: the primary context current
  * (cuma must neither need nor disturb it) and streams it created. */

@@ -15,6 +15,7 @@
 #include "cuda_test.h"
 
 #include "backend/backend.h"
+#include "place/streams.h"
 #include "settings/config.h"
 #include "cuma/compact.h"
 
@@ -118,14 +119,14 @@ static void test_vmm_compact(void) {
     cuma_heap *h = heap_make("backend:vmm,tcache:off,release_delay_ms:never");
     compact_owner o;
     void *dense[16], *big[12];
-    for (int i = 0; i < 16; i++) CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &dense[i]));
+    for (int i = 0; i < 16; i++) CHECK_OK(cuma_alloc(h, 4 * MB, DS, &dense[i]));
     for (int i = 0; i < 12; i++) {
         o.n[i] = (size_t)(8192 + 4096 * i);
-        CHECK_OK(cuma_alloc(h, o.n[i], NULL, &o.p[i]));
-        CHECK_OK(cuma_alloc(h, 3 * MB, NULL, &big[i]));
+        CHECK_OK(cuma_alloc(h, o.n[i], DS, &o.p[i]));
+        CHECK_OK(cuma_alloc(h, 3 * MB, DS, &big[i]));
         memset(o.p[i], 0x40 + i, o.n[i]);
     }
-    for (int i = 0; i < 12; i++) CHECK_OK(cuma_free(h, big[i], NULL));
+    for (int i = 0; i < 12; i++) CHECK_OK(cuma_free(h, big[i], DS));
     CHECK_OK(cuma_trim(h, 0));
     cuma_stats s0 = heap_stats(h);
     CHECK(s0.fragmentation > 0.25);
@@ -139,8 +140,8 @@ static void test_vmm_compact(void) {
     CHECK(s1.fragmentation < 0.05 && s1.reserved_bytes < s0.reserved_bytes);
     CHECK(fakecuda_used_bytes(0) == s1.reserved_bytes);
     CHECK_OK(cuma_validate(h));
-    for (int i = 0; i < 12; i++) CHECK_OK(cuma_free(h, o.p[i], NULL));
-    for (int i = 0; i < 16; i++) CHECK_OK(cuma_free(h, dense[i], NULL));
+    for (int i = 0; i < 12; i++) CHECK_OK(cuma_free(h, o.p[i], DS));
+    for (int i = 0; i < 16; i++) CHECK_OK(cuma_free(h, dense[i], DS));
     cuma_heap_destroy(h);
     check_no_driver_objects();
 }
@@ -251,12 +252,14 @@ static void test_held_page_stays(void) {
     cuma_heap *h = heap_make("backend:vmm,release_delay_ms:0,tcache:off");
     void *p, *q;
     CHECK_OK(cuma_alloc(h, 2 * MB, a, &p));
-    CHECK_OK(cuma_alloc(h, 2 * MB, NULL, &q));
+    CHECK_OK(cuma_alloc(h, 2 * MB, DS, &q));
     fakecuda_stream_hold(a);
     unsigned long unmaps0 = fakecuda_calls("cuMemUnmap");
     CHECK_OK(cuma_free(h, p, a));
-    CHECK_OK(cuma_free(h, q, NULL));
-    CHECK_OK(cuma_poll(h)); /* release_delay 0: every idle page whose work is done goes */
+    CHECK_OK(cuma_free(h, q, DS));
+    /* release_delay 0: every idle page whose work is done goes. A lagging device answers "not
+     * ready" a few times first, and a poll asks each stream once. */
+    for (int k = 0; k < 10 && fakecuda_calls("cuMemUnmap") == unmaps0; k++) CHECK_OK(cuma_poll(h));
     CHECK(fakecuda_calls("cuMemUnmap") == unmaps0 + 1);
     CHECK(fakecuda_live("handles") == 1);
     fakecuda_stream_release(a);
@@ -278,8 +281,8 @@ static void test_busy_stream_does_not_block(void) {
     CHECK_OK(cuma_free(h, p, a));
     usleep(100 * 1000); /* the page is past its delay, its fence pending */
     watchdog(20, "cuma_alloc while an idle page waits on a held stream");
-    CHECK_OK(cuma_alloc(h, 2 * MB, NULL, &q));
-    CHECK_OK(cuma_free(h, q, NULL));
+    CHECK_OK(cuma_alloc(h, 2 * MB, DS, &q));
+    CHECK_OK(cuma_free(h, q, DS));
     CHECK_OK(cuma_poll(h));
     watchdog(0, "");
     fakecuda_stream_release(a);
@@ -547,10 +550,10 @@ static void test_context_restored(test_ctx *t) {
     void *p;
     CUcontext cur = (CUcontext)1;
     CHECK_CU(cuCtxSetCurrent(NULL));
-    CHECK_OK(cuma_alloc(h, 1 * MB, NULL, &p));
+    CHECK_OK(cuma_alloc(h, 1 * MB, DS, &p));
     CHECK_CU(cuCtxGetCurrent(&cur));
     CHECK(cur == NULL);
-    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_OK(cuma_free(h, p, DS));
     CHECK_OK(cuma_trim(h, 0));
     cuma_heap_destroy(h);
     CHECK_CU(cuCtxGetCurrent(&cur));
@@ -576,10 +579,10 @@ static void test_page_size(void) {
     }
     cuma_heap *h = heap_make("backend:vmm,page_size:8M");
     void *p;
-    CHECK_OK(cuma_alloc(h, 1 * MB, NULL, &p));
+    CHECK_OK(cuma_alloc(h, 1 * MB, DS, &p));
     CHECK(heap_stats(h).reserved_bytes == 8 * MB);
     CHECK(fakecuda_used_bytes(0) == 8 * MB);
-    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_OK(cuma_free(h, p, DS));
     cuma_heap_destroy(h);
     check_no_driver_objects();
 }
@@ -602,17 +605,17 @@ static void *churn_thread(void *arg) {
         unsigned tag = w->id * 64 + i;
         if (p[i]) {
             CHECK(pattern_ok(p[i], sz[i], tag));
-            CHECK_OK(cuma_free(w->h, p[i], NULL));
+            CHECK_OK(cuma_free(w->h, p[i], DS));
             p[i] = NULL;
         } else {
             sz[i] = (size_t)(rnd(&seed) % (3 * MB) + 1);
-            CHECK_OK(cuma_alloc(w->h, sz[i], NULL, &p[i]));
+            CHECK_OK(cuma_alloc(w->h, sz[i], DS, &p[i]));
             pattern_fill(p[i], sz[i], tag);
         }
         if (op % 200 == 0) CHECK_OK(cuma_trim(w->h, 0));
     }
     for (unsigned i = 0; i < N; i++)
-        if (p[i]) CHECK_OK(cuma_free(w->h, p[i], NULL));
+        if (p[i]) CHECK_OK(cuma_free(w->h, p[i], DS));
     CUcontext cur = (CUcontext)1;
     CHECK_CU(cuCtxGetCurrent(&cur));
     CHECK(cur == w->ctx);
@@ -633,6 +636,74 @@ static void test_threads(test_ctx *t) {
     CHECK_OK(cuma_validate(h));
     CHECK_OK(cuma_trim(h, 0));
     CHECK(fakecuda_live("handles") == 0 && fakecuda_live("mappings") == 0);
+    cuma_heap_destroy(h);
+    check_no_driver_objects();
+}
+
+/* Per-thread default streams: every thread's is the handle CU_STREAM_PER_THREAD, but each
+ * thread's is its own stream. A block one thread frees on its per-thread stream, with that
+ * stream's work still running, is not another thread's to use: not at once, and not after the
+ * other thread asked about it (its fence must wait for the first thread's stream, which the
+ * other thread cannot name: the legacy stream's does). */
+typedef struct ptds_arg {
+    cuma_heap *h;
+    CUcontext ctx;
+    uintptr_t busy; /* the block under the first thread's work */
+    void *p[2];
+} ptds_arg;
+
+static bool overlaps_4mb(uintptr_t a, const void *b) {
+    uintptr_t x = (uintptr_t)b;
+    return x < a + 4 * MB && a < x + 4 * MB;
+}
+
+static void *ptds_other(void *arg) {
+    ptds_arg *a = arg;
+    CHECK_CU(cuCtxSetCurrent(a->ctx));
+    CHECK_OK(cuma_alloc(a->h, 4 * MB, CU_STREAM_PER_THREAD, &a->p[0]));
+    CHECK(!overlaps_4mb(a->busy, a->p[0]));
+    pattern_fill(a->p[0], 4 * MB, 2);
+    CHECK_OK(cuma_poll(a->h)); /* asks about the busy block's fence */
+    CHECK_OK(cuma_alloc(a->h, 4 * MB, CU_STREAM_PER_THREAD, &a->p[1]));
+    CHECK(!overlaps_4mb(a->busy, a->p[1]));
+    return NULL;
+}
+
+static void *ptds_churn(void *arg) {
+    ptds_arg *a = arg;
+    CHECK_CU(cuCtxSetCurrent(a->ctx));
+    void *p;
+    CHECK_OK(cuma_alloc(a->h, 1 * MB, CU_STREAM_PER_THREAD, &p));
+    CHECK_OK(cuma_free(a->h, p, CU_STREAM_PER_THREAD));
+    return NULL;
+}
+
+static void test_per_thread_streams(test_ctx *t) {
+    cuma_heap *h = heap_make("backend:vmm,release_delay_ms:never,tcache:off");
+    void *p, *q;
+    CHECK_OK(cuma_alloc(h, 4 * MB, CU_STREAM_PER_THREAD, &p));
+    pattern_fill(p, 4 * MB, 1);
+    fakecuda_stream_hold(CU_STREAM_PER_THREAD); /* this thread's: its work still runs */
+    CHECK_OK(cuma_free(h, p, CU_STREAM_PER_THREAD));
+    ptds_arg a = {h, t->ctx, (uintptr_t)p, {NULL, NULL}};
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, ptds_other, &a) == 0);
+    CHECK(pthread_join(th, NULL) == 0);
+    CHECK_OK(cuma_alloc(h, 4 * MB, CU_STREAM_PER_THREAD, &q));
+    CHECK(q == p); /* this thread's own stream reuses it at once */
+    fakecuda_stream_release(CU_STREAM_PER_THREAD);
+    CHECK_OK(cuma_free(h, q, CU_STREAM_PER_THREAD));
+    CHECK_OK(cuma_free(h, a.p[0], DS));
+    CHECK_OK(cuma_free(h, a.p[1], DS));
+    CHECK_OK(cuma_validate(h));
+    /* Threads come and go, each on its own per-thread stream: more of them than the stream
+     * table has slots, so each one's slot must be given back when it exits. */
+    for (unsigned i = 0; i < 2 * CUMA_MAX_STREAMS; i++) {
+        CHECK(pthread_create(&th, NULL, ptds_churn, &a) == 0);
+        CHECK(pthread_join(th, NULL) == 0);
+    }
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_trim(h, 0));
     cuma_heap_destroy(h);
     check_no_driver_objects();
 }
@@ -719,14 +790,14 @@ static void run_twodev(void) {
     CHECK_OK(cuma_heap_create(&cfg, &h));
     void *p;
     fakecuda_reset_counters();
-    CHECK_OK(cuma_alloc(h, 3 * MB, NULL, &p));
+    CHECK_OK(cuma_alloc(h, 3 * MB, DS, &p));
     pattern_fill(p, 3 * MB, 5);
     CHECK(fakecuda_used_bytes(1) == 4 * MB && fakecuda_used_bytes(0) == 0);
     CUcontext cur = NULL;
     CHECK_CU(cuCtxGetCurrent(&cur));
     CHECK(cur == t.ctx);
     CHECK(pattern_ok(p, 3 * MB, 5));
-    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK_OK(cuma_free(h, p, DS));
     CHECK_OK(cuma_trim(h, 0));
     CHECK(fakecuda_used_bytes(1) == 0);
     cuma_heap_destroy(h);
@@ -752,19 +823,19 @@ static void run_context_memory(const char *backend) {
     void *p[256];
     unsigned n = 0;
     cuma_status st = CUMA_OK;
-    while (n < 256 && (st = cuma_alloc(h, 16 * MB, NULL, &p[n])) == CUMA_OK) n++;
+    while (n < 256 && (st = cuma_alloc(h, 16 * MB, DS, &p[n])) == CUMA_OK) n++;
     CHECK(st == CUMA_ERR_OOM && strstr(cuma_last_error(), "out of memory"));
     CHECK_OK(cuma_get_stats(h, &s));
     /* Filled to what the context leaves (within a segment or page of it), never beyond. */
     CHECK(s.reserved_bytes <= cap - ctx && s.reserved_bytes + 32 * MB > cap - ctx);
     CHECK((uint64_t)n * 16 * MB <= cap - ctx);
     CHECK_OK(cuma_validate(h));
-    for (unsigned i = 0; i < n; i++) CHECK_OK(cuma_free(h, p[i], NULL));
+    for (unsigned i = 0; i < n; i++) CHECK_OK(cuma_free(h, p[i], DS));
     CHECK_OK(cuma_trim(h, 0));
     CHECK_OK(cuma_get_stats(h, &s));
     CHECK(s.reserved_bytes == 0 && s.device_free_bytes == cap - ctx);
-    CHECK_OK(cuma_alloc(h, 16 * MB, NULL, &p[0])); /* and goes on */
-    CHECK_OK(cuma_free(h, p[0], NULL));
+    CHECK_OK(cuma_alloc(h, 16 * MB, DS, &p[0])); /* and goes on */
+    CHECK_OK(cuma_free(h, p[0], DS));
     cuma_heap_destroy(h);
     check_no_driver_objects();
 }
@@ -810,6 +881,7 @@ int main(int argc, char **argv) {
         test_context_restored(&t);
         test_page_size();
         test_threads(&t);
+        test_per_thread_streams(&t);
         test_ctx_close(&t);
     }
     fprintf(stderr, "test_cuda_backend %s: ok\n", mode);

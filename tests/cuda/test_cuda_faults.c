@@ -60,34 +60,34 @@ static void s_free(script_state *st, int i, CUstream stream) {
  * complete on this thread. */
 static void script(script_state *st) {
     CUstream b = st->b;
-    s_alloc(st, 0, 1 * MB, NULL);
-    s_alloc(st, 1, 3 * MB, NULL);
+    s_alloc(st, 0, 1 * MB, DS);
+    s_alloc(st, 1, 3 * MB, DS);
     s_alloc(st, 2, 4 * MB, b);
     s_alloc(st, 3, 10 * MB, b);
-    s_alloc(st, 4, 100, NULL);
+    s_alloc(st, 4, 100, DS);
     fakecuda_stream_hold(b);
     s_free(st, 3, b); /* over the 8M cache cap: the release policy fences b (pending) */
     s_free(st, 2, b); /* a later free on b: a second pending fence */
     step_ok(st, cuma_poll(st->h));
     fakecuda_stream_release(b);
-    s_free(st, 1, NULL);
-    s_alloc(st, 5, 5 * MB, NULL);
+    s_free(st, 1, DS);
+    s_alloc(st, 5, 5 * MB, DS);
     s_alloc(st, 6, 2 * MB, b);
     step_ok(st, cuma_trim(st->h, 2 * MB));
-    s_free(st, 0, NULL);
-    s_free(st, 5, NULL);
+    s_free(st, 0, DS);
+    s_free(st, 5, DS);
     s_alloc(st, 7, 9 * MB, b);
-    s_alloc(st, 8, 4 * MB, NULL);
+    s_alloc(st, 8, 4 * MB, DS);
     s_alloc(st, 2, 700 * 1024, b);
-    s_free(st, 2, NULL); /* freed on another stream than it was allocated on */
+    s_free(st, 2, DS); /* freed on another stream than it was allocated on */
     s_free(st, 6, b);
     step_ok(st, cuma_poll(st->h));
-    s_alloc(st, 9, 12 * MB, NULL);
+    s_alloc(st, 9, 12 * MB, DS);
     s_free(st, 7, b);
-    s_free(st, 8, NULL);
+    s_free(st, 8, DS);
     step_ok(st, cuma_trim(st->h, 0));
     s_alloc(st, 10, 3 * MB, b);
-    s_alloc(st, 11, 1 * MB, NULL);
+    s_alloc(st, 11, 1 * MB, DS);
 }
 
 static const char *backend_name = "vmm";
@@ -120,9 +120,9 @@ static void check_failed_map_after_pending_free(void) {
         return;
     }
     void *a = NULL, *s = NULL, *b = NULL;
-    CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &a)); /* two preallocated pages */
-    CHECK_OK(cuma_alloc(h, 2 * MB, NULL, &s)); /* keeps a's hole too small for b */
-    CHECK_OK(cuma_free(h, a, NULL));           /* over tcache_max: pending in this thread */
+    CHECK_OK(cuma_alloc(h, 4 * MB, DS, &a)); /* two preallocated pages */
+    CHECK_OK(cuma_alloc(h, 2 * MB, DS, &s)); /* keeps a's hole too small for b */
+    CHECK_OK(cuma_free(h, a, DS));           /* over tcache_max: pending in this thread */
     CHECK_OK(cuma_validate(h));
     CHECK_OK(cuma_get_stats(h, &stats));
     /* 14 MiB idle, and a's 4 MiB: pending in this thread, which the figures count as cached too
@@ -131,12 +131,12 @@ static void check_failed_map_after_pending_free(void) {
     CHECK(fakecuda_set_fail("cuMemMap:1") == 0);
     /* Hands a's pages to the cache, takes four others for b, fails to map them, puts them back,
      * then (ladder) maps four again: three never used and one of a's. */
-    CHECK_OK(cuma_alloc(h, 8 * MB, NULL, &b));
+    CHECK_OK(cuma_alloc(h, 8 * MB, DS, &b));
     CHECK(fakecuda_set_fail(NULL) == 0);
     CHECK(fakecuda_calls("cuMemMap") >= 2); /* the failed try and the retry both mapped */
     CHECK_OK(cuma_validate(h));
-    CHECK_OK(cuma_free(h, b, NULL));
-    CHECK_OK(cuma_free(h, s, NULL));
+    CHECK_OK(cuma_free(h, b, DS));
+    CHECK_OK(cuma_free(h, s, DS));
     CHECK_OK(cuma_trim(h, 0));
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);

@@ -56,15 +56,15 @@ static void test_partial(const char *backend) {
     const char *kind = strcmp(backend, "managed") ? "allocs" : "managed";
     cuma_heap *h = heap_make(conf);
     void *a, *b;
-    CHECK_OK(cuma_alloc(h, 100 * 1024, NULL, &a));
-    CHECK_OK(cuma_alloc(h, 100 * 1024, NULL, &b));
+    CHECK_OK(cuma_alloc(h, 100 * 1024, DS, &a));
+    CHECK_OK(cuma_alloc(h, 100 * 1024, DS, &b));
     CHECK(fakecuda_live(kind) == 1); /* both small blocks share one segment */
-    CHECK_OK(cuma_free(h, a, NULL));
+    CHECK_OK(cuma_free(h, a, DS));
     CHECK_OK(cuma_trim(h, 0));
     CHECK(fakecuda_live(kind) == 1);
     pattern_fill(b, 100 * 1024, 3);
     CHECK(pattern_ok(b, 100 * 1024, 3));
-    CHECK_OK(cuma_free(h, b, NULL));
+    CHECK_OK(cuma_free(h, b, DS));
     CHECK_OK(cuma_trim(h, 0));
     CHECK(fakecuda_live(kind) == 0);
     cuma_heap_destroy(h);
@@ -100,12 +100,12 @@ static void test_held_stream(const char *backend) {
 static unsigned fill(cuma_heap *h, void **p, unsigned most, size_t chunk, cuma_status *last) {
     unsigned n = 0;
     *last = CUMA_OK;
-    while (n < most && (*last = cuma_alloc(h, chunk, NULL, &p[n])) == CUMA_OK) n++;
+    while (n < most && (*last = cuma_alloc(h, chunk, DS, &p[n])) == CUMA_OK) n++;
     return n;
 }
 
 static void free_all(cuma_heap *h, void **p, unsigned n) {
-    for (unsigned i = 0; i < n; i++) CHECK_OK(cuma_free(h, p[i], NULL));
+    for (unsigned i = 0; i < n; i++) CHECK_OK(cuma_free(h, p[i], DS));
 }
 
 /* backend:managed oversubscribes up to the limit the user sets (the device here is 1 GiB, the
@@ -130,9 +130,9 @@ static void test_oversubscribe(void) {
         CHECK_OK(cuma_validate(h)); /* the ledger admitted none of it */
         free_all(h, p, n);
         /* One block larger than the device fits as well. */
-        CHECK_OK(cuma_alloc(h, 1536 * MB, NULL, &p[0]));
+        CHECK_OK(cuma_alloc(h, 1536 * MB, DS, &p[0]));
         pattern_fill((char *)p[0] + 1535 * MB, MB, 7);
-        CHECK_OK(cuma_free(h, p[0], NULL));
+        CHECK_OK(cuma_free(h, p[0], DS));
         cuma_heap_destroy(h);
     }
     /* No limit: the device size (CUMA_ERR_OOM at it, as on any backend). */
@@ -143,7 +143,7 @@ static void test_oversubscribe(void) {
     CHECK(n * chunk <= dev && heap_stats(h).reserved_bytes <= dev);
     free_all(h, p, n);
     void *big;
-    CHECK_ST(cuma_alloc(h, 1536 * MB, NULL, &big), CUMA_ERR_OOM);
+    CHECK_ST(cuma_alloc(h, 1536 * MB, DS, &big), CUMA_ERR_OOM);
     cuma_heap_destroy(h);
     /* Device memory is not oversubscribed: a limit above it is the device size. */
     h = heap_make("backend:segment,limit:3G,ledger:off");
@@ -165,12 +165,12 @@ static void test_managed_fallback_beyond_device(const char *backend) {
     CHECK_OK(last);
     CHECK(heap_stats(h).reserved_bytes == dev && heap_stats(h).managed_fallbacks == 0);
     void *m[3];
-    for (int i = 0; i < 3; i++) CHECK_OK(cuma_alloc(h, 1024 * MB, NULL, &m[i]));
+    for (int i = 0; i < 3; i++) CHECK_OK(cuma_alloc(h, 1024 * MB, DS, &m[i]));
     cuma_stats s = heap_stats(h);
     CHECK(s.managed_fallbacks == 3 && s.managed_bytes == 3 * dev && s.reserved_bytes <= dev);
     CHECK(fakecuda_managed_bytes() >= 3 * dev);
     pattern_fill((char *)m[2] + dev - MB, MB, 3);
-    for (int i = 0; i < 3; i++) CHECK_OK(cuma_free(h, m[i], NULL));
+    for (int i = 0; i < 3; i++) CHECK_OK(cuma_free(h, m[i], DS));
     free_all(h, p, n);
     CHECK(heap_stats(h).managed_bytes == 0 && fakecuda_managed_bytes() == 0);
     cuma_heap_destroy(h);
