@@ -7,9 +7,11 @@ with the top bit set, a free of a block never allocated, an allocation failure):
 - Python's own pickle module loads the file, and it holds plain data only (dict, list, str,
   int), with the fields a snapshot has: segments with blocks, device_traces of events with
   action/addr/size/stream/time_us/frames, frames of filename/line/name;
-- its events are the trace's, one for one (a free as free_requested + free_completed);
+- its events are the trace's, one for one (a free as free_requested + free_completed; a block
+  live at the end in a segment of its own after that segment's segment_alloc);
 - the project's reader reads it back as the same trace: `cuma leaks --json --all-frames` (call
-  sites, bytes, every stack) and `cuma replay --json`'s figures are the original's;
+  sites, bytes, every stack) and `cuma replay --json`'s figures are the original's, with
+  `--policy pytorch` too (the segments from before recording, their free room, are kept);
 - where PyTorch is installed, torch.cuda._memory_viz.stats accepts its segments.
 Its --help, its row in `cuma help`. Bad options, and an address a snapshot cannot hold (over 2^63-1): exit 2 and no file.
 usage: check_convert.py --cuma CUMA --data tests/data --out DIR
@@ -27,6 +29,8 @@ failures = []
 REPLAY_KEYS = ("events", "allocs", "frees", "unmatched_frees", "trace_alloc_failures",
                "peak_requested_bytes", "peak_reserved_bytes", "end_reserved_bytes",
                "time_avg_ratio", "overhead_ratio")
+PYTORCH_KEYS = ("preexisting_segments", "preexisting_segment_bytes", "segments_seeded",
+                "blocks_placed", "segments_created")
 
 
 def check(cond, what):
@@ -75,21 +79,26 @@ def check_one(cuma, trace, out, name, same=True):
     check(all(set(f) == {"filename", "line", "name"} for f in frames),
           "%s: every frame has filename, line, name (%d frames)" % (name, len(frames)))
     check(all(s["total_size"] == sum(b["size"] for b in s["blocks"]) and
-              all(b["state"] == "active_allocated" for b in s["blocks"]) for s in d["segments"]),
-          "%s: segments are their blocks, active" % name)
+              all(b["state"] in ("active_allocated", "inactive") for b in s["blocks"])
+              for s in d["segments"]),
+          "%s: segments are their blocks, active or free" % name)
     nfree_req = sum(e["action"] == "free_requested" for e in evs)
     check(nfree_req == sum(e["action"] == "free_completed" for e in evs),
           "%s: each free is requested and completed" % name)
-    for cmd in ("leaks", "replay") if same else ():
+    for cmd in ("leaks", "replay", "pytorch") if same else ():
         extra = ["--top", "100000", "--all-frames"] if cmd == "leaks" else []
+        if cmd == "pytorch":  # the model, which starts from the segments from before recording
+            cmd, extra = "replay", ["--policy", "pytorch"]
         a = json_line([cuma, cmd, "--json", *extra, trace])
         b = json_line([cuma, cmd, "--json", *extra, pk])
         if cmd == "replay" and a and b:
-            a = {k: a.get(k) for k in REPLAY_KEYS}
-            b = {k: b.get(k) for k in REPLAY_KEYS}
+            keys = REPLAY_KEYS + (PYTORCH_KEYS if extra else ())
+            a = {k: a.get(k) for k in keys}
+            b = {k: b.get(k) for k in keys}
         if cmd == "leaks" and a and b:
             a.pop("format"), b.pop("format")
-        check(a is not None and a == b, "%s: cuma %s reads it back as the original" % (name, cmd))
+        check(a is not None and a == b, "%s: cuma %s reads it back as the original" %
+              (name, " ".join([cmd] + extra[:2])))
         if a != b:
             print("  original: %s\n  converted: %s" % (str(a)[:600], str(b)[:600]))
     try:
@@ -110,7 +119,8 @@ def main():
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    for snap in ("snapshot_toy_attention.pickle.gz", "snapshot_small_lm_5steps.pickle.gz"):
+    for snap in ("snapshot_toy_attention.pickle.gz", "snapshot_small_lm_5steps.pickle.gz",
+                 "snapshot_cached_segments.pickle.gz"):
         d = check_one(a.cuma, os.path.join(a.data, snap), a.out, snap.split(".")[0])
         if d and snap.startswith("snapshot_toy"):
             evs = d["device_traces"][0]
@@ -138,12 +148,14 @@ def main():
     if d:
         evs = d["device_traces"][0]
         check([(e["action"], e["addr"], e["size"], e["time_us"]) for e in evs] ==
-              [("alloc", 0x7fff800000000000, 4096, 100), ("alloc", 0x1000, 512, 200),
+              [("segment_alloc", 0x7fff800000000000, 4096, 100),
+               ("alloc", 0x7fff800000000000, 4096, 100), ("alloc", 0x1000, 512, 200),
                ("free_requested", 0x9999, 64, 300), ("free_completed", 0x9999, 64, 300),
                ("oom", 0, 1073741824, 400), ("free_requested", 0x1000, 512, 500),
                ("free_completed", 0x1000, 512, 500)],
-              "small CSV: its events one for one: %s" % [(e["action"], e["addr"]) for e in evs])
-        check(evs[0]["stream"] == 0x7f00aa and evs[1]["stream"] == 0xffffffffffff00aa - 2**64 and
+              "small CSV: its events one for one, the segment of the block live at the end made "
+              "during recording: %s" % [(e["action"], e["addr"]) for e in evs])
+        check(evs[1]["stream"] == 0x7f00aa and evs[2]["stream"] == 0xffffffffffff00aa - 2**64 and
               [(s["address"], s["total_size"]) for s in d["segments"]] == [(0x7fff800000000000, 4096)],
               "small CSV: the streams (the top bit set: negative, as PyTorch's cudaStream_t ints), and "
               "the block live at the end as a segment")
