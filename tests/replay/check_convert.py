@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """`cuma convert -o OUT.pickle TRACE`: a trace written as a PyTorch memory snapshot.
 
-For the two snapshots in tests/data and a small RMM CSV log (an address above 2^32, a stream
-with the top bit set, a free of a block never allocated, an allocation failure):
+For the snapshots in tests/data, one whose block from before recording has frames no event has
+(written first, numbered last), and a small RMM CSV log (an address above 2^32, a stream with
+the top bit set, a free of a block never allocated, an allocation failure):
 - Python's own pickle module loads the file, and it holds plain data only (dict, list, str,
   int), with the fields a snapshot has: segments with blocks, device_traces of events with
   action/addr/size/stream/time_us/frames, frames of filename/line/name;
@@ -112,6 +113,27 @@ def check_one(cuma, trace, out, name, same=True):
     return d
 
 
+def late_frames_snapshot(path):
+    """A snapshot whose block from before recording has frames no event has, after 200
+    allocations with frames of their own: the reader numbers the block's frames last, and the
+    writer puts that block first (in "segments"), so its memo ids must follow the writing order,
+    not the reader's numbering, for a pickle reader to accept them."""
+    base = 0x7F0000000000
+    fr = lambda k: [{"filename": "f%d.py" % k, "line": k, "name": "g%d" % k}]  # noqa: E731
+    trace = [{"action": a, "addr": base + (1 + k) * 4096, "size": 4096, "stream": 0,
+              "time_us": 10 * k + (a != "alloc"), "frames": fr(k)}
+             for k in range(200) for a in ("alloc", "free_requested", "free_completed")]
+    blocks = [{"address": base, "size": 4096, "requested_size": 4096, "state": "active_allocated",
+               "frames": fr(999)},
+              {"address": base + 4096, "size": 2 * 1024 * 1024 - 4096, "requested_size": 0,
+               "state": "inactive", "frames": []}]
+    segs = [{"device": 0, "address": base, "total_size": 2 * 1024 * 1024, "stream": 0,
+             "segment_type": "small", "blocks": blocks}]
+    with open(path, "wb") as f:
+        pickle.dump({"segments": segs, "device_traces": [trace]}, f, protocol=4)
+    return path
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cuma", required=True)
@@ -127,6 +149,8 @@ def main():
             check(len([e for e in evs if e["action"] == "alloc"]) == 36 and
                   any(f["filename"].endswith("trace_peak_memory.py") for e in evs for f in e["frames"]),
                   "toy attention: its 36 allocations with the program's frames")
+    check_one(a.cuma, late_frames_snapshot(os.path.join(a.out, "late_frames_in.pickle")), a.out,
+              "late_frames")
     csv = os.path.join(a.out, "small.csv")
     with open(csv, "w") as f:
         f.write("Thread,Time,Action,Pointer,Size,Stream\n"
