@@ -446,10 +446,10 @@ static cuma_status pair_frees(conv *c, pres *ps, named *nm) {
 
 /* Whether dump segment d says it is an expandable one. */
 static cuma_status is_expandable(const conv *c, uint32_t d, size_t i, int *out) {
-    int64_t v;
+    int64_t v = -1;
     cuma_status st = field(c, d, "segment", i, "is_expandable", &v);
-    const cuma_pickle_node *nd = node(c, v);
-    *out = st == CUMA_OK && nd && (nd->kind == CUMA_PK_BOOL || nd->kind == CUMA_PK_INT) && nd->u.i;
+    const cuma_pickle_node *nd = st == CUMA_OK ? node(c, v) : NULL;
+    *out = nd && (nd->kind == CUMA_PK_BOOL || nd->kind == CUMA_PK_INT) && nd->u.i;
     return st;
 }
 
