@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Development and test builds treat warnings as errors; a plain cmake build (users, packagers) does not.
 DEV_FLAGS := -DCUMA_WERROR=ON
 
-.PHONY: all build run test test-unit test-asan test-tsan test-python test-builds test-pip test-deploy bench format install clean
+.PHONY: all build run snapshot-table test test-unit test-asan test-tsan test-python test-builds test-pip test-deploy bench format install clean
 
 all: build
 
@@ -21,6 +21,15 @@ build:
 # scale) with the default policy and with the seed's buddy, and print the report.
 run: build
 	@scripts/run.sh $(BUILD)
+
+# The README's table of PyTorch snapshots (docs/PYTORCH_MODEL.md): each snapshot in SNAPSHOTS
+# replayed on the model of PyTorch's allocator and on cuma, against what PyTorch recorded.
+# `make snapshot-table SNAPSHOTS=DIR` for another folder; `--model` gives the model's table.
+SNAPSHOTS ?= ../shared/snapshots
+snapshot-table:
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(DEV_FLAGS) $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(BUILD) -j$(JOBS) --target cuma_cli >/dev/null
+	@scripts/pytorch_model_table.py --readme --cuma $(BUILD)/bin/cuma $(SNAPSHOTS)
 
 # Every phase runs even when an earlier one failed; one summary at the end, and the exit status
 # is non-zero if any phase failed (scripts/test-all.sh). A phase is a test-NAME target below and

@@ -376,9 +376,13 @@ void replay_json_source(const cuma_trace *t, uint64_t time_avg) {
            snap ? "torch_snapshot" : "rmm_csv", (unsigned long long)time_avg,
            t->synthetic_times ? "true" : "false");
     if (!snap) return;
-    printf(",\"device\":%d,\"preexisting_blocks\":%zu,\"recorded_peak_reserved_bytes\":%llu,"
+    uint64_t preseg_bytes = 0;
+    for (size_t i = 0; i < t->npreseg; i++) preseg_bytes += t->preseg[i].size;
+    printf(",\"device\":%d,\"preexisting_blocks\":%zu,\"preexisting_segments\":%zu,"
+           "\"preexisting_segment_bytes\":%llu,\"recorded_peak_reserved_bytes\":%llu,"
            "\"recorded_time_avg_reserved_bytes\":",
-           t->device, t->preexisting, (unsigned long long)t->recorded.peak_reserved);
+           t->device, t->preexisting, t->npreseg, (unsigned long long)preseg_bytes,
+           (unsigned long long)t->recorded.peak_reserved);
     if (t->recorded.has_time_avg && !t->synthetic_times)
         printf("%llu", (unsigned long long)t->recorded.time_avg_reserved);
     else

@@ -32,14 +32,16 @@ static void print_json(const cuma_trace *t, const cuma_tm_result *r, const cuma_
     printf("\"peak_requested_bytes\":%llu,\"peak_allocated_bytes\":%llu,"
            "\"peak_reserved_bytes\":%llu,\"overhead_ratio\":%.4f,\"time_avg_ratio\":%.4f,"
            "\"end_reserved_bytes\":%llu,\"segments_created\":%llu,\"segments_released\":%llu,"
-           "\"oversize_releases\":%llu,\"num_alloc_retries\":%llu,\"gc_releases\":%llu,",
+           "\"oversize_releases\":%llu,\"num_alloc_retries\":%llu,\"gc_releases\":%llu,"
+           "\"segments_seeded\":%llu,\"blocks_placed\":%llu,",
            (unsigned long long)s->peak_requested, (unsigned long long)s->peak_allocated,
            (unsigned long long)s->peak_reserved,
            ratio((double)s->peak_reserved, (double)s->peak_requested),
            ratio(r->int_reserved, r->int_requested), (unsigned long long)r->end_reserved,
            (unsigned long long)s->segments_created, (unsigned long long)s->segments_released,
            (unsigned long long)s->oversize_releases, (unsigned long long)s->full_releases,
-           (unsigned long long)s->gc_releases);
+           (unsigned long long)s->gc_releases, (unsigned long long)s->segments_seeded,
+           (unsigned long long)s->blocks_placed);
     printf("\"capacity_bytes\":%llu,\"policy\":\"%s\",\"pytorch_conf\":",
            (unsigned long long)c->capacity, c->expandable ? "pytorch_expandable" : "pytorch");
     replay_json_string(conf_text ? conf_text : "");

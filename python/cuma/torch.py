@@ -9,6 +9,9 @@
     print(cuma.torch.memory_summary())
     cuma.torch.empty_cache()
 
+whatif() replays a PyTorch memory snapshot (this process's, a dict or a file) through
+`cuma replay` and tells what PyTorch reserved against what cuma would reserve.
+
 enable() needs a CUDA build of PyTorch 2.x (``torch.cuda.memory.CUDAPluggableAllocator``) and
 a libcuma with the CUDA backends. memory_stats(), memory_summary(), memory_snapshot() and
 empty_cache() work on the default heaps without PyTorch, on any backend (the simulated one
@@ -24,6 +27,7 @@ import threading
 import warnings
 
 from . import _alloc_conf, _lib
+from ._whatif import whatif
 from .heap import _apply_default_conf, _device_arg
 
 __all__ = [
@@ -34,6 +38,7 @@ __all__ = [
     "memory_summary",
     "memory_snapshot",
     "empty_cache",
+    "whatif",
 ]
 
 _lock = threading.Lock()

@@ -282,6 +282,11 @@ typedef struct keyed {
     size_t i;
 } keyed;
 
+static int cmp_u64(const void *x, const void *y) {
+    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+    return a < b ? -1 : a > b;
+}
+
 static int by_addr(const void *x, const void *y) {
     const keyed *a = x, *b = y;
     if (a->addr != b->addr) return a->addr < b->addr ? -1 : 1;
@@ -336,6 +341,58 @@ static int named_has(const named *nm, uint64_t a) {
     return lo < nm->n && nm->addr[lo] == a;
 }
 
+/* The sorted addresses that the trace's segment events name: a dump segment at one of them was
+ * made or changed during recording, so it is no cache from before. */
+static cuma_status segment_event_addrs(const conv *c, named *out) {
+    out->n = 0;
+    out->addr = malloc((c->n ? c->n : 1) * sizeof *out->addr);
+    if (!out->addr) return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", c->path);
+    for (size_t i = 0; i < c->n; i++)
+        if (c->r[i].a >= A_SEG_ALLOC && c->r[i].a <= A_SEG_UNMAP)
+            out->addr[out->n++] = c->r[i].addr;
+    qsort(out->addr, out->n, sizeof *out->addr, cmp_u64);
+    return CUMA_OK;
+}
+
+/* The segments from before recording, as the dump lists them. */
+typedef struct seglist {
+    cuma_trace_segment *v;
+    size_t n, cap;
+} seglist;
+
+static cuma_status seg_add(const conv *c, seglist *ss, uint64_t addr, uint64_t size,
+                           uint64_t stream) {
+    if (ss->n == ss->cap) {
+        size_t cap = ss->cap ? ss->cap * 2 : 64;
+        cuma_trace_segment *v = realloc(ss->v, cap * sizeof *v);
+        if (!v) return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", c->path);
+        ss->v = v;
+        ss->cap = cap;
+    }
+    ss->v[ss->n++] = (cuma_trace_segment){addr, size, stream};
+    return CUMA_OK;
+}
+
+static int seg_by_addr(const void *x, const void *y) {
+    const cuma_trace_segment *a = x, *b = y;
+    if (a->addr != b->addr) return a->addr < b->addr ? -1 : 1;
+    return a->size < b->size ? -1 : a->size > b->size;
+}
+
+/* Sorts the segments and drops those a malformed file makes overlap an earlier one (or wrap
+ * around the address space): the model needs disjoint segments. */
+static void segs_settle(seglist *ss) {
+    qsort(ss->v, ss->n, sizeof *ss->v, seg_by_addr);
+    size_t k = 0;
+    for (size_t i = 0; i < ss->n; i++) {
+        const cuma_trace_segment *s = &ss->v[i];
+        if (!s->size || s->addr > UINT64_MAX - s->size) continue;
+        if (k && ss->v[k - 1].addr + ss->v[k - 1].size > s->addr) continue;
+        ss->v[k++] = *s;
+    }
+    ss->n = k;
+}
+
 /* Chooses the frees (rec.use) and finds the frees of blocks allocated before recording. */
 static cuma_status pair_frees(conv *c, pres *ps, named *nm) {
     size_t k = 0;
@@ -387,9 +444,20 @@ static cuma_status pair_frees(conv *c, pres *ps, named *nm) {
     return st;
 }
 
-/* The dump's segments of this device: their total bytes, and their active blocks the trace
- * never names (alive since before recording). */
-static cuma_status read_segments(conv *c, int64_t segs, int device, const named *nm, pres *ps,
+/* Whether dump segment d says it is an expandable one. */
+static cuma_status is_expandable(const conv *c, uint32_t d, size_t i, int *out) {
+    int64_t v = -1;
+    cuma_status st = field(c, d, "segment", i, "is_expandable", &v);
+    const cuma_pickle_node *nd = st == CUMA_OK ? node(c, v) : NULL;
+    *out = nd && (nd->kind == CUMA_PK_BOOL || nd->kind == CUMA_PK_INT) && nd->u.i;
+    return st;
+}
+
+/* The dump's segments of this device: their total bytes, those no segment event names (segev:
+ * reserved before recording and kept), and their active blocks the trace never names (alive
+ * since before recording). */
+static cuma_status read_segments(conv *c, int64_t segs, int device, const named *nm,
+                                 const named *segev, pres *ps, seglist *ss,
                                  uint64_t *reserved_end) {
     *reserved_end = 0;
     if (segs < 0) return CUMA_OK; /* no 'segments': nothing alive at the dump */
@@ -408,6 +476,19 @@ static cuma_status read_segments(conv *c, int64_t segs, int device, const named 
         if (total > UINT64_MAX - *reserved_end)
             return cuma_fail(CUMA_ERR_PARSE, "%s: the segments' sizes overflow 64 bits", c->path);
         *reserved_end += total;
+        uint64_t base;
+        int64_t sstream = -1;
+        int has_base, expandable;
+        if ((st = uint_field(c, sv[i], "segment", i, "address", &base, &has_base)) != CUMA_OK ||
+            (st = field(c, sv[i], "segment", i, "stream", &sstream)) != CUMA_OK ||
+            (st = is_expandable(c, sv[i], i, &expandable)) != CUMA_OK)
+            return st;
+        /* A stream is a cudaStream_t: any bits, as for events. */
+        sstream =
+            node(c, sstream) && node(c, sstream)->kind == CUMA_PK_INT ? node(c, sstream)->u.i : 0;
+        if (has_base && !expandable && !named_has(segev, base) &&
+            (st = seg_add(c, ss, base, total, (uint64_t)sstream)) != CUMA_OK)
+            return st;
         int64_t b;
         if ((st = field(c, sv[i], "segment", i, "blocks", &b)) != CUMA_OK) return st;
         if (b < 0) continue;
@@ -483,7 +564,7 @@ static void recorded_reserved(const conv *c, uint64_t reserved_end, int has_time
     }
 }
 
-static cuma_status build(conv *c, const pres *ps, int has_times, cuma_trace *out) {
+static cuma_status build(conv *c, const pres *ps, seglist *ss, int has_times, cuma_trace *out) {
     size_t n = ps->n;
     for (size_t i = 0; i < c->n; i++) {
         const rec *r = &c->r[i];
@@ -532,6 +613,12 @@ static cuma_status build(conv *c, const pres *ps, int has_times, cuma_trace *out
     out->stack = stack;
     out->n = k;
     out->preexisting = ps->n;
+    segs_settle(ss);
+    if (ss->n) {
+        out->preseg = ss->v;
+        out->npreseg = ss->n;
+        ss->v = NULL;
+    }
     return CUMA_OK;
 }
 
@@ -576,11 +663,13 @@ static cuma_status convert(conv *c, int device, cuma_trace *out) {
     int has_times = c->n > 0;
     for (size_t i = 0; i < c->n; i++) has_times &= c->r[i].has_time;
     pres ps = {0};
-    named nm = {0};
+    named nm = {0}, segev = {0};
+    seglist ss = {0};
     uint64_t reserved_end = 0;
     st = pair_frees(c, &ps, &nm);
-    if (st == CUMA_OK) st = read_segments(c, segs, device, &nm, &ps, &reserved_end);
-    if (st == CUMA_OK) st = build(c, &ps, has_times, out);
+    if (st == CUMA_OK) st = segment_event_addrs(c, &segev);
+    if (st == CUMA_OK) st = read_segments(c, segs, device, &nm, &segev, &ps, &ss, &reserved_end);
+    if (st == CUMA_OK) st = build(c, &ps, &ss, has_times, out);
     if (st == CUMA_OK) {
         recorded_reserved(c, reserved_end, has_times, &out->recorded);
         out->synthetic_times = !has_times && out->n > 0;
@@ -589,6 +678,8 @@ static cuma_status convert(conv *c, int device, cuma_trace *out) {
     }
     free(ps.v);
     free(nm.addr);
+    free(segev.addr);
+    free(ss.v);
     return st;
 }
 

@@ -616,6 +616,155 @@ static int32_t try_expandable(cuma_tm *m, uint64_t stream, int large, uint64_t r
     return c;
 }
 
+/* ---- segments from before the trace -------------------------------------------------------- */
+
+/* Room for `blocks` more block slots and `free` more entries in each pool, grown at once. */
+static int reserve_many(cuma_tm *m, size_t blocks, size_t free) {
+    if (blocks > INT32_MAX - m->nb || free > INT32_MAX) return -1;
+    /* At least 256 slots: reserve() grows by doubling and needs room for two. */
+    if (m->nb + blocks > m->capb) {
+        size_t cap = m->nb + blocks < 256 ? 256 : m->nb + blocks;
+        cuma_tm_block *nb = realloc(m->b, cap * sizeof *nb);
+        if (!nb) return -1;
+        m->b = nb;
+        m->capb = cap;
+    }
+    for (int k = 0; k < 2; k++) {
+        cuma_tm_pool *p = &m->pool[k];
+        if (p->n + free <= p->cap) continue;
+        size_t cap = p->n + free < 64 ? 64 : p->n + free;
+        int32_t *ids = realloc(p->ids, cap * sizeof *ids);
+        if (!ids) return -1;
+        p->ids = ids;
+        p->cap = cap;
+    }
+    return 0;
+}
+
+/* The last seeded segment starting at or below addr, or nseg when none. */
+static size_t seg_at(const cuma_trace_segment *seg, size_t nseg, uint64_t addr) {
+    size_t lo = 0, hi = nseg;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (seg[mid].addr <= addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo ? lo - 1 : nseg;
+}
+
+/* An event by its address, for placing blocks in address order. */
+typedef struct by_addr {
+    uint64_t ptr;
+    size_t k;
+} by_addr;
+
+static int by_ptr(const void *x, const void *y) {
+    const by_addr *a = x, *b = y;
+    if (a->ptr != b->ptr) return a->ptr < b->ptr ? -1 : 1;
+    return a->k < b->k ? -1 : a->k > b->k;
+}
+
+/* Splits free block id at offset `at` (a multiple of 512 inside it): the part from `at` on is
+ * a new free block (room was reserved), returned. */
+static int32_t split_at(cuma_tm *m, int32_t id, uint64_t at) {
+    int32_t r = new_block(m);
+    cuma_tm_block *b = &m->b[id], *x = &m->b[r];
+    *x = *b;
+    x->addr = b->addr + at;
+    x->size = b->size - at;
+    x->prev = id;
+    if (x->next >= 0) m->b[x->next].prev = r;
+    b->next = r;
+    b->size = at;
+    return r;
+}
+
+/* Puts the block of event ev where it was, in the free block at the right end of its segment's
+ * placed part (*tail), which moves past it. -1: it does not lie in *tail. */
+static int32_t place(cuma_tm *m, const cuma_trace_event *ev, int32_t *tail) {
+    if (*tail < 0 || ev->size > CUMA_TM_MAX_REQUEST) return -1;
+    uint64_t size = cuma_tm_round_size(&m->conf, ev->size);
+    const cuma_tm_block *t = &m->b[*tail];
+    if (ev->ptr < t->addr || ev->ptr - t->addr >= t->size || (ev->ptr - t->addr) % 512 ||
+        size > t->addr + t->size - ev->ptr)
+        return -1;
+    int32_t id = *tail;
+    if (ev->ptr > t->addr) id = split_at(m, id, ev->ptr - t->addr);
+    *tail = size < m->b[id].size ? split_at(m, id, size) : -1;
+    cuma_tm_block *b = &m->b[id];
+    b->allocated = 1;
+    b->requested = ev->size;
+    m->st.allocated += b->size;
+    m->st.requested += ev->size;
+    m->st.allocs++;
+    m->st.blocks_placed++;
+    return id;
+}
+
+cuma_status cuma_tm_seed(cuma_tm *m, const cuma_trace_segment *seg, size_t nseg,
+                         const cuma_trace_event *ev, size_t n, int32_t *ids) {
+    if (m->conf.expandable || m->nb)
+        return cuma_fail(CUMA_ERR_INVALID,
+                         "pytorch model: only a fresh model without expandable segments is seeded");
+    for (size_t k = 0; k < n; k++) ids[k] = -1;
+    if (!nseg) return CUMA_OK;
+    for (size_t i = 1; i < nseg; i++)
+        if (seg[i - 1].addr > UINT64_MAX - seg[i - 1].size ||
+            seg[i - 1].addr + seg[i - 1].size > seg[i].addr)
+            return cuma_fail(CUMA_ERR_INVALID,
+                             "pytorch model: seeded segments %zu and %zu overlap or are unsorted",
+                             i - 1, i);
+    /* Each placed block adds at most two blocks (itself split off, the rest after it). */
+    int32_t *tail = malloc(nseg * sizeof *tail);
+    by_addr *ord = malloc((n ? n : 1) * sizeof *ord);
+    if (!tail || !ord || nseg > SIZE_MAX / 4 - n || reserve_many(m, nseg + 2 * n, nseg + n)) {
+        free(tail);
+        free(ord);
+        return cuma_fail(CUMA_ERR_OOM, "pytorch model: out of host memory for %zu segments", nseg);
+    }
+    for (size_t i = 0; i < nseg; i++) {
+        const cuma_trace_segment *s = &seg[i];
+        tail[i] = -1;
+        if (!s->size || s->size % CUMA_TM_MIN_BLOCK) continue;
+        int32_t id = new_block(m);
+        cuma_tm_block *b = &m->b[id];
+        b->addr = s->addr;
+        b->size = s->size;
+        b->stream = s->stream;
+        b->prev = b->next = -1;
+        b->large = s->size > CUMA_TM_SMALL_BUFFER;
+        b->mapped = 1;
+        tail[i] = id;
+        m->st.reserved += s->size;
+        m->st.segments_seeded++;
+        /* Made-up addresses of later segments start above the seeded ones. */
+        uint64_t end = s->addr + s->size;
+        end = end > UINT64_MAX - 2 * SEGMENT_ALIGN
+                  ? UINT64_MAX - SEGMENT_ALIGN
+                  : (end + SEGMENT_ALIGN) / SEGMENT_ALIGN * SEGMENT_ALIGN;
+        if (end > m->next_addr) m->next_addr = end;
+    }
+    for (size_t k = 0; k < n; k++) ord[k] = (by_addr){ev[k].ptr, k};
+    qsort(ord, n, sizeof *ord, by_ptr);
+    for (size_t k = 0; k < n; k++) {
+        const cuma_trace_event *e = &ev[ord[k].k];
+        size_t j = seg_at(seg, nseg, e->ptr);
+        if (e->action != CUMA_TRACE_ALLOC || !e->size || j == nseg) continue;
+        ids[ord[k].k] = place(m, e, &tail[j]);
+    }
+    for (size_t i = 0; i < m->nb; i++)
+        if (m->b[i].in_use && !m->b[i].allocated) pool_insert(m, (int32_t)i);
+    m->st.peak_reserved = m->st.reserved;
+    m->st.peak_allocated = m->st.allocated;
+    m->st.peak_requested = m->st.requested;
+    free(tail);
+    free(ord);
+    CHECK_MODEL(m);
+    return CUMA_OK;
+}
+
 /* ---- life and checks ------------------------------------------------------------------------ */
 
 cuma_status cuma_tm_init(cuma_tm *m, const cuma_tm_conf *c) {
@@ -710,9 +859,12 @@ cuma_status cuma_tm_replay(const cuma_trace *t, const cuma_tm_conf *c, cuma_tm_r
     cuma_tm_init(&m, c);
     cuma_status st = CUMA_OK;
     uint64_t now = t->n ? t->ev[0].time_us : 0, t0 = now;
+    for (size_t i = 0; i < t->n; i++) ids[i] = -1;
+    /* PyTorch's cache from before recording: the seeded blocks from before are allocated. */
+    if (!c->expandable && t->npreseg)
+        st = cuma_tm_seed(&m, t->preseg, t->npreseg, t->ev, t->preexisting, ids);
     for (size_t i = 0; i < t->n && st == CUMA_OK; i++) {
         const cuma_trace_event *e = &t->ev[i];
-        ids[i] = -1;
         if (e->time_us > now) {
             double dt = (double)(e->time_us - now);
             out->int_reserved += dt * (double)m.st.reserved;
@@ -720,6 +872,7 @@ cuma_status cuma_tm_replay(const cuma_trace *t, const cuma_tm_conf *c, cuma_tm_r
             now = e->time_us;
         }
         if (e->action == CUMA_TRACE_ALLOC) {
+            if (ids[i] >= 0) continue; /* placed by the seed */
             if (!e->size) {
                 out->zero_allocs++;
                 continue;

@@ -101,6 +101,8 @@ typedef struct cuma_tm_stats {
     uint64_t oversize_releases; /* retries after freeing oversize blocks */
     uint64_t full_releases;     /* retries after freeing every cached segment */
     uint64_t gc_releases;       /* segments freed by garbage collection */
+    uint64_t segments_seeded;   /* segments the model started with (cuma_tm_seed) */
+    uint64_t blocks_placed;     /* blocks from before put where they were (cuma_tm_seed) */
 } cuma_tm_stats;
 
 typedef struct cuma_tm {
@@ -133,6 +135,17 @@ cuma_status cuma_tm_free(cuma_tm *m, int32_t id);
 /* Frees every whole cached segment (torch.cuda.empty_cache()). */
 void cuma_tm_empty_cache(cuma_tm *m);
 
+/* Starts a fresh model with the segments a trace says PyTorch reserved before recording
+ * (cuma_trace.preseg: sorted, disjoint), so their free room is cache from time 0: each is a
+ * segment of the small pool when 2 MiB or less, as PyTorch carves only those from it, else of
+ * the large pool. Then allocates the `n` blocks from before (ALLOC events, ptr and size) where
+ * they were: ids[k] is event k's block, or -1 for one that lies in no seeded segment, overlaps
+ * another or is not 512-byte aligned in it (the caller gives those to cuma_tm_malloc). Segments
+ * whose size is no multiple of 512 are left out. CUMA_ERR_INVALID: not a fresh model, or one
+ * with expandable segments (whose ranges are mapped page by page, not seeded). CUMA_ERR_OOM. */
+cuma_status cuma_tm_seed(cuma_tm *m, const cuma_trace_segment *seg, size_t nseg,
+                         const cuma_trace_event *ev, size_t n, int32_t *ids);
+
 /* Checks the invariants above and the byte counts; CUMA_ERR_CORRUPT names the first broken. */
 cuma_status cuma_tm_validate(const cuma_tm *m);
 
@@ -145,7 +158,8 @@ typedef struct cuma_tm_result {
     uint64_t span_us;
 } cuma_tm_result;
 
-/* Replays t's events on a fresh model with settings *c. CUMA_ERR_OOM (host memory), or
+/* Replays t's events on a fresh model with settings *c, seeded with t's segments from before
+ * recording (cuma_tm_seed) unless *c has expandable segments. CUMA_ERR_OOM (host memory), or
  * CUMA_ERR_CORRUPT if the model breaks an invariant (a bug). */
 cuma_status cuma_tm_replay(const cuma_trace *t, const cuma_tm_conf *c, cuma_tm_result *out);
 

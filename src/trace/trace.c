@@ -536,6 +536,7 @@ void cuma_trace_free(cuma_trace *t) {
     free(t->path);
     free(t->ev);
     free(t->stack);
+    free(t->preseg);
     cuma_trace_stacks_free(&t->stacks);
     memset(t, 0, sizeof *t);
 }

@@ -86,6 +86,14 @@ typedef struct cuma_trace_stacks {
     uint32_t nstacks;
 } cuma_trace_stacks;
 
+/* A segment PyTorch reserved before recording started and kept through it: in the snapshot's
+ * dump, and named by no segment_alloc/segment_free/segment_map/segment_unmap event of the trace
+ * (expandable ones are left out). The PyTorch model starts with these as its cache. */
+typedef struct cuma_trace_segment {
+    uint64_t addr, size; /* bytes; addr + size does not overflow */
+    uint64_t stream;
+} cuma_trace_segment;
+
 typedef struct cuma_trace {
     char *path;           /* as passed to cuma_trace_load (owned copy) */
     cuma_trace_event *ev; /* n events in file order */
@@ -96,6 +104,11 @@ typedef struct cuma_trace {
     int synthetic_times;    /* the file had no times: events are spaced evenly, so time-based
                              * figures (release by time, time averages) mean nothing */
     size_t preexisting;     /* ALLOC events added at time 0 for blocks alive before recording */
+    /* A snapshot's segments from before recording (cuma_trace_segment), sorted by address and
+     * disjoint; NULL when none. Blocks from before (the first `preexisting` events) keep their
+     * recorded addresses, so those inside one of them show where they sat in it. */
+    cuma_trace_segment *preseg;
+    size_t npreseg;
     cuma_trace_recorded recorded;
     /* With cuma_trace_opts.stacks on a snapshot: per event the stack of the allocation (an
      * ALLOC's own, 0 for other events and for blocks whose stack the file lacks); NULL
@@ -136,7 +149,8 @@ cuma_status cuma_trace_load_max(const char *path, size_t max_events, cuma_trace 
  * or free_requested when no free_completed of the block follows; oom -> ALLOC_FAIL; the rest
  * (segment_*, snapshot, ...) only feed `recorded`. Blocks alive before recording (active in the
  * dump's segments but never allocated in the trace, or freed without an allocation) are
- * ALLOCs at time 0. Times are microseconds since the first event. CUMA_ERR_PARSE also for a
+ * ALLOCs at time 0; the dump's segments that no segment event names are `preseg` (reserved
+ * before recording). Times are microseconds since the first event. CUMA_ERR_PARSE also for a
  * pickle the reader refuses (pickle.h) or one that is no snapshot; CUMA_ERR_INVALID for a
  * device the snapshot does not have. */
 cuma_status cuma_trace_load_opts(const char *path, const cuma_trace_opts *o, cuma_trace *out);

@@ -8,12 +8,15 @@
  * cuma_snapshot_from_bytes returns OK or a PARSE/LIMIT/INVALID error with a message; on OK
  * the events are at most the limit, linked as trace.h says (a FREE's ALLOC is earlier, of the
  * same pointer, and points back), the ALLOCs added for blocks from before recording come first
- * at time 0, and unmatched_frees counts the FREEs without an ALLOC. Read with its call stacks,
+ * at time 0, and unmatched_frees counts the FREEs without an ALLOC; the segments from before
+ * recording are sorted and disjoint, and the PyTorch model replays the trace from them under
+ * its invariant check. Read with its call stacks,
  * the same bytes give the same events (or a PARSE/LIMIT error: frames are read then) and
  * stacks that cuma_trace_stacks_validate accepts, on ALLOCs only. */
 #include "fuzz.h"
 #include "trace/pickle.h"
 #include "trace/snapshot_pickle.h"
+#include "trace/torch_model.h"
 
 #include <string.h>
 
@@ -87,6 +90,24 @@ static void check_trace(const cuma_trace *t) {
     }
     FZ_CHECK(unmatched == t->unmatched_frees, "%zu unmatched frees, the trace says %zu", unmatched,
              t->unmatched_frees);
+    FZ_CHECK(!t->npreseg == !t->preseg, "%zu segments from before at %p", t->npreseg,
+             (void *)t->preseg);
+    for (size_t i = 0; i < t->npreseg; i++) {
+        const cuma_trace_segment *s = &t->preseg[i];
+        FZ_CHECK(s->size && s->addr <= UINT64_MAX - s->size, "segment from before %zu wraps", i);
+        FZ_CHECK(!i || t->preseg[i - 1].addr + t->preseg[i - 1].size <= s->addr,
+                 "segments from before %zu and %zu overlap or are unsorted", i - 1, i);
+    }
+    /* The PyTorch model starts from those segments and places the blocks from before in them:
+     * whatever the file says, it replays under its own invariant check. */
+    cuma_tm_conf c;
+    cuma_tm_conf_default(&c);
+    cuma_tm_result r;
+    cuma_status st = cuma_tm_replay(t, &c, &r);
+    FZ_CHECK(st == CUMA_OK || st == CUMA_ERR_OOM, "model replay returned %d: %s", (int)st,
+             cuma_last_error());
+    FZ_CHECK(st != CUMA_OK || r.st.blocks_placed <= t->preexisting, "%llu blocks placed of %zu",
+             (unsigned long long)r.st.blocks_placed, t->preexisting);
 }
 
 /* The same file read with its call stacks: the same events, and stacks that hold together. */

@@ -2,14 +2,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """`cuma convert -o OUT.pickle TRACE`: a trace written as a PyTorch memory snapshot.
 
-For the two snapshots in tests/data and a small RMM CSV log (an address above 2^32, a stream
-with the top bit set, a free of a block never allocated, an allocation failure):
+For the snapshots in tests/data, one whose block from before recording has frames no event has
+(written first, numbered last), and a small RMM CSV log (an address above 2^32, a stream with
+the top bit set, a free of a block never allocated, an allocation failure):
 - Python's own pickle module loads the file, and it holds plain data only (dict, list, str,
   int), with the fields a snapshot has: segments with blocks, device_traces of events with
   action/addr/size/stream/time_us/frames, frames of filename/line/name;
-- its events are the trace's, one for one (a free as free_requested + free_completed);
+- its events are the trace's, one for one (a free as free_requested + free_completed; a block
+  live at the end in a segment of its own after that segment's segment_alloc);
 - the project's reader reads it back as the same trace: `cuma leaks --json --all-frames` (call
-  sites, bytes, every stack) and `cuma replay --json`'s figures are the original's;
+  sites, bytes, every stack) and `cuma replay --json`'s figures are the original's, with
+  `--policy pytorch` too (the segments from before recording, their free room, are kept);
 - where PyTorch is installed, torch.cuda._memory_viz.stats accepts its segments.
 Its --help, its row in `cuma help`. Bad options, and an address a snapshot cannot hold (over 2^63-1): exit 2 and no file.
 usage: check_convert.py --cuma CUMA --data tests/data --out DIR
@@ -27,6 +30,8 @@ failures = []
 REPLAY_KEYS = ("events", "allocs", "frees", "unmatched_frees", "trace_alloc_failures",
                "peak_requested_bytes", "peak_reserved_bytes", "end_reserved_bytes",
                "time_avg_ratio", "overhead_ratio")
+PYTORCH_KEYS = ("preexisting_segments", "preexisting_segment_bytes", "segments_seeded",
+                "blocks_placed", "segments_created")
 
 
 def check(cond, what):
@@ -75,21 +80,26 @@ def check_one(cuma, trace, out, name, same=True):
     check(all(set(f) == {"filename", "line", "name"} for f in frames),
           "%s: every frame has filename, line, name (%d frames)" % (name, len(frames)))
     check(all(s["total_size"] == sum(b["size"] for b in s["blocks"]) and
-              all(b["state"] == "active_allocated" for b in s["blocks"]) for s in d["segments"]),
-          "%s: segments are their blocks, active" % name)
+              all(b["state"] in ("active_allocated", "inactive") for b in s["blocks"])
+              for s in d["segments"]),
+          "%s: segments are their blocks, active or free" % name)
     nfree_req = sum(e["action"] == "free_requested" for e in evs)
     check(nfree_req == sum(e["action"] == "free_completed" for e in evs),
           "%s: each free is requested and completed" % name)
-    for cmd in ("leaks", "replay") if same else ():
+    for cmd in ("leaks", "replay", "pytorch") if same else ():
         extra = ["--top", "100000", "--all-frames"] if cmd == "leaks" else []
+        if cmd == "pytorch":  # the model, which starts from the segments from before recording
+            cmd, extra = "replay", ["--policy", "pytorch"]
         a = json_line([cuma, cmd, "--json", *extra, trace])
         b = json_line([cuma, cmd, "--json", *extra, pk])
         if cmd == "replay" and a and b:
-            a = {k: a.get(k) for k in REPLAY_KEYS}
-            b = {k: b.get(k) for k in REPLAY_KEYS}
+            keys = REPLAY_KEYS + (PYTORCH_KEYS if extra else ())
+            a = {k: a.get(k) for k in keys}
+            b = {k: b.get(k) for k in keys}
         if cmd == "leaks" and a and b:
             a.pop("format"), b.pop("format")
-        check(a is not None and a == b, "%s: cuma %s reads it back as the original" % (name, cmd))
+        check(a is not None and a == b, "%s: cuma %s reads it back as the original" %
+              (name, " ".join([cmd] + extra[:2])))
         if a != b:
             print("  original: %s\n  converted: %s" % (str(a)[:600], str(b)[:600]))
     try:
@@ -103,6 +113,27 @@ def check_one(cuma, trace, out, name, same=True):
     return d
 
 
+def late_frames_snapshot(path):
+    """A snapshot whose block from before recording has frames no event has, after 200
+    allocations with frames of their own: the reader numbers the block's frames last, and the
+    writer puts that block first (in "segments"), so its memo ids must follow the writing order,
+    not the reader's numbering, for a pickle reader to accept them."""
+    base = 0x7F0000000000
+    fr = lambda k: [{"filename": "f%d.py" % k, "line": k, "name": "g%d" % k}]  # noqa: E731
+    trace = [{"action": a, "addr": base + (1 + k) * 4096, "size": 4096, "stream": 0,
+              "time_us": 10 * k + (a != "alloc"), "frames": fr(k)}
+             for k in range(200) for a in ("alloc", "free_requested", "free_completed")]
+    blocks = [{"address": base, "size": 4096, "requested_size": 4096, "state": "active_allocated",
+               "frames": fr(999)},
+              {"address": base + 4096, "size": 2 * 1024 * 1024 - 4096, "requested_size": 0,
+               "state": "inactive", "frames": []}]
+    segs = [{"device": 0, "address": base, "total_size": 2 * 1024 * 1024, "stream": 0,
+             "segment_type": "small", "blocks": blocks}]
+    with open(path, "wb") as f:
+        pickle.dump({"segments": segs, "device_traces": [trace]}, f, protocol=4)
+    return path
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cuma", required=True)
@@ -110,13 +141,16 @@ def main():
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    for snap in ("snapshot_toy_attention.pickle.gz", "snapshot_small_lm_5steps.pickle.gz"):
+    for snap in ("snapshot_toy_attention.pickle.gz", "snapshot_small_lm_5steps.pickle.gz",
+                 "snapshot_cached_segments.pickle.gz"):
         d = check_one(a.cuma, os.path.join(a.data, snap), a.out, snap.split(".")[0])
         if d and snap.startswith("snapshot_toy"):
             evs = d["device_traces"][0]
             check(len([e for e in evs if e["action"] == "alloc"]) == 36 and
                   any(f["filename"].endswith("trace_peak_memory.py") for e in evs for f in e["frames"]),
                   "toy attention: its 36 allocations with the program's frames")
+    check_one(a.cuma, late_frames_snapshot(os.path.join(a.out, "late_frames_in.pickle")), a.out,
+              "late_frames")
     csv = os.path.join(a.out, "small.csv")
     with open(csv, "w") as f:
         f.write("Thread,Time,Action,Pointer,Size,Stream\n"
@@ -138,12 +172,14 @@ def main():
     if d:
         evs = d["device_traces"][0]
         check([(e["action"], e["addr"], e["size"], e["time_us"]) for e in evs] ==
-              [("alloc", 0x7fff800000000000, 4096, 100), ("alloc", 0x1000, 512, 200),
+              [("segment_alloc", 0x7fff800000000000, 4096, 100),
+               ("alloc", 0x7fff800000000000, 4096, 100), ("alloc", 0x1000, 512, 200),
                ("free_requested", 0x9999, 64, 300), ("free_completed", 0x9999, 64, 300),
                ("oom", 0, 1073741824, 400), ("free_requested", 0x1000, 512, 500),
                ("free_completed", 0x1000, 512, 500)],
-              "small CSV: its events one for one: %s" % [(e["action"], e["addr"]) for e in evs])
-        check(evs[0]["stream"] == 0x7f00aa and evs[1]["stream"] == 0xffffffffffff00aa - 2**64 and
+              "small CSV: its events one for one, the segment of the block live at the end made "
+              "during recording: %s" % [(e["action"], e["addr"]) for e in evs])
+        check(evs[1]["stream"] == 0x7f00aa and evs[2]["stream"] == 0xffffffffffff00aa - 2**64 and
               [(s["address"], s["total_size"]) for s in d["segments"]] == [(0x7fff800000000000, 4096)],
               "small CSV: the streams (the top bit set: negative, as PyTorch's cudaStream_t ints), and "
               "the block live at the end as a segment")

@@ -6,8 +6,8 @@ usage: check_snapshot.py --cuma BIN --data DIR --out DIR
 
 Tiny snapshots are made here with the standard library's pickle (the same plain dicts and
 lists PyTorch writes) for the edge cases: several protocols, gzip or not, a name that says
-CSV, no time_us, blocks alive before recording, two devices, streams, free_requested without
-free_completed, a refused GLOBAL opcode, a truncated file. The two real snapshots in DIR
+CSV, no time_us, blocks and segments alive before recording, two devices, streams,
+free_requested without free_completed, a refused GLOBAL opcode, a truncated file. The two real snapshots in DIR
 (tests/data) are checked against the figures their README gives. Standard library only.
 """
 import argparse
@@ -146,6 +146,25 @@ def check_preexisting(cuma, out):
               d["recorded_peak_reserved_bytes"] == 2 * MB, json.dumps(d))
 
 
+def check_segments_from_before(cuma, out):
+    """Only dump segments that no segment event names, not expandable, not overlapping an
+    earlier one, are cache from before recording; the model starts with them."""
+    a, b, c, d, e = (0x7f0000000000 + k * 0x10000000 for k in range(5))
+    trace = [ev("segment_alloc", b, 20 * MB, 10), ev("alloc", b, 4 * MB, 10),
+             ev("segment_map", c, 20 * MB, 20), ev("alloc", a, 4 * MB, 30)]
+    free = [{"address": a, "size": 20 * MB, "state": "inactive"}]
+    segs = [segment(a, 20 * MB, free), segment(b, 20 * MB, free), segment(c, 20 * MB, free),
+            dict(segment(d, 20 * MB, free), is_expandable=True),
+            segment(a + 2 * MB, 20 * MB, free)]  # overlaps a (a malformed file)
+    snap = {"segments": segs, "device_traces": [trace]}
+    d_, _ = replay_json(cuma, write(os.path.join(out, "segs.pickle"), snap), "--policy", "pytorch")
+    if d_:
+        check("segments from before: the one no event names, not expandable, not overlapping",
+              d_["preexisting_segments"] == 1 and d_["preexisting_segment_bytes"] == 20 * MB and
+              d_["segments_seeded"] == 1 and d_["segments_created"] == 0 and
+              d_["peak_reserved_bytes"] == 20 * MB, json.dumps(d_))  # both 4 MiB fit in a
+
+
 def check_devices(cuma, out):
     t0 = [ev("alloc", 0x1000, 1 * MB, 1), ev("free_completed", 0x1000, 1 * MB, 2)]
     t1 = [ev("segment_alloc", 0x9000000, 4 * MB, 1)] + \
@@ -247,6 +266,7 @@ def main():
     check_basic(a.cuma, a.out)
     check_no_times(a.cuma, a.out)
     check_preexisting(a.cuma, a.out)
+    check_segments_from_before(a.cuma, a.out)
     check_devices(a.cuma, a.out)
     check_free_requested_only(a.cuma, a.out)
     check_refused(a.cuma, a.out)

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """`cuma replay --policy pytorch` and `--compare` on the bundled snapshots: the model's peak
-reserved within 3% of what PyTorch recorded, one JSON line per compared policy, and bad model
-options refused with exit 2 before anything is replayed.
+reserved within 3% of what PyTorch recorded (also where recording started with a full cache),
+one JSON line per compared policy, and bad model options refused with exit 2 before anything
+is replayed.
 
 usage: check_torch_cli.py --cuma CUMA --data DIR
 """
@@ -12,7 +13,8 @@ import os
 import subprocess
 import sys
 
-SNAPSHOTS = ("snapshot_small_lm_5steps.pickle.gz", "snapshot_toy_attention.pickle.gz")
+SNAPSHOTS = ("snapshot_small_lm_5steps.pickle.gz", "snapshot_toy_attention.pickle.gz",
+             "snapshot_cached_segments.pickle.gz")
 
 
 def run(cuma, *args):
@@ -46,6 +48,13 @@ def main():
             fail("%s: --compare: exit %d, %s %s" % (name, rc, out, err))
         if lines[0]["peak_reserved_bytes"] != model:
             fail("%s: --compare's pytorch line differs from --policy pytorch" % name)
+    # Recording started with PyTorch's cache full: the model starts from those segments (their
+    # free room is cache) and makes only the segment PyTorch made during the trace.
+    rc, out, err = run(a.cuma, "--policy", "pytorch", "--json", os.path.join(a.data, SNAPSHOTS[2]))
+    d = json.loads(out) if rc == 0 else {}
+    if (d.get("preexisting_segments"), d.get("segments_seeded"), d.get("blocks_placed"),
+            d.get("segments_created")) != (3, 3, 3, 1):
+        fail("segments from before recording: %s %s" % (out, err))
     # Expandable segments: the same traces with the policy named, and the same figures through
     # --pytorch-conf expandable_segments:True.
     for name in SNAPSHOTS:

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 /* Unit test of the PyTorch caching-allocator model (src/trace/torch_model.c, torch_conf.c):
  * one check per rule on small synthetic sequences, a randomized run under the model's own
- * validation, and the two bundled snapshots against what PyTorch recorded (within 3%).
+ * validation, the start from segments reserved before a trace, and the bundled snapshots
+ * against what PyTorch recorded (within 3%).
  *
  * usage: test_torch_model [SNAPSHOT.pickle.gz...]
  */
@@ -339,6 +340,69 @@ static void test_random(const char *text) {
     cuma_tm_destroy(&m);
 }
 
+/* Segments from before a trace: free room is cache from the start, blocks sit where they were,
+ * and a block no seeded segment holds is left to malloc. */
+static void test_seeded(void) {
+    cuma_tm_conf c = conf_of("", 0);
+    const uint64_t A = 0x7f0000000000, B = 0x7f0010000000;
+    cuma_trace_segment seg[] = {{A, 60 * MIB, 0}, {B, 2 * MIB, 0}};
+    cuma_trace_event ev[] = {
+        {.ptr = A + 40 * MIB, .size = 4 * MIB, .action = CUMA_TRACE_ALLOC},
+        {.ptr = A, .size = 20 * MIB, .action = CUMA_TRACE_ALLOC},
+        {.ptr = B + 512 * KIB, .size = 1000, .action = CUMA_TRACE_ALLOC}, /* rounds to 1 KiB */
+        {.ptr = A + 2 * MIB, .size = MIB, .action = CUMA_TRACE_ALLOC},    /* overlaps A's first */
+        {.ptr = B + 100, .size = 512, .action = CUMA_TRACE_ALLOC},        /* not 512-aligned */
+        {.ptr = 0x1000, .size = 512, .action = CUMA_TRACE_ALLOC},         /* in no segment */
+    };
+    int32_t ids[6];
+    cuma_tm m;
+    CHECK_OK(cuma_tm_init(&m, &c));
+    CHECK_OK(cuma_tm_seed(&m, seg, 2, ev, 6, ids));
+    CHECK_OK(cuma_tm_validate(&m));
+    CHECK(m.st.reserved == 62 * MIB && m.st.peak_reserved == 62 * MIB);
+    CHECK(m.st.segments_seeded == 2 && m.st.segments_created == 0 && m.st.blocks_placed == 3);
+    CHECK(ids[0] >= 0 && m.b[ids[0]].addr == A + 40 * MIB && m.b[ids[0]].size == 4 * MIB);
+    CHECK(ids[1] >= 0 && m.b[ids[1]].addr == A && m.b[ids[1]].large);
+    CHECK(ids[2] >= 0 && m.b[ids[2]].size == KIB && !m.b[ids[2]].large);
+    CHECK(ids[3] < 0 && ids[4] < 0 && ids[5] < 0);
+    CHECK(m.st.allocated == 24 * MIB + KIB && m.st.requested == 24 * MIB + 1000);
+    /* The free room is cache: 20 MiB between the two blocks of A, 16 MiB after them. */
+    int32_t a = take(&m, 18 * MIB, 0);
+    CHECK(m.b[a].addr == A + 20 * MIB && m.st.segments_created == 0);
+    int32_t b = take(&m, 16 * MIB, 0);
+    CHECK(m.b[b].addr == A + 44 * MIB && m.st.segments_created == 0);
+    int32_t s = take(&m, 4 * KIB, 0); /* the small segment's room */
+    CHECK(m.b[s].addr == B && m.st.segments_created == 0);
+    take(&m, 18 * MIB, 0); /* no room left of that size: a new segment above the seeded ones */
+    CHECK(m.st.segments_created == 1 && m.st.reserved == 62 * MIB + 18 * MIB);
+    /* Freed blocks from before merge with the room around them; empty_cache gives A back. */
+    give(&m, a);
+    give(&m, b);
+    give(&m, ids[0]);
+    give(&m, ids[1]);
+    cuma_tm_empty_cache(&m);
+    CHECK_OK(cuma_tm_validate(&m));
+    CHECK(m.st.reserved == 2 * MIB + 18 * MIB && m.st.segments_released == 1);
+    /* Only a fresh model without expandable segments is seeded; overlapping segments are no
+     * seed. */
+    CHECK(cuma_tm_seed(&m, seg, 2, ev, 0, ids) == CUMA_ERR_INVALID);
+    cuma_tm_destroy(&m);
+    cuma_tm_conf e = conf_of("expandable_segments:True", 0);
+    CHECK_OK(cuma_tm_init(&m, &e));
+    CHECK(cuma_tm_seed(&m, seg, 2, ev, 0, ids) == CUMA_ERR_INVALID);
+    cuma_tm_destroy(&m);
+    /* One segment and no block: the model grows from there (host memory for blocks). */
+    CHECK_OK(cuma_tm_init(&m, &c));
+    CHECK_OK(cuma_tm_seed(&m, seg, 1, ev, 0, ids));
+    for (int i = 0; i < 8; i++) take(&m, 30 * MIB, 0);
+    CHECK(m.st.segments_seeded == 1 && m.st.segments_created == 6); /* two fit the seed */
+    cuma_tm_destroy(&m);
+    cuma_trace_segment bad[] = {{A, 60 * MIB, 0}, {A + 20 * MIB, 2 * MIB, 0}};
+    CHECK_OK(cuma_tm_init(&m, &c));
+    CHECK(cuma_tm_seed(&m, bad, 2, ev, 0, ids) == CUMA_ERR_INVALID);
+    cuma_tm_destroy(&m);
+}
+
 /* A bundled snapshot: the model's peak reserved within 3% of PyTorch's. */
 static void test_snapshot(const char *path) {
     cuma_trace t;
@@ -367,6 +431,7 @@ int main(int argc, char **argv) {
     test_gc();
     test_conf_errors();
     test_expandable();
+    test_seeded();
     test_random("max_split_size_mb:64,garbage_collection_threshold:0.7,"
                 "per_process_memory_fraction:0.9");
     test_random("expandable_segments:True");
