@@ -8,11 +8,13 @@
     ...
     print(cuma.torch.memory_summary())
     cuma.torch.empty_cache()
+    cuma.torch.compact(model, optimizer=opt)   # between steps: scattered tensors to dense pages
 
 enable() needs a CUDA build of PyTorch 2.x (``torch.cuda.memory.CUDAPluggableAllocator``) and
 a libcuma with the CUDA backends. memory_stats(), memory_summary(), memory_snapshot() and
 empty_cache() work on the default heaps without PyTorch, on any backend (the simulated one
-included).
+included). compact() moves a model's parameters, gradients, buffers and optimizer state into
+dense pages; empty() makes a tensor over a block of any cuma heap (_torch_place.py).
 
 PyTorch is imported lazily: importing this module does not import torch.
 """
@@ -25,6 +27,7 @@ import warnings
 
 from . import _alloc_conf, _lib
 from .heap import _apply_default_conf, _device_arg
+from ._torch_place import compact, empty
 
 __all__ = [
     "enable",
@@ -34,6 +37,8 @@ __all__ = [
     "memory_summary",
     "memory_snapshot",
     "empty_cache",
+    "compact",
+    "empty",
 ]
 
 _lock = threading.Lock()
