@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tensors in cuma memory that cuma.torch can move: compact() and empty().
+"""Tensors in cuma memory that cuma.torch can move: compact(), pool_buffers() and empty().
 
 A tensor's storage is one cuma block (its data pointer is the block's address): PyTorch's own
 storages under cuma.torch.enable(), or storages this module made over a block (empty(), the
-new places of compact()). Such a storage keeps an owner object alive that frees the
+new places of compact(), pool blocks). Such a storage keeps an owner object alive that frees the
 block when the storage dies; moving the block disowns the old owner (cuma frees the old place
 itself) and gives the new storage a new owner. PyTorch's storages free through
 cuma_torch_free, so before one dies after its move the shim is told to skip that free
@@ -313,3 +313,53 @@ def compact(*modules_or_tensors, optimizer=None, heap=None, if_needed=False):
             res["kept"] += mover.kept
         res["fragmentation_after"] = max(res["fragmentation_after"], h.stats().get("fragmentation", 0.0))
     return res
+
+
+def pool_buffers(module, pool, parameters=False):
+    """Places every buffer of `module` (with ``parameters=True`` its parameters too) in a block
+    of `pool` (a :class:`cuma.Pool`, ``heap.pool(size, count)``), one block each, copying the
+    values and rebinding the tensors (``.data``), which keep their identity. A tensor larger
+    than the pool's blocks raises ValueError, a full pool OutOfMemoryError, before any tensor
+    moved; one already in the pool stays. Freeing the tensor's storage gives the block back
+    to the pool. Returns how many tensors were placed. The pool's blocks never move in a
+    compaction and never go back to the device while the pool exists (BN statistics and
+    other fixed-size state that lives as long as the model)."""
+    torch = _torch()
+    ts, seen = [], set()
+    for t in list(module.buffers()) + (list(module.parameters()) if parameters else []):
+        if id(t) not in seen and t.numel() > 0:
+            seen.add(id(t))
+            ts.append(t)
+    bs = pool.block_size
+    todo = []
+    for t in ts:
+        st = _storage(t)
+        owner = _owners.get(st.data_ptr())
+        if owner is not None and getattr(owner.release, "__self__", None) is pool:
+            continue
+        if st.nbytes() > bs:
+            raise ValueError("cuma.torch.pool_buffers: a tensor of %d bytes does not fit the pool's "
+                             "blocks of %d bytes" % (st.nbytes(), bs))
+        todo.append(t)
+    if len(todo) > pool.count - pool.in_use:
+        from .errors import OutOfMemoryError
+
+        raise OutOfMemoryError("cuma.torch.pool_buffers: %d tensors to place, %d free blocks in the pool"
+                               % (len(todo), pool.count - pool.in_use))
+    heap = pool._heap
+    device = _heap_device(heap)
+    for t in todo:
+        if t.device != device:
+            raise ValueError("cuma.torch.pool_buffers: a tensor on %s, the pool's memory is on %s"
+                             % (t.device, device))
+    for t in todo:
+        st = _storage(t)
+        nbytes = st.nbytes()
+        addr = pool.alloc()
+        base = _adopt(addr, bs, device, pool.free, heap)
+        base[:nbytes].copy_(_wrap(st.data_ptr(), nbytes, device))
+        flat = base[:nbytes]
+        with torch.no_grad():
+            t.data = flat.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
+        del st, flat, base
+    return len(todo)

@@ -14,7 +14,8 @@ enable() needs a CUDA build of PyTorch 2.x (``torch.cuda.memory.CUDAPluggableAll
 a libcuma with the CUDA backends. memory_stats(), memory_summary(), memory_snapshot() and
 empty_cache() work on the default heaps without PyTorch, on any backend (the simulated one
 included). compact() moves a model's parameters, gradients, buffers and optimizer state into
-dense pages; empty() makes a tensor over a block of any cuma heap (_torch_place.py).
+dense pages; pool_buffers() puts a module's buffers in a fixed-size pool; empty() makes a tensor
+over a block of any cuma heap (_torch_place.py).
 
 PyTorch is imported lazily: importing this module does not import torch.
 """
@@ -27,7 +28,7 @@ import warnings
 
 from . import _alloc_conf, _lib
 from .heap import _apply_default_conf, _device_arg
-from ._torch_place import compact, empty
+from ._torch_place import compact, empty, pool_buffers
 
 __all__ = [
     "enable",
@@ -38,6 +39,7 @@ __all__ = [
     "memory_snapshot",
     "empty_cache",
     "compact",
+    "pool_buffers",
     "empty",
 ]
 

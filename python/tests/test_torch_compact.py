@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""cuma.torch.compact and empty on CPU PyTorch: tensors whose storage is the host
+"""cuma.torch.compact, pool_buffers and empty on CPU PyTorch: tensors whose storage is the host
 memory behind blocks of a simulated heap (host_backing:on), the code path a CUDA heap takes.
 A model and its Adam state, scattered one tensor per page between freed temporaries, are
 compacted; values stay bit for bit, and training goes on exactly as without compaction."""
@@ -171,6 +171,37 @@ def test_compact_if_needed_waits_for_the_threshold():
         r = ct.compact(*ts, if_needed=True)
         assert r["blocks_moved"] > 0 and h.stats()["fragmentation"] < 0.05
         del dense, ts
+
+
+def test_pool_buffers_places_buffers_in_the_pool():
+    with cuma.Heap(CONF, use_env=False) as h:
+        torch.manual_seed(0)
+        bn, ref = torch.nn.BatchNorm1d(100), torch.nn.BatchNorm1d(100)
+        pool = h.pool(1024, 4)
+        assert ct.pool_buffers(bn, pool) == 3  # running_mean, running_var, num_batches_tracked
+        assert pool.in_use == 3
+        lo = min(b.data_ptr() for b in bn.buffers())
+        assert all(0 <= b.data_ptr() - lo < 4 * pool.block_size for b in bn.buffers())
+        assert ct.pool_buffers(bn, pool) == 0  # already there
+        x = torch.randn(16, 100)
+        for _ in range(3):
+            bn(x)
+            ref(x)
+        for (n, a), (_, b) in zip(bn.named_buffers(), ref.named_buffers()):
+            assert torch.equal(a, b), n
+        assert ct.compact(bn, heap=h)["blocks_moved"] == 0  # a pool's blocks never move
+        with pytest.raises(cuma.OutOfMemoryError):
+            ct.pool_buffers(torch.nn.BatchNorm1d(100), pool)  # 3 more, 1 free block
+        with pytest.raises(ValueError, match="does not fit"):
+            ct.pool_buffers(torch.nn.BatchNorm1d(1000), pool)
+        assert pool.in_use == 3
+        n2 = torch.nn.Linear(4, 4, bias=False)  # no buffers; one parameter
+        assert ct.pool_buffers(n2, pool) == 0
+        assert ct.pool_buffers(n2, pool, parameters=True) == 1 and pool.in_use == 4
+        assert n2(torch.ones(1, 4)).shape == (1, 4)
+        del bn, n2, a, b
+        assert pool.in_use == 0  # the storages gave their blocks back
+        pool.close()
 
 
 def test_empty_is_a_block_of_the_heap():
