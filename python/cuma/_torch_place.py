@@ -24,7 +24,7 @@ import weakref
 from . import _lib
 
 _owners = weakref.WeakValueDictionary()  # block address -> _Owner of a storage made here
-_refs_ok = None  # whether storage reference counts can be read (checked once)
+_refs_ok = None  # _refs_readable()'s answer once known (False: counts unreadable)
 
 
 def _torch():
@@ -132,9 +132,12 @@ def _use_count(st):
 
 
 def _refs_readable():
-    """Whether _use_count tells the holders of a storage (a view must add exactly one)."""
+    """How many references a storage object we hold adds to its use count (0 where PyTorch
+    keeps the Python object with the storage, 1 where the object holds one), or None when the
+    count does not tell the holders (a view must add exactly one)."""
     global _refs_ok
     if _refs_ok is None:
+        _refs_ok = False
         try:
             x = _torch().zeros(4)
             st = _storage(x)
@@ -142,10 +145,11 @@ def _refs_readable():
             v = x.view(2, 2)
             c2 = _use_count(st)
             del v
-            _refs_ok = c1 == 2 and c2 == 3 and _use_count(st) == 2
+            if c1 in (1, 2) and c2 == c1 + 1 and _use_count(st) == c1:
+                _refs_ok = c1 - 1
         except Exception:
-            _refs_ok = False
-    return _refs_ok
+            pass
+    return None if _refs_ok is False else _refs_ok
 
 
 def _known_tensors(objs, optimizer):
@@ -200,7 +204,7 @@ class _Mover:
             return False  # not a tensor we were given: nobody could rebind it
         st = _storage(ts[0])
         nbytes = st.nbytes()
-        if st.data_ptr() != old or nbytes > size or _use_count(st) != len(ts) + 1:
+        if st.data_ptr() != old or nbytes > size or _use_count(st) != len(ts) + _refs_readable():
             self.kept += 1  # a view, a saved tensor or a storage object elsewhere holds it
             return False
         device = ts[0].device
@@ -217,6 +221,11 @@ class _Mover:
         except BaseException:
             _disown_base(new)  # refused: cuma frees the new place itself
             raise
+        if old_owner is None and _lib.lib().cuma_torch_disown(ctypes.c_void_p(old)):
+            # PyTorch frees the old place when its storage dies, below; cuma frees it once
+            # this returns, so that free must be skipped, and no slot was left for it.
+            _disown_base(new)
+            return False
         flat = base[:nbytes]
         with torch.no_grad():
             for t in ts:
@@ -225,12 +234,19 @@ class _Mover:
         self.rebound += len(ts)
         if old_owner is not None:
             old_owner.release = None  # cuma frees the old place when this returns
-            del st
+        del st, old_owner  # the last holders of the old storage: it dies here
+        if _owners.get(old) is not None:
+            gone = False
         else:
-            # PyTorch frees the old place when st, its last holder, goes: cuma frees it once
-            # this returns, so that free must not happen.
-            _lib.check(_lib.lib().cuma_torch_disown(ctypes.c_void_p(old)))
-            del st
+            gone = not _lib.lib().cuma_torch_disowned(ctypes.c_void_p(old))
+        if not gone:
+            # A holder the use count did not show (PyTorch 2 keeps a storage's Python object
+            # without counting it): it now sees freed memory.
+            import warnings
+
+            warnings.warn("cuma.torch.compact: the old storage of a moved tensor (%#x) is still held "
+                          "somewhere (a storage object?); it no longer holds the tensor's values" % old,
+                          RuntimeWarning, stacklevel=2)
         return True
 
 
@@ -288,7 +304,7 @@ def compact(*modules_or_tensors, optimizer=None, heap=None, if_needed=False):
            "pages_released": 0, "tensors_rebound": 0, "kept": 0,
            "fragmentation_before": 0.0, "fragmentation_after": 0.0}
     heaps = _heaps_of(tensors, heap)
-    if not _refs_readable():
+    if _refs_readable() is None:
         import warnings
 
         warnings.warn("cuma.torch.compact: this PyTorch does not let cuma count a storage's "
