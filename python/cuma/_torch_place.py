@@ -113,7 +113,11 @@ def empty(size, dtype=None, heap=None):
     nbytes = n * torch.empty((), dtype=dtype).element_size()
     device = _heap_device(heap)
     addr = heap.alloc(max(nbytes, 1))
-    base = _adopt(addr, max(nbytes, 1), device, heap.free, heap)
+    try:
+        base = _adopt(addr, max(nbytes, 1), device, heap.free, heap)
+    except BaseException:
+        heap.free(addr)
+        raise
     out = torch.empty(0, dtype=dtype, device=device)
     out.data = base[:nbytes].view(dtype).view(size)  # not a view of base: base does not stay
     return out
@@ -372,7 +376,11 @@ def pool_buffers(module, pool, parameters=False):
         st = _storage(t)
         nbytes = st.nbytes()
         addr = pool.alloc()
-        base = _adopt(addr, bs, device, pool.free, heap)
+        try:
+            base = _adopt(addr, bs, device, pool.free, heap)
+        except BaseException:
+            pool.free(addr)
+            raise
         base[:nbytes].copy_(_wrap(st.data_ptr(), nbytes, device))
         flat = base[:nbytes]
         with torch.no_grad():
