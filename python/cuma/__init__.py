@@ -12,7 +12,8 @@ else. PyTorch is optional and imported only by the helpers that need it.
   for when a job of higher priority needs memory (:func:`remove_pressure` removes it), and the
   live heaps of the ledger (:func:`ledger_path`: where it lives).
 - :mod:`cuma.torch`: ``enable()`` makes cuma PyTorch's CUDA allocator; ``memory_stats()``,
-  ``memory_summary()``, ``empty_cache()``.
+  ``memory_summary()``, ``empty_cache()``; ``compact(model, optimizer=opt)`` moves a model's
+  scattered tensors into dense pages, ``pool_buffers(module, pool)`` puts its buffers in a pool.
 - :class:`CudaMemoryAllocator`: raw device memory from the default heaps.
 - :mod:`cuma.adaptive`: ``find_batch_size``, ``DynamicBatcher``, ``safe_forward``, ``is_oom``,
   ``set_memory_growth``, ``set_memory_limit``.
