@@ -28,12 +28,14 @@ MB = 1 << 20
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--width", type=int, default=2048, help="width of the large layers")
+    p.add_argument("--width", type=int, default=4096, help="width of the large layers")
     p.add_argument("--small", type=int, default=12, help="small layers (scattered tensors)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="steps after the compaction")
     p.add_argument("--threshold", type=float, default=0.05)
-    p.add_argument("--cuma-conf", default=None)
+    p.add_argument("--cuma-conf", default="tcache:off",
+                   help="settings for cuma (default tcache:off: each placement takes a new block, "
+                   "not one the thread cache kept)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     return p.parse_args(argv)
 
@@ -55,8 +57,8 @@ def main(argv=None):
         heap = cuma.heap.default_heap(0)
         dev = torch.device("cuda", 0)
     else:
-        heap = cuma.Heap(a.cuma_conf or "backend:sim,host_backing:on,tcache:off,capacity:4G,page_size:2M,"
-                         "sim_clock:manual", use_env=False)
+        heap = cuma.Heap("backend:sim,host_backing:on,capacity:4G,page_size:2M,sim_clock:manual,"
+                         + (a.cuma_conf or ""), use_env=False)
         dev = torch.device("cpu")
 
     def place(t):
@@ -128,7 +130,8 @@ def main(argv=None):
     nsmall = scatter(model, opt)
     frag_before = heap.stats()["fragmentation"]
     before = fingerprint(state(model, opt))
-    r = ct.compact(model, optimizer=opt, heap=heap)
+    # x too: the one other long-lived tensor, alone on a page once the first model is gone.
+    r = ct.compact(model, x, optimizer=opt, heap=heap)
     if on_gpu:
         torch.cuda.synchronize()
     s = heap.stats()
@@ -136,8 +139,8 @@ def main(argv=None):
     for _ in range(a.steps):
         losses.append(step(model, opt))
     same = losses == ref_losses
-    print("tensors: %d, %d small; fragmentation %.3f -> %.3f (threshold %.2f); moved %d blocks, "
-          "%.2f MiB; pages emptied %d, released %d; kept %d, refused %d" % (
+    print("tensors: %d, %d small (and the input); fragmentation %.3f -> %.3f (threshold %.2f); "
+          "moved %d blocks, %.2f MiB; pages emptied %d, released %d; kept %d, refused %d" % (
               len(before), nsmall, frag_before, s["fragmentation"], a.threshold, r["blocks_moved"],
               r["bytes_moved"] / MB, r["pages_emptied"], r["pages_released"], r["kept"],
               r["blocks_refused"]))
