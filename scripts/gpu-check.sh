@@ -37,6 +37,10 @@
 #                layers, offload and recompute at watermarks 0 and 512 MiB with room for half
 #                the activations: peak reserved and step time against the plain run, losses
 #                equal; SKIP without PyTorch+CUDA; with what is left of the budget
+#  10. Compact   scripts/gpu/compact_check.py: an MLP and its Adam state scattered one small
+#                tensor per page under cuma, then cuma.torch.compact(model, optimizer=opt):
+#                values bit for bit, fragmentation under 0.05, losses of 3 more steps equal to
+#                an uncompacted run; SKIP without PyTorch+CUDA; with what is left of the budget
 #
 # Every step runs, each under its own timeout and within one overall budget (--budget, 420 s);
 # a step the budget leaves no time for is SKIP (saying so), not FAIL; a summary table of
@@ -53,7 +57,7 @@
 # e.g. zlib1g-dev, unpacked into build-gpu/sysroot when apt cannot install them), NVCC.
 #
 # --only STEPS runs those steps alone (comma-separated: ctest, replays, churn, bench, torch, ledger,
-# preload; the
+# preload, guard, compact; the
 # machine and build steps always run), e.g. `--only torch` to run the PyTorch comparison again
 # within the same device session.
 #
@@ -82,8 +86,8 @@ while [ $# -gt 0 ]; do
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu-check: --budget wants seconds, not '$BUDGET'" >&2; exit 2 ;; esac
 for s in ${ONLY//,/ }; do
-  case "$s" in ctest|replays|churn|bench|torch|ledger|preload|guard) ;;
-    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, ledger, preload, guard)" >&2; exit 2 ;;
+  case "$s" in ctest|replays|churn|bench|torch|ledger|preload|guard|compact) ;;
+    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, ledger, preload, guard, compact)" >&2; exit 2 ;;
   esac
 done
 # wanted STEP: whether --only leaves the step in.
@@ -736,6 +740,28 @@ step_guard() {
   esac
 }
 
+step_compact() {
+  section "10. Compact: cuma.torch.compact on a scattered model (scripts/gpu/compact_check.py)"
+  step_start
+  local name="compact: model tensors to dense pages"
+  if [ "$NO_TORCH" = 1 ]; then record "$name" SKIP "--no-torch" gpu; return; fi
+  if [ "$HAVE_GPU" != 1 ]; then record "$name" SKIP "no GPU: $NO_GPU_WHY" gpu; return; fi
+  if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build (failed or left out)" gpu; return; fi
+  if ! t=$(tmo 60); then record "$name" SKIP "$NO_TIME"; return; fi
+  local rc=0
+  run "$t" "$WORK/compact.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
+    CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
+    python3 scripts/gpu/compact_check.py || rc=$?
+  local res
+  res=$(grep 'COMPACT RESULT' "$WORK/compact.log" | tail -1)
+  res=${res#COMPACT RESULT: }
+  case $rc in
+    0) record "$name" PASS "$res" gpu ;;
+    3) record "$name" SKIP "$res" gpu ;;
+    *) record "$name" FAIL "$(why_rc $rc "$t")${res:+: $res}" gpu ;;
+  esac
+}
+
 main() {
   echo "cuma GPU check: $(git log -1 --format='%h %s' 2>/dev/null | cut -c1-100) ($(date -u '+%Y-%m-%d %H:%M:%S UTC'))"
   [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && echo "(the working tree has uncommitted changes)"
@@ -753,6 +779,7 @@ main() {
   wanted preload && step_preload
   wanted ledger && step_ledger
   wanted guard && step_guard
+  wanted compact && step_compact
   summary
 }
 

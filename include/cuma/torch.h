@@ -35,6 +35,7 @@
 
 #include "cuma.h"
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <sys/types.h> /* ssize_t */
 
@@ -62,6 +63,16 @@ void *cuma_torch_malloc(ssize_t size, int device, cudaStream_t stream);
  * needed: the heap knows the block's size and the stream it was allocated on (other streams
  * that used it came through cuma_torch_record_stream). NULL is a no-op. */
 void cuma_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
+
+/* The next cuma_torch_free(ptr) does nothing: the block's owner has moved it (cuma.torch.compact
+ * moves a tensor's block with cuma_compact, which frees the old place itself, while PyTorch's
+ * storage at the old place would still free it when it dies). Call it while the block at ptr
+ * is still live, just before that storage dies, so that no other block can be at ptr when the
+ * skipped free comes. At most 64 pointers wait at a time (CUMA_ERR_LIMIT beyond). */
+cuma_status cuma_torch_disown(void *ptr);
+
+/* Whether a cuma_torch_disown(ptr) still waits for its skipped free. */
+bool cuma_torch_disowned(const void *ptr);
 
 /* PyTorch's init hook: checks CUMA_CONF early, so a bad setting is reported when CUDA starts
  * rather than at the first allocation. Heaps are still created on first use, so devices the

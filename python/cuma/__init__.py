@@ -13,7 +13,9 @@ else. PyTorch is optional and imported only by the helpers that need it.
   live heaps of the ledger (:func:`ledger_path`: where it lives).
 - :mod:`cuma.torch`: ``enable()`` makes cuma PyTorch's CUDA allocator; ``memory_stats()``,
   ``memory_summary()``, ``empty_cache()``; ``whatif()`` replays a PyTorch memory snapshot and
-  tells what PyTorch reserved against what cuma would.
+  tells what PyTorch reserved against what cuma would; ``compact(model, optimizer=opt)`` moves a
+  model's scattered tensors into dense pages, ``pool_buffers(module, pool)`` puts its buffers in
+  a pool.
 - :class:`CudaMemoryAllocator`: raw device memory from the default heaps.
 - :mod:`cuma.adaptive`: ``find_batch_size``, ``DynamicBatcher``, ``safe_forward``, ``is_oom``,
   ``set_memory_growth``, ``set_memory_limit``.

@@ -248,6 +248,8 @@ def _prototype(lib):
         "cuma_torch_record_stream": (None, [vp, vp]),
         "cuma_torch_stats_json": (c.c_int, [c.c_int, c.c_char_p, sz]),
         "cuma_torch_created_heap": (vp, [c.c_int]),
+        "cuma_torch_disown": (st, [vp]),
+        "cuma_torch_disowned": (c.c_bool, [vp]),
     }
     missing = []
     for name, (res, args) in protos.items():

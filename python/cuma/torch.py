@@ -8,6 +8,7 @@
     ...
     print(cuma.torch.memory_summary())
     cuma.torch.empty_cache()
+    cuma.torch.compact(model, optimizer=opt)   # between steps: scattered tensors to dense pages
 
 whatif() replays a PyTorch memory snapshot (this process's, a dict or a file) through
 `cuma replay` and tells what PyTorch reserved against what cuma would reserve.
@@ -15,7 +16,9 @@ whatif() replays a PyTorch memory snapshot (this process's, a dict or a file) th
 enable() needs a CUDA build of PyTorch 2.x (``torch.cuda.memory.CUDAPluggableAllocator``) and
 a libcuma with the CUDA backends. memory_stats(), memory_summary(), memory_snapshot() and
 empty_cache() work on the default heaps without PyTorch, on any backend (the simulated one
-included).
+included). compact() moves a model's parameters, gradients, buffers and optimizer state into
+dense pages; pool_buffers() puts a module's buffers in a fixed-size pool; empty() makes a tensor
+over a block of any cuma heap (_torch_place.py).
 
 PyTorch is imported lazily: importing this module does not import torch.
 """
@@ -29,6 +32,7 @@ import warnings
 from . import _alloc_conf, _lib
 from ._whatif import whatif
 from .heap import _apply_default_conf, _device_arg
+from ._torch_place import compact, empty, pool_buffers
 
 __all__ = [
     "enable",
@@ -39,6 +43,9 @@ __all__ = [
     "memory_snapshot",
     "empty_cache",
     "whatif",
+    "compact",
+    "pool_buffers",
+    "empty",
 ]
 
 _lock = threading.Lock()

@@ -12,6 +12,8 @@
 
 #include <limits.h>
 #include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -49,12 +51,52 @@ void *cuma_torch_malloc(ssize_t size, int device, cudaStream_t stream) {
     return NULL;
 }
 
+/* Pointers whose next cuma_torch_free is skipped (cuma_torch_disown). A handful at most: one
+ * is set just before its storage dies, inside a compaction's mover. Slots are claimed and
+ * emptied with compare-and-swap; `disowned` counts the claimed ones so that the free of
+ * every other tensor pays one atomic load. */
+enum { DISOWN_SLOTS = 64 };
+static _Atomic(uintptr_t) disown_slot[DISOWN_SLOTS];
+static _Atomic unsigned disowned;
+
+static bool take_disowned(uintptr_t p) {
+    if (!atomic_load_explicit(&disowned, memory_order_acquire)) return false;
+    for (int i = 0; i < DISOWN_SLOTS; i++) {
+        uintptr_t want = p;
+        if (atomic_compare_exchange_strong(&disown_slot[i], &want, 0)) {
+            atomic_fetch_sub(&disowned, 1);
+            return true;
+        }
+    }
+    return false;
+}
+
+cuma_status cuma_torch_disown(void *ptr) {
+    if (!ptr) return cuma_fail(CUMA_ERR_INVALID, "cuma_torch_disown: ptr is NULL");
+    for (int i = 0; i < DISOWN_SLOTS; i++) {
+        uintptr_t want = 0;
+        if (atomic_compare_exchange_strong(&disown_slot[i], &want, (uintptr_t)ptr)) {
+            atomic_fetch_add(&disowned, 1);
+            return CUMA_OK;
+        }
+    }
+    return cuma_fail(CUMA_ERR_LIMIT,
+                     "cuma_torch_disown: %d pointers already wait for their skipped free",
+                     DISOWN_SLOTS);
+}
+
+bool cuma_torch_disowned(const void *ptr) {
+    for (int i = 0; i < DISOWN_SLOTS && atomic_load(&disowned); i++)
+        if (atomic_load(&disown_slot[i]) == (uintptr_t)ptr) return true;
+    return false;
+}
+
 void cuma_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream) {
     /* The heap knows the block's size (PyTorch's may be rounded differently) and the stream it
      * was allocated on, which is what PyTorch means to pass here (other streams come through
      * record_stream); some PyTorch releases (2.5-2.9) could pass another allocation's stream. */
     (void)size, (void)stream;
-    if (!ptr) return;
+    if (!ptr || take_disowned((uintptr_t)ptr)) return;
     cuma_heap *h = cuma_default_heap_peek(device);
     if (h && cuma_free(h, ptr, NULL) == CUMA_OK) return;
     /* Not on the device PyTorch named (or that heap does not exist): a wrong device ordinal

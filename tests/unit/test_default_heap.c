@@ -116,6 +116,38 @@ static void test_entry_point_edges(void) {
     cuma_default_heaps_shutdown();
 }
 
+/* cuma_torch_disown: the next cuma_torch_free of that pointer is skipped (cuma.torch.compact
+ * moved the block; cuma frees the old place itself), the one after frees; slots run out. */
+static void test_disown(void) {
+    setenv("CUMA_CONF", "backend:sim,capacity:64M", 1);
+    cuma_default_heaps_shutdown();
+    void *p = cuma_torch_malloc(4096, 0, NULL), *q = cuma_torch_malloc(4096, 0, NULL);
+    CHECK(p && q);
+    cuma_heap *h;
+    CHECK_OK(cuma_default_heap(0, &h));
+    CHECK_ST(cuma_torch_disown(NULL), CUMA_ERR_INVALID);
+    CHECK(!cuma_torch_disowned(p));
+    CHECK_OK(cuma_torch_disown(p));
+    CHECK(cuma_torch_disowned(p) && !cuma_torch_disowned(q));
+    cuma_torch_free(q, 4096, 0, NULL); /* another pointer: freed as ever */
+    cuma_torch_free(p, 4096, 0, NULL); /* skipped */
+    size_t bs;
+    CHECK_OK(cuma_block_size(h, p, &bs));
+    CHECK_ST(cuma_block_size(h, q, &bs), CUMA_ERR_BAD_POINTER);
+    CHECK(!cuma_torch_disowned(p));
+    cuma_torch_free(p, 4096, 0, NULL);
+    CHECK_ST(cuma_block_size(h, p, &bs), CUMA_ERR_BAD_POINTER);
+    int n = 0;
+    while (cuma_torch_disown((void *)(uintptr_t)(0x1000 + 256 * n)) == CUMA_OK) n++;
+    CHECK(n == 64 && strstr(cuma_last_error(), "64 pointers"));
+    for (int i = 0; i < n; i++) {
+        CHECK(cuma_torch_disowned((void *)(uintptr_t)(0x1000 + 256 * i)));
+        cuma_torch_free((void *)(uintptr_t)(0x1000 + 256 * i), 0, 0, NULL); /* each taken back */
+    }
+    CHECK(!cuma_torch_disowned((void *)(uintptr_t)0x1000));
+    cuma_default_heaps_shutdown();
+}
+
 /* cuma_default_settings_set: the default heaps' settings without touching CUMA_CONF, so that
  * a heap made with cuma_heap_create keeps what CUMA_CONF says (issue 13: a limit meant for the
  * default heaps made an unrelated heap fail at 50 pages). */
@@ -177,6 +209,7 @@ int main(void) {
     test_first_use_race();
     test_no_driver_is_an_error_unless_asked();
     test_entry_point_edges();
+    test_disown();
     test_default_settings();
     unsetenv("CUMA_CONF");
     printf("test_default_heap: ok\n");
