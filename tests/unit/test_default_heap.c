@@ -4,10 +4,14 @@
  * backend_fallback:sim that asks for it), the hooks' edge cases, shutdown. */
 #include "check.h"
 #include "cuma/torch.h"
+#include "heap/heap.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #define NTHREADS   16
 #define PER_THREAD 200
@@ -173,7 +177,54 @@ static void test_default_settings(void) {
     cuma_default_heaps_shutdown();
 }
 
+#ifndef NDEBUG
+/* Makes a default heap while holding another heap's arena lock: against the lock order (the
+ * creation takes fork_lock, which a fork's handlers hold while they take every arena lock). */
+static void create_under_arena_lock(void) {
+    cuma_heap *h = heap_make("backend:sim,capacity:64M");
+    cuma_mutex_lock(&h->first.lock, CUMA_RANK_ARENA);
+    cuma_heap *d;
+    cuma_default_heap(3, &d);
+}
+#endif
+
+/* The shim's locks are in the lock order that debug builds check (util/lockrank.h): making a
+ * default heap under a heap's lock aborts, naming both locks. The other tests
+ * here take the shim's locks in the order of the real calls, checked in the same builds. */
+static void test_shim_locks_ranked(void) {
+#ifdef NDEBUG
+    printf("test_default_heap: lock order not checked in this build (NDEBUG)\n");
+#else
+    setenv("CUMA_CONF", "backend:sim,capacity:64M", 1);
+    cuma_default_heaps_shutdown();
+    int fds[2];
+    CHECK(pipe(fds) == 0);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        close(fds[0]);
+        dup2(fds[1], 2);
+        create_under_arena_lock();
+        _exit(0);
+    }
+    close(fds[1]);
+    char err[1024];
+    size_t n = 0;
+    ssize_t r;
+    while (n + 1 < sizeof err && (r = read(fds[0], err + n, sizeof err - 1 - n)) > 0)
+        n += (size_t)r;
+    err[n] = 0;
+    close(fds[0]);
+    int status;
+    CHECK(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT);
+    /* The settings lock where the driver is loaded first (a CUDA build), else create_lock. */
+    CHECK(strstr(err, "taking the default heaps' ") && strstr(err, "holding an arena's lock"));
+#endif
+}
+
 int main(void) {
+    test_shim_locks_ranked();
     test_first_use_race();
     test_no_driver_is_an_error_unless_asked();
     test_entry_point_edges();

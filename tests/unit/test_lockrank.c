@@ -19,6 +19,8 @@ static pthread_mutex_t arena0 = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t arena1 = PTHREAD_MUTEX_INITIALIZER;
 /* Error-checking: without the checker, taking it twice fails instead of hanging the test. */
 static pthread_mutex_t arena2 = PTHREAD_ERRORCHECK_MUTEX_INITIALIZER_NP;
+static pthread_mutex_t create = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t owned = PTHREAD_MUTEX_INITIALIZER;
 
 /* Runs fn in a child process; its wait status, and what it wrote to stderr into err. */
 static int in_child(void (*fn)(void), char *err, size_t len) {
@@ -70,7 +72,21 @@ static void same_arena_twice(void) {
     cuma_mutex_lock(&arena2, CUMA_RANK_ARENA); /* would wait for itself for good */
 }
 
+/* The shim's locks are ranked with the heaps': the default heaps' creation lock comes before
+ * every lock of a heap (a creation takes them), so it is not taken under one. */
+static void create_under_arena(void) {
+    cuma_mutex_lock(&arena0, CUMA_RANK_ARENA);
+    cuma_mutex_lock(&create, CUMA_RANK_DEFAULT_CREATE);
+}
+
 static void in_order(void) {
+    /* A default heap's creation, whose backend calls the preload shim's table last. */
+    cuma_mutex_lock(&create, CUMA_RANK_DEFAULT_CREATE);
+    cuma_mutex_lock(&arena0, CUMA_RANK_ARENA);
+    cuma_mutex_lock(&owned, CUMA_RANK_PRELOAD_OWNED);
+    cuma_mutex_unlock(&owned);
+    cuma_mutex_unlock(&arena0);
+    cuma_mutex_unlock(&create);
     cuma_mutex_lock(&arena0, CUMA_RANK_ARENA);
     cuma_mutex_lock(&arena1, CUMA_RANK_ARENA);
     cuma_mutex_lock(&oom, CUMA_RANK_OOM);
@@ -104,6 +120,10 @@ int main(void) {
     st = in_child(same_arena_twice, err, sizeof err);
     CHECK(aborted(st));
     CHECK(strstr(err, "taking an arena's lock") && strstr(err, "holding an arena's lock"));
+    st = in_child(create_under_arena, err, sizeof err);
+    CHECK(aborted(st));
+    CHECK(strstr(err, "taking the default heaps' create_lock") &&
+          strstr(err, "holding an arena's lock"));
     st = in_child(in_order, err, sizeof err);
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0 && !err[0]);
     printf("test_lockrank: ok\n");
