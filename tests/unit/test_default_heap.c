@@ -2,16 +2,13 @@
 /* The process-wide default heaps and the PyTorch entry points (src/shim): creation on first
  * use from many threads at once, no simulated device unasked without a driver (and the
  * backend_fallback:sim that asks for it), the hooks' edge cases, shutdown. */
-#include "check.h"
+#include "child.h"
 #include "cuma/torch.h"
 #include "heap/heap.h"
 
 #include <pthread.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #define NTHREADS   16
 #define PER_THREAD 200
@@ -197,27 +194,9 @@ static void test_shim_locks_ranked(void) {
 #else
     setenv("CUMA_CONF", "backend:sim,capacity:64M", 1);
     cuma_default_heaps_shutdown();
-    int fds[2];
-    CHECK(pipe(fds) == 0);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        close(fds[0]);
-        dup2(fds[1], 2);
-        create_under_arena_lock();
-        _exit(0);
-    }
-    close(fds[1]);
     char err[1024];
-    size_t n = 0;
-    ssize_t r;
-    while (n + 1 < sizeof err && (r = read(fds[0], err + n, sizeof err - 1 - n)) > 0)
-        n += (size_t)r;
-    err[n] = 0;
-    close(fds[0]);
-    int status;
-    CHECK(waitpid(pid, &status, 0) == pid);
-    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT);
+    int status = child_run(create_under_arena_lock, err, sizeof err);
+    CHECK(child_aborted(status));
     /* The settings lock where the driver is loaded first (a CUDA build), else create_lock. */
     CHECK(strstr(err, "taking the default heaps' ") && strstr(err, "holding an arena's lock"));
 #endif

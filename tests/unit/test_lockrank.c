@@ -4,14 +4,11 @@
  * in here whatever the build type (the library's own calls have it only without NDEBUG). */
 #undef CUMA_LOCK_CHECK
 #define CUMA_LOCK_CHECK 1
-#include "check.h"
+#include "child.h"
 #include "util/lockrank.h"
 
 #include <pthread.h>
-#include <signal.h>
 #include <string.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 static pthread_mutex_t oom = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t managed = PTHREAD_MUTEX_INITIALIZER;
@@ -21,33 +18,6 @@ static pthread_mutex_t arena1 = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t arena2 = PTHREAD_ERRORCHECK_MUTEX_INITIALIZER_NP;
 static pthread_mutex_t create = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t owned = PTHREAD_MUTEX_INITIALIZER;
-
-/* Runs fn in a child process; its wait status, and what it wrote to stderr into err. */
-static int in_child(void (*fn)(void), char *err, size_t len) {
-    int fds[2];
-    CHECK(pipe(fds) == 0);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        close(fds[0]);
-        dup2(fds[1], 2);
-        fn();
-        _exit(0);
-    }
-    close(fds[1]);
-    size_t n = 0;
-    ssize_t r;
-    while (n + 1 < len && (r = read(fds[0], err + n, len - 1 - n)) > 0) n += (size_t)r;
-    err[n] = 0;
-    close(fds[0]);
-    int status;
-    CHECK(waitpid(pid, &status, 0) == pid);
-    return status;
-}
-
-static bool aborted(int status) {
-    return WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT;
-}
 
 static void wrong_order(void) {
     cuma_mutex_lock(&managed, CUMA_RANK_MANAGED);
@@ -111,20 +81,20 @@ static void in_order(void) {
 
 int main(void) {
     char err[1024];
-    int st = in_child(wrong_order, err, sizeof err);
-    CHECK(aborted(st));
+    int st = child_run(wrong_order, err, sizeof err);
+    CHECK(child_aborted(st));
     CHECK(strstr(err, "taking oom_lock") && strstr(err, "holding managed_lock"));
-    st = in_child(under_a_try, err, sizeof err);
-    CHECK(aborted(st));
+    st = child_run(under_a_try, err, sizeof err);
+    CHECK(child_aborted(st));
     CHECK(strstr(err, "taking an arena's lock") && strstr(err, "holding managed_lock"));
-    st = in_child(same_arena_twice, err, sizeof err);
-    CHECK(aborted(st));
+    st = child_run(same_arena_twice, err, sizeof err);
+    CHECK(child_aborted(st));
     CHECK(strstr(err, "taking an arena's lock") && strstr(err, "holding an arena's lock"));
-    st = in_child(create_under_arena, err, sizeof err);
-    CHECK(aborted(st));
+    st = child_run(create_under_arena, err, sizeof err);
+    CHECK(child_aborted(st));
     CHECK(strstr(err, "taking the default heaps' create_lock") &&
           strstr(err, "holding an arena's lock"));
-    st = in_child(in_order, err, sizeof err);
+    st = child_run(in_order, err, sizeof err);
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0 && !err[0]);
     printf("test_lockrank: ok\n");
     return 0;
