@@ -186,8 +186,8 @@ static void create_under_arena_lock(void) {
 #endif
 
 /* The shim's locks are in the lock order that debug builds check (util/lockrank.h): making a
- * default heap under a heap's lock aborts, naming both locks. The other tests
- * here take the shim's locks in the order of the real calls, checked in the same builds. */
+ * default heap under a heap's lock aborts, naming both locks. The other tests here take the
+ * shim's locks in the order of the real calls, checked in the same builds. */
 static void test_shim_locks_ranked(void) {
 #ifdef NDEBUG
     printf("test_default_heap: lock order not checked in this build (NDEBUG)\n");
