@@ -17,18 +17,21 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The allocator's figures in the JSON: those of the list in cuma.h that the ledger carries,
- * under their names (cuma_ledger_entry's, and those of cuma.ledger() in Python too). */
+/* The allocator's figures: those of the list in cuma.h that the ledger carries, under their
+ * names (cuma_ledger_entry's, and those of cuma.ledger() in Python too), in the list's order.
+ * The JSON and the text both expand from it, so a figure added to the list shows in both. */
 typedef struct stat_field {
     const char *name;
     size_t off;    /* in cuma_ledger_entry */
     int is_double; /* a double (a ratio), else a uint64_t */
+    unsigned kind; /* CUMA_STAT_GAUGE or _COUNTER, | its unit */
 } stat_field;
 
 #define F(type, name, kind, where, help)                                                           \
     CUMA_STAT_IF_LEDGER(where,                                                                     \
                         {#name, offsetof(cuma_ledger_entry, name),                                 \
-                         _Generic(((cuma_ledger_entry *)0)->name, double : 1, default : 0)}, )
+                         _Generic(((cuma_ledger_entry *)0)->name, double : 1, default : 0),        \
+                         kind}, )
 static const stat_field stat_fields[] = {CUMA_STATS_FIELDS(F)};
 #undef F
 
@@ -58,6 +61,52 @@ static void line(const char *label, const char *fmt, ...) {
     va_end(ap);
 }
 
+/* A figure's value in its unit: sizes as cuma ps shows them, times as durations, ratios in
+ * percent, counts as they are. */
+static const char *figure_text(const cuma_ledger_entry *e, const stat_field *f, char *buf,
+                               size_t len) {
+    const char *at = (const char *)e + f->off;
+    if (f->is_double) {
+        snprintf(buf, len, "%.1f%%", *(const double *)at * 100.0);
+        return buf;
+    }
+    uint64_t v = *(const uint64_t *)at;
+    switch (CUMA_STAT_UNIT(f->kind)) {
+    case CUMA_STAT_BYTES:
+        return view_size(v, buf, len);
+    case CUMA_STAT_NS:
+        return duration(v, buf, len);
+    default:
+        snprintf(buf, len, "%" PRIu64, v);
+        return buf;
+    }
+}
+
+/* The text's width: a line that would pass it goes on under the label's column. */
+#define TEXT_WIDTH 100
+#define LABEL_COLS 16
+
+/* The allocator's figures of one kind (gauges: values now; counters: since the heap was made),
+ * "name value" in the list's order, under `label`. */
+static void print_figures(const cuma_ledger_entry *e, unsigned counter, const char *label) {
+    int col = printf("  %-14s", label), first = 1;
+    for (size_t k = 0; k < sizeof stat_fields / sizeof stat_fields[0]; k++) {
+        const stat_field *f = &stat_fields[k];
+        if ((f->kind & CUMA_STAT_COUNTER) != counter) continue;
+        char v[32], item[96];
+        int n = snprintf(item, sizeof item, "%s %s", f->name, figure_text(e, f, v, sizeof v));
+        if (!first && col + 2 + n > TEXT_WIDTH) {
+            printf(",\n%*s", LABEL_COLS, "");
+            col = LABEL_COLS;
+        } else if (!first) {
+            col += printf(", ");
+        }
+        col += printf("%s", item);
+        first = 0;
+    }
+    putchar('\n');
+}
+
 static void print_block(const cuma_ledger_entry *e) {
     char name[64], dev[128], be[64], a[32], b[32], c[32], d[32];
     view_clean(e->process, name, sizeof name);
@@ -65,41 +114,17 @@ static void print_block(const cuma_ledger_entry *e) {
     view_clean(e->backend, be, sizeof be);
     int st = view_has_stats(e);
     printf("pid %d %s, device %s, slot %u\n", e->pid, name, dev, e->slot);
-    if (st)
-        line("backend", "%s, page size %s, arenas %" PRIu64, be[0] ? be : "-",
-             view_size(e->page_size, a, sizeof a), e->arenas);
-    else
-        line("backend", "%s", be[0] ? be : "-");
+    line("backend", "%s", be[0] ? be : "-");
     line("settings", "priority %d, guarantee %s, limit %s", e->priority,
          view_size(e->guarantee, a, sizeof a), e->limit ? view_size(e->limit, b, sizeof b) : "-");
     line("memory", "reserved %s, cached %s, in use %s, requested %s",
          view_size(e->reserved, a, sizeof a), view_size(e->cached, b, sizeof b),
          view_size(view_in_use(e), c, sizeof c), view_size(e->requested, d, sizeof d));
+    line("peaks", "reserved %s", view_size(e->peak_reserved, a, sizeof a));
     if (st) {
-        line("", "allocated %s, mapped %s, managed %s", view_size(e->allocated_bytes, a, sizeof a),
-             view_size(e->mapped_bytes, b, sizeof b), view_size(e->managed_bytes, c, sizeof c));
-        line("peaks", "reserved %s, requested %s", view_size(e->peak_reserved, a, sizeof a),
-             view_size(e->peak_requested_bytes, b, sizeof b));
-        line("allocations",
-             "active %" PRIu64 ", allocs %" PRIu64 ", frees %" PRIu64 ", failed %" PRIu64
-             ", retries %" PRIu64,
-             e->active_allocs, e->num_allocs, e->num_frees, e->failed_allocs, e->alloc_retries);
-        line("out of memory",
-             "OOMs %" PRIu64 ", OOM callbacks %" PRIu64 ", managed fallbacks %" PRIu64, e->ooms,
-             e->oom_callbacks, e->managed_fallbacks);
-        line("page calls",
-             "creates %" PRIu64 ", releases %" PRIu64 ", maps %" PRIu64 ", unmaps %" PRIu64
-             ", trims %" PRIu64 ", time %s",
-             e->page_creates, e->page_releases, e->maps, e->unmaps, e->trims,
-             duration(e->page_call_ns, a, sizeof a));
-        line("compaction", "runs %" PRIu64 ", moved %s, pages emptied %" PRIu64, e->compactions,
-             view_size(e->compact_moved_bytes, a, sizeof a), e->compact_freed_pages);
-        line("fragmentation", "%.1f%% of in use: %s stranded between live blocks (cached: %s)",
-             e->fragmentation * 100.0,
-             view_size((uint64_t)((double)e->mapped_bytes * e->fragmentation + 0.5), a, sizeof a),
-             view_size(e->cached, b, sizeof b));
+        print_figures(e, CUMA_STAT_GAUGE, "gauges");
+        print_figures(e, CUMA_STAT_COUNTER, "counters");
     } else {
-        line("peaks", "reserved %s", view_size(e->peak_reserved, a, sizeof a));
         /* Said in words: zeros here would read as an idle heap. */
         line("allocator", "never published (no release thread: release_thread:off or "
                           "sim_clock:manual)");

@@ -291,8 +291,8 @@ static bool managed_take(cuma_arena *a, size_t size, uint64_t *managed_addr) {
     cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
     bool put = cuma_map_put(&h->managed, addr, (void *)(uintptr_t)size);
     if (put) {
-        h->first.c.managed += size;
-        h->first.c.managed_fallbacks++;
+        h->managed_bytes += size;
+        h->managed_fallbacks++;
     }
     cuma_mutex_unlock(&h->managed_lock);
     if (put)
@@ -528,7 +528,7 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
     if (!b) {
         cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
         void *msize = cuma_map_remove(&h->managed, addr);
-        if (msize) h->first.c.managed -= (uint64_t)(uintptr_t)msize;
+        if (msize) h->managed_bytes -= (uint64_t)(uintptr_t)msize;
         cuma_mutex_unlock(&h->managed_lock);
         cuma_status st = CUMA_OK;
         if (msize) {

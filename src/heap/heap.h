@@ -61,8 +61,7 @@ cuma_status cuma_cb_remove(cuma_heap *h, cuma_cb_list *l, int id, const char *wh
 /* Counters kept under an arena's lock; cuma_get_stats sums them. */
 typedef struct cuma_counters {
     uint64_t requested, allocated;
-    uint64_t managed, active, allocs, frees, failed, retries, ooms, oom_calls, managed_fallbacks,
-        trims;
+    uint64_t active, allocs, frees, failed, retries, ooms, oom_calls, trims;
     uint64_t watermark_bytes; /* idle bytes given back under device pressure (free_watermark) */
 } cuma_counters;
 
@@ -101,8 +100,7 @@ struct cuma_arena {
     uint64_t limit_bytes; /* effective limit on reserved bytes (from heap->set.limit) */
     int64_t release_delay_ns;
     uint64_t max_cached_bytes;
-    /* This arena's; the first arena's also count the heap's managed fallbacks (c.managed and
-     * c.managed_fallbacks under heap->managed_lock, with the frees of managed memory). */
+    /* This arena's (the heap's managed fallbacks are the heap's: managed_bytes below). */
     cuma_counters c;
     /* Thread caches (tcache.h): settings constant after creation; the list under the lock. */
     bool tc_on;
@@ -187,10 +185,12 @@ struct cuma_heap {
     void *mover_user;
     pthread_mutex_t compact_run;
     _Atomic uint64_t compactions, compact_moved, compact_freed;
-    /* Managed fallbacks, under managed_lock (a leaf lock): address -> size (the first arena's
-     * c.managed and c.managed_fallbacks count them). */
+    /* Managed fallbacks, under managed_lock (a leaf lock): address -> size, the bytes of those
+     * live and how many were ever made. The heap's, not an arena's: any arena's thread may make
+     * or free one, and cuma_heap_snapshot adds them once, after the arenas. */
     pthread_mutex_t managed_lock;
     cuma_map managed;
+    uint64_t managed_bytes, managed_fallbacks;
     /* Fixed-size pools (pool.c). pool_lock (a leaf lock, never held with a pool's own lock
      * taken after it except by fork.c) guards the list; the figures are atomic (a pool's calls
      * change pool_in_use under the pool's lock alone) and are the sums over the pools on the

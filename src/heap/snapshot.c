@@ -170,7 +170,7 @@ cuma_status cuma_snapshot_json(cuma_heap *h, char *buf, size_t len, size_t *need
     }
     cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
     s.managed_n = h->managed.count;
-    s.managed_bytes = h->first.c.managed;
+    s.managed_bytes = h->managed_bytes;
     cuma_mutex_unlock(&h->managed_lock);
     cuma_strbuf o = {buf, len, 0};
     if (buf && len) buf[0] = 0;

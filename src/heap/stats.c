@@ -68,8 +68,8 @@ static void add_arena(cuma_arena *a, cuma_stats *s) {
     s->watermark_released_bytes += c->watermark_bytes;
 }
 
-/* The whole heap: every arena in turn (one lock at a time), then what the first arena keeps
- * for all of them. */
+/* The whole heap: every arena in turn (one lock at a time), then what the heap keeps for all of
+ * them (managed fallbacks, pools, compactions, peaks), each once. */
 void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s) {
     memset(s, 0, sizeof *s);
     unsigned n = atomic_load_explicit(&h->narenas, memory_order_acquire);
@@ -81,8 +81,8 @@ void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s) {
         cuma_mutex_unlock(&a->lock);
     }
     cuma_mutex_lock(&h->managed_lock, CUMA_RANK_MANAGED);
-    s->managed_bytes = h->first.c.managed;
-    s->managed_fallbacks = h->first.c.managed_fallbacks;
+    s->managed_bytes = h->managed_bytes;
+    s->managed_fallbacks = h->managed_fallbacks;
     cuma_mutex_unlock(&h->managed_lock);
     s->arenas = n;
     s->pools = atomic_load(&h->pool_count);

@@ -14,6 +14,7 @@
 #include "default_heap.h"
 
 #include "util/error.h"
+#include "util/lockrank.h"
 #include "heap/heap.h"
 #ifdef CUMA_HAVE_CUDA
 #include "backend/cuda_driver.h"
@@ -45,10 +46,10 @@ static void watch_forks(void);
 /* The settings string the default heaps read now (copied into buf), or NULL for CUMA_CONF. */
 static const char *given_settings(char buf[SETTINGS_MAX + 1]) {
     pthread_once(&fork_once, watch_forks);
-    pthread_mutex_lock(&settings_lock);
+    cuma_mutex_lock(&settings_lock, CUMA_RANK_DEFAULT_SETTINGS);
     bool given = settings_given;
     if (given) memcpy(buf, settings, sizeof settings);
-    pthread_mutex_unlock(&settings_lock);
+    cuma_mutex_unlock(&settings_lock);
     return given ? buf : NULL;
 }
 
@@ -85,7 +86,7 @@ static void watch_forks(void) {
 
 static void lock_create(void) {
     pthread_once(&fork_once, watch_forks);
-    pthread_mutex_lock(&create_lock);
+    cuma_mutex_lock(&create_lock, CUMA_RANK_DEFAULT_CREATE);
 }
 
 void cuma_default_heap_load_driver(void) {
@@ -124,7 +125,7 @@ cuma_status cuma_default_heap(int device, cuma_heap **out) {
          * CUMA_CONF (or load a driver) and retry without restarting. */
         if (st == CUMA_OK) atomic_store_explicit(&heaps[device], h, memory_order_release);
     }
-    pthread_mutex_unlock(&create_lock);
+    cuma_mutex_unlock(&create_lock);
     *out = h;
     return st;
 }
@@ -141,10 +142,10 @@ cuma_status cuma_default_settings_set(const char *conf) {
         if (st) return st;
     }
     pthread_once(&fork_once, watch_forks);
-    pthread_mutex_lock(&settings_lock);
+    cuma_mutex_lock(&settings_lock, CUMA_RANK_DEFAULT_SETTINGS);
     settings_given = conf != NULL;
     snprintf(settings, sizeof settings, "%s", conf ? conf : "");
-    pthread_mutex_unlock(&settings_lock);
+    cuma_mutex_unlock(&settings_lock);
     return CUMA_OK;
 }
 
@@ -161,7 +162,7 @@ bool cuma_default_heap_retire(int device) {
      * meanwhile. */
     lock_create();
     cuma_heap *h = atomic_exchange_explicit(&heaps[device], NULL, memory_order_acq_rel);
-    pthread_mutex_unlock(&create_lock);
+    cuma_mutex_unlock(&create_lock);
     cuma_heap_destroy(h);
     return h != NULL;
 }
@@ -178,5 +179,5 @@ void cuma_default_heaps_shutdown(void) {
         cuma_heap *h = atomic_exchange_explicit(&heaps[i], NULL, memory_order_acq_rel);
         cuma_heap_destroy(h);
     }
-    pthread_mutex_unlock(&create_lock);
+    cuma_mutex_unlock(&create_lock);
 }

@@ -9,6 +9,9 @@
 static const char *const names[CUMA_RANK_N] = {
     [CUMA_RANK_OOM_RUN] = "oom_run",
     [CUMA_RANK_COMPACT_RUN] = "compact_run",
+    [CUMA_RANK_PRELOAD_RETIRE] = "the preload shim's retire_lock",
+    [CUMA_RANK_DEFAULT_CREATE] = "the default heaps' create_lock",
+    [CUMA_RANK_DEFAULT_SETTINGS] = "the default heaps' settings_lock",
     [CUMA_RANK_FORK] = "fork_lock",
     [CUMA_RANK_ARENAS] = "arena_lock",
     [CUMA_RANK_TCACHE_REG] = "the thread caches' registry lock",
@@ -22,6 +25,7 @@ static const char *const names[CUMA_RANK_N] = {
     [CUMA_RANK_LEDGER] = "a ledger file's lock",
     [CUMA_RANK_TRACE_LIST] = "the trace writers' list lock",
     [CUMA_RANK_TRACE] = "a trace writer's lock",
+    [CUMA_RANK_PRELOAD_OWNED] = "the preload shim's owned_lock",
 };
 
 /* More than any thread holds: every arena lock and a handful of others. */

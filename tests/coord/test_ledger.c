@@ -4,7 +4,7 @@
  * (their slots, a lock held at death), a victim that does not answer (timeout), a ledger that is
  * not ours or not a ledger, and the snapshot the tools read. Heaps on the simulated device in a
  * ledger named for this run, so that runs side by side do not meet. */
-#include "check.h"
+#include "child.h"
 #include "coord/pressure.h"
 #include "heap/heap.h"
 #include "cuma/ledger.h"
@@ -289,28 +289,24 @@ enum { LOCK_NONE, LOCK_DIE, LOCK_STOP };
  * then it tells the parent and waits to be killed; or takes the ledger's lock and dies, or
  * stops, holding it. */
 static pid_t child_holding(const char *extra, int mb, bool idle, int lock_mode) {
-    int fds[2];
-    CHECK(pipe(fds) == 0);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
+    int fd;
+    pid_t pid = child_fork(&fd);
     if (pid == 0) {
-        close(fds[0]);
         cuma_heap *h = ledger_heap(extra);
         void *p;
         CHECK_OK(cuma_alloc(h, (size_t)mb * MB, NULL, &p));
         if (idle) CHECK_OK(cuma_free(h, p, NULL));
         if (lock_mode != LOCK_NONE) CHECK_OK(cuma_ledger_test_hold_lock(cuma_heap_ledger(h)));
         char c = 1;
-        CHECK(write(fds[1], &c, 1) == 1);
+        CHECK(write(fd, &c, 1) == 1);
         if (lock_mode == LOCK_DIE) _exit(0);
         if (lock_mode == LOCK_STOP) raise(SIGSTOP);
         for (;;) pause();
     }
     if (nkids < 32) kids[nkids++] = pid;
-    close(fds[1]);
     char c;
-    CHECK(read(fds[0], &c, 1) == 1);
-    close(fds[0]);
+    CHECK(read(fd, &c, 1) == 1);
+    close(fd);
     return pid;
 }
 
@@ -675,27 +671,23 @@ static void noop_pressure(void *user, cuma_heap *h, uint64_t bytes) {
 }
 
 static void test_stale_request(void) {
-    int fds[2];
-    CHECK(pipe(fds) == 0);
     cuma_heap *low = ledger_heap("priority:-1");
     CHECK_OK(cuma_add_pressure_callback(low, noop_pressure, NULL, NULL));
     void *p, *q;
     CHECK_OK(cuma_alloc(low, 40 * MB, NULL, &p)); /* in use, beyond its (no) guarantee */
-    pid_t c = fork();
-    CHECK(c >= 0);
+    int fd;
+    pid_t c = child_fork(&fd);
     if (c == 0) {
-        close(fds[0]);
         cuma_heap *r = ledger_heap("pressure_timeout_ms:300");
         char ch = 1;
-        CHECK(write(fds[1], &ch, 1) == 1);
+        CHECK(write(fd, &ch, 1) == 1);
         void *x; /* 24M free, low could give 40: asks, and waits up to 300 ms */
         (void)cuma_alloc(r, 32 * MB, NULL, &x);
         _exit(0);
     }
-    close(fds[1]);
     char ch;
-    CHECK(read(fds[0], &ch, 1) == 1);
-    close(fds[0]);
+    CHECK(read(fd, &ch, 1) == 1);
+    close(fd);
     cuma_ledger_entry e[8];
     size_t n = 0;
     const cuma_ledger_entry *ce = NULL;

@@ -6,8 +6,7 @@ import os
 import re
 import subprocess
 
-from ledger_checks import (FIELDS, STAT_FIELDS, check, device_totals, key, ledger_fragmentation,
-                           run, shm_path)
+from ledger_checks import FIELDS, STAT_FIELDS, check, device_totals, key, run, shm_path
 
 
 def size(b):
@@ -87,44 +86,64 @@ def check_stats_doc(doc, name, made, shown, what):
     check(len(seen) == len(shown), "%s shows all %d heaps" % (what, len(shown)), len(seen))
 
 
+# The allocator figures `cuma stats` shows, those of the list in include/cuma/cuma.h that the
+# ledger carries, in the list's order, with their kind and unit. Written out here, so that the
+# text is checked against the list rather than against the tool's own expansion of it.
+SHOWN_FIGURES = [
+    ("peak_requested_bytes", "gauge", "bytes"), ("allocated_bytes", "gauge", "bytes"),
+    ("mapped_bytes", "gauge", "bytes"), ("managed_bytes", "gauge", "bytes"),
+    ("page_size", "gauge", "bytes"), ("active_allocs", "gauge", "count"),
+    ("num_allocs", "counter", "count"), ("num_frees", "counter", "count"),
+    ("failed_allocs", "counter", "count"), ("alloc_retries", "counter", "count"),
+    ("ooms", "counter", "count"), ("oom_callbacks", "counter", "count"),
+    ("managed_fallbacks", "counter", "count"), ("page_creates", "counter", "count"),
+    ("page_releases", "counter", "count"), ("maps", "counter", "count"),
+    ("unmaps", "counter", "count"), ("page_call_ns", "counter", "ns"),
+    ("trims", "counter", "count"), ("fragmentation", "gauge", "ratio"),
+    ("arenas", "gauge", "count"), ("compactions", "counter", "count"),
+    ("compact_moved_bytes", "counter", "bytes"), ("compact_freed_pages", "counter", "count")]
+
+
+def figure_text(st, name, unit):
+    if unit == "bytes":
+        return size(st[name])
+    if unit == "ns":
+        return duration(st[name])
+    if unit == "ratio":  # the ledger keeps parts per million
+        return "%.1f%%" % (int(st[name] * 1e6 + 0.5) / 1e6 * 100.0)
+    return "%d" % st[name]
+
+
+def figure_lines(st, kind, label):
+    """The figures of one kind as "name value", after the label, wrapped at 100 columns under
+    the label's column."""
+    lines, cur = [], "  %-14s" % label
+    for i, (name, k, unit) in enumerate(f for f in SHOWN_FIGURES if f[1] == kind):
+        item = "%s %s" % (name, figure_text(st, name, unit))
+        if i and len(cur) + 2 + len(item) > 100:
+            lines.append(cur + ",")
+            cur = " " * 16 + item
+        else:
+            cur += (", " if i else "") + item
+    return lines + [cur]
+
+
 def stats_block(m):
     """The lines `cuma stats` prints for heap m (as the fixture made it), after the header and
     without the age line (the ages change)."""
-    lines = ["  %-14s%s" % ("settings", "priority %d, guarantee %s, limit %s" % (
-        m["priority"], size(m["guarantee"]), size(m["limit"]) if m["limit"] else "-")),
-        "  %-14s%s" % ("memory", "reserved %s, cached %s, in use %s, requested %s" % (
-            size(m["reserved"]), size(m["cached"]), size(m["reserved"] - m["cached"]),
-            size(m["requested"])))]
     st = m.get("stats")
+    lines = ["  %-14s%s" % ("backend", st["backend"] if st else "-"),
+             "  %-14s%s" % ("settings", "priority %d, guarantee %s, limit %s" % (
+                 m["priority"], size(m["guarantee"]), size(m["limit"]) if m["limit"] else "-")),
+             "  %-14s%s" % ("memory", "reserved %s, cached %s, in use %s, requested %s" % (
+                 size(m["reserved"]), size(m["cached"]), size(m["reserved"] - m["cached"]),
+                 size(m["requested"]))),
+             "  %-14sreserved %s" % ("peaks", size(m["peak_reserved"]))]
     if st:
-        lines = ["  %-14s%s, page size %s, arenas %d" % ("backend", st["backend"],
-                                                       size(st["page_size"]), st["arenas"])] + \
-            lines + [
-            "  %-14sallocated %s, mapped %s, managed %s" % (
-                "", size(st["allocated_bytes"]), size(st["mapped_bytes"]),
-                size(st["managed_bytes"])),
-            "  %-14sreserved %s, requested %s" % ("peaks", size(m["peak_reserved"]),
-                                                 size(st["peak_requested_bytes"])),
-            "  %-14sactive %d, allocs %d, frees %d, failed %d, retries %d" % (
-                "allocations", st["active_allocs"], st["num_allocs"], st["num_frees"],
-                st["failed_allocs"], st["alloc_retries"]),
-            "  %-14sOOMs %d, OOM callbacks %d, managed fallbacks %d" % (
-                "out of memory", st["ooms"], st["oom_callbacks"], st["managed_fallbacks"]),
-            "  %-14screates %d, releases %d, maps %d, unmaps %d, trims %d, time %s" % (
-                "page calls", st["page_creates"], st["page_releases"], st["maps"], st["unmaps"],
-                st["trims"], duration(st["page_call_ns"])),
-            "  %-14sruns %d, moved %s, pages emptied %d" % (
-                "compaction", st["compactions"], size(st["compact_moved_bytes"]),
-                st["compact_freed_pages"]),
-            "  %-14s%.1f%% of in use: %s stranded between live blocks (cached: %s)" % (
-                "fragmentation", ledger_fragmentation(st) * 100.0,
-                size(int(st["mapped_bytes"] * ledger_fragmentation(st) + 0.5)),
-                size(m["cached"]))]
+        lines += figure_lines(st, "gauge", "gauges") + figure_lines(st, "counter", "counters")
     else:
-        lines = ["  %-14s-" % "backend"] + lines + [
-            "  %-14sreserved %s" % ("peaks", size(m["peak_reserved"])),
-            "  %-14snever published (no release thread: release_thread:off or sim_clock:manual)"
-            % "allocator"]
+        lines.append("  %-14snever published (no release thread: release_thread:off or "
+                     "sim_clock:manual)" % "allocator")
     lines.append("  %-14swant %s, denials %d, asks %d, given %s, callbacks %d" % (
         "ledger", size(m["want"]) if m["want"] else "-", m["ledger_denials"], m["pressure_asks"],
         size(m["pressure_given_bytes"]), m["pressure_callbacks"]))

@@ -254,6 +254,37 @@ static void test_collisions(void) {
     cuma_heap_destroy(f.h);
 }
 
+/* Managed fallbacks are the heap's, whichever arena's thread makes or frees one: with four
+ * arenas each making one, the stats, their JSON and the snapshot count each byte once. */
+static void test_managed_once(void) {
+    cuma_heap *h = make("capacity:16M,sim_clock:manual,managed_fallback:on,arenas:4");
+    void *p[4];
+    for (unsigned a = 0; a < 4; a++) {
+        CHECK_OK(cuma_arena_use(h, a));
+        CHECK_OK(cuma_alloc(h, 32 * MB, NULL, &p[a])); /* past the device: managed memory */
+    }
+    cuma_stats s = heap_stats(h);
+    CHECK(s.arenas == 4 && s.num_allocs == 4 && s.reserved_bytes == 0);
+    CHECK(s.managed_fallbacks == 4 && s.managed_bytes == 128 * MB);
+    char buf[16384];
+    CHECK_OK(cuma_stats_json(h, buf, sizeof buf, NULL));
+    CHECK(strstr(buf, "\"managed_bytes\":134217728,") && strstr(buf, "\"managed_fallbacks\":4,"));
+    CHECK_OK(cuma_snapshot_json(h, buf, sizeof buf, NULL));
+    CHECK(strstr(buf, "\"managed\":{\"count\":4,\"bytes\":134217728}"));
+    CHECK_OK(cuma_validate(h));
+    /* Arena 2's thread frees arena 0's and arena 3's. */
+    CHECK_OK(cuma_arena_use(h, 2));
+    CHECK_OK(cuma_free(h, p[0], NULL));
+    CHECK_OK(cuma_free(h, p[3], NULL));
+    s = heap_stats(h);
+    CHECK(s.managed_bytes == 64 * MB && s.managed_fallbacks == 4 && s.num_frees == 2);
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, p[1], NULL));
+    CHECK_OK(cuma_free(h, p[2], NULL));
+    CHECK(heap_stats(h).managed_bytes == 0);
+    cuma_heap_destroy(h);
+}
+
 /* Destroying a heap while its arenas' release threads work: each thread sums every arena's
  * figures, so all of them stop before any arena is freed (ASan saw a thread read a freed arena
  * once). Frees just before the destroy wake the threads. */
@@ -277,6 +308,7 @@ int main(void) {
     test_settings();
     test_collisions();
     test_destroy_while_threads_release();
+    test_managed_once();
     printf("test_arena: passed\n");
     return 0;
 }

@@ -2,8 +2,9 @@
 /* The process-wide default heaps and the PyTorch entry points (src/shim): creation on first
  * use from many threads at once, no simulated device unasked without a driver (and the
  * backend_fallback:sim that asks for it), the hooks' edge cases, shutdown. */
-#include "check.h"
+#include "child.h"
 #include "cuma/torch.h"
+#include "heap/heap.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -205,7 +206,36 @@ static void test_default_settings(void) {
     cuma_default_heaps_shutdown();
 }
 
+#ifndef NDEBUG
+/* Makes a default heap while holding another heap's arena lock: against the lock order (the
+ * creation takes fork_lock, which a fork's handlers hold while they take every arena lock). */
+static void create_under_arena_lock(void) {
+    cuma_heap *h = heap_make("backend:sim,capacity:64M");
+    cuma_mutex_lock(&h->first.lock, CUMA_RANK_ARENA);
+    cuma_heap *d;
+    cuma_default_heap(3, &d);
+}
+#endif
+
+/* The shim's locks are in the lock order that debug builds check (util/lockrank.h): making a
+ * default heap under a heap's lock aborts, naming both locks. The other tests here take the
+ * shim's locks in the order of the real calls, checked in the same builds. */
+static void test_shim_locks_ranked(void) {
+#ifdef NDEBUG
+    printf("test_default_heap: lock order not checked in this build (NDEBUG)\n");
+#else
+    setenv("CUMA_CONF", "backend:sim,capacity:64M", 1);
+    cuma_default_heaps_shutdown();
+    char err[1024];
+    int status = child_run(create_under_arena_lock, err, sizeof err);
+    CHECK(child_aborted(status));
+    /* The settings lock where the driver is loaded first (a CUDA build), else create_lock. */
+    CHECK(strstr(err, "taking the default heaps' ") && strstr(err, "holding an arena's lock"));
+#endif
+}
+
 int main(void) {
+    test_shim_locks_ranked();
     test_first_use_race();
     test_no_driver_is_an_error_unless_asked();
     test_entry_point_edges();

@@ -25,6 +25,8 @@
  */
 #include "preload.h"
 
+#include "util/lockrank.h"
+
 #include <pthread.h>
 #include <string.h>
 
@@ -51,13 +53,13 @@ static CUresult reset(ctx_fn real, CUdevice dev) {
     int active;
     if (!d->DevicePrimaryCtxGetState || d->DevicePrimaryCtxGetState(dev, &flags, &active) != 0)
         return real(dev);
-    pthread_mutex_lock(&retire_lock);
+    cuma_mutex_lock(&retire_lock, CUMA_RANK_PRELOAD_RETIRE);
     bool retired = cuma_preload_retire_begin(dev);
     CUresult r = real(dev);
     /* Also after a reset the driver refused for another reason: the heap is gone either way, and
      * the next allocation makes a new one in whatever context the device then has. */
     if (retired) cuma_preload_retire_end(dev);
-    pthread_mutex_unlock(&retire_lock);
+    cuma_mutex_unlock(&retire_lock);
     return r;
 }
 
@@ -71,9 +73,9 @@ static CUresult release(ctx_fn real, CUdevice dev) {
     if (!d->DevicePrimaryCtxGetState || d->DevicePrimaryCtxGetState(dev, &flags, &active) != 0 ||
         active)
         return r;
-    pthread_mutex_lock(&retire_lock);
+    cuma_mutex_lock(&retire_lock, CUMA_RANK_PRELOAD_RETIRE);
     if (cuma_preload_retire_begin(dev)) cuma_preload_retire_end(dev);
-    pthread_mutex_unlock(&retire_lock);
+    cuma_mutex_unlock(&retire_lock);
     return r;
 }
 

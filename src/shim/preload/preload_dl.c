@@ -16,6 +16,7 @@
  */
 #include "preload.h"
 
+#include "util/lockrank.h"
 #include "util/strbuf.h"
 
 #include <assert.h>
@@ -206,14 +207,14 @@ static size_t owned_find(CUdeviceptr base, bool dying) {
 }
 
 static void owned_add(CUdeviceptr base, size_t size, int dev) {
-    pthread_mutex_lock(&owned_lock);
+    cuma_mutex_lock(&owned_lock, CUMA_RANK_PRELOAD_OWNED);
     if (nowned == capowned) {
         size_t nc = capowned ? capowned * 2 : 16;
         owned_range *n = realloc(owned, nc * sizeof *n);
         if (!n) {
             /* Without host memory the range goes unrecorded: a double free in it would then
              * reach the driver, which refuses addresses it did not cuMemAlloc. */
-            pthread_mutex_unlock(&owned_lock);
+            cuma_mutex_unlock(&owned_lock);
             return;
         }
         owned = n, capowned = nc;
@@ -223,22 +224,22 @@ static void owned_add(CUdeviceptr base, size_t size, int dev) {
     owned[i] = (owned_range){base, size, dev, false};
     nowned++;
     owned_validate();
-    pthread_mutex_unlock(&owned_lock);
+    cuma_mutex_unlock(&owned_lock);
 }
 
 /* Marks the range at base dying before the driver frees it; false when none is known. */
 static bool owned_dying(CUdeviceptr base) {
-    pthread_mutex_lock(&owned_lock);
+    cuma_mutex_lock(&owned_lock, CUMA_RANK_PRELOAD_OWNED);
     size_t i = owned_find(base, false);
     if (i != SIZE_MAX) owned[i].dying = true, ndying++;
     owned_validate();
-    pthread_mutex_unlock(&owned_lock);
+    cuma_mutex_unlock(&owned_lock);
     return i != SIZE_MAX;
 }
 
 /* After the driver's answer to the free of a range marked dying: gone (freed) or live again. */
 static void owned_settle(CUdeviceptr base, bool freed) {
-    pthread_mutex_lock(&owned_lock);
+    cuma_mutex_lock(&owned_lock, CUMA_RANK_PRELOAD_OWNED);
     size_t i = owned_find(base, true);
     if (i != SIZE_MAX) {
         ndying--;
@@ -250,7 +251,7 @@ static void owned_settle(CUdeviceptr base, bool freed) {
         }
     }
     owned_validate();
-    pthread_mutex_unlock(&owned_lock);
+    cuma_mutex_unlock(&owned_lock);
 }
 
 void cuma_preload_owned_after_fork(void) {
@@ -259,7 +260,7 @@ void cuma_preload_owned_after_fork(void) {
 }
 
 void cuma_preload_owned_forget(int dev) {
-    pthread_mutex_lock(&owned_lock);
+    cuma_mutex_lock(&owned_lock, CUMA_RANK_PRELOAD_OWNED);
     size_t kept = 0;
     for (size_t i = 0; i < nowned; i++) {
         if (owned[i].dev != dev)
@@ -269,11 +270,11 @@ void cuma_preload_owned_forget(int dev) {
     }
     nowned = kept;
     owned_validate();
-    pthread_mutex_unlock(&owned_lock);
+    cuma_mutex_unlock(&owned_lock);
 }
 
 bool cuma_preload_owned(CUdeviceptr addr, int *dev) {
-    pthread_mutex_lock(&owned_lock);
+    cuma_mutex_lock(&owned_lock, CUMA_RANK_PRELOAD_OWNED);
     size_t i = owned_upper(addr);
     bool in = i > 0 && addr - owned[i - 1].base < owned[i - 1].size;
     int d = in ? owned[i - 1].dev : -1;
@@ -286,7 +287,7 @@ bool cuma_preload_owned(CUdeviceptr addr, int *dev) {
         if (!owned[k].dying) break;
     }
     if (dev) *dev = d;
-    pthread_mutex_unlock(&owned_lock);
+    cuma_mutex_unlock(&owned_lock);
     return in;
 }
 
