@@ -3,6 +3,7 @@
  * every blocking take. */
 #include "util/lockrank.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -36,16 +37,40 @@ typedef struct held {
     cuma_rank r;
 } held;
 
-/* The calling thread's held mutexes, in the order taken. */
-static _Thread_local held stack[MAX_HELD];
+/* The calling thread's held mutexes, in the order taken: allocated at its first take, so that
+ * a build that never checks keeps only a pointer in each thread's static TLS. A library loaded
+ * with dlopen (libcuma into Python, beside PyTorch's libraries) gets its thread-local block from
+ * a small reserve that glibc keeps, and one whose block does not fit fails to load ("cannot
+ * allocate memory in static TLS block"). */
+static _Thread_local held *stack;
 static _Thread_local unsigned depth;
 static _Thread_local bool suspended;
+static pthread_key_t stack_key;
+static pthread_once_t key_once = PTHREAD_ONCE_INIT;
+
+static void stack_free(void *v) {
+    free(v);
+    stack = NULL; /* a later destructor that takes a lock allocates it again */
+    depth = 0;
+}
+
+static void key_make(void) {
+    if (pthread_key_create(&stack_key, stack_free) != 0) abort();
+}
 
 static const char *name(cuma_rank r) {
     return r > 0 && r < CUMA_RANK_N && names[r] ? names[r] : "an unranked lock";
 }
 
 static void push(pthread_mutex_t *m, cuma_rank r) {
+    if (!stack) {
+        pthread_once(&key_once, key_make);
+        if (!(stack = calloc(MAX_HELD, sizeof *stack))) {
+            fprintf(stderr, "cuma: lock order: no host memory for the held-lock stack\n");
+            abort();
+        }
+        pthread_setspecific(stack_key, stack);
+    }
     if (depth == MAX_HELD) {
         fprintf(stderr, "cuma: lock order: more than %d locks held taking %s\n", MAX_HELD, name(r));
         abort();
