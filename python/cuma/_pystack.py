@@ -22,6 +22,7 @@ MAX_FRAMES = 32  # as many as LOG.stacks keeps of a stack (CUMA_STACK_FRAMES)
 _WALK = MAX_FRAMES + 8  # the package's own frames do not count against the 32
 _CACHE_MAX = 4096  # distinct stacks cached; past it the cache starts over
 
+_STEPS = range(_WALK)
 _cache = {}  # walk (id(code), offset, ...) -> (text, the code objects)
 
 # Python 3.10+: a frame's line from its code and instruction offset (co_lines), so the walk
@@ -70,13 +71,24 @@ def python_stack(skip=1):
         f = sys._getframe(skip + 1)
     except ValueError:
         return b""
+    # The fewer bytecodes a frame takes here the better: this loop is most of the cost.
     key = []
-    n = 0
-    while f is not None and n < _WALK:
-        key.append(id(f.f_code))
-        key.append(f.f_lasti if _BY_OFFSET else f.f_lineno)
-        f = f.f_back
-        n += 1
+    append = key.append
+    if _BY_OFFSET:
+        for _ in _STEPS:
+            append(id(f.f_code))
+            append(f.f_lasti)
+            f = f.f_back
+            if f is None:
+                break
+    else:
+        for _ in _STEPS:
+            append(id(f.f_code))
+            append(f.f_lineno)
+            f = f.f_back
+            if f is None:
+                break
+    n = len(key) // 2
     key = tuple(key)
     hit = _cache.get(key)
     if hit is not None:
