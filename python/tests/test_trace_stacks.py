@@ -8,6 +8,7 @@ import os
 import sys
 
 import cuma
+import cuma.allocator
 from cuma import _pystack
 
 SIM = "backend:sim,capacity:64M,page_size:2M"
@@ -106,3 +107,19 @@ def test_lines_from_offsets_match_f_lineno():
     f, lineno = two_lines()
     offset = f.f_lasti if _pystack._BY_OFFSET else f.f_lineno
     assert _pystack._line(f.f_code, offset) == lineno
+
+
+def test_default_heap_through_the_allocator_records_python_frames(tmp_path):
+    log = str(tmp_path / "default.csv")
+    a = cuma.allocator.CudaMemoryAllocator(SIM + ",trace:%s,trace_stacks:on" % log)
+
+    def grab():
+        return a.allocate(4096)  # grab
+
+    p = grab()
+    a.free(p)
+    cuma.shutdown_default_heaps()
+    _, stacks, native = _records(log + ".stacks")
+    assert not native
+    assert stacks[1][0] == (os.path.abspath(__file__), _line_of(grab, "# grab"),
+                            "test_default_heap_through_the_allocator_records_python_frames.<locals>.grab")
