@@ -9,8 +9,10 @@
  * node (torch::autograd::generated::MmBackward0::apply, AccumulateGrad). Other frames of C and
  * C++ code ("??", "", *.cpp, ...), of torch and of the interpreter are always skipped, so memory
  * allocated deep inside PyTorch (or einops) is charged to the program's line that asked for it.
- * In a cuma log written with trace_stacks:on (native frames only): the innermost frame that is
- * not the allocator's (allocator_frame), preferring one with a source line.
+ * In a cuma log written with trace_stacks:on: a stack of Python frames (the package records the
+ * program's, cuma_alloc_with_stack) by the rule above, else its innermost frame; a native stack,
+ * the innermost frame that is not the allocator's (allocator_frame), preferring one with a
+ * source line.
  */
 #include "callsite.h"
 
@@ -64,7 +66,10 @@ uint32_t callsite_of_stack(const cuma_trace *t, uint32_t s) {
     if (st->start[s] == st->start[s + 1]) return CALLSITE_NONE;
     /* A cuma log's native frames: the innermost one not the allocator's, preferring one with
      * a source line. */
-    if (t->format == CUMA_TRACE_RMM_CSV) {
+    int python = 0;
+    for (size_t k = st->start[s]; k < st->start[s + 1] && !python; k++)
+        python = callsite_ends_with(st->text + st->frame[st->ix[k]].file, ".py");
+    if (t->format == CUMA_TRACE_RMM_CSV && !python) {
         uint32_t any = CALLSITE_UNKNOWN;
         for (size_t k = st->start[s]; k < st->start[s + 1]; k++) {
             const cuma_trace_frame *f = &st->frame[st->ix[k]];
@@ -83,5 +88,9 @@ uint32_t callsite_of_stack(const cuma_trace *t, uint32_t s) {
         if (!r && node == CALLSITE_UNKNOWN && autograd_node(st->text + f->name))
             node = CALLSITE_FIRST + st->ix[k];
     }
-    return package != CALLSITE_UNKNOWN ? package : node;
+    if (package != CALLSITE_UNKNOWN) return package;
+    /* A cuma log's Python stack all in the standard library: its innermost frame still says
+     * more than none. */
+    if (t->format == CUMA_TRACE_RMM_CSV) return CALLSITE_FIRST + st->ix[st->start[s]];
+    return node;
 }

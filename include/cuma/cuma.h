@@ -152,6 +152,16 @@ void cuma_heap_destroy(cuma_heap *heap);
  * unless managed memory serves it. */
 cuma_status cuma_alloc(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr);
 
+/* cuma_alloc for a caller that knows the allocation's call stack better than its return
+ * addresses do (an interpreter's bindings: the Python package passes the program's Python
+ * frames). In a heap logging with trace_stacks:on, `stack` is recorded as the allocation's
+ * stack in LOG.stacks in place of the native one: one frame a line, innermost first, each
+ * "FILE\tLINE\tNAME" (LINE decimal, 0 when unknown; a missing field is empty), lines apart by
+ * '\n'; at most 32 frames and 1024 bytes of a file or name are kept. NULL or "" records the
+ * native stack, as cuma_alloc does. In any other heap, exactly cuma_alloc. */
+cuma_status cuma_alloc_with_stack(cuma_heap *heap, size_t size, cuma_stream stream, void **ptr,
+                                  const char *stack);
+
 /* Frees a pointer returned by cuma_alloc. The memory is reusable at once by later work on
  * `stream` (pass the stream the memory was last used on; NULL means the stream it was
  * allocated on) and by other streams once that stream's work issued so far is complete.

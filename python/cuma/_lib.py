@@ -207,6 +207,7 @@ def _prototype(lib):
         "cuma_heap_create": (st, [c.POINTER(Config), c.POINTER(vp)]),
         "cuma_heap_destroy": (None, [vp]),
         "cuma_alloc": (st, [vp, sz, vp, c.POINTER(vp)]),
+        "cuma_alloc_with_stack": (st, [vp, sz, vp, c.POINTER(vp), c.c_char_p]),
         "cuma_free": (st, [vp, vp, vp]),
         "cuma_record_stream": (st, [vp, vp, vp]),
         "cuma_stream_retire": (st, [vp, vp]),

@@ -20,7 +20,7 @@ import warnings
 import weakref
 import ctypes
 
-from . import _lib
+from . import _lib, _pystack
 from ._args import (  # noqa: F401  (re-exported: allocator.py and torch.py import them from here)
     MAX_DEVICES,
     _c_string,
@@ -56,6 +56,14 @@ __all__ = [
 
 OOM_PASS = 0
 OOM_RETRY = 1
+
+
+def _keeps_stacks(handle):
+    """Whether the heap logs each allocation's call stack (trace_stacks:on with a trace that
+    opened): its allocations then pass the Python stack (cuma_alloc_with_stack). Read once."""
+    lib = _lib.lib()
+    stats = json.loads(_lib.read_json_text(lambda buf, n, needed: lib.cuma_stats_json(handle, buf, n, needed)))
+    return stats.get("config", {}).get("trace_stacks") is True
 
 
 def _wants_retry(result):
@@ -113,6 +121,7 @@ class Heap:
         handle = ctypes.c_void_p()
         _lib.check(lib.cuma_heap_create(ctypes.byref(cfg), ctypes.byref(handle)))
         self._h = handle.value
+        self._stacks = _keeps_stacks(self._h)
 
     def _init_common(self, device, owned):
         self._h = None
@@ -124,12 +133,15 @@ class Heap:
         self._retired = []  # ctypes functions of removed callbacks (see remove_oom)
         self._tls = threading.local()  # .frame: the Heap.alloc in progress on this thread
         self._pools = weakref.WeakSet()  # the open Pools of this heap (the C heap frees them)
+        # trace_stacks:on: alloc() passes the program's Python stack (fixed when the heap is made)
+        self._stacks = False
 
     @classmethod
     def _borrow(cls, handle, device):
         self = cls.__new__(cls)
         self._init_common(device, owned=False)
         self._h = handle
+        self._stacks = _keeps_stacks(handle)
         return self
 
     # --- life cycle ---
@@ -218,7 +230,11 @@ class Heap:
         outer = getattr(self._tls, "frame", None)
         self._tls.frame = frame
         try:
-            st = _lib.lib().cuma_alloc(h, size, stream, ctypes.byref(out))
+            if self._stacks:
+                where = _pystack.python_stack()
+                st = _lib.lib().cuma_alloc_with_stack(h, size, stream, ctypes.byref(out), where)
+            else:
+                st = _lib.lib().cuma_alloc(h, size, stream, ctypes.byref(out))
             msg = _lib.last_error() if st else None
         finally:
             self._tls.frame = outer

@@ -379,10 +379,12 @@ static cuma_status ladder(cuma_arena *a, cuma_status st, size_t size, uint64_t n
     return fail_oom(a, st, size);
 }
 
-/* Everything but a thread-cache hit; `tried`: cuma_alloc asked the cache already. Out of line,
+/* Everything but a thread-cache hit; `tried`: cuma_alloc asked the cache already; `stack`: the
+ * caller's own account of the call stack (cuma_alloc_with_stack), NULL for none. Out of line,
  * so that the fast path in cuma_alloc needs no stack frame. */
-__attribute__((noinline)) static cuma_status
-alloc_slow(cuma_heap *h, size_t size, cuma_stream stream, void **ptr, bool tried) {
+__attribute__((noinline)) static cuma_status alloc_slow(cuma_heap *h, size_t size,
+                                                        cuma_stream stream, void **ptr, bool tried,
+                                                        const char *stack) {
     if (!h || !ptr)
         return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: %s is NULL", h ? "ptr" : "heap");
     *ptr = NULL;
@@ -401,9 +403,11 @@ alloc_slow(cuma_heap *h, size_t size, cuma_stream stream, void **ptr, bool tried
     uint64_t room = a->phys.ops->max_request(a);
     cuma_tcache *tc = a->tc_on ? cuma_tcache_get(a, a->id) : NULL;
     if (tc && !tried && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
-    /* Before the lock: unwinding may take the dynamic loader's lock. */
+    /* Before the lock: unwinding may take the dynamic loader's lock. A stack the caller gave
+     * replaces the native one, which would only show its bindings (ctypes, the interpreter). */
     void *frames[CUMA_STACK_FRAMES];
-    int nframes = h->set.trace_stacks ? cuma_stack_capture(frames) : 0;
+    if (!h->set.trace_stacks || (stack && !*stack)) stack = NULL;
+    int nframes = h->set.trace_stacks && !stack ? cuma_stack_capture(frames) : 0;
     cuma_arena_lock(h, a);
     cuma_status st;
     int si = cuma_arena_stream_index(a, stream);
@@ -465,7 +469,7 @@ alloc_slow(cuma_heap *h, size_t size, cuma_stream stream, void **ptr, bool tried
     if (h->tw)
         cuma_trace_writer_event_stack(h->tw, st ? CUMA_TRACE_ALLOC_FAIL : CUMA_TRACE_ALLOC,
                                       (uint64_t)(uintptr_t)*ptr, size, (uint64_t)(uintptr_t)stream,
-                                      frames, nframes);
+                                      frames, nframes, stack);
     cuma_arena_release_policy(a, t);
     cuma_mutex_unlock(&a->lock);
     /* Not for an allocation a callback makes (it fails at once, inside the ladder of another
@@ -494,10 +498,15 @@ cuma_status cuma_alloc(cuma_heap *h, size_t size, cuma_stream stream, void **ptr
             cuma_tcache *tc = cuma_tcache_get(a, a->id);
             uint64_t n = cuma_tc_round(size);
             if (tc && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;
-            return alloc_slow(h, size, stream, ptr, tc != NULL);
+            return alloc_slow(h, size, stream, ptr, tc != NULL, NULL);
         }
     }
-    return alloc_slow(h, size, stream, ptr, false);
+    return alloc_slow(h, size, stream, ptr, false, NULL);
+}
+
+cuma_status cuma_alloc_with_stack(cuma_heap *h, size_t size, cuma_stream stream, void **ptr,
+                                  const char *stack) {
+    return alloc_slow(h, size, stream, ptr, false, stack);
 }
 
 /* Everything but a free into the thread cache (`r` says what the cache did with it). */

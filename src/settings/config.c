@@ -145,7 +145,8 @@ static const key_desc keys[] = {
      "and the stats name it); none (or empty) = no log (./none is a file of that name)"},
     {"trace_stacks", K_BOOL, F(trace_stacks), "off", NULL,
      "with trace: also record each allocation's call stack (up to 32 return addresses, captured "
-     "before the heap lock; about a microsecond an allocation) in LOG.stacks beside the log, "
+     "before the heap lock; about a microsecond an allocation; the program's Python frames "
+     "instead when it allocates through the cuma package) in LOG.stacks beside the log, "
      "symbolised when the log is read (`cuma leaks LOG` names the functions and lines, with "
      "addr2line where binutils is installed); nothing without trace"},
     {"oom_dump", K_PATH, F(oom_dump), "none", NULL,

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-/* LOG.stacks read back. A return address is the instruction after a call: the address one
- * before it is looked up, inside the call. The module's file offset of that address is turned
- * into the address the ELF file links it at (its PT_LOAD headers), which is what addr2line
- * wants, for executables and shared libraries alike. */
+/* LOG.stacks read back. Named frames (F records) are taken as written; a return address is the
+ * instruction after a call: the address one before it is looked up, inside the call. The module's
+ * file offset of that address is turned into the address the ELF file links it at (its PT_LOAD
+ * headers), which is what addr2line wants, for executables and shared libraries alike. */
 #include "stack_file.h"
 
 #include "util/error.h"
@@ -28,10 +28,20 @@ typedef struct module {
     char *path;
 } module;
 
+/* A distinct address, or a named frame (named: its index + 1 in reader.named). */
 typedef struct addr_frame {
     uint64_t addr;
     uint32_t frame; /* frame id once symbolised */
+    uint32_t named;
 } addr_frame;
+
+/* A named frame (F record): its file and name in one allocation, file first. */
+typedef struct named_frame {
+    char *file;
+    const char *name;
+    uint32_t line;
+    uint32_t addr; /* its entry in reader.addrs */
+} named_frame;
 
 typedef struct reader {
     const char *path;
@@ -43,6 +53,9 @@ typedef struct reader {
     uint32_t *stack_addrs; /* per stack: indexes into addrs */
     size_t *stack_start;   /* per stack id (from 1): start in stack_addrs; [0] unused */
     size_t nstack_addrs, stack_addrs_cap, nstacks, stacks_cap;
+    named_frame *named; /* per F id - 1 */
+    size_t nnamed, named_cap;
+    int version;
 } reader;
 
 static cuma_status bad(const reader *r, const char *what) {
@@ -64,10 +77,67 @@ static int grow(void **p, size_t *cap, size_t need, size_t size) {
  * stacks repeat and the file holds each distinct stack once. */
 static long addr_index(reader *r, uint64_t a) {
     for (size_t i = r->naddrs; i-- > 0;)
-        if (r->addrs[i].addr == a) return (long)i;
+        if (r->addrs[i].addr == a && !r->addrs[i].named) return (long)i;
     if (grow((void **)&r->addrs, &r->addrs_cap, r->naddrs + 1, sizeof *r->addrs)) return -1;
-    r->addrs[r->naddrs] = (addr_frame){a, 0};
+    r->addrs[r->naddrs] = (addr_frame){a, 0, 0};
     return (long)r->naddrs++;
+}
+
+static cuma_status oom(const reader *r) {
+    return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", r->path);
+}
+
+/* "F ID LINE FILE<TAB>NAME": a named frame. */
+static cuma_status parse_named(reader *r, char *p) {
+    char *end;
+    unsigned long long id = strtoull(p, &end, 10);
+    if (id != r->nnamed + 1) return bad(r, "named frame ids must count up from 1");
+    if (*end != ' ') return bad(r, "bad named frame record");
+    unsigned long long line = strtoull(end + 1, &end, 10);
+    char *tab = *end == ' ' ? strchr(end + 1, '\t') : NULL;
+    if (!tab || line > UINT32_MAX) return bad(r, "bad named frame record");
+    named_frame f = {.line = (uint32_t)line, .addr = (uint32_t)r->naddrs};
+    *tab = 0;
+    size_t flen = strlen(end + 1);
+    if (grow((void **)&r->named, &r->named_cap, r->nnamed + 1, sizeof *r->named) ||
+        grow((void **)&r->addrs, &r->addrs_cap, r->naddrs + 1, sizeof *r->addrs) ||
+        !(f.file = malloc(flen + 1 + strlen(tab + 1) + 1)))
+        return oom(r);
+    memcpy(f.file, end + 1, flen + 1);
+    f.name = strcpy(f.file + flen + 1, tab + 1);
+    r->named[r->nnamed++] = f;
+    r->addrs[r->naddrs++] = (addr_frame){0, 0, (uint32_t)r->nnamed};
+    return CUMA_OK;
+}
+
+/* "S ID ADDR..." (named 0) or "P ID FRAME..." (named 1): a stack, from its id on. */
+static cuma_status parse_stack(reader *r, char *p, int named) {
+    char *end;
+    unsigned long long id = strtoull(p, &end, 10);
+    if (id != r->nstacks + 1) return bad(r, "stack ids must count up from 1");
+    if (grow((void **)&r->stack_start, &r->stacks_cap, id + 2, sizeof *r->stack_start))
+        return oom(r);
+    r->stack_start[id] = r->nstack_addrs;
+    int n = 0;
+    for (;;) {
+        while (*end == ' ') end++;
+        if (!*end) break;
+        char *e2;
+        uint64_t a = strtoull(end, &e2, named ? 10 : 16);
+        if (e2 == end || (*e2 && *e2 != ' '))
+            return bad(r, named ? "bad frame id in a stack" : "bad address in a stack");
+        if (named && (!a || a > r->nnamed)) return bad(r, "a stack names a frame not given");
+        end = e2;
+        if (++n > MAX_STACK_FRAMES) return bad(r, "too many frames in a stack");
+        long ix = named ? (long)r->named[a - 1].addr : addr_index(r, a);
+        if (ix < 0 || grow((void **)&r->stack_addrs, &r->stack_addrs_cap, r->nstack_addrs + 1,
+                           sizeof *r->stack_addrs))
+            return oom(r);
+        r->stack_addrs[r->nstack_addrs++] = (uint32_t)ix;
+    }
+    r->nstacks = id;
+    r->stack_start[id + 1] = r->nstack_addrs;
+    return CUMA_OK;
 }
 
 static cuma_status parse_line(reader *r, char *p, cuma_trace *t) {
@@ -81,35 +151,13 @@ static cuma_status parse_line(reader *r, char *p, cuma_trace *t) {
         if (*end != '/' || m.end <= m.start) return bad(r, "bad mapping record");
         if (grow((void **)&r->mods, &r->mods_cap, r->nmods + 1, sizeof *r->mods) ||
             !(m.path = strdup(end)))
-            return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", r->path);
+            return oom(r);
         r->mods[r->nmods++] = m;
         return CUMA_OK;
     }
-    if (p[0] == 'S' && p[1] == ' ') {
-        unsigned long long id = strtoull(p + 2, &end, 10);
-        if (id != r->nstacks + 1) return bad(r, "stack ids must count up from 1");
-        if (grow((void **)&r->stack_start, &r->stacks_cap, id + 2, sizeof *r->stack_start))
-            return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", r->path);
-        r->stack_start[id] = r->nstack_addrs;
-        int n = 0;
-        for (;;) {
-            while (*end == ' ') end++;
-            if (!*end) break;
-            char *e2;
-            uint64_t a = strtoull(end, &e2, 16);
-            if (e2 == end || (*e2 && *e2 != ' ')) return bad(r, "bad address in a stack");
-            end = e2;
-            if (++n > MAX_STACK_FRAMES) return bad(r, "too many frames in a stack");
-            long ix = addr_index(r, a);
-            if (ix < 0 || grow((void **)&r->stack_addrs, &r->stack_addrs_cap, r->nstack_addrs + 1,
-                               sizeof *r->stack_addrs))
-                return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", r->path);
-            r->stack_addrs[r->nstack_addrs++] = (uint32_t)ix;
-        }
-        r->nstacks = id;
-        r->stack_start[id + 1] = r->nstack_addrs;
-        return CUMA_OK;
-    }
+    if (p[0] == 'S' && p[1] == ' ') return parse_stack(r, p + 2, 0);
+    if (r->version >= 2 && p[0] == 'P' && p[1] == ' ') return parse_stack(r, p + 2, 1);
+    if (r->version >= 2 && p[0] == 'F' && p[1] == ' ') return parse_named(r, p + 2);
     if (p[0] == 'E' && p[1] == ' ') {
         unsigned long long ev = strtoull(p + 2, &end, 10);
         unsigned long long id = strtoull(end, &end, 10);
@@ -119,7 +167,8 @@ static cuma_status parse_line(reader *r, char *p, cuma_trace *t) {
         t->stack[ev] = (uint32_t)id; /* the file's stack id: renumbered once symbolised */
         return CUMA_OK;
     }
-    return bad(r, "unknown record (M, S or E expected)");
+    return bad(r, r->version >= 2 ? "unknown record (M, S, F, P or E expected)"
+                                  : "unknown record (M, S or E expected)");
 }
 
 /* The address the ELF file at path links file offset off at; 0 when it cannot tell. */
@@ -215,6 +264,12 @@ static cuma_status symbolise(reader *r, cuma_stacks_builder *b) {
     char *done = calloc(r->naddrs + 1, 1);
     if (!done) return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", r->path);
     cuma_status st = CUMA_OK;
+    for (size_t i = 0; i < r->nnamed && !st; i++) {
+        const named_frame *f = &r->named[i];
+        done[f->addr] = 1;
+        st = cuma_stacks_frame(b, f->file, strlen(f->file), f->name, strlen(f->name), f->line,
+                               &r->addrs[f->addr].frame);
+    }
     for (size_t i = 0; i < r->naddrs && !st; i++) {
         if (done[i]) continue;
         const module *m = module_of(r, r->addrs[i].addr);
@@ -280,8 +335,18 @@ cuma_status cuma_stack_file_read(const char *log_path, cuma_trace *t) {
         r.line++;
         size_t len = strlen(line);
         if (len && line[len - 1] == '\n') line[--len] = 0;
+        if (len == sizeof line - 1 && !feof(f)) {
+            st = bad(&r, "line too long");
+            break;
+        }
         if (r.line == 1) {
-            if (strcmp(line, "cuma-stacks 1")) st = bad(&r, "not a cuma stacks file (version 1)");
+            if (!strcmp(line, "cuma-stacks 1") || !strcmp(line, "cuma-stacks 2"))
+                r.version = line[12] - '0';
+            else if (!strncmp(line, "cuma-stacks ", 12))
+                st = bad(&r, "a cuma stacks file of a later version than this cuma reads (1 and "
+                             "2): read it with the cuma that wrote it");
+            else
+                st = bad(&r, "not a cuma stacks file");
             continue;
         }
         if (len) st = parse_line(&r, line, t);
@@ -312,6 +377,8 @@ cuma_status cuma_stack_file_read(const char *log_path, cuma_trace *t) {
     }
     free(renum);
     for (size_t i = 0; i < r.nmods; i++) free(r.mods[i].path);
+    for (size_t i = 0; i < r.nnamed; i++) free(r.named[i].file);
+    free(r.named);
     free(r.mods);
     free(r.addrs);
     free(r.stack_addrs);

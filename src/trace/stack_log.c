@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-/* LOG.stacks, written (stack_log.h has the format). Stacks are told apart by their frames' hash
- * and compared in full, so two stacks never share an id. The file is written through its own
- * buffer with write(2), not stdio: a forked child's exit would flush a copy of a FILE's buffer
- * into the parent's file. */
+/* LOG.stacks, written (stack_log.h has the format). Stacks (and named frames) are told apart by
+ * their content's hash and compared in full, so two stacks never share an id. The file is written
+ * through its own buffer with write(2), not stdio: a forked child's exit would flush a copy of a
+ * FILE's buffer into the parent's file. */
 #include "stack_log.h"
 
 #include "util/error.h"
@@ -27,6 +27,14 @@ typedef struct known_stack {
     void *frames[];
 } known_stack;
 
+/* One distinct named stack (or named frame): its text as given, chained per hash. */
+typedef struct known_text {
+    struct known_text *next;
+    uint32_t id;
+    size_t len;
+    char text[];
+} known_text;
+
 /* An executable mapping already written. */
 typedef struct mapping {
     uint64_t start, end;
@@ -39,7 +47,9 @@ struct cuma_stack_log {
     char buf[1 << 16];
     size_t len;
     cuma_map stacks; /* frames' hash -> known_stack chain */
-    uint32_t nstacks;
+    cuma_map texts;  /* named stacks: text's hash -> known_text chain */
+    cuma_map named;  /* named frames: line's hash -> known_text chain */
+    uint32_t nstacks, nnamed;
     mapping *maps;
     size_t nmaps, maps_cap;
 };
@@ -63,7 +73,8 @@ static void flush(cuma_stack_log *s) {
 static void put(cuma_stack_log *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void put(cuma_stack_log *s, const char *fmt, ...) {
     if (s->failed) return;
-    if (sizeof s->buf - s->len < 1024) flush(s);
+    /* Room for the longest record (a named frame: two names of CUMA_STACK_NAME_MAX). */
+    if (sizeof s->buf - s->len < 4096) flush(s);
     va_list ap;
     va_start(ap, fmt);
     int n = vsnprintf(s->buf + s->len, sizeof s->buf - s->len, fmt, ap);
@@ -98,7 +109,9 @@ cuma_status cuma_stack_log_open(const char *log_path, cuma_stack_log **out) {
         return st;
     }
     cuma_map_init(&s->stacks);
-    put(s, "cuma-stacks 1\n");
+    cuma_map_init(&s->texts);
+    cuma_map_init(&s->named);
+    put(s, "cuma-stacks 2\n");
     *out = s;
     return CUMA_OK;
 }
@@ -175,6 +188,92 @@ void cuma_stack_log_event(cuma_stack_log *s, uint64_t event, void *const *frames
     put(s, "E %" PRIu64 " %" PRIu32 "\n", event, k->id);
 }
 
+static uint64_t hash_bytes(const char *p, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)p[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* The entry of map m whose text is p[0..n), added with the next of *count's ids when new (*added
+ * says so); NULL without host memory. */
+static known_text *intern_text(cuma_map *m, uint32_t *count, const char *p, size_t n, int *added) {
+    uint64_t h = hash_bytes(p, n);
+    known_text *head = cuma_map_get(m, h), *k = head;
+    while (k && (k->len != n || memcmp(k->text, p, n))) k = k->next;
+    *added = 0;
+    if (k) return k;
+    if (!(k = malloc(sizeof *k + n))) return NULL;
+    k->len = n;
+    memcpy(k->text, p, n);
+    k->next = head;
+    if (!cuma_map_put(m, h, k)) {
+        free(k);
+        return NULL;
+    }
+    k->id = ++*count;
+    *added = 1;
+    return k;
+}
+
+/* The id of the named frame on line p[0..n) ("FILE\tLINE\tNAME"), its F record written when
+ * new; 0 without host memory. */
+static uint32_t named_frame(cuma_stack_log *s, const char *p, size_t n) {
+    int added;
+    known_text *k = intern_text(&s->named, &s->nnamed, p, n, &added);
+    if (!k || !added) return k ? k->id : 0;
+    const char *end = p + n, *tab = memchr(p, '\t', n);
+    const char *file_end = tab ? tab : end, *q = tab ? tab + 1 : end;
+    uint64_t line = 0; /* past 32 bits: unknown */
+    while (q < end && *q >= '0' && *q <= '9' && line <= UINT32_MAX)
+        line = line * 10 + (uint64_t)(*q++ - '0');
+    if (line > UINT32_MAX) line = 0;
+    const char *name = memchr(q, '\t', (size_t)(end - q));
+    name = name ? name + 1 : end;
+    int flen = (int)(file_end - p), nlen = (int)(end - name);
+    if (flen > CUMA_STACK_NAME_MAX) flen = CUMA_STACK_NAME_MAX;
+    if (nlen > CUMA_STACK_NAME_MAX) nlen = CUMA_STACK_NAME_MAX;
+    put(s, "F %" PRIu32 " %" PRIu64 " %.*s\t%.*s\n", k->id, line, flen, p, nlen, name);
+    return k->id;
+}
+
+void cuma_stack_log_event_text(cuma_stack_log *s, uint64_t event, const char *text) {
+    if (!s || s->failed || !text || !*text) return;
+    /* The text up to its CUMA_STACK_FRAMES'th line: longer stacks are cut there. */
+    size_t n = 0;
+    for (int lines = 0; text[n] && lines < CUMA_STACK_FRAMES; lines++) {
+        const char *nl = strchr(text + n, '\n');
+        n = nl ? (size_t)(nl - text) + 1 : n + strlen(text + n);
+    }
+    int added;
+    known_text *k = intern_text(&s->texts, &s->nstacks, text, n, &added);
+    if (!k) return;
+    if (added) {
+        uint32_t ids[CUMA_STACK_FRAMES];
+        int nids = 0;
+        for (size_t at = 0; at < n && nids < CUMA_STACK_FRAMES;) {
+            const char *nl = memchr(text + at, '\n', n - at);
+            size_t len = nl ? (size_t)(nl - (text + at)) : n - at;
+            uint32_t id = named_frame(s, text + at, len);
+            if (!id) break; /* no host memory: the frames so far */
+            ids[nids++] = id;
+            at += len + 1;
+        }
+        put(s, "P %" PRIu32, k->id);
+        for (int i = 0; i < nids; i++) put(s, " %" PRIu32, ids[i]);
+        put(s, "\n");
+    }
+    put(s, "E %" PRIu64 " %" PRIu32 "\n", event, k->id);
+}
+
+static bool free_text_chain(void *ctx, uint64_t key, void *val) {
+    (void)ctx, (void)key;
+    for (known_text *k = val, *next; k; k = next) {
+        next = k->next;
+        free(k);
+    }
+    return true;
+}
+
 static bool free_chain(void *ctx, uint64_t key, void *val) {
     (void)ctx, (void)key;
     for (known_stack *k = val, *next; k; k = next) {
@@ -190,6 +289,10 @@ void cuma_stack_log_close(cuma_stack_log *s, int write) {
     close(s->fd);
     cuma_map_each(&s->stacks, free_chain, NULL);
     cuma_map_destroy(&s->stacks);
+    cuma_map_each(&s->texts, free_text_chain, NULL);
+    cuma_map_destroy(&s->texts);
+    cuma_map_each(&s->named, free_text_chain, NULL);
+    cuma_map_destroy(&s->named);
     free(s->maps);
     free(s->path);
     free(s);

@@ -396,12 +396,12 @@ cuma_status cuma_trace_writer_keep_stacks(cuma_trace_writer *w) {
 
 void cuma_trace_writer_event(cuma_trace_writer *w, cuma_trace_action action, uint64_t ptr,
                              uint64_t size, uint64_t stream) {
-    cuma_trace_writer_event_stack(w, action, ptr, size, stream, NULL, 0);
+    cuma_trace_writer_event_stack(w, action, ptr, size, stream, NULL, 0, NULL);
 }
 
 void cuma_trace_writer_event_stack(cuma_trace_writer *w, cuma_trace_action action, uint64_t ptr,
-                                   uint64_t size, uint64_t stream, void *const *frames,
-                                   int nframes) {
+                                   uint64_t size, uint64_t stream, void *const *frames, int nframes,
+                                   const char *text) {
     if (!tid_cached) tid_cached = (unsigned)syscall(SYS_gettid);
     char line[160];
     cuma_mutex_lock(&w->mu, CUMA_RANK_TRACE);
@@ -425,7 +425,10 @@ void cuma_trace_writer_event_stack(cuma_trace_writer *w, cuma_trace_action actio
             w->failed = true;
             finish(w);
         } else {
-            if (nframes > 0) cuma_stack_log_event(w->stacks, w->nevents, frames, nframes);
+            if (text)
+                cuma_stack_log_event_text(w->stacks, w->nevents, text);
+            else if (nframes > 0)
+                cuma_stack_log_event(w->stacks, w->nevents, frames, nframes);
             w->nevents++;
         }
     }

@@ -56,10 +56,11 @@ void cuma_trace_writer_event(cuma_trace_writer *w, cuma_trace_action action, uin
 cuma_status cuma_trace_writer_keep_stacks(cuma_trace_writer *w);
 
 /* An event with the stack frames[0..nframes) captured by cuma_stack_capture (innermost first),
- * written to LOG.stacks when the writer keeps stacks. */
+ * or, when `text` is not NULL, the stack it spells out (cuma_alloc_with_stack's format), written
+ * to LOG.stacks when the writer keeps stacks. */
 void cuma_trace_writer_event_stack(cuma_trace_writer *w, cuma_trace_action action, uint64_t ptr,
-                                   uint64_t size, uint64_t stream, void *const *frames,
-                                   int nframes);
+                                   uint64_t size, uint64_t stream, void *const *frames, int nframes,
+                                   const char *text);
 
 /* Flushes, closes and frees. NULL is fine. */
 void cuma_trace_writer_close(cuma_trace_writer *w);

@@ -1,14 +1,16 @@
 #!/usr/bin/python3
 # SPDX-License-Identifier: Apache-2.0
-"""Checks trace_stacks:on and `cuma leaks` on a C program that leaks from a known function.
+"""Checks trace_stacks:on and `cuma leaks` on a program that leaks from a known function.
 
 usage: check_leaks_native.py --cuma BIN --program BIN --source leak_native.c --out DIR
+       check_leaks_native.py --cuma BIN --python PY --lib LIBCUMA --pythonpath DIR
+                             --program leak_python.py --source leak_python.py --out DIR
 
-leak_native.c keeps 1 MiB each iteration in leaky_cache() (the line marked LEAK) and frees the
-3 MiB forward() takes (ACTIVATIONS). Its log must have a .stacks file beside it; `cuma leaks`
-must name leaky_cache, with its file and line, first among the live allocations (12 MiB in 12)
-and as the only growing call site, and forward() nowhere among the live ones. Standard
-library only.
+leak_native.c (a C program) and leak_python.py (a Python one, through cuma.Heap) keep 1 MiB
+each iteration in leaky_cache() (the line marked LEAK) and free the 3 MiB forward() takes
+(ACTIVATIONS). The log must have a .stacks file beside it; `cuma leaks` must name leaky_cache,
+with its file and line, first among the live allocations (12 MiB in 12) and as the only
+growing call site, and forward() nowhere among the live ones. Standard library only.
 """
 import argparse
 import json
@@ -28,7 +30,7 @@ def check(what, cond, detail=""):
 def marked_line(source, mark):
     with open(source) as f:
         for i, line in enumerate(f, 1):
-            if "/* %s */" % mark in line:
+            if "/* %s */" % mark in line or line.rstrip().endswith("# " + mark):
                 return i
     raise SystemExit("no /* %s */ in %s" % (mark, source))
 
@@ -39,15 +41,24 @@ def main():
     ap.add_argument("--program", required=True)
     ap.add_argument("--source", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--python", help="run --program with this interpreter")
+    ap.add_argument("--lib", help="with --python: the libcuma.so the package loads")
+    ap.add_argument("--pythonpath", help="with --python: where the cuma package is")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    log = os.path.join(a.out, "leak_native.csv")
+    log = os.path.join(a.out, os.path.splitext(os.path.basename(a.source))[0] + ".csv")
     for f in (log, log + ".stacks"):
         if os.path.exists(f):
             os.unlink(f)
     env = dict(os.environ)
     env.pop("CUMA_CONF", None)
-    p = subprocess.run([a.program, log], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    cmd = [a.program, log]
+    if a.python:
+        cmd.insert(0, a.python)
+        env["CUMA_LIBRARY"] = a.lib
+        env["PYTHONPATH"] = a.pythonpath
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        universal_newlines=True, timeout=120)
     check("the program ran", p.returncode == 0, p.stderr)
     check("the log has its stacks beside it", os.path.exists(log + ".stacks"))
@@ -65,8 +76,9 @@ def main():
     text = subprocess.run([a.cuma, "leaks", log], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           universal_newlines=True, timeout=120).stdout
     print(text)
-    lines = [ln for ln in text.splitlines() if "MiB" in ln or "KiB" in ln]
-    first = next((ln for ln in lines if "leaky_cache" in ln or "forward" in ln or "(" in ln), "")
+    # The first group under the live table's header ("bytes  allocs  call site").
+    rows = text.split("call site\n", 1)[1].splitlines() if "call site\n" in text else []
+    first = rows[0] if rows else ""
     want = "%s:%d leaky_cache" % (name, leak)
     check("leaky_cache, its file and line, first among the live (%s)" % want,
           want in first and "12.0 MiB" in first, first)
