@@ -122,7 +122,7 @@ const char *cli_shown(const char *text, char *buf, size_t len);
 
 #define CUMA_EXPORTER_USAGE                                                                        \
     "usage: cuma exporter [--ledger NAME] [--port PORT] [--bind ADDR] [--connections N]\n"         \
-    "                     [--once]\n"                                                              \
+    "                     [--fresh-wait MS] [--once]\n"                                            \
     "  Prometheus metrics of the ledger's heaps and devices (text format 0.0.4) over HTTP:\n"      \
     "  GET /metrics; every other path is 404. It keeps serving while the ledger cannot be read\n"  \
     "  (cuma_ledger_up 0), e.g. before the first heap has made it, and while its lock is held\n"   \
@@ -132,6 +132,8 @@ const char *cli_shown(const char *text, char *buf, size_t len);
     "  --bind ADDR      numeric IPv4 or IPv6 address to listen on (default 127.0.0.1)\n"           \
     "  --connections N  open connections at once (default 1024; when all are taken the one\n"      \
     "                   that has been sending its request the longest is closed)\n"                \
+    "  --fresh-wait MS  how long a scrape waits for its read of the ledger before it is\n"         \
+    "                   answered with the last good figures, marked stale (default 500)\n"         \
     "  --once           print the metrics to stdout and exit (node-exporter's textfile\n"          \
     "                   collector)\n"
 

@@ -435,6 +435,16 @@ int cuma_cmd_exporter(int argc, char **argv) {
                 return cli_usage_error("exporter", CUMA_EXPORTER_USAGE,
                                        "--connections wants 1 to %d, not '%s'", EXP_MAX_CONNS, v);
             conf.max_conns = (int)n;
+        } else if ((v = cli_option(argc, argv, &i, "--fresh-wait", &missing)) != NULL) {
+            char *end;
+            errno = 0;
+            long n = strtol(v, &end, 10);
+            if (errno || end == v || *end || *v < '0' || *v > '9' || n < 1 ||
+                n > EXP_MAX_FRESH_WAIT_MS)
+                return cli_usage_error("exporter", CUMA_EXPORTER_USAGE,
+                                       "--fresh-wait wants 1 to %d milliseconds, not '%s'",
+                                       EXP_MAX_FRESH_WAIT_MS, v);
+            conf.fresh_wait_ms = (int)n;
         } else if ((v = cli_option(argc, argv, &i, "--bind", &missing)) != NULL) {
             bind_addr = v;
         } else if (!strcmp(argv[i], "--once")) {

@@ -87,11 +87,14 @@ int exp_read(const char *ledger, int *was_up, exp_snapshot **out, int *missing);
 
 /* The server's settings; zero = defaults. */
 typedef struct exp_server_conf {
-    int max_conns; /* open connections at once (0: EXP_DEFAULT_CONNS) */
+    int max_conns;     /* open connections at once (0: EXP_DEFAULT_CONNS) */
+    int fresh_wait_ms; /* a scrape's wait for its read (0: EXP_DEFAULT_FRESH_WAIT_MS) */
 } exp_server_conf;
 
-#define EXP_DEFAULT_CONNS 1024
-#define EXP_MAX_CONNS     65536
+#define EXP_DEFAULT_CONNS         1024
+#define EXP_MAX_CONNS             65536
+#define EXP_DEFAULT_FRESH_WAIT_MS 500
+#define EXP_MAX_FRESH_WAIT_MS     60000
 
 /* Serves GET /metrics on the listening socket until view_stop; wake_fd is the read end of the
  * sampler's wake_fd. CUMA_EXIT_OK, or CUMA_EXIT_FAIL with a message on stderr. */

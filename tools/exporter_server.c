@@ -6,7 +6,8 @@
  * through three states, each with a deadline:
  *   reading  the request head, at most REQUEST_MAX bytes, within HEAD_TIMEOUT_MS of the accept
  *            (a client that sends nothing or trickles bytes is closed then, unanswered);
- *   waiting  a scrape, for a read of the ledger that began after it came, at most FRESH_WAIT_MS;
+ *   waiting  a scrape, for a read of the ledger that began after it came, at most fresh_wait_ms
+ *            (--fresh-wait, default EXP_DEFAULT_FRESH_WAIT_MS);
  *            then it is answered from the last good read, marked stale;
  *   writing  the answer, as fast as the client takes it, within WRITE_TIMEOUT_MS.
  * When every slot is taken a new client still gets in: the connection that has been reading the
@@ -32,7 +33,6 @@
 
 #define REQUEST_MAX      8192  /* bytes of request line and headers; larger is refused */
 #define HEAD_TIMEOUT_MS  2000  /* from accept to the end of the request head */
-#define FRESH_WAIT_MS    500   /* a scrape's wait for its read of the ledger */
 #define WRITE_TIMEOUT_MS 10000 /* for the client to take the answer */
 #define ACCEPT_BATCH     16    /* accepts per round, so that reading and writing go on */
 #define EVICT_GRACE_MS   250   /* a new connection is not pushed out before this age */
@@ -74,6 +74,7 @@ typedef struct server {
     int nconns;
     exp_sampler *sampler;
     uint64_t paused_until_ms; /* accepting rests until then */
+    uint64_t fresh_wait_ms;   /* a scrape's wait for its read of the ledger: constant */
 } server;
 
 static void close_conn(conn *c) {
@@ -186,7 +187,7 @@ static void handle(server *sv, conn *c, uint64_t now) {
     free(c->in);
     c->in = NULL;
     c->state = C_WAITING;
-    c->deadline_ms = now + FRESH_WAIT_MS;
+    c->deadline_ms = now + sv->fresh_wait_ms;
     c->need = exp_sampler_ask(sv->sampler);
 }
 
@@ -337,7 +338,9 @@ static int fit_fd_limit(int want) {
  * just before, and an idle server would wait forever). */
 int exp_serve(int lfd, int wake_fd, exp_sampler *s, const exp_server_conf *conf,
               const sigset_t *wait_mask) {
-    server sv = {.sampler = s};
+    server sv = {.sampler = s,
+                 .fresh_wait_ms = conf->fresh_wait_ms > 0 ? (uint64_t)conf->fresh_wait_ms
+                                                          : EXP_DEFAULT_FRESH_WAIT_MS};
     sv.nconns = fit_fd_limit(conf->max_conns > 0 ? conf->max_conns : EXP_DEFAULT_CONNS);
     sv.conns = calloc((size_t)sv.nconns, sizeof *sv.conns);
     struct pollfd *pfd = calloc((size_t)sv.nconns + 2, sizeof *pfd);
