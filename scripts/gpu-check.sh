@@ -41,6 +41,10 @@
 #                tensor per page under cuma, then cuma.torch.compact(model, optimizer=opt):
 #                values bit for bit, fragmentation under 0.05, losses of 3 more steps equal to
 #                an uncompacted run; SKIP without PyTorch+CUDA; with what is left of the budget
+#  11. Pool      scripts/gpu/pool_check.py: heap.pool blocks on the device (distinct, one carve,
+#                each block's bytes its own, refused past the last) and a BatchNorm model's
+#                buffers in a pool (cuma.torch.pool_buffers): losses and running statistics
+#                equal to the plain run, not moved by compaction; SKIP without PyTorch+CUDA
 #
 # Every step runs, each under its own timeout and within one overall budget (--budget, 420 s);
 # a step the budget leaves no time for is SKIP (saying so), not FAIL; a summary table of
@@ -57,7 +61,7 @@
 # e.g. zlib1g-dev, unpacked into build-gpu/sysroot when apt cannot install them), NVCC.
 #
 # --only STEPS runs those steps alone (comma-separated: ctest, replays, churn, bench, torch, ledger,
-# preload, guard, compact; the
+# preload, guard, compact, pool; the
 # machine and build steps always run), e.g. `--only torch` to run the PyTorch comparison again
 # within the same device session.
 #
@@ -86,8 +90,8 @@ while [ $# -gt 0 ]; do
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu-check: --budget wants seconds, not '$BUDGET'" >&2; exit 2 ;; esac
 for s in ${ONLY//,/ }; do
-  case "$s" in ctest|replays|churn|bench|torch|ledger|preload|guard|compact) ;;
-    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, ledger, preload, guard, compact)" >&2; exit 2 ;;
+  case "$s" in ctest|replays|churn|bench|torch|ledger|preload|guard|compact|pool) ;;
+    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, ledger, preload, guard, compact, pool)" >&2; exit 2 ;;
   esac
 done
 # wanted STEP: whether --only leaves the step in.
@@ -740,6 +744,28 @@ step_guard() {
   esac
 }
 
+step_pool() {
+  section "11. Pool: raw blocks and a model's buffers in a fixed-size pool (scripts/gpu/pool_check.py)"
+  step_start
+  local name="pool: blocks and buffers on the device"
+  if [ "$NO_TORCH" = 1 ]; then record "$name" SKIP "--no-torch" gpu; return; fi
+  if [ "$HAVE_GPU" != 1 ]; then record "$name" SKIP "no GPU: $NO_GPU_WHY" gpu; return; fi
+  if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build (failed or left out)" gpu; return; fi
+  if ! t=$(tmo 60); then record "$name" SKIP "$NO_TIME"; return; fi
+  local rc=0
+  run "$t" "$WORK/pool.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
+    CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
+    python3 scripts/gpu/pool_check.py || rc=$?
+  local res
+  res=$(grep 'POOL RESULT' "$WORK/pool.log" | tail -1)
+  res=${res#POOL RESULT: }
+  case $rc in
+    0) record "$name" PASS "$res" gpu ;;
+    3) record "$name" SKIP "$res" gpu ;;
+    *) record "$name" FAIL "$(why_rc $rc "$t")${res:+: $res}" gpu ;;
+  esac
+}
+
 step_compact() {
   section "10. Compact: cuma.torch.compact on a scattered model (scripts/gpu/compact_check.py)"
   step_start
@@ -780,6 +806,7 @@ main() {
   wanted ledger && step_ledger
   wanted guard && step_guard
   wanted compact && step_compact
+  wanted pool && step_pool
   summary
 }
 
