@@ -504,11 +504,9 @@ static cuma_status read_segments(conv *c, int64_t segs, int device, const named 
             int64_t state;
             if ((st = field(c, bv[j], "block", j, "state", &state)) != CUMA_OK) return st;
             if (!str_is(c, node(c, state), "active_allocated")) continue;
-            uint64_t addr, size, stream = 0;
-            int present;
+            uint64_t addr, size, stream = (uint64_t)sstream; /* the segment's, any bits */
             if ((st = uint_field(c, bv[j], "block", j, "address", &addr, NULL)) != CUMA_OK ||
-                (st = uint_field(c, bv[j], "block", j, "size", &size, NULL)) != CUMA_OK ||
-                (st = uint_field(c, sv[i], "segment", i, "stream", &stream, &present)) != CUMA_OK)
+                (st = uint_field(c, bv[j], "block", j, "size", &size, NULL)) != CUMA_OK)
                 return st;
             if (named_has(nm, addr)) continue;
             uint32_t stack = 0;

@@ -220,6 +220,9 @@ static const char *save(const char *dir, const char *name, const buf *w, int gz)
     return path_buf;
 }
 
+/* The stream of device 0's segment from before recording (a cudaStream_t: any bits). */
+static int64_t seg_stream = 5;
+
 /* Device 0: a segment from before recording with one live block, a block freed only by
  * request, streams, an OOM; device 1: one event. */
 static void snapshot(buf *w, int times) {
@@ -229,10 +232,10 @@ static void snapshot(buf *w, int times) {
     op(w, '}'), op(w, '(');
     str(w, "segments"), op(w, ']'), op(w, '(');
     op(w, '}'), op(w, '('), str(w, "device"), i64(w, 0), str(w, "address"), i64(w, 0x100000),
-        str(w, "total_size"), i64(w, 2 << 20), str(w, "stream"), i64(w, 5), str(w, "blocks"),
-        op(w, ']'), op(w, '('), op(w, '}'), op(w, '('), str(w, "address"), i64(w, 0x100000),
-        str(w, "size"), i64(w, 4096), str(w, "state"), str(w, "active_allocated"), op(w, 'u'),
-        op(w, 'e'), op(w, 'u');
+        str(w, "total_size"), i64(w, 2 << 20), str(w, "stream"), i64(w, seg_stream),
+        str(w, "blocks"), op(w, ']'), op(w, '('), op(w, '}'), op(w, '('), str(w, "address"),
+        i64(w, 0x100000), str(w, "size"), i64(w, 4096), str(w, "state"), str(w, "active_allocated"),
+        op(w, 'u'), op(w, 'e'), op(w, 'u');
     op(w, '}'), op(w, '('), str(w, "device"), i64(w, 1), str(w, "address"), i64(w, 0x900000),
         str(w, "total_size"), i64(w, 8 << 20), op(w, 'u');
     op(w, 'e');
@@ -347,6 +350,20 @@ static void event_head(buf *w, const char *action, int64_t addr) {
  * second list (memo references) and as fresh copies in a third, a shorter stack, an empty one,
  * and a block from before recording whose stack is in its 'history'. Memo: 0 frame A, 1 frame
  * B, 2 the list [A, B]. */
+/* A stream is any bits in a segment as in an event: a negative int is taken as it is, for the
+ * segment and for its live blocks. */
+static void test_negative_segment_stream(const char *dir) {
+    buf w;
+    seg_stream = -3;
+    snapshot(&w, 1);
+    seg_stream = 5;
+    cuma_trace t;
+    cuma_trace_opts o = {.device = -1};
+    CHECK_OK(cuma_trace_load_opts(save(dir, "snap_negstream.pickle", &w, 0), &o, &t));
+    CHECK(t.preexisting == 1 && t.n >= 1 && t.ev[0].stream == (uint64_t)-3);
+    cuma_trace_free(&t);
+}
+
 static void test_stacks(const char *dir) {
     buf w;
     proto(&w);
@@ -426,6 +443,7 @@ int main(int argc, char **argv) {
     test_refused();
     test_limits();
     test_snapshot(argv[1]);
+    test_negative_segment_stream(argv[1]);
     test_stacks(argv[1]);
     printf("snapshot reader: all checks passed\n");
     return 0;
