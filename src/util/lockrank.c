@@ -4,6 +4,7 @@
 #include "util/lockrank.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -37,25 +38,56 @@ typedef struct held {
     cuma_rank r;
 } held;
 
-/* The calling thread's held mutexes, in the order taken: allocated at its first take, so that
- * a build that never checks keeps only a pointer in each thread's static TLS. A library loaded
- * with dlopen (libcuma into Python, beside PyTorch's libraries) gets its thread-local block from
- * a small reserve that glibc keeps, and one whose block does not fit fails to load ("cannot
- * allocate memory in static TLS block"). */
-static _Thread_local held *stack;
+/* A thread's held mutexes, in the order taken. Each is taken from a list that only grows (a
+ * thread that exits gives its entry back for the next thread), so that a build that never checks
+ * keeps only a pointer in each thread's static TLS: a library loaded with dlopen (libcuma into
+ * Python, beside PyTorch's libraries) gets its thread-local block from a small reserve that glibc
+ * keeps, and one whose block does not fit fails to load ("cannot allocate memory in static TLS
+ * block"). Never freed: every entry stays reachable from the list, also in a forked child whose
+ * other threads (and their pointers) are gone, where a leak checker would otherwise report it. */
+typedef struct rank_stack {
+    struct rank_stack *next; /* set before the entry is published; constant after */
+    atomic_bool in_use;      /* taken by a thread (a compare-and-swap takes it) */
+    held h[MAX_HELD];
+} rank_stack;
+
+static _Atomic(rank_stack *) stacks;
+static _Thread_local rank_stack *mine;
 static _Thread_local unsigned depth;
 static _Thread_local bool suspended;
 static pthread_key_t stack_key;
 static pthread_once_t key_once = PTHREAD_ONCE_INIT;
 
-static void stack_free(void *v) {
-    free(v);
-    stack = NULL; /* a later destructor that takes a lock allocates it again */
+static void stack_give_back(void *v) {
+    rank_stack *s = v;
+    mine = NULL; /* a later destructor that takes a lock takes an entry again */
     depth = 0;
+    atomic_store(&s->in_use, false);
 }
 
 static void key_make(void) {
-    if (pthread_key_create(&stack_key, stack_free) != 0) abort();
+    if (pthread_key_create(&stack_key, stack_give_back) != 0) abort();
+}
+
+static rank_stack *stack_take(void) {
+    pthread_once(&key_once, key_make);
+    rank_stack *s;
+    for (s = atomic_load(&stacks); s; s = s->next) {
+        bool no = false;
+        if (atomic_compare_exchange_strong(&s->in_use, &no, true)) break;
+    }
+    if (!s) {
+        if (!(s = calloc(1, sizeof *s))) {
+            fprintf(stderr, "cuma: lock order: no host memory for the held-lock stack\n");
+            abort();
+        }
+        atomic_init(&s->in_use, true);
+        s->next = atomic_load(&stacks);
+        while (!atomic_compare_exchange_weak(&stacks, &s->next, s)) {
+        }
+    }
+    pthread_setspecific(stack_key, s);
+    return s;
 }
 
 static const char *name(cuma_rank r) {
@@ -63,26 +95,19 @@ static const char *name(cuma_rank r) {
 }
 
 static void push(pthread_mutex_t *m, cuma_rank r) {
-    if (!stack) {
-        pthread_once(&key_once, key_make);
-        if (!(stack = calloc(MAX_HELD, sizeof *stack))) {
-            fprintf(stderr, "cuma: lock order: no host memory for the held-lock stack\n");
-            abort();
-        }
-        pthread_setspecific(stack_key, stack);
-    }
+    if (!mine) mine = stack_take();
     if (depth == MAX_HELD) {
         fprintf(stderr, "cuma: lock order: more than %d locks held taking %s\n", MAX_HELD, name(r));
         abort();
     }
-    stack[depth++] = (held){m, r};
+    mine->h[depth++] = (held){m, r};
 }
 
 void cuma_rank_take(pthread_mutex_t *m, cuma_rank r) {
     if (suspended) return;
     for (unsigned i = 0; i < depth; i++) {
-        cuma_rank h = stack[i].r;
-        if (h < r || (h == r && r == CUMA_RANK_ARENA && stack[i].m != m)) continue;
+        cuma_rank h = mine->h[i].r;
+        if (h < r || (h == r && r == CUMA_RANK_ARENA && mine->h[i].m != m)) continue;
         fprintf(stderr,
                 "cuma: lock order violated: taking %s (rank %d) while holding %s (rank %d); "
                 "see docs/DESIGN.md, lock order\n",
@@ -100,8 +125,8 @@ void cuma_rank_drop(pthread_mutex_t *m) {
     if (suspended) return;
     /* The latest take of m: locks are not always given back in the reverse order. */
     for (unsigned i = depth; i-- > 0;) {
-        if (stack[i].m != m) continue;
-        for (unsigned j = i + 1; j < depth; j++) stack[j - 1] = stack[j];
+        if (mine->h[i].m != m) continue;
+        for (unsigned j = i + 1; j < depth; j++) mine->h[j - 1] = mine->h[j];
         depth--;
         return;
     }
