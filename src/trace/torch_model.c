@@ -521,7 +521,8 @@ static int map_block(cuma_tm *m, int32_t id, uint64_t size) {
     if (end > b->addr + b->size) end = b->addr + b->size;
     uint64_t len = end - b->addr, limit = reserve_limit(&m->conf);
     if (limit && (len > limit || m->st.reserved > limit - len)) return -1;
-    if (reserve(m, &m->pool[b->large]) || um_reserve(m, b->large)) return -1;
+    int large = b->large; /* reserve may move the block array under b */
+    if (reserve(m, &m->pool[large]) || um_reserve(m, large)) return -1;
     b = &m->b[id];
     um_remove(m, id);
     b->mapped = 1;
@@ -558,7 +559,8 @@ static int unmap_block(cuma_tm *m, int32_t id) {
     uint64_t begin = (b->addr + page - 1) / page * page;
     uint64_t end = (b->addr + b->size) / page * page;
     if (end <= begin) return 0;
-    if (reserve(m, &m->pool[b->large]) || um_reserve(m, b->large)) return -1;
+    int large = b->large; /* reserve may move the block array under b */
+    if (reserve(m, &m->pool[large]) || um_reserve(m, large)) return -1;
     b = &m->b[id];
     pool_remove(m, id);
     if (begin > b->addr) { /* a mapped piece before */
