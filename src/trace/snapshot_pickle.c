@@ -382,7 +382,7 @@ static int seg_by_addr(const void *x, const void *y) {
 /* Sorts the segments and drops those a malformed file makes overlap an earlier one (or wrap
  * around the address space): the model needs disjoint segments. */
 static void segs_settle(seglist *ss) {
-    qsort(ss->v, ss->n, sizeof *ss->v, seg_by_addr);
+    if (ss->n > 1) qsort(ss->v, ss->n, sizeof *ss->v, seg_by_addr); /* v is NULL when empty */
     size_t k = 0;
     for (size_t i = 0; i < ss->n; i++) {
         const cuma_trace_segment *s = &ss->v[i];
