@@ -392,7 +392,7 @@ __attribute__((noinline)) static cuma_status alloc_slow(cuma_heap *h, size_t siz
         return cuma_heap_inherited(h, "cuma_alloc");
     cuma_arena *a = cuma_arena_mine(h);
     if (size == 0) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size 0");
-    uint64_t n = !a->tlsf || size > (1ull << 47) ? a->pol->ops->round(size)
+    uint64_t n = !a->granule_round || size > (1ull << 47) ? a->pol->ops->round(size)
                  : size - 1 < a->fast_max
                      ? cuma_tc_round(size)
                      : (size + CUMA_GRANULE - 1) & ~(uint64_t)(CUMA_GRANULE - 1);

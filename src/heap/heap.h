@@ -104,11 +104,11 @@ struct cuma_arena {
     cuma_counters c;
     /* Thread caches (tcache.h): settings constant after creation; the list under the lock. */
     bool tc_on;
-    bool tlsf;         /* the default policy (its rounding is inline in cuma_alloc) */
-    uint64_t fast_max; /* requests of 1..fast_max bytes are rounded to size classes and try the
-                          thread cache inline (0: caches off, another policy's rounding, or
-                          a layer whose slack is memory, CUMA_PHYS_SLACK_FREE: the slow path
-                          rounds and tries the cache) */
+    bool granule_round; /* the policy rounds to CUMA_GRANULE: inline in cuma_alloc */
+    uint64_t fast_max;  /* requests of 1..fast_max bytes are rounded to size classes and try the
+                           thread cache inline (0: caches off, another policy's rounding, or
+                           a layer whose slack is memory, CUMA_PHYS_SLACK_FREE: the slow path
+                           rounds and tries the cache) */
     uint64_t tc_bytes, tc_max;
     int64_t tc_age_ns;
     uint64_t tc_due; /* no thread-cache block is due to go back before this (coarse time) */

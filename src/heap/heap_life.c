@@ -52,18 +52,18 @@ cuma_status cuma_arena_build(cuma_arena *a) {
                          a->be->name);
     a->phys.ops = phys;
     bool range = phys->caps & CUMA_PHYS_RANGE;
-    bool buddy = !strcmp(a->heap->set.policy, "buddy");
-    if (!range && buddy)
+    const cuma_policy_ops *pol = cuma_policy_find(a->heap->set.policy);
+    if (!pol) return cuma_fail(CUMA_ERR_CONFIG, "policy:%s: no such policy", a->heap->set.policy);
+    if (!range && (pol->flags & CUMA_POLICY_NEEDS_RANGE))
         return cuma_fail(
             CUMA_ERR_CONFIG,
-            "policy:buddy needs a virtual range; backend %s has segments only (use policy:tlsf)",
-            a->be->name);
+            "policy:%s needs a virtual range; backend %s has segments only (use policy:tlsf)",
+            pol->name, a->be->name);
     st = cuma_streams_init(&a->streams, a->be);
     if (st) return st;
     /* The tables keep their own copy of nvtx:on, the one flag their slow paths test. */
     if (a->heap->set.nvtx) cuma_marks_init();
     a->streams.marks = a->heap->set.nvtx;
-    const cuma_policy_ops *pol = buddy ? &cuma_buddy_ops : &cuma_tlsf_ops;
     st = pol->create(&a->pol, &a->streams, range ? CUMA_POLICY_KEEP_TOP_CLEAN : 0);
     if (st) goto fail_streams;
     st = phys->init(a);
@@ -76,13 +76,13 @@ cuma_status cuma_arena_build(cuma_arena *a) {
     a->tc_max = a->heap->set.tcache_max;
     a->tc_age_ns =
         a->heap->set.tcache_age_ms < 0 ? INT64_MAX : a->heap->set.tcache_age_ms * 1000000;
-    a->tlsf = pol == &cuma_tlsf_ops;
+    a->granule_round = (pol->flags & CUMA_POLICY_GRANULE_ROUND) != 0;
     uint64_t room = phys->max_request(a);
     /* Size classes only where the slack past a request holds no memory (pages are mapped under
      * requested bytes); with segments the slack of a class would be memory. */
-    a->fast_max = !a->tc_on || !a->tlsf || !(phys->caps & CUMA_PHYS_SLACK_FREE) ? 0
-                  : a->tc_max < room                                            ? a->tc_max
-                                                                                : room;
+    a->fast_max = !a->tc_on || !a->granule_round || !(phys->caps & CUMA_PHYS_SLACK_FREE) ? 0
+                  : a->tc_max < room                                                     ? a->tc_max
+                                                                                         : room;
     a->max_cached_bytes =
         a->heap->set.max_cached == CUMA_UNLIMITED ? UINT64_MAX : a->heap->set.max_cached;
     cuma_arena_refresh_limit(a);

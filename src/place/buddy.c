@@ -278,6 +278,7 @@ static void buddy_destroy(cuma_policy *p) {
 
 const cuma_policy_ops cuma_buddy_ops = {
     .name = "buddy",
+    .flags = CUMA_POLICY_NEEDS_RANGE,
     .round = buddy_round,
     .create = buddy_create,
     .destroy = buddy_destroy,

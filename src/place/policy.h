@@ -20,6 +20,7 @@ typedef struct cuma_policy cuma_policy;
 
 typedef struct cuma_policy_ops {
     const char *name;
+    unsigned flags; /* CUMA_POLICY_NEEDS_RANGE, CUMA_POLICY_GRANULE_ROUND */
     /* Rounds a request to the size the policy will hand out (0 on overflow). */
     uint64_t (*round)(uint64_t size);
     /* flags: CUMA_POLICY_KEEP_TOP_CLEAN (one large range whose untouched top should stay
@@ -55,6 +56,15 @@ typedef struct cuma_policy_ops {
 } cuma_policy_ops;
 
 #define CUMA_POLICY_KEEP_TOP_CLEAN 1u
+
+/* ops->flags. NEEDS_RANGE: it places in one virtual range only, not in segments (the buddy's
+ * power-of-two ranges). GRANULE_ROUND: round() is to a multiple of CUMA_GRANULE, which the heap
+ * then does inline on its fast path (and thread-cache size classes may stand for it). */
+#define CUMA_POLICY_NEEDS_RANGE   1u
+#define CUMA_POLICY_GRANULE_ROUND 2u
+
+/* The policy of that name (settings/policies.h lists them), or NULL. */
+const cuma_policy_ops *cuma_policy_find(const char *name);
 
 struct cuma_policy {
     const cuma_policy_ops *ops;

@@ -388,6 +388,7 @@ static void tlsf_destroy(cuma_policy *p) {
 
 const cuma_policy_ops cuma_tlsf_ops = {
     .name = "tlsf",
+    .flags = CUMA_POLICY_GRANULE_ROUND,
     .round = tlsf_round,
     .create = tlsf_create,
     .destroy = tlsf_destroy,

@@ -2,6 +2,7 @@
 /* The CUMA_CONF grammar: "key:value,key:value". One table describes every key, so parsing,
  * `cuma config` and the JSON dump cannot disagree. */
 #include "settings/config.h"
+#include "settings/policies.h"
 #include "util/error.h"
 #include "util/marks.h"
 #include "util/strbuf.h"
@@ -17,6 +18,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The policy key's choices and description from settings/policies.h. */
+#define POLICY_CHOICE(name, what) #name "|"
+#define POLICY_WHAT(name, what)   #name " (" what "), "
 
 enum kind {
     K_SIZE,
@@ -53,9 +58,8 @@ static const key_desc keys[] = {
      "cuInit fails, a libcuma built without them): none = fail with CUMA_ERR_NO_DEVICE; sim = run "
      "on the simulated device, whose pointers are not GPU memory (the stats say "
      "\"backend_fallback\":true). A missing device ordinal on a working driver is always an error"},
-    {"policy", K_NAME, F(policy), "tlsf", "tlsf|bestfit|buddy",
-     "placement in the virtual range: tlsf (good fit, O(1)), bestfit (alias of tlsf), buddy "
-     "(power-of-two buddy system)"},
+    {"policy", K_NAME, F(policy), "tlsf", CUMA_POLICY_LIST(POLICY_CHOICE) "bestfit",
+     "placement in the virtual range: " CUMA_POLICY_LIST(POLICY_WHAT) "bestfit (alias of tlsf)"},
     {"capacity", K_SIZE, F(capacity), "80G", NULL, "simulated device size"},
     {"page_size", K_SIZE, F(page_size), "2M", NULL,
      "physical page size: the sim's page; on backend:vmm the device's recommended granularity, "

@@ -299,7 +299,7 @@ static void test_bad_values(void) {
     bad_conf("priority:--1", "priority", "--1");
     bad_conf("priority:-", "priority", "-");
     /* The name list is in the message of a bad name. */
-    bad_conf("policy:x", "tlsf|bestfit|buddy", NULL);
+    bad_conf("policy:x", "tlsf|buddy|bestfit", NULL);
     /* A bad item after good ones still fails, and names the bad one. */
     bad_conf("capacity:1G, page_size:4M , growth:perhaps", "growth", "perhaps");
     /* Too long a string. */
@@ -501,7 +501,7 @@ static void test_describe(void) {
         if (!found) fprintf(stderr, "key %s is not described\n", expect[i]);
         CHECK(found);
     }
-    CHECK(strstr(full, "tlsf|bestfit|buddy") && strstr(full, "real|manual"));
+    CHECK(strstr(full, "tlsf|buddy|bestfit") && strstr(full, "real|manual"));
 
     /* Too small a buffer: CUMA_ERR_INVALID, the needed size in *needed and in the message,
      * and a NUL-terminated prefix. */
