@@ -23,6 +23,10 @@ static void retire_in(cuma_heap *h, void *arg) {
 
 static void on_thread_exit(void *value) {
     (void)value;
+    /* A destructor that runs after this one (a key made later) may use the per-thread stream
+     * again: armed anew, the key's value is set again and glibc runs this once more after it
+     * (up to PTHREAD_DESTRUCTOR_ITERATIONS rounds), so that slot is retired too. */
+    armed = false;
     cuma_streams_thread_exiting();
     cuma_heaps_each(retire_in, NULL);
 }

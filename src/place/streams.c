@@ -150,6 +150,14 @@ static void retire(cuma_streams *ss, cuma_stream_slot *s, uint64_t wait_until) {
     }
 }
 
+/* Whether a fence may still be recorded for slot s. A retired stream's handle is gone; a thread's
+ * per-thread slot is fenced on the legacy stream once its owner is gone, which any thread can
+ * name: so a last fence its owner could not record as it exited (a blocking stream was capturing
+ * a graph) is recorded at a later poll, and the memory freed there is not held for good. */
+static bool can_fence(const cuma_stream_slot *s) {
+    return !s->dead || s->per_thread;
+}
+
 static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
     cuma_stream_slot *s = &ss->slot[i];
     if (s->done >= seq) return true;
@@ -158,9 +166,9 @@ static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
     if (s->done >= seq) return true;
     /* A full ring has no event for this tag yet: a wait first waits for the oldest event,
      * which frees a place for one that covers the tag. */
-    if (wait && s->fenced < seq && s->npending == CUMA_FENCE_RING && !s->dead)
+    if (wait && s->fenced < seq && s->npending == CUMA_FENCE_RING && can_fence(s))
         retire(ss, s, s->ring[s->head].covers);
-    if (s->fenced < seq && s->npending < CUMA_FENCE_RING && !s->dead) {
+    if (s->fenced < seq && s->npending < CUMA_FENCE_RING && can_fence(s)) {
         uint64_t ev;
         if (record(ss, s, &ev) == CUMA_OK) {
             s->ring[(s->head + s->npending) % CUMA_FENCE_RING].event = ev;

@@ -708,6 +708,39 @@ static void test_per_thread_streams(test_ctx *t) {
     check_no_driver_objects();
 }
 
+/* A thread whose last use of its per-thread stream comes from a destructor of its own that runs
+ * after cuma's exit hook (a key made later): that use is retired as well, so that such threads
+ * do not fill the stream table either. */
+static pthread_key_t late_key;
+
+static void late_use(void *arg) {
+    ptds_arg *a = arg;
+    void *p;
+    CHECK_OK(cuma_alloc(a->h, 1 * MB, CU_STREAM_PER_THREAD, &p));
+    CHECK_OK(cuma_free(a->h, p, CU_STREAM_PER_THREAD));
+}
+
+static void *ptds_late(void *arg) {
+    ptds_churn(arg); /* arms cuma's hook, whose key is older than late_key */
+    CHECK(pthread_setspecific(late_key, arg) == 0);
+    return NULL;
+}
+
+static void test_per_thread_late_use(test_ctx *t) {
+    CHECK(pthread_key_create(&late_key, late_use) == 0);
+    cuma_heap *h = heap_make("backend:vmm,release_delay_ms:never,tcache:off");
+    ptds_arg a = {h, t->ctx, 0, {NULL, NULL}};
+    pthread_t th;
+    for (unsigned i = 0; i < 2 * CUMA_MAX_STREAMS; i++) {
+        CHECK(pthread_create(&th, NULL, ptds_late, &a) == 0);
+        CHECK(pthread_join(th, NULL) == 0);
+    }
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+    CHECK(pthread_key_delete(late_key) == 0);
+    check_no_driver_objects();
+}
+
 static void test_auto(const char *want) {
     cuma_backend *be = backend_make("auto", 0);
     CHECK(!strcmp(be->name, want));
@@ -882,6 +915,7 @@ int main(int argc, char **argv) {
         test_page_size();
         test_threads(&t);
         test_per_thread_streams(&t);
+        test_per_thread_late_use(&t);
         test_ctx_close(&t);
     }
     fprintf(stderr, "test_cuda_backend %s: ok\n", mode);

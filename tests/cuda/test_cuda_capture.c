@@ -17,6 +17,7 @@
 
 #include "cuma/cuma.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -66,10 +67,53 @@ static void capture_round(const char *backend) {
     CHECK_CU(cuStreamDestroy(other));
 }
 
+/* A thread that used its per-thread default stream exits while another thread captures on a
+ * blocking stream: its slot's last fence cannot go on the legacy stream then. After the capture
+ * the memory it freed is reusable and can be given back all the same. */
+typedef struct exit_arg {
+    cuma_heap *h;
+    CUcontext ctx;
+} exit_arg;
+
+static void *exit_worker(void *arg) {
+    exit_arg *e = arg;
+    CHECK_CU(cuCtxSetCurrent(e->ctx));
+    void *p;
+    CHECK_OK(cuma_alloc(e->h, 4 * MB, CU_STREAM_PER_THREAD, &p));
+    CHECK_OK(cuma_free(e->h, p, CU_STREAM_PER_THREAD));
+    return NULL;
+}
+
+static void capture_thread_exit(const char *backend, CUcontext ctx) {
+    char conf[128];
+    /* Never released on its own: no fence is asked for before the thread exits. */
+    snprintf(conf, sizeof conf, "backend:%s,release_delay_ms:never,tcache:off", backend);
+    cuma_heap *h = heap_make(conf);
+    CUstream cap;
+    CHECK_CU(cuStreamCreate(&cap, 0)); /* blocking: the legacy stream depends on it */
+    CHECK_CU(cuStreamBeginCapture(cap, CU_STREAM_CAPTURE_MODE_RELAXED));
+    exit_arg e = {h, ctx};
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, exit_worker, &e) == 0);
+    CHECK(pthread_join(th, NULL) == 0);
+    CUgraph g = NULL;
+    CHECK_CU(cuStreamEndCapture(cap, &g));
+    CHECK_OK(cuma_poll(h));
+    CHECK_OK(cuma_trim(h, 0));
+    cuma_stats st;
+    CHECK_OK(cuma_get_stats(h, &st));
+    CHECK(st.active_allocs == 0);
+    CHECK(st.reserved_bytes == 0); /* the exited thread's free is not held for good */
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+    CHECK_CU(cuStreamDestroy(cap));
+}
+
 int main(int argc, char **argv) {
     const char *backend = argc > 1 ? argv[1] : "vmm";
     test_ctx t = test_ctx_open(0);
     capture_round(backend);
+    capture_thread_exit(backend, t.ctx);
     test_ctx_close(&t);
     printf("test_cuda_capture %s: all checks passed\n", backend);
     return 0;
