@@ -158,6 +158,17 @@ static bool can_fence(const cuma_stream_slot *s) {
     return !s->dead || s->per_thread;
 }
 
+/* Whether this call may record a fence for slot s now. A live thread's per-thread slot is fenced
+ * by its owner, on its own stream, whenever the owner asks. Another thread's fence for it would
+ * go on the legacy stream, and an operation there is a barrier between every blocking stream
+ * (every thread's per-thread stream among them): so it records one only when it must wait (a
+ * trim, the last rungs before out-of-memory), and meanwhile takes the memory for not done. */
+static bool may_record(const cuma_stream_slot *s, bool wait) {
+    if (!can_fence(s)) return false;
+    if (!s->per_thread || s->dead || wait) return true;
+    return s->handle == (cuma_stream)thread_token && !thread_exiting;
+}
+
 static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
     cuma_stream_slot *s = &ss->slot[i];
     if (s->done >= seq) return true;
@@ -168,7 +179,7 @@ static bool poll_one(cuma_streams *ss, unsigned i, uint64_t seq, bool wait) {
      * which frees a place for one that covers the tag. */
     if (wait && s->fenced < seq && s->npending == CUMA_FENCE_RING && can_fence(s))
         retire(ss, s, s->ring[s->head].covers);
-    if (s->fenced < seq && s->npending < CUMA_FENCE_RING && can_fence(s)) {
+    if (s->fenced < seq && s->npending < CUMA_FENCE_RING && may_record(s, wait)) {
         uint64_t ev;
         if (record(ss, s, &ev) == CUMA_OK) {
             s->ring[(s->head + s->npending) % CUMA_FENCE_RING].event = ev;

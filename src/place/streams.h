@@ -20,8 +20,10 @@
  * before that stream's work is done. Only the owner can name its stream, so an event for such a
  * slot recorded by another thread (or by the owner as it exits, when the driver may already have
  * let its stream go) is recorded on the legacy stream, which waits for every blocking stream's
- * work, the per-thread ones among them. No two threads get the same token, and the heap retires
- * a thread's slots when it exits (heap/thread_streams.c), so that the table does not fill.
+ * work, the per-thread ones among them; as that is a barrier between all of them, another thread
+ * records one only when it must wait, and otherwise leaves the slot's fences to its owner. No two
+ * threads get the same token, and the heap retires a thread's slots when it exits
+ * (heap/thread_streams.c), so that the table does not fill.
  *
  * Not thread-safe: the heap lock protects the whole table.
  */

@@ -660,12 +660,17 @@ static bool overlaps_4mb(uintptr_t a, const void *b) {
 static void *ptds_other(void *arg) {
     ptds_arg *a = arg;
     CHECK_CU(cuCtxSetCurrent(a->ctx));
+    /* Asks about the busy block's fence (allocations that find no other room at once, a poll),
+     * recording none: on the legacy stream, the only one this thread could record it on, it
+     * would be a barrier for every thread's per-thread stream. */
+    unsigned long records = fakecuda_calls("cuEventRecord");
     CHECK_OK(cuma_alloc(a->h, 4 * MB, CU_STREAM_PER_THREAD, &a->p[0]));
     CHECK(!overlaps_4mb(a->busy, a->p[0]));
     pattern_fill(a->p[0], 4 * MB, 2);
-    CHECK_OK(cuma_poll(a->h)); /* asks about the busy block's fence */
+    CHECK_OK(cuma_poll(a->h));
     CHECK_OK(cuma_alloc(a->h, 4 * MB, CU_STREAM_PER_THREAD, &a->p[1]));
     CHECK(!overlaps_4mb(a->busy, a->p[1]));
+    CHECK(fakecuda_calls("cuEventRecord") == records);
     return NULL;
 }
 
