@@ -22,7 +22,7 @@
 #define CHECK_CU(expr) CHECK((expr) == CUDA_SUCCESS)
 
 /* The stream a test uses where a program would use its default one: the legacy stream (NULL),
- * or with CUMA_TEST_PER_THREAD_STREAM=1 (the _lagged variants) the per-thread default stream,
+ * or with CUMA_TEST_PER_THREAD_STREAM=1 (the _ptds variants) the per-thread default stream,
  * as in a program built with --default-stream per-thread. */
 static inline CUstream default_stream(void) {
     const char *e = getenv("CUMA_TEST_PER_THREAD_STREAM");
