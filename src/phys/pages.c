@@ -466,7 +466,7 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
     uint32_t first = (uint32_t)(off >> pp->shift), last = (uint32_t)((off + len - 1) >> pp->shift);
     uint64_t need = 0;
     for (uint32_t v = first; v <= last; v++) need += !pp->live[v];
-    cuma_streams_tick(pp->ss); /* one query per lagging stream for all the pages it steals */
+    cuma_streams_tick(pp->ss, now); /* one query per lagging stream for all the pages it steals */
     if (pp->budget > 0) pace(pp);
     if (pp->nghosts) cuma_pages_reap(pp, false);
     /* A request that cannot fit even with every idle page reused fails before touching any. */
@@ -563,7 +563,7 @@ uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint
     release_batch rb;
     rb.n = 0;
     uint32_t i = pp->tail;
-    cuma_streams_tick(pp->ss);
+    cuma_streams_tick(pp->ss, now);
     /* A page with ghosts stays until they go: waiting (a trim) waits for their work too. */
     if (pp->nghosts) cuma_pages_reap(pp, wait);
     while (i != CUMA_NIL) {

@@ -26,7 +26,11 @@
 
 #define CUMA_MAX_STREAMS 256
 #define CUMA_FENCE_MULTI 0xFFFFu /* tag of memory freed by several streams */
-#define CUMA_FENCE_RING  8
+#define CUMA_FENCE_RING  16
+/* A heap with several streams keeps about CUMA_FENCE_SPREAD events in flight on a stream that
+ * runs behind, at least CUMA_FENCE_GAP_NS apart (streams.c: spread_due). */
+#define CUMA_FENCE_SPREAD 8
+#define CUMA_FENCE_GAP_NS 500000ull
 
 /* Invariants: done <= fenced <= last (in gseq); the ring holds npending events with
  * non-decreasing `covers`, each > done; a dead slot has fenced == last unless its retirement
@@ -38,8 +42,13 @@ typedef struct cuma_stream_slot {
     uint64_t done;   /* every free on this stream with gseq <= done has completed */
     struct {
         uint64_t event, covers;
+        uint64_t at; /* the heap's clock when it was recorded (cuma_streams.now) */
     } ring[CUMA_FENCE_RING];
     unsigned head, npending;
+    /* How long the stream's events take to complete, as seen (ns, record to retire), and when
+     * the newest was recorded: a heap with several streams spaces events by them (streams.c,
+     * spread_due). */
+    uint64_t lat_ns, last_at;
     /* The device said gseq nd_seq was not done yet during epoch nd_epoch: later tags of this
      * stream are not done either, and are not asked about again in that epoch. */
     uint64_t nd_seq, nd_epoch;
@@ -55,6 +64,9 @@ typedef struct cuma_streams {
      * a scan over them must not ask the device once per tag. Within one epoch (one allocator
      * operation: cuma_streams_tick) each stream's pending work is asked about once. */
     uint64_t epoch;
+    /* The heap's clock (ns) at its latest operation, which the heap sets (cuma_streams_tick):
+     * events are stamped with it to space them on lagging streams (lat_ns above). */
+    uint64_t now;
     bool marks;               /* nvtx:on: waits are NVTX ranges (marks.h); constant */
     uint64_t events_recorded; /* statistics */
     uint64_t event_queries;
@@ -72,9 +84,11 @@ int cuma_streams_index(cuma_streams *ss, cuma_stream handle);
  * backend's failure to record the fence (the slot is dead all the same). */
 cuma_status cuma_streams_retire(cuma_streams *ss, cuma_stream handle, bool *found);
 
-/* A new allocator operation: what the device said about pending work may have changed. */
-static inline void cuma_streams_tick(cuma_streams *ss) {
+/* A new allocator operation at time `now` on the heap's clock (0: unknown, keep the last):
+ * what the device said about pending work may have changed. */
+static inline void cuma_streams_tick(cuma_streams *ss, uint64_t now) {
     ss->epoch++;
+    if (now > ss->now) ss->now = now;
 }
 
 /* Tags a free on stream index i: returns its gseq. On a dead slot, its last fence: the memory's
@@ -84,6 +98,11 @@ static inline uint64_t cuma_streams_note_free(cuma_streams *ss, unsigned i) {
     if (__builtin_expect(s->dead, 0)) return s->last;
     return s->last = ++ss->gseq;
 }
+
+/* A free was tagged on stream index i at `now` (the heap's clock): with several streams, records
+ * an event when the stream's newest is old enough (streams.c), so that other streams learn of
+ * the free's completion about one lag after it, not one lag after they first ask. */
+void cuma_streams_freed(cuma_streams *ss, unsigned i, uint64_t now);
 
 /* Whether a tag is known complete, without asking the device. Tag (any, 0) is clean. */
 static inline bool cuma_fence_known_done(const cuma_streams *ss, unsigned stream, uint64_t seq) {
