@@ -17,7 +17,8 @@ done). PyTorch's record_stream (a block used by a second stream, freed later in 
 has no row of its own: a program that orders the second stream after the first, as every
 correct one does, frees on the stream of the last use, and that is what --free-main writes
 (weights freed on the main stream). The other weights are freed on their copy stream, as a
-program that frees in its allocation stream's order would.
+program that frees in its allocation stream's order would. --free-on alloc names the
+allocation's stream in every free row instead, as a PyTorch snapshot records frees.
 
 Deterministic for a seed (printed on stderr). Standard library only.
 
@@ -39,8 +40,9 @@ def layer_weights(hidden, inter):
 
 
 class Writer:
-    def __init__(self, out):
+    def __init__(self, out, free_on_alloc):
         self.out = out
+        self.free_on_alloc = free_on_alloc
         self.t = 0  # host time, microseconds
         self.next_ptr = 0x7F0000000000
         self.live = {}  # ptr -> size
@@ -59,16 +61,16 @@ class Writer:
     def alloc(self, size, stream):
         ptr = self.next_ptr
         self.next_ptr += (size + 511) // 512 * 512 + 512
-        self.live[ptr] = size
+        self.live[ptr] = (size, stream)
         self.live_bytes += size
         self.peak = max(self.peak, self.live_bytes)
         self._row("allocate", ptr, size, stream)
         return ptr
 
     def free(self, ptr, stream):
-        size = self.live.pop(ptr)
+        size, astream = self.live.pop(ptr)
         self.live_bytes -= size
-        self._row("free", ptr, size, stream)
+        self._row("free", ptr, size, astream if self.free_on_alloc else stream)
 
     def advance(self, us):
         self.t += max(0, int(us))
@@ -92,6 +94,9 @@ def main():
     ap.add_argument("--free-main", type=float, default=0.5,
                     help="share of weights freed on the main stream (the rest on their copy "
                     "stream)")
+    ap.add_argument("--free-on", choices=("last", "alloc"), default="last",
+                    help="the stream a free row names: of the memory's last use (default), or "
+                    "of its allocation, as a PyTorch snapshot records every free")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every size (small tests)")
     ap.add_argument("-o", "--output", required=True, help="file to write (.gz: gzip'd)")
     a = ap.parse_args()
@@ -112,7 +117,7 @@ def main():
 
     opener = gzip.open if a.output.endswith(".gz") else open
     with opener(a.output, "wt") as f:
-        w = Writer(f)
+        w = Writer(f, a.free_on == "alloc")
         h = a.hidden
         wsizes = [sz(s) for s in layer_weights(h, a.inter)]
         # Resident: embedding table and output head, allocated once on the main stream.
