@@ -324,11 +324,11 @@ static void unmap_later(cuma_pages *pp, run *r, uint32_t i) {
 /* An idle page for another virtual page; never one idling inside [keep_first, keep_last], the
  * range being backed, which reuses those in place. STOLE_MOVED: one whose fence is complete,
  * taken off the cache and its old place (unmapped with the run's others: unmap_later).
- * STOLE_SHARED: none is, but this one's pending work is all on `stream`: still cached and mapped,
- * to become a ghost where it is. */
+ * STOLE_SHARED: this one's pending work is all on `stream`: still cached and mapped, to become a
+ * ghost where it is; with one stream only when no page is done, with several before those. */
 static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t keep_last, int stream,
                  run *r) {
-    uint32_t shared = CUMA_NIL;
+    uint32_t shared = CUMA_NIL, done = CUMA_NIL;
     int n = 0;
     for (uint32_t i = pp->tail; i != CUMA_NIL && n < STEAL_SCAN; n++) {
         cuma_phys *p = &pp->phys[i];
@@ -336,15 +336,28 @@ static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t ke
         bool own = p->va != CUMA_NIL && p->va >= keep_first && p->va <= keep_last;
         if (own) {
         } else if (cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, false)) {
-            unmap_later(pp, r, i);
-            cache_remove(pp, i);
-            *out = i;
-            return STOLE_MOVED;
+            /* With several streams, a page whose work is done can go to any stream, one with
+             * work pending only to its own: the stream that has its own takes that (an early
+             * remap) and leaves the done ones to streams that cannot (the offloading trace,
+             * 20 ms behind: 2.67x the requested bytes with done pages first, 2.22x). */
+            if (pp->ss->n < 2 || stream < 0) {
+                unmap_later(pp, r, i);
+                cache_remove(pp, i);
+                *out = i;
+                return STOLE_MOVED;
+            }
+            if (done == CUMA_NIL) done = i;
         } else if (stream == (int)p->fence_stream && p->va != CUMA_NIL &&
                    (shared == CUMA_NIL || p->fence_seq < pp->phys[shared].fence_seq)) {
             shared = i;
         }
         i = next;
+    }
+    if (shared == CUMA_NIL && done != CUMA_NIL) {
+        unmap_later(pp, r, done);
+        cache_remove(pp, done);
+        *out = done;
+        return STOLE_MOVED;
     }
     *out = shared;
     return shared == CUMA_NIL ? STOLE_NONE : STOLE_SHARED;
