@@ -328,7 +328,7 @@ static void unmap_later(cuma_pages *pp, run *r, uint32_t i) {
  * ghost where it is; with one stream only when no page is done, with several before those. */
 static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t keep_last, int stream,
                  run *r) {
-    uint32_t shared = CUMA_NIL, done = CUMA_NIL;
+    uint32_t shared = CUMA_NIL, done = CUMA_NIL, other = CUMA_NIL;
     int n = 0;
     for (uint32_t i = pp->tail; i != CUMA_NIL && n < STEAL_SCAN; n++) {
         cuma_phys *p = &pp->phys[i];
@@ -350,6 +350,9 @@ static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t ke
         } else if (stream == (int)p->fence_stream && p->va != CUMA_NIL &&
                    (shared == CUMA_NIL || p->fence_seq < pp->phys[shared].fence_seq)) {
             shared = i;
+        } else if (other == CUMA_NIL && pp->order && stream >= 0 && p->va != CUMA_NIL &&
+                   p->fence_stream != CUMA_FENCE_MULTI) {
+            other = i; /* the oldest of another stream's */
         }
         i = next;
     }
@@ -358,6 +361,17 @@ static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t ke
         cache_remove(pp, done);
         *out = done;
         return STOLE_MOVED;
+    }
+    /* None done and none of its own: another stream's pending page, once this stream waits on
+     * the device for that work. The page stays mapped where it was until the work completes
+     * (a ghost with the other stream's fence), as for an early remap of its own. Without this,
+     * memory freed by one stream within the lag could not serve another (a copy stream
+     * prefetching weights the main stream freed), and pages were created instead. */
+    if (shared == CUMA_NIL && other != CUMA_NIL &&
+        cuma_fence_order(pp->ss, (unsigned)stream, pp->phys[other].fence_stream,
+                         pp->phys[other].fence_seq) == CUMA_OK) {
+        pp->ordered++;
+        shared = other;
     }
     *out = shared;
     return shared == CUMA_NIL ? STOLE_NONE : STOLE_SHARED;

@@ -52,7 +52,8 @@ typedef struct cuma_stream_slot {
     /* The device said gseq nd_seq was not done yet during epoch nd_epoch: later tags of this
      * stream are not done either, and are not asked about again in that epoch. */
     uint64_t nd_seq, nd_epoch;
-    bool dead; /* retired: the handle is gone (see above) */
+    uint64_t nq_epoch; /* the epoch in which the oldest pending event was last found not done */
+    bool dead;         /* retired: the handle is gone (see above) */
 } cuma_stream_slot;
 
 typedef struct cuma_streams {
@@ -70,6 +71,7 @@ typedef struct cuma_streams {
     bool marks;               /* nvtx:on: waits are NVTX ranges (marks.h); constant */
     uint64_t events_recorded; /* statistics */
     uint64_t event_queries;
+    uint64_t stream_waits; /* cuma_fence_order's waits queued on the device */
 } cuma_streams;
 
 cuma_status cuma_streams_init(cuma_streams *ss, cuma_backend *be);
@@ -138,6 +140,13 @@ static inline void cuma_fence_join(const cuma_streams *ss, uint16_t *stream, uin
     if (*stream != ostream) *stream = CUMA_FENCE_MULTI;
     if (oseq > *seq) *seq = oseq;
 }
+
+/* Orders stream index x after tag (y, seq) on the device (the backend's stream_wait): work
+ * queued on x from now on runs after the work the tag covers, so memory under that tag may serve
+ * x at once. An event of y that covers the tag is used, recorded now if there is none. CUMA_OK
+ * when x is ordered (or the tag is x's own or done); otherwise (a MULTI tag, a full ring, a
+ * dead x, no stream_wait, a capturing stream) a failure, and the memory waits as before. */
+cuma_status cuma_fence_order(cuma_streams *ss, unsigned x, uint16_t y, uint64_t seq);
 
 bool cuma_streams_validate(const cuma_streams *ss, const char **why);
 
