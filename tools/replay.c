@@ -257,7 +257,9 @@ static int measure(const cuma_trace *t, const char *conf, uint64_t scale, void *
                 r->orphan_frees++; /* its allocation failed (or was of 0 bytes) */
             } else {
                 r->frees++;
-                if (cuma_free(h, ptrs[e->match], NULL) != CUMA_OK)
+                /* The free's stream is the one the memory was last used on (0: the
+                 * allocation's), as the log's writer and cuma_free both mean it. */
+                if (cuma_free(h, ptrs[e->match], stream_of(e)) != CUMA_OK)
                     rc = heap_error(t->path, i, "cuma_free of a live allocation failed");
                 requested -= scaled(t->ev[e->match].size, scale);
             }
@@ -326,7 +328,7 @@ static int time_ops(const cuma_trace *t, const char *conf, uint64_t scale, void 
                 ptrs[i] = NULL;
         } else if (e->action == CUMA_TRACE_FREE && e->match >= 0 && ptrs[e->match]) {
             ops++;
-            bad += cuma_free(h, ptrs[e->match], NULL) != CUMA_OK;
+            bad += cuma_free(h, ptrs[e->match], stream_of(e)) != CUMA_OK;
         }
     }
     double elapsed = now_ns() - t0;

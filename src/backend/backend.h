@@ -81,6 +81,11 @@ typedef struct cuma_backend_ops {
      * the sim then counts from it: cuma_simbe_costed_clock). */
     uint64_t (*now_ns)(cuma_backend *be);
     void (*destroy)(cuma_backend *be);
+    /* Makes work queued on `stream` from now on wait on the device for a recorded event (of
+     * any stream), the host not waiting: memory freed on another stream may then serve it
+     * before that work is done. NULL where the backend cannot; CUMA_ERR_UNSUPPORTED while the
+     * stream captures a graph (the wait would be a node of it). */
+    cuma_status (*stream_wait)(cuma_backend *be, cuma_stream stream, uint64_t event);
 } cuma_backend_ops;
 
 /* Fields are set by the backend's constructor and constant afterwards. */

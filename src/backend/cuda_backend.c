@@ -183,6 +183,27 @@ cuma_status cuma_cudabe_event_wait(cuma_backend *be, uint64_t event) {
     return cuma_cudabe_check(r, "cuEventSynchronize");
 }
 
+cuma_status cuma_cudabe_stream_wait(cuma_backend *be, cuma_stream stream, uint64_t event) {
+    cuda_be *b = (cuda_be *)be;
+    if (event >= b->nevents)
+        return cuma_fail(CUMA_ERR_INVALID, "event %" PRIu64 " is not in the pool", event);
+    cudabe_ctx_guard g;
+    cuma_status st = cudabe_ctx_enter(b, &g);
+    if (st) return st;
+    /* Not into a graph being captured: the wait would be one of its nodes, not a dependency of
+     * the stream's later work. The caller then takes other memory. */
+    CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult cr = b->cu->StreamIsCapturing((CUstream)stream, &cs);
+    if (cr == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ||
+        (cr == CUDA_SUCCESS && cs != CU_STREAM_CAPTURE_STATUS_NONE)) {
+        cudabe_ctx_leave(b, &g);
+        return cuma_fail(CUMA_ERR_UNSUPPORTED, "no wait on stream %p while it captures", stream);
+    }
+    CUresult r = b->cu->StreamWaitEvent((CUstream)stream, b->events[event].ev, 0);
+    cudabe_ctx_leave(b, &g);
+    return cuma_cudabe_check(r, "cuStreamWaitEvent on stream %p", stream);
+}
+
 void cuma_cudabe_event_release(cuma_backend *be, uint64_t event) {
     cuda_be *b = (cuda_be *)be;
     if (event < b->nevents) event_put(b, (uint32_t)event);

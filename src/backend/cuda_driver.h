@@ -59,6 +59,7 @@
     X(EventSynchronize, cuEventSynchronize, (CUevent))                                             \
     X(StreamIsCapturing, cuStreamIsCapturing, (CUstream, CUstreamCaptureStatus *))                 \
     X(StreamGetCtx, cuStreamGetCtx, (CUstream, CUcontext *))                                       \
+    X(StreamWaitEvent, cuStreamWaitEvent, (CUstream, CUevent, unsigned int))                       \
     X(ThreadExchangeStreamCaptureMode, cuThreadExchangeStreamCaptureMode, (CUstreamCaptureMode *))
 
 /* Our own pointer types (cuma_cu_Init_fn, ...): the header's prototypes are declarations of

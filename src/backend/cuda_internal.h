@@ -154,6 +154,7 @@ cuma_status cuma_cudabe_event_record(cuma_backend *be, cuma_stream stream, uint6
 int cuma_cudabe_event_query(cuma_backend *be, uint64_t event);
 cuma_status cuma_cudabe_event_wait(cuma_backend *be, uint64_t event);
 void cuma_cudabe_event_release(cuma_backend *be, uint64_t event);
+cuma_status cuma_cudabe_stream_wait(cuma_backend *be, cuma_stream stream, uint64_t event);
 uint64_t cuma_cudabe_now(cuma_backend *be);
 void cuma_cudabe_destroy(cuma_backend *be);
 /* Whole allocations (cuda_segment.c): cuMemAlloc segments, and managed memory, the managed
@@ -167,7 +168,7 @@ void cuma_cudabe_mem_free(cuma_backend *be, uint64_t addr, uint64_t size);
     .mem_info = cuma_cudabe_mem_info, .event_record = cuma_cudabe_event_record,                    \
     .event_query = cuma_cudabe_event_query, .event_wait = cuma_cudabe_event_wait,                  \
     .event_release = cuma_cudabe_event_release, .now_ns = cuma_cudabe_now,                         \
-    .destroy = cuma_cudabe_destroy
+    .destroy = cuma_cudabe_destroy, .stream_wait = cuma_cudabe_stream_wait
 
 /* ---- the kinds (ops, name, caps, page size; the device is open) --------------------------- */
 

@@ -116,10 +116,16 @@ static void l_destroy(cuma_backend *be) {
     free(l);
 }
 
+static cuma_status l_stream_wait(cuma_backend *be, cuma_stream stream, uint64_t event) {
+    cuma_status st;
+    CALL(be, st = l_->inner->ops->stream_wait(l_->inner, stream, event));
+    return st;
+}
+
 static const cuma_backend_ops locked_ops = {
     l_reserve,     l_unreserve,  l_page_create,   l_page_release, l_map,      l_unmap,
     l_seg_alloc,   l_seg_free,   l_managed_alloc, l_managed_free, l_mem_info, l_event_record,
-    l_event_query, l_event_wait, l_event_release, l_now_ns,       l_destroy,
+    l_event_query, l_event_wait, l_event_release, l_now_ns,       l_destroy,  l_stream_wait,
 };
 
 cuma_status cuma_backend_locked(cuma_backend *inner, cuma_backend **out) {

@@ -55,6 +55,7 @@ typedef struct sim {
      * manual one when it has one (set once, before any event; read atomically because the
      * heap writes it under its own locks), else the monotonic clock. Constant after setup. */
     uint64_t lag_ns;
+    uint64_t stream_waits; /* stream_wait calls */
     const _Atomic uint64_t *clock;
     uint64_t call_ns; /* sim_call_us: host time each page created, mapped, unmapped or released
                        * takes (spent spinning, as a driver call would), constant */
@@ -295,6 +296,18 @@ static cuma_status sim_event_wait(cuma_backend *be, uint64_t event) {
     return CUMA_OK;
 }
 
+/* The simulated device runs every stream the same lag behind, so work queued after the wait
+ * already runs after the event's; a held stream's event is not passed on (tests hold the
+ * stream that frees, not the one that waits). Counted, for the tests. */
+static cuma_status sim_stream_wait(cuma_backend *be, cuma_stream stream, uint64_t event) {
+    sim *s = (sim *)be;
+    (void)stream;
+    if (event >= s->nevents)
+        return cuma_fail(CUMA_ERR_INVALID, "sim: no event %llu", (unsigned long long)event);
+    s->stream_waits++;
+    return CUMA_OK;
+}
+
 static void sim_event_release(cuma_backend *be, uint64_t event) {
     sim *s = (sim *)be;
     if (event >= s->nevents) return;
@@ -329,6 +342,7 @@ static const cuma_backend_ops sim_ops = {
     .event_release = sim_event_release,
     .now_ns = sim_now,
     .destroy = sim_destroy,
+    .stream_wait = sim_stream_wait,
 };
 
 cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out) {

@@ -289,7 +289,7 @@ static cuma_status plan_make(cuma_arena *a, plan *p) {
     p->a = a;
     p->ps = a->pages.page_size;
     p->sh = a->pages.shift;
-    cuma_streams_tick(&a->streams);
+    cuma_streams_tick(&a->streams, cuma_arena_now(a));
     cuma_arena_flush_tcaches(a);
     if (a->deferred) cuma_arena_process_deferred(a, false);
     p->cached_before = cuma_arena_cached(a);
@@ -311,7 +311,7 @@ static void plan_commit(plan *p, bool release, cuma_compact_result *r) {
     cuma_arena *a = p->a;
     cuma_heap *h = a->heap;
     a->moving = NULL; /* one compaction at a time: every block on it is this plan's */
-    cuma_streams_tick(&a->streams);
+    cuma_streams_tick(&a->streams, cuma_arena_now(a));
     uint64_t t = cuma_arena_now(a);
     for (size_t i = 0; i < p->nmv; i++) {
         move *m = &p->mv[i];

@@ -107,8 +107,9 @@ void cuma_arena_give_cached(cuma_arena *a, cuma_block *b) {
     atomic_store_explicit(&a->pub[CUMA_PUB_TCACHED],
                           tc > (int64_t)b->size ? tc - (int64_t)b->size : 0, memory_order_relaxed);
     /* Freed into the cache at some point before now: a fence taken now covers that free. */
-    uint64_t seq = cuma_streams_note_free(&a->streams, b->stream);
-    cuma_arena_release_block(a, b, b->stream, seq, now(a), false);
+    uint64_t seq = cuma_streams_note_free(&a->streams, b->stream), t = now(a);
+    cuma_streams_freed(&a->streams, b->stream, t);
+    cuma_arena_release_block(a, b, b->stream, seq, t, false);
 }
 
 void cuma_arena_flush_tcaches(cuma_arena *a) {
@@ -417,7 +418,7 @@ __attribute__((noinline)) static cuma_status alloc_slow(cuma_heap *h, size_t siz
         return cuma_fail(CUMA_ERR_UNSUPPORTED, "cuma_alloc: more than %d streams on one heap",
                          CUMA_MAX_STREAMS);
     }
-    cuma_streams_tick(&a->streams);
+    cuma_streams_tick(&a->streams, cuma_arena_now(a));
     /* This thread's batched frees first: their memory may serve this very request. */
     if (tc && tc->npending) cuma_tcache_drain(a, tc, cuma_arena_give_cached);
     if (a->deferred) cuma_arena_process_deferred(a, false);
@@ -566,6 +567,7 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
             (uint64_t)(uintptr_t)(stream ? stream : cuma_streams_shown(&a->streams, (unsigned)si)));
     uint64_t t = now(a);
     uint64_t seq = cuma_streams_note_free(&a->streams, (unsigned)si);
+    cuma_streams_freed(&a->streams, (unsigned)si, t);
     if (b->extra[0] != CUMA_NO_STREAM || b->extra_all) {
         /* record_stream: nobody may reuse it before the other streams' work is done too. */
         uint16_t fs = (uint16_t)si;

@@ -41,6 +41,7 @@ static cuma_status pages_init(cuma_arena *a) {
                       !a->heap->set.sim_clock_manual || cuma_simbe_costed_clock(a->be));
     a->pages.shared = &a->heap->first.pages.own_reserved;
     a->pages.marks = a->heap->set.nvtx;
+    a->pages.order = a->heap->set.stream_order && a->be->ops->stream_wait;
     st = a->pol->ops->add_range(a->pol, 0, a->va_size);
     if (st) goto fail_pages;
     set_figures(a);

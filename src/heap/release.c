@@ -69,7 +69,7 @@ void cuma_arena_coalesce(cuma_arena *a, bool wait) {
 }
 
 void cuma_arena_release_policy(cuma_arena *a, uint64_t t) {
-    cuma_streams_tick(&a->streams);
+    cuma_streams_tick(&a->streams, t);
     if (a->deferred) cuma_arena_process_deferred(a, false);
     age_tcaches(a, t);
     /* max_cached is the heap's: this arena keeps what the others' caches leave of it. */
@@ -88,7 +88,7 @@ void cuma_arena_release_policy(cuma_arena *a, uint64_t t) {
 }
 
 void cuma_arena_release_idle(cuma_arena *a, uint64_t keep_bytes) {
-    cuma_streams_tick(&a->streams);
+    cuma_streams_tick(&a->streams, cuma_arena_now(a));
     cuma_arena_flush_tcaches(a);
     cuma_arena_process_deferred(a, true);
     cuma_arena_coalesce(a, true);
@@ -191,7 +191,7 @@ static void watermark_poll(cuma_arena *a) {
         for (unsigned i = 0; i < n && deficit; i++) {
             cuma_arena *o = h->arenas[i];
             cuma_mutex_lock(&o->lock, CUMA_RANK_ARENA);
-            cuma_streams_tick(&o->streams);
+            cuma_streams_tick(&o->streams, cuma_arena_now(o));
             /* Preallocated pages among the idle ones stay (the release skips them): at worst a
              * look every 10 ms walks the cache for nothing. */
             uint64_t cached = cuma_arena_cached(o);

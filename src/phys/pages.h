@@ -103,7 +103,11 @@ typedef struct cuma_pages {
     uint64_t unmap_runs;   /* backend unmap calls (moved pages' old places, released pages) */
     uint64_t early_remaps; /* ghosts made: pages mapped anew before their old work was done */
     bool marks;            /* nvtx:on: the page calls are NVTX ranges (marks.h); constant */
-    uint64_t remap_waits;  /* times backing a ghost's virtual page waited for the device */
+    /* stream_order:on and a backend that can: another stream's pending page may be shared, the
+     * stream that takes it ordered after that work on the device (cuma_fence_order); constant */
+    bool order;
+    uint64_t remap_waits; /* times backing a ghost's virtual page waited for the device */
+    uint64_t ordered;     /* early remaps of another stream's page (cuma_fence_order) */
 } cuma_pages;
 
 cuma_status cuma_pages_init(cuma_pages *pp, cuma_backend *be, cuma_streams *ss, uint64_t base,

@@ -37,7 +37,11 @@
 
 #define CUMA_MAX_STREAMS 256
 #define CUMA_FENCE_MULTI 0xFFFFu /* tag of memory freed by several streams */
-#define CUMA_FENCE_RING  8
+#define CUMA_FENCE_RING  16
+/* A heap with several streams keeps about CUMA_FENCE_SPREAD events in flight on a stream that
+ * runs behind, at least CUMA_FENCE_GAP_NS apart (streams.c: spread_due). */
+#define CUMA_FENCE_SPREAD 8
+#define CUMA_FENCE_GAP_NS 500000ull
 
 /* Invariants: done <= fenced <= last (in gseq); the ring holds npending events with
  * non-decreasing `covers`, each > done; a dead slot has fenced == last unless its retirement
@@ -49,13 +53,19 @@ typedef struct cuma_stream_slot {
     uint64_t done;   /* every free on this stream with gseq <= done has completed */
     struct {
         uint64_t event, covers;
+        uint64_t at; /* the heap's clock when it was recorded (cuma_streams.now) */
     } ring[CUMA_FENCE_RING];
     unsigned head, npending;
+    /* How long the stream's events take to complete, as seen (ns, record to retire), and when
+     * the newest was recorded: a heap with several streams spaces events by them (streams.c,
+     * spread_due). */
+    uint64_t lat_ns, last_at;
     /* The device said gseq nd_seq was not done yet during epoch nd_epoch: later tags of this
      * stream are not done either, and are not asked about again in that epoch. */
     uint64_t nd_seq, nd_epoch;
-    bool dead;       /* retired: the handle is gone (see above) */
-    bool per_thread; /* handle is a thread's token, its stream the thread's per-thread one */
+    uint64_t nq_epoch; /* the epoch in which the oldest pending event was last found not done */
+    bool dead;         /* retired: the handle is gone (see above) */
+    bool per_thread;   /* handle is a thread's token, its stream the thread's per-thread one */
 } cuma_stream_slot;
 
 typedef struct cuma_streams {
@@ -68,9 +78,13 @@ typedef struct cuma_streams {
      * a scan over them must not ask the device once per tag. Within one epoch (one allocator
      * operation: cuma_streams_tick) each stream's pending work is asked about once. */
     uint64_t epoch;
+    /* The heap's clock (ns) at its latest operation, which the heap sets (cuma_streams_tick):
+     * events are stamped with it to space them on lagging streams (lat_ns above). */
+    uint64_t now;
     bool marks;               /* nvtx:on: waits are NVTX ranges (marks.h); constant */
     uint64_t events_recorded; /* statistics */
     uint64_t event_queries;
+    uint64_t stream_waits; /* cuma_fence_order's waits queued on the device */
 } cuma_streams;
 
 cuma_status cuma_streams_init(cuma_streams *ss, cuma_backend *be);
@@ -102,9 +116,11 @@ static inline cuma_stream cuma_streams_shown(const cuma_streams *ss, unsigned i)
  * in any other thread. */
 cuma_stream cuma_streams_usable(const cuma_streams *ss, unsigned i);
 
-/* A new allocator operation: what the device said about pending work may have changed. */
-static inline void cuma_streams_tick(cuma_streams *ss) {
+/* A new allocator operation at time `now` on the heap's clock (0: unknown, keep the last):
+ * what the device said about pending work may have changed. */
+static inline void cuma_streams_tick(cuma_streams *ss, uint64_t now) {
     ss->epoch++;
+    if (now > ss->now) ss->now = now;
 }
 
 /* Tags a free on stream index i: returns its gseq. On a dead slot, its last fence: the memory's
@@ -114,6 +130,11 @@ static inline uint64_t cuma_streams_note_free(cuma_streams *ss, unsigned i) {
     if (__builtin_expect(s->dead, 0)) return s->last;
     return s->last = ++ss->gseq;
 }
+
+/* A free was tagged on stream index i at `now` (the heap's clock): with several streams, records
+ * an event when the stream's newest is old enough (streams.c), so that other streams learn of
+ * the free's completion about one lag after it, not one lag after they first ask. */
+void cuma_streams_freed(cuma_streams *ss, unsigned i, uint64_t now);
 
 /* Whether a tag is known complete, without asking the device. Tag (any, 0) is clean. */
 static inline bool cuma_fence_known_done(const cuma_streams *ss, unsigned stream, uint64_t seq) {
@@ -149,6 +170,13 @@ static inline void cuma_fence_join(const cuma_streams *ss, uint16_t *stream, uin
     if (*stream != ostream) *stream = CUMA_FENCE_MULTI;
     if (oseq > *seq) *seq = oseq;
 }
+
+/* Orders stream index x after tag (y, seq) on the device (the backend's stream_wait): work
+ * queued on x from now on runs after the work the tag covers, so memory under that tag may serve
+ * x at once. An event of y that covers the tag is used, recorded now if there is none. CUMA_OK
+ * when x is ordered (or the tag is x's own or done); otherwise (a MULTI tag, a full ring, a
+ * dead x, no stream_wait, a capturing stream) a failure, and the memory waits as before. */
+cuma_status cuma_fence_order(cuma_streams *ss, unsigned x, uint16_t y, uint64_t seq);
 
 bool cuma_streams_validate(const cuma_streams *ss, const char **why);
 

@@ -41,6 +41,7 @@ typedef struct cuma_settings {
     int sim_lag_ms;                 /* sim: work completes this long after it is recorded */
     int sim_call_us;                /* sim: host time of each page call */
     bool early_remap;               /* share pending idle pages with their own stream */
+    bool stream_order;              /* ... and with others, ordered after it on the device */
     bool managed_fallback;          /* serve from managed memory when the device is full */
     bool release_thread;            /* background thread that gives idle pages back on time */
     bool tcache;                    /* per-thread caches (the fast path) */

@@ -31,7 +31,7 @@ typedef struct env {
 
 /* Asks the device as a new allocator operation does (a new epoch: see streams.h). */
 static bool op_poll(cuma_streams *ss, unsigned stream, uint64_t seq, bool wait) {
-    cuma_streams_tick(ss);
+    cuma_streams_tick(ss, 0);
     return cuma_fence_poll(ss, stream, seq, wait);
 }
 

@@ -44,7 +44,7 @@ static void validate(const cuma_streams *ss) {
 /* A poll as one allocator operation makes it: a new epoch, then the poll (test_epoch tests
  * several polls within one). */
 static bool op_poll(cuma_streams *ss, unsigned stream, uint64_t seq, bool wait) {
-    cuma_streams_tick(ss);
+    cuma_streams_tick(ss, 0);
     return cuma_fence_poll(ss, stream, seq, wait);
 }
 
@@ -219,7 +219,7 @@ static void test_epoch(void) {
     uint64_t q[100];
     for (int i = 0; i < 100; i++) q[i] = cuma_streams_note_free(&ss, i % 2 ? a : b);
     hold(S(0xA), true);
-    cuma_streams_tick(&ss);
+    cuma_streams_tick(&ss, 0);
     CHECK(!cuma_fence_poll(&ss, a, q[1], false));
     uint64_t asked = ss.event_queries, recorded = ss.events_recorded;
     CHECK(asked >= 1 && recorded == 1);
@@ -238,11 +238,11 @@ static void test_epoch(void) {
     CHECK(ss.slot[a].done == q[99]);
     /* The next operation records an event for the later tag: held, so pending. */
     recorded = ss.events_recorded;
-    cuma_streams_tick(&ss);
+    cuma_streams_tick(&ss, 0);
     CHECK(!cuma_fence_poll(&ss, a, later, false) && ss.events_recorded == recorded + 1);
     validate(&ss);
     hold(S(0xA), false);
-    cuma_streams_tick(&ss);
+    cuma_streams_tick(&ss, 0);
     CHECK(cuma_fence_poll(&ss, a, later, false));
     validate(&ss);
     teardown(&ss);
