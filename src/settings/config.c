@@ -114,11 +114,12 @@ static const key_desc keys[] = {
      "a page whose old address still has work pending on the stream that needs it may be mapped "
      "at the new address at once (the old mapping goes when the work is done) instead of "
      "creating a page; off = only pages whose work is done move"},
-    {"stream_order", K_BOOL, F(stream_order), "on", NULL,
+    {"stream_order", K_BOOL, F(stream_order), "off", NULL,
      "with early_remap and several streams, a page whose old address has work pending on one "
      "stream may back memory of another, which is then made to wait on the device for that "
      "work (cuStreamWaitEvent: the host does not wait) instead of creating a page; off = "
-     "another stream's pending pages are never shared"},
+     "another stream's pending pages are never shared (the default: memory a synchronous "
+     "allocation returns must be ready on every stream)"},
     {"sim_call_us", K_INT, F(sim_call_us), "0", NULL,
      "sim: host time each page created, mapped, unmapped or released takes, as a GPU driver's "
      "calls do (tens of microseconds); with sim_clock:manual the calls spin no time but count "

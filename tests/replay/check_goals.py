@@ -135,9 +135,9 @@ def ideal_cache(times, levels, delay_us):
     return ideal_area / requested_area, creates, peak_pages, paged_area / requested_area
 
 
-def run_replay(cuma, trace, scale, delay_ms, policy, lag_ms=0):
+def run_replay(cuma, trace, scale, delay_ms, policy, lag_ms=0, conf=""):
     cmd = [cuma, "replay", "--json", "--scale", str(scale), "--conf",
-           "release_delay_ms:%d,sim_lag_ms:%d" % (delay_ms, lag_ms)]
+           "release_delay_ms:%d,sim_lag_ms:%d" % (delay_ms, lag_ms) + ("," + conf if conf else "")]
     if policy:
         cmd += ["--policy", policy]
     cmd.append(trace)
@@ -170,6 +170,7 @@ def main():
     ap.add_argument("--lag-queries", type=float, default=GOAL_LAG_QUERIES_PER_ALLOC,
                     help="with --lag-ms: the bound on event_queries per allocation "
                     "(default %(default)s)")
+    ap.add_argument("--conf", default="", help="more settings for the replay (KEY:VALUE,...)")
     ap.add_argument("trace")
     args = ap.parse_args()
 
@@ -193,7 +194,8 @@ def main():
     if not args.cuma:
         ap.error("--cuma is required unless --ideal-only")
 
-    r = run_replay(args.cuma, args.trace, args.scale, args.delay_ms, args.policy, args.lag_ms)
+    r = run_replay(args.cuma, args.trace, args.scale, args.delay_ms, args.policy, args.lag_ms,
+                   args.conf)
     checks = [("failed_allocs", r["failed_allocs"], "== 0", r["failed_allocs"] == 0)]
     if args.lag_ms:
         limit_queries = args.lag_queries * r["allocs"]
