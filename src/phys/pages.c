@@ -60,15 +60,18 @@ static uint64_t *age_at(const cuma_pages *pp, uint64_t k) { /* k-th oldest */
 
 /* Takes idle page i out of the cache for reuse: the newest age goes with it (see `ages`), so
  * memory used again and again within the release delay does not keep an old peak's pages
- * young. */
+ * young. Pinned pages never go back, so they hold no age. */
 static void cache_take(cuma_pages *pp, uint32_t i) {
-    cache_remove(pp, i); /* ncached - 1: the newest age drops off the ring's end */
+    if (!pp->phys[i].pinned) pp->nages--;
+    cache_remove(pp, i);
 }
 
-/* Takes idle page i out of the cache to give it back: the oldest age goes. */
+/* Takes idle page i (not pinned) out of the cache to give it back: the oldest age goes. */
 static void cache_drop_oldest(cuma_pages *pp, uint32_t i) {
+    assert(!pp->phys[i].pinned && pp->nages);
     cache_remove(pp, i);
     pp->age_lo = (pp->age_lo + 1) % pp->capslots;
+    pp->nages--;
 }
 
 static void cache_push(cuma_pages *pp, uint32_t i, uint64_t now) {
@@ -78,7 +81,7 @@ static void cache_push(cuma_pages *pp, uint32_t i, uint64_t now) {
      * builds check it here, where a break would be made, not at the next cuma_validate. */
     assert(pp->head == CUMA_NIL || now >= pp->phys[pp->head].idle_since);
     p->idle_since = now;
-    *age_at(pp, pp->ncached) = now; /* room: ncached < nslots <= capslots */
+    if (!p->pinned) *age_at(pp, pp->nages++) = now; /* room: nages < nslots <= capslots */
     p->prev = CUMA_NIL;
     p->next = pp->head;
     if (pp->head != CUMA_NIL)
@@ -176,7 +179,7 @@ static cuma_status new_slot(cuma_pages *pp, uint32_t *out) {
             pp->phys = n;
             uint64_t *ages = malloc((size_t)nc * sizeof *ages);
             if (!ages) return cuma_fail(CUMA_ERR_OOM, "no host memory for the page cache");
-            for (uint64_t k = 0; k < pp->ncached; k++) ages[k] = *age_at(pp, k);
+            for (uint64_t k = 0; k < pp->nages; k++) ages[k] = *age_at(pp, k);
             free(pp->ages);
             pp->ages = ages, pp->age_lo = 0, pp->capslots = nc;
         }
@@ -569,7 +572,7 @@ uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint
         cuma_phys *p = &pp->phys[i];
         uint32_t prev = p->prev;
         /* By the age of the memory (the ring), not of this page: see `ages`. */
-        uint64_t age = *age_at(pp, 0);
+        uint64_t age = pp->nages ? *age_at(pp, 0) : UINT64_MAX;
         bool old = delay_ns >= 0 && now >= age && now - age >= (uint64_t)delay_ns &&
                    pp->ncached > age_keep;
         bool over = pp->ncached > max_cached;
@@ -605,7 +608,7 @@ cuma_status cuma_pages_prefill(cuma_pages *pp, uint64_t n, uint64_t now) {
 }
 
 uint64_t cuma_pages_oldest_idle(const cuma_pages *pp) {
-    return pp->ncached ? *age_at(pp, 0) : UINT64_MAX;
+    return pp->nages ? *age_at(pp, 0) : UINT64_MAX;
 }
 
 void cuma_pages_destroy(cuma_pages *pp) {
@@ -649,7 +652,11 @@ bool cuma_pages_validate(const cuma_pages *pp, const char **why) {
             return *why = "pages: cache links broken", false;
     }
     if (n != cached) return *why = "pages: cache list misses cached pages", false;
-    for (uint64_t k = 1; k < cached; k++)
+    uint64_t unpinned = 0;
+    for (uint32_t i = pp->head; i != CUMA_NIL; i = pp->phys[i].next)
+        unpinned += !pp->phys[i].pinned;
+    if (pp->nages != unpinned) return *why = "pages: one age per idle page that may go back", false;
+    for (uint64_t k = 1; k < pp->nages; k++)
         if (*age_at(pp, k) < *age_at(pp, k - 1))
             return *why = "pages: ages of the idle memory out of order", false;
     if (ghosts != pp->nghosts) return *why = "pages: ghost counts of the pages differ", false;

@@ -108,7 +108,7 @@ static bool in_cache(const env *e, uint32_t slot) {
 
 /* The k-th oldest age of the idle memory. */
 static uint64_t age_of(const env *e, uint64_t k) {
-    CHECK(k < e->pp.ncached);
+    CHECK(k < e->pp.nages);
     return e->pp.ages[(e->pp.age_lo + k) % e->pp.capslots];
 }
 
@@ -237,6 +237,27 @@ static void test_steal_keeps_ages(void) {
     CHECK(cuma_pages_oldest_idle(&e.pp) == 11);
     CHECK(cuma_pages_release(&e.pp, 1012, 1000, UINT64_MAX, 0, false) == 2);
     CHECK(e.pp.ncached == 0 && e.pp.nmapped == 1 && e.pp.nreserved == 1);
+    validate(&e);
+    teardown(&e);
+}
+
+/* Pinned (preallocated) idle pages never go back, so their age does not count: a page idle for
+ * less than the delay stays, however long the pinned ones have idled. */
+static void test_pinned_pages_hold_no_age(void) {
+    env e;
+    setup(&e);
+    CHECK_OK(cuma_pages_prefill(&e.pp, 2, 0));
+    CHECK(e.pp.ncached == 2 && cuma_pages_oldest_idle(&e.pp) == UINT64_MAX);
+    CHECK_OK(cuma_pages_ref(&e.pp, 0, 3 * P, 100, CUMA_PAGES_NO_STREAM)); /* 2 pinned + 1 new */
+    CHECK(e.pp.creates == 3 && e.pp.ncached == 0);
+    CHECK(e.pp.phys[slot_at(&e, 0)].pinned && e.pp.phys[slot_at(&e, 1)].pinned);
+    cuma_pages_unref(&e.pp, 0, 2 * P, 200, 0, 0); /* the pinned pages idle first */
+    cuma_pages_unref(&e.pp, 2 * P, P, 500, 0, 0);
+    CHECK(e.pp.ncached == 3 && cuma_pages_oldest_idle(&e.pp) == 500);
+    validate(&e);
+    CHECK(cuma_pages_release(&e.pp, 1200, 1000, UINT64_MAX, 0, false) == 0);
+    CHECK(cuma_pages_release(&e.pp, 1500, 1000, UINT64_MAX, 0, false) == 1);
+    CHECK(e.pp.ncached == 2 && e.pp.npinned == 2 && slot_at(&e, 2) == CUMA_NIL);
     validate(&e);
     teardown(&e);
 }
@@ -456,7 +477,8 @@ static void test_prefill(void) {
     setup(&e);
     CHECK_OK(cuma_pages_prefill(&e.pp, 3, 5));
     CHECK(e.pp.nreserved == 3 && e.pp.ncached == 3 && e.pp.npinned == 3 && e.pp.creates == 3);
-    CHECK(e.pp.maps == 0 && cuma_pages_oldest_idle(&e.pp) == 5);
+    /* Pinned pages never go back: no release is due for them. */
+    CHECK(e.pp.maps == 0 && cuma_pages_oldest_idle(&e.pp) == UINT64_MAX);
     validate(&e);
     /* Pinned pages are used like any idle page (no unmap: they were never mapped)... */
     CHECK_OK(cuma_pages_ref(&e.pp, 0, 2 * P, 6, CUMA_PAGES_NO_STREAM));
@@ -719,6 +741,7 @@ int main(void) {
     test_ref_unref();
     test_reuse_in_place_and_steal();
     test_steal_keeps_ages();
+    test_pinned_pages_hold_no_age();
     test_release();
     test_limit();
     test_fences();
