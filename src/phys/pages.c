@@ -54,6 +54,26 @@ static void cache_remove(cuma_pages *pp, uint32_t i) {
     pp->ncached--;
 }
 
+static uint64_t *age_at(const cuma_pages *pp, uint64_t k) { /* k-th oldest */
+    return &pp->ages[(pp->age_lo + k) % pp->capslots];
+}
+
+/* Takes idle page i out of the cache for reuse: the newest age goes with it (see `ages`), so
+ * memory used again and again within the release delay does not keep an old peak's pages
+ * young. Pinned pages never go back, so they hold no age. */
+static void cache_take(cuma_pages *pp, uint32_t i) {
+    if (!pp->phys[i].pinned) pp->nages--;
+    cache_remove(pp, i);
+}
+
+/* Takes idle page i (not pinned) out of the cache to give it back: the oldest age goes. */
+static void cache_drop_oldest(cuma_pages *pp, uint32_t i) {
+    assert(!pp->phys[i].pinned && pp->nages);
+    cache_remove(pp, i);
+    pp->age_lo = (pp->age_lo + 1) % pp->capslots;
+    pp->nages--;
+}
+
 static void cache_push(cuma_pages *pp, uint32_t i, uint64_t now) {
     cuma_phys *p = &pp->phys[i];
     /* The list is newest first: every caller reads its clock after the steps that push before
@@ -61,6 +81,7 @@ static void cache_push(cuma_pages *pp, uint32_t i, uint64_t now) {
      * builds check it here, where a break would be made, not at the next cuma_validate. */
     assert(pp->head == CUMA_NIL || now >= pp->phys[pp->head].idle_since);
     p->idle_since = now;
+    if (!p->pinned) *age_at(pp, pp->nages++) = now; /* room: nages < nslots <= capslots */
     p->prev = CUMA_NIL;
     p->next = pp->head;
     if (pp->head != CUMA_NIL)
@@ -155,7 +176,12 @@ static cuma_status new_slot(cuma_pages *pp, uint32_t *out) {
             uint32_t nc = pp->capslots ? pp->capslots * 2 : 256;
             cuma_phys *n = realloc(pp->phys, (size_t)nc * sizeof *n);
             if (!n) return cuma_fail(CUMA_ERR_OOM, "no host memory for the physical page table");
-            pp->phys = n, pp->capslots = nc;
+            pp->phys = n;
+            uint64_t *ages = malloc((size_t)nc * sizeof *ages);
+            if (!ages) return cuma_fail(CUMA_ERR_OOM, "no host memory for the page cache");
+            for (uint64_t k = 0; k < pp->nages; k++) ages[k] = *age_at(pp, k);
+            free(pp->ages);
+            pp->ages = ages, pp->age_lo = 0, pp->capslots = nc;
         }
         *out = pp->nslots++;
     }
@@ -342,7 +368,7 @@ static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t ke
              * 20 ms behind: 2.67x the requested bytes with done pages first, 2.22x). */
             if (pp->ss->n < 2 || stream < 0) {
                 unmap_later(pp, r, i);
-                cache_remove(pp, i);
+                cache_take(pp, i);
                 *out = i;
                 return STOLE_MOVED;
             }
@@ -358,7 +384,7 @@ static int steal(cuma_pages *pp, uint32_t *out, uint32_t keep_first, uint32_t ke
     }
     if (shared == CUMA_NIL && done != CUMA_NIL) {
         unmap_later(pp, r, done);
-        cache_remove(pp, done);
+        cache_take(pp, done);
         *out = done;
         return STOLE_MOVED;
     }
@@ -437,31 +463,7 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t la
         if (st) return st;
     }
     if (pp->phys_of[v]) { /* idle in place: no driver call */
-        uint32_t x = pp->phys_of[v] - 1, h = pp->head;
-        if (h != x) {
-            /* The cache counts idle pages by age, newest reused first: taking page x out of
-             * the middle would leave the newer pages to age in its stead. So the newest idle
-             * page takes x's place and age, as if it had been the one reused. */
-            cuma_phys *px = &pp->phys[x], *ph = &pp->phys[h];
-            cache_remove(pp, h);
-            ph->idle_since = px->idle_since;
-            ph->prev = px->prev, ph->next = px->next;
-            if (ph->prev != CUMA_NIL)
-                pp->phys[ph->prev].next = h;
-            else
-                pp->head = h;
-            if (ph->next != CUMA_NIL)
-                pp->phys[ph->next].prev = h;
-            else
-                pp->tail = h;
-            ph->cached = 1;
-            pp->ncached++;
-            px->prev = px->next = CUMA_NIL;
-            px->cached = 0;
-            pp->ncached--;
-        } else {
-            cache_remove(pp, x);
-        }
+        cache_take(pp, pp->phys_of[v] - 1);
         pp->nmapped++;
         return CUMA_OK;
     }
@@ -480,7 +482,7 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t la
         if (st) return st;
     }
     if (stole == STOLE_SHARED) {
-        cache_remove(pp, i);
+        cache_take(pp, i);
     }
     if (!r->n) r->first = v;
     r->slot[r->n] = i;
@@ -596,14 +598,16 @@ uint64_t cuma_pages_release(cuma_pages *pp, uint64_t now, int64_t delay_ns, uint
     while (i != CUMA_NIL) {
         cuma_phys *p = &pp->phys[i];
         uint32_t prev = p->prev;
-        bool old = delay_ns >= 0 && now >= p->idle_since &&
-                   now - p->idle_since >= (uint64_t)delay_ns && pp->ncached > age_keep;
+        /* By the age of the memory (the ring), not of this page: see `ages`. */
+        uint64_t age = pp->nages ? *age_at(pp, 0) : UINT64_MAX;
+        bool old = delay_ns >= 0 && now >= age && now - age >= (uint64_t)delay_ns &&
+                   pp->ncached > age_keep;
         bool over = pp->ncached > max_cached;
         if (!old && !over) break; /* newer pages are younger still */
         /* A page with ghosts has work pending (its fence covers theirs): it stays. */
         if (!p->pinned && !p->nghost &&
             cuma_fence_poll(pp->ss, p->fence_stream, p->fence_seq, wait)) {
-            cache_remove(pp, i);
+            cache_drop_oldest(pp, i);
             if (p->va == CUMA_NIL) {
                 release_page(pp, i);
                 released++;
@@ -631,7 +635,7 @@ cuma_status cuma_pages_prefill(cuma_pages *pp, uint64_t n, uint64_t now) {
 }
 
 uint64_t cuma_pages_oldest_idle(const cuma_pages *pp) {
-    return pp->tail == CUMA_NIL ? UINT64_MAX : pp->phys[pp->tail].idle_since;
+    return pp->nages ? *age_at(pp, 0) : UINT64_MAX;
 }
 
 void cuma_pages_destroy(cuma_pages *pp) {
@@ -643,7 +647,7 @@ void cuma_pages_destroy(cuma_pages *pp) {
         if (pp->phys[i].va != CUMA_NIL) pp->be->ops->unmap(pp->be, va_addr(pp, pp->phys[i].va), 1);
         pp->be->ops->page_release(pp->be, pp->phys[i].handle);
     }
-    free(pp->phys), free(pp->live), free(pp->phys_of);
+    free(pp->phys), free(pp->live), free(pp->phys_of), free(pp->ages);
     memset(pp, 0, sizeof *pp);
 }
 
@@ -675,6 +679,13 @@ bool cuma_pages_validate(const cuma_pages *pp, const char **why) {
             return *why = "pages: cache links broken", false;
     }
     if (n != cached) return *why = "pages: cache list misses cached pages", false;
+    uint64_t unpinned = 0;
+    for (uint32_t i = pp->head; i != CUMA_NIL; i = pp->phys[i].next)
+        unpinned += !pp->phys[i].pinned;
+    if (pp->nages != unpinned) return *why = "pages: one age per idle page that may go back", false;
+    for (uint64_t k = 1; k < pp->nages; k++)
+        if (*age_at(pp, k) < *age_at(pp, k - 1))
+            return *why = "pages: ages of the idle memory out of order", false;
     if (ghosts != pp->nghosts) return *why = "pages: ghost counts of the pages differ", false;
     for (uint32_t gi = 0; gi < pp->nghosts; gi++) {
         const cuma_ghost *g = &pp->ghosts[gi];

@@ -65,7 +65,8 @@ typedef struct cuma_ghost {
  * nreserved <= *shared <= limit_pages unless the limit was lowered below it (*shared sums
  * nreserved over the heap's arenas: cuma_validate); live[v] > 0 implies
  * phys_of[v] != 0 and is no ghost; the cache list is ordered by idle_since, newest first;
- * nghost sums to nghosts. */
+ * the ring of ages holds one time per cached page not pinned, oldest first, never
+ * decreasing; nghost sums to nghosts. */
 typedef struct cuma_pages {
     cuma_backend *be;
     cuma_streams *ss;
@@ -79,6 +80,15 @@ typedef struct cuma_pages {
     uint32_t nslots, capslots, free_slot;
     uint32_t head, tail; /* cache list */
     uint64_t ncached, nmapped, nreserved, npinned;
+    /* The ages of the idle memory, apart from which pages hold it: a ring of nages times (one
+     * per idle page that is not pinned), oldest at ages[age_lo], in the order they joined. A
+     * page taken from the cache for reuse (in place or moved) takes the newest age with it, a
+     * page released the oldest, so the delay counts how long that much memory has not been
+     * needed, whichever physical pages moved; the release still gives back the coldest pages
+     * (the list's tail). Capacity capslots, so that a push never allocates. */
+    uint64_t *ages;
+    uint64_t nages;
+    uint32_t age_lo;
     /* Pages held by every arena of the heap, which limit_pages bounds: own_reserved of the
      * heap's first arena (atomic: arenas change it under their own locks); `shared` points
      * at it and is constant once the heap is built. */
@@ -143,7 +153,7 @@ void cuma_pages_reap(cuma_pages *pp, bool wait);
 /* Creates `n` pinned pages into the cache (preallocation): never given back. */
 cuma_status cuma_pages_prefill(cuma_pages *pp, uint64_t n, uint64_t now);
 
-/* Oldest idle_since among cached pages (UINT64_MAX if none), to schedule the next release. */
+/* Oldest age of the idle memory (UINT64_MAX if none), to schedule the next release. */
 uint64_t cuma_pages_oldest_idle(const cuma_pages *pp);
 
 bool cuma_pages_validate(const cuma_pages *pp, const char **why);

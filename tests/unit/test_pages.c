@@ -106,6 +106,12 @@ static bool in_cache(const env *e, uint32_t slot) {
     return false;
 }
 
+/* The k-th oldest age of the idle memory. */
+static uint64_t age_of(const env *e, uint64_t k) {
+    CHECK(k < e->pp.nages);
+    return e->pp.ages[(e->pp.age_lo + k) % e->pp.capslots];
+}
+
 static void test_ref_unref(void) {
     env e;
     setup(&e);
@@ -160,9 +166,10 @@ static void test_reuse_in_place_and_steal(void) {
     counts c1 = get_counts(&e);
     CHECK(c1.creates == c0.creates && c1.maps == c0.maps && c1.unmaps == c0.unmaps);
     CHECK(c1.nmapped == 1 && c1.ncached == 3 && slot_at(&e, 1) == s1 && !in_cache(&e, s1));
-    /* The cache still ages as if the newest page had been taken: page 3's page now carries
-     * page 1's age, and the ages stay ordered. */
-    CHECK(e.pp.phys[s3].idle_since == 11);
+    /* The cache still ages as if the newest page had been taken: the idle memory's ages are
+     * 10, 11 and 12, while pages 0, 2 and 3 stay idle where they are. */
+    CHECK(age_of(&e, 0) == 10 && age_of(&e, 1) == 11 && age_of(&e, 2) == 12);
+    CHECK(e.pp.phys[s3].idle_since == 13 && in_cache(&e, s3));
     CHECK(cuma_pages_oldest_idle(&e.pp) == 10);
     validate(&e);
     /* Reuse of the newest page in place. */
@@ -191,6 +198,66 @@ static void test_reuse_in_place_and_steal(void) {
     CHECK(slot_at(&e, 10) == victim && in_cache(&e, victim));
     CHECK_OK(cuma_pages_ref(&e.pp, victim_va * P, 1, 31, CUMA_PAGES_NO_STREAM));
     CHECK(slot_at(&e, victim_va) == victim && slot_at(&e, 10) == CUMA_NIL);
+    validate(&e);
+    teardown(&e);
+}
+
+/* A steal moves the oldest idle page (likeliest to have no work pending) but the cache keeps
+ * aging as if the newest had been reused: otherwise memory used again and again within the
+ * release delay would keep an old peak's pages young for as long as the load goes on. The
+ * pages released are still the coldest ones. */
+static void test_steal_keeps_ages(void) {
+    env e;
+    setup(&e);
+    CHECK_OK(cuma_pages_ref(&e.pp, 0, 4 * P, 0, CUMA_PAGES_NO_STREAM));
+    for (uint32_t v = 0; v < 4; v++) cuma_pages_unref(&e.pp, (uint64_t)v * P, P, 10 + v, 0, 0);
+    uint32_t oldest = e.pp.tail, newest = e.pp.head;
+    CHECK(oldest == slot_at(&e, 0) && newest == slot_at(&e, 3));
+    /* Virtual page 10 has no page: the oldest one moves there, no page is created. */
+    CHECK_OK(cuma_pages_ref(&e.pp, 10 * P, 1, 20, CUMA_PAGES_NO_STREAM));
+    CHECK(slot_at(&e, 10) == oldest && e.pp.creates == 4 && e.pp.ncached == 3);
+    CHECK(!in_cache(&e, oldest) && in_cache(&e, newest));
+    /* Idle ages left: 10, 11, 12 (13, the newest, counts as reused). */
+    CHECK(cuma_pages_oldest_idle(&e.pp) == 10);
+    CHECK(age_of(&e, 0) == 10 && age_of(&e, 1) == 11 && age_of(&e, 2) == 12);
+    uint32_t cold = e.pp.tail;
+    CHECK(cold == slot_at(&e, 1) && e.pp.phys[newest].idle_since == 13);
+    validate(&e);
+    /* Load that comes and goes inside the delay: the page goes back and forth. */
+    for (uint64_t t = 30; t < 1000; t += 100) {
+        cuma_pages_unref(&e.pp, 10 * P, 1, t, 0, 0);
+        CHECK_OK(cuma_pages_ref(&e.pp, 10 * P, 1, t + 50, CUMA_PAGES_NO_STREAM));
+        validate(&e);
+    }
+    /* The peak's idle memory ages out one delay after it went idle, not after the last reuse,
+     * and the page that goes is the coldest (virtual page 1's, idle since 11). */
+    CHECK(cuma_pages_release(&e.pp, 1009, 1000, UINT64_MAX, 0, false) == 0);
+    CHECK(cuma_pages_release(&e.pp, 1010, 1000, UINT64_MAX, 0, false) == 1);
+    CHECK(slot_at(&e, 1) == CUMA_NIL && slot_at(&e, 3) == newest && in_cache(&e, newest));
+    CHECK(cuma_pages_oldest_idle(&e.pp) == 11);
+    CHECK(cuma_pages_release(&e.pp, 1012, 1000, UINT64_MAX, 0, false) == 2);
+    CHECK(e.pp.ncached == 0 && e.pp.nmapped == 1 && e.pp.nreserved == 1);
+    validate(&e);
+    teardown(&e);
+}
+
+/* Pinned (preallocated) idle pages never go back, so their age does not count: a page idle for
+ * less than the delay stays, however long the pinned ones have idled. */
+static void test_pinned_pages_hold_no_age(void) {
+    env e;
+    setup(&e);
+    CHECK_OK(cuma_pages_prefill(&e.pp, 2, 0));
+    CHECK(e.pp.ncached == 2 && cuma_pages_oldest_idle(&e.pp) == UINT64_MAX);
+    CHECK_OK(cuma_pages_ref(&e.pp, 0, 3 * P, 100, CUMA_PAGES_NO_STREAM)); /* 2 pinned + 1 new */
+    CHECK(e.pp.creates == 3 && e.pp.ncached == 0);
+    CHECK(e.pp.phys[slot_at(&e, 0)].pinned && e.pp.phys[slot_at(&e, 1)].pinned);
+    cuma_pages_unref(&e.pp, 0, 2 * P, 200, 0, 0); /* the pinned pages idle first */
+    cuma_pages_unref(&e.pp, 2 * P, P, 500, 0, 0);
+    CHECK(e.pp.ncached == 3 && cuma_pages_oldest_idle(&e.pp) == 500);
+    validate(&e);
+    CHECK(cuma_pages_release(&e.pp, 1200, 1000, UINT64_MAX, 0, false) == 0);
+    CHECK(cuma_pages_release(&e.pp, 1500, 1000, UINT64_MAX, 0, false) == 1);
+    CHECK(e.pp.ncached == 2 && e.pp.npinned == 2 && slot_at(&e, 2) == CUMA_NIL);
     validate(&e);
     teardown(&e);
 }
@@ -410,7 +477,8 @@ static void test_prefill(void) {
     setup(&e);
     CHECK_OK(cuma_pages_prefill(&e.pp, 3, 5));
     CHECK(e.pp.nreserved == 3 && e.pp.ncached == 3 && e.pp.npinned == 3 && e.pp.creates == 3);
-    CHECK(e.pp.maps == 0 && cuma_pages_oldest_idle(&e.pp) == 5);
+    /* Pinned pages never go back: no release is due for them. */
+    CHECK(e.pp.maps == 0 && cuma_pages_oldest_idle(&e.pp) == UINT64_MAX);
     validate(&e);
     /* Pinned pages are used like any idle page (no unmap: they were never mapped)... */
     CHECK_OK(cuma_pages_ref(&e.pp, 0, 2 * P, 6, CUMA_PAGES_NO_STREAM));
@@ -672,6 +740,8 @@ static void test_random(void) {
 int main(void) {
     test_ref_unref();
     test_reuse_in_place_and_steal();
+    test_steal_keeps_ages();
+    test_pinned_pages_hold_no_age();
     test_release();
     test_limit();
     test_fences();
