@@ -117,6 +117,16 @@ static void event_put(cuda_be *b, uint32_t i) {
     b->free_event = i;
 }
 
+/* Whether work put on `stream` now would go into a graph being captured: NULL if not, else why
+ * (the stream captures, or it is the legacy stream while a blocking stream captures). */
+static const char *capturing(cuda_be *b, cuma_stream stream) {
+    CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult cr = b->cu->StreamIsCapturing((CUstream)stream, &cs);
+    if (cr == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return "a blocking stream captures";
+    if (cr == CUDA_SUCCESS && cs != CU_STREAM_CAPTURE_STATUS_NONE) return "it captures a graph";
+    return NULL;
+}
+
 cuma_status cuma_cudabe_event_record(cuma_backend *be, cuma_stream stream, uint64_t *event) {
     cuda_be *b = (cuda_be *)be;
     cudabe_ctx_guard g;
@@ -125,14 +135,12 @@ cuma_status cuma_cudabe_event_record(cuma_backend *be, cuma_stream stream, uint6
     /* Not on a capturing stream (the record would be a graph node, its event never complete),
      * nor on the legacy stream while a blocking stream captures (the record would fail and
      * break that capture): the fence waits until the capture is over. */
-    CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
-    CUresult cr = b->cu->StreamIsCapturing((CUstream)stream, &cs);
-    if (cr == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ||
-        (cr == CUDA_SUCCESS && cs != CU_STREAM_CAPTURE_STATUS_NONE)) {
+    const char *why = capturing(b, stream);
+    if (why) {
         cudabe_ctx_leave(b, &g);
         return cuma_fail(CUMA_ERR_UNSUPPORTED,
                          "no fence on stream %p while %s: it waits for the capture to end", stream,
-                         cr == CUDA_SUCCESS ? "it captures a graph" : "a blocking stream captures");
+                         why);
     }
     /* A stream of another context (another device's) gets an event of its own context. */
     CUcontext sc = b->ctx;
@@ -192,12 +200,10 @@ cuma_status cuma_cudabe_stream_wait(cuma_backend *be, cuma_stream stream, uint64
     if (st) return st;
     /* Not into a graph being captured: the wait would be one of its nodes, not a dependency of
      * the stream's later work. The caller then takes other memory. */
-    CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
-    CUresult cr = b->cu->StreamIsCapturing((CUstream)stream, &cs);
-    if (cr == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ||
-        (cr == CUDA_SUCCESS && cs != CU_STREAM_CAPTURE_STATUS_NONE)) {
+    const char *why = capturing(b, stream);
+    if (why) {
         cudabe_ctx_leave(b, &g);
-        return cuma_fail(CUMA_ERR_UNSUPPORTED, "no wait on stream %p while it captures", stream);
+        return cuma_fail(CUMA_ERR_UNSUPPORTED, "no wait on stream %p while %s", stream, why);
     }
     CUresult r = b->cu->StreamWaitEvent((CUstream)stream, b->events[event].ev, 0);
     cudabe_ctx_leave(b, &g);
