@@ -722,21 +722,23 @@ EOF
   [ "$nfail" -eq 0 ]
 }
 
-step_guard() {
-  section "9. Guard: MemoryGuard on a transformer (scripts/gpu/memory_guard_check.py)"
+# py_step SECTION NAME LOG SCRIPT TAG [BUDGET]: a Python step over the package and the build's
+# libcuma that prints "TAG RESULT: PASS|FAIL|SKIP ..." and exits 0, 1 or 3 (SKIP).
+py_step() {
+  local section=$1 name=$2 log=$3 script=$4 tag=$5 budget=${6:-60}
+  section "$section"
   step_start
-  local name="guard: activations kept off the device"
   if [ "$NO_TORCH" = 1 ]; then record "$name" SKIP "--no-torch" gpu; return; fi
   if [ "$HAVE_GPU" != 1 ]; then record "$name" SKIP "no GPU: $NO_GPU_WHY" gpu; return; fi
   if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build (failed or left out)" gpu; return; fi
-  if ! t=$(tmo 60); then record "$name" SKIP "$NO_TIME"; return; fi
+  if ! t=$(tmo "$budget"); then record "$name" SKIP "$NO_TIME"; return; fi
   local rc=0
-  run "$t" "$WORK/guard.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
+  run "$t" "$WORK/$log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
     CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
-    python3 scripts/gpu/memory_guard_check.py || rc=$?
+    python3 "$script" || rc=$?
   local res
-  res=$(grep 'GUARD RESULT' "$WORK/guard.log" | tail -1)
-  res=${res#GUARD RESULT: }
+  res=$(grep "$tag RESULT" "$WORK/$log" | tail -1)
+  res=${res#"$tag RESULT: "}
   case $rc in
     0) record "$name" PASS "$res" gpu ;;
     3) record "$name" SKIP "$res" gpu ;;
@@ -744,48 +746,19 @@ step_guard() {
   esac
 }
 
-step_pool() {
-  section "11. Pool: raw blocks and a model's buffers in a fixed-size pool (scripts/gpu/pool_check.py)"
-  step_start
-  local name="pool: blocks and buffers on the device"
-  if [ "$NO_TORCH" = 1 ]; then record "$name" SKIP "--no-torch" gpu; return; fi
-  if [ "$HAVE_GPU" != 1 ]; then record "$name" SKIP "no GPU: $NO_GPU_WHY" gpu; return; fi
-  if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build (failed or left out)" gpu; return; fi
-  if ! t=$(tmo 60); then record "$name" SKIP "$NO_TIME"; return; fi
-  local rc=0
-  run "$t" "$WORK/pool.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
-    CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
-    python3 scripts/gpu/pool_check.py || rc=$?
-  local res
-  res=$(grep 'POOL RESULT' "$WORK/pool.log" | tail -1)
-  res=${res#POOL RESULT: }
-  case $rc in
-    0) record "$name" PASS "$res" gpu ;;
-    3) record "$name" SKIP "$res" gpu ;;
-    *) record "$name" FAIL "$(why_rc $rc "$t")${res:+: $res}" gpu ;;
-  esac
+step_guard() {
+  py_step "9. Guard: MemoryGuard on a transformer (scripts/gpu/memory_guard_check.py)" \
+    "guard: activations kept off the device" guard.log scripts/gpu/memory_guard_check.py GUARD
 }
 
 step_compact() {
-  section "10. Compact: cuma.torch.compact on a scattered model (scripts/gpu/compact_check.py)"
-  step_start
-  local name="compact: model tensors to dense pages"
-  if [ "$NO_TORCH" = 1 ]; then record "$name" SKIP "--no-torch" gpu; return; fi
-  if [ "$HAVE_GPU" != 1 ]; then record "$name" SKIP "no GPU: $NO_GPU_WHY" gpu; return; fi
-  if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build (failed or left out)" gpu; return; fi
-  if ! t=$(tmo 60); then record "$name" SKIP "$NO_TIME"; return; fi
-  local rc=0
-  run "$t" "$WORK/compact.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
-    CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
-    python3 scripts/gpu/compact_check.py || rc=$?
-  local res
-  res=$(grep 'COMPACT RESULT' "$WORK/compact.log" | tail -1)
-  res=${res#COMPACT RESULT: }
-  case $rc in
-    0) record "$name" PASS "$res" gpu ;;
-    3) record "$name" SKIP "$res" gpu ;;
-    *) record "$name" FAIL "$(why_rc $rc "$t")${res:+: $res}" gpu ;;
-  esac
+  py_step "10. Compact: cuma.torch.compact on a scattered model (scripts/gpu/compact_check.py)" \
+    "compact: model tensors to dense pages" compact.log scripts/gpu/compact_check.py COMPACT
+}
+
+step_pool() {
+  py_step "11. Pool: raw blocks and a model's buffers in a fixed-size pool (scripts/gpu/pool_check.py)" \
+    "pool: blocks and buffers on the device" pool.log scripts/gpu/pool_check.py POOL
 }
 
 main() {
