@@ -48,8 +48,9 @@ test-asan:
 	cmake --build build-asan -j$(JOBS)
 	# Left to the normal build: the replay goals, and the driver variants that repeat a test's
 	# code paths with other timing or geometry (lagged replay comparison, the faults script on
-	# 4 MiB pages); the plain and lagged faults scripts and every other variant run here.
-	cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 CUMA_STRESS_OPS=400000 ctest --output-on-failure -j$(JOBS) -E '^(replay_(goals|buddy)_.*|replay_cuda_backends_lagged|test_cuda_faults_geometry.*)$$'
+	# 4 MiB pages and with costly driver calls); the plain, lagged and per-thread-stream faults
+	# scripts and every other variant run here.
+	cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 CUMA_STRESS_OPS=400000 ctest --output-on-failure -j$(JOBS) -E '^(replay_(goals|buddy)_.*|replay_cuda_backends_lagged|test_cuda_faults_(geometry|costly).*)$$'
 
 test-tsan:
 	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUMA_SANITIZE=thread $(DEV_FLAGS) >/dev/null
