@@ -64,7 +64,7 @@ static void *worker(void *arg) {
  * caches is not checked: a parent's thread caught inside a lock-free fast path at the fork never
  * finishes it in the child (a block, or its counters, stay half moved: cuma.h says so). */
 static void child(unsigned r) {
-    alarm(10);
+    alarm(60); /* a hang, not a speed: the child takes well under a second unloaded */
     for (int i = 0; i < HEAPS; i++) {
         void *p[8] = {0};
         for (int k = 0; k < 8; k++) {
