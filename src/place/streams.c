@@ -13,7 +13,8 @@ static _Thread_local uintptr_t thread_token;
 static _Thread_local bool thread_exiting;
 static _Atomic uintptr_t tokens_given;
 
-cuma_stream cuma_streams_thread_token(void) {
+/* The calling thread's token, as the table keys its per-thread stream. */
+static cuma_stream thread_token_get(void) {
     if (!thread_token) thread_token = (atomic_fetch_add(&tokens_given, 1) + 1) << 4 | 9;
     return (cuma_stream)thread_token;
 }
@@ -31,7 +32,7 @@ cuma_stream cuma_streams_usable(const cuma_streams *ss, unsigned i) {
 /* The key of a handle in the table: a per-thread handle is the calling thread's token. */
 static cuma_stream key_of(const cuma_streams *ss, cuma_stream handle, bool *per_thread) {
     *per_thread = handle && handle == ss->per_thread;
-    return *per_thread ? cuma_streams_thread_token() : handle;
+    return *per_thread ? thread_token_get() : handle;
 }
 
 cuma_status cuma_streams_init(cuma_streams *ss, cuma_backend *be) {

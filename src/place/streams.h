@@ -99,9 +99,6 @@ int cuma_streams_index(cuma_streams *ss, cuma_stream handle);
  * backend's failure to record the fence (the slot is dead all the same). */
 cuma_status cuma_streams_retire(cuma_streams *ss, cuma_stream handle, bool *found);
 
-/* The calling thread's token, as the table keys its per-thread stream. */
-cuma_stream cuma_streams_thread_token(void);
-
 /* The calling thread is exiting: its per-thread stream is no longer named by the handle. */
 void cuma_streams_thread_exiting(void);
 
