@@ -14,6 +14,7 @@
 #ifndef CUMA_BACKEND_BACKEND_H
 #define CUMA_BACKEND_BACKEND_H
 
+#include "settings/backends.h"
 #include "settings/config.h"
 #include "cuma/cuma.h"
 
@@ -37,13 +38,16 @@
 
 /* What device a backend drives: the core and the shims test this, never the name, which is
  * for people (the stats, `cuma ps`, messages) and may change. A wrapper (locked, ledger) has the
- * kind of the backend it wraps. */
-typedef enum cuma_backend_kind {
-    CUMA_BACKEND_SIM,     /* the simulated device (sim.c) */
-    CUMA_BACKEND_VMM,     /* CUDA pages in a reserved range (cuda_vmm.c) */
-    CUMA_BACKEND_SEGMENT, /* cuMemAlloc segments (cuda_segment.c) */
-    CUMA_BACKEND_MANAGED, /* cuMemAllocManaged segments (cuda_segment.c) */
-} cuma_backend_kind;
+ * kind of the backend it wraps. One per line of CUMA_BACKEND_LIST (settings/backends.h). */
+#define CUMA_BACKEND_KIND_ENUM(kind, name, family, what) CUMA_BACKEND_##kind,
+typedef enum cuma_backend_kind { CUMA_BACKEND_LIST(CUMA_BACKEND_KIND_ENUM) } cuma_backend_kind;
+#undef CUMA_BACKEND_KIND_ENUM
+
+/* The kind's name ("sim", "vmm", ...), as the settings and the stats spell it. */
+const char *cuma_backend_kind_name(cuma_backend_kind kind);
+
+/* The kind a `backend` setting names; false for "auto" and for anything not in the list. */
+bool cuma_backend_kind_find(const char *name, cuma_backend_kind *kind);
 
 typedef struct cuma_backend cuma_backend;
 
@@ -113,7 +117,14 @@ cuma_status cuma_backend_create(const cuma_settings *s, cuma_backend **out);
 cuma_status cuma_backend_create_or_fallback(const cuma_settings *s, cuma_backend **out,
                                             bool *fell_back);
 
-cuma_status cuma_sim_backend_create(const cuma_settings *s, cuma_backend **out);
+/* Each family's constructor (CUMA_BACKEND_LIST): the backend of that family the settings name.
+ * A family with several kinds is declared once per kind, which C allows. The CUDA family (the
+ * cuda_*.c files) is CUMA_ERR_NO_DEVICE in a libcuma built without cuda.h or without a usable
+ * driver. */
+#define CUMA_BACKEND_CREATE_DECL(kind, name, family, what)                                         \
+    cuma_status cuma_##family##_backend_create(const cuma_settings *s, cuma_backend **out);
+CUMA_BACKEND_LIST(CUMA_BACKEND_CREATE_DECL)
+#undef CUMA_BACKEND_CREATE_DECL
 
 /* Wraps a backend for several arenas of one heap: its calls then run under one mutex (except
  * now_ns and mem_info). Destroying the wrapper destroys the backend. */
@@ -137,8 +148,5 @@ cuma_status cuma_simbe_set_clock(cuma_backend *be, const _Atomic uint64_t *clock
 /* Whether be is a sim on a heap's manual clock whose page calls cost time (sim_call_us): its
  * now_ns is then that clock plus the calls' cost, which pacing can measure. */
 bool cuma_simbe_costed_clock(cuma_backend *be);
-
-/* CUDA backends (src/backend/cuda_*.c); CUMA_ERR_NO_DEVICE when not built or no driver. */
-cuma_status cuma_cuda_backend_create(const cuma_settings *s, cuma_backend **out);
 
 #endif

@@ -296,11 +296,12 @@ static cuma_status open_device(cuda_be *b, int ordinal) {
 
 cuma_status cuma_cuda_backend_create(const cuma_settings *s, cuma_backend **out) {
     *out = NULL;
-    const char *want = s->backend;
-    if (strcmp(want, "vmm") && strcmp(want, "segment") && strcmp(want, "managed") &&
-        strcmp(want, "auto"))
+    cuma_backend_kind want = CUMA_BACKEND_VMM;
+    bool automatic = !strcmp(s->backend, "auto");
+    if (!automatic && (!cuma_backend_kind_find(s->backend, &want) || want == CUMA_BACKEND_SIM))
         return cuma_fail(CUMA_ERR_CONFIG,
-                         "backend '%s' is not a CUDA backend (vmm, segment, managed, auto)", want);
+                         "backend '%s' is not a CUDA backend (vmm, segment, managed, auto)",
+                         s->backend);
     const cuma_cuda_api *cu = NULL;
     cuma_status st = cuma_cuda_load(&cu);
     if (st) return st;
@@ -314,9 +315,8 @@ cuma_status cuma_cuda_backend_create(const cuma_settings *s, cuma_backend **out)
     st = attribute(b, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
                    "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", &vmm);
     if (st) goto fail;
-    bool automatic = !strcmp(want, "auto");
-    if (automatic) want = vmm ? "vmm" : "segment";
-    if (!strcmp(want, "vmm")) {
+    if (automatic) want = vmm ? CUMA_BACKEND_VMM : CUMA_BACKEND_SEGMENT;
+    if (want == CUMA_BACKEND_VMM) {
         if (!vmm) {
             st = cuma_fail(
                 CUMA_ERR_UNSUPPORTED,
@@ -335,7 +335,7 @@ cuma_status cuma_cuda_backend_create(const cuma_settings *s, cuma_backend **out)
             cuma_cudabe_init_segments(b, false);
             st = CUMA_OK;
         }
-    } else if (!strcmp(want, "managed")) {
+    } else if (want == CUMA_BACKEND_MANAGED) {
         if (!(b->be.caps & CUMA_CAP_MANAGED)) {
             st = cuma_fail(CUMA_ERR_UNSUPPORTED,
                            "backend managed: device %d (%s) does not support managed memory",

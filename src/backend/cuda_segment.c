@@ -105,7 +105,7 @@ static const cuma_backend_ops managed_ops = SEGMENT_OPS(seg_alloc_managed);
 void cuma_cudabe_init_segments(cuda_be *b, bool managed) {
     b->be.ops = managed ? &managed_ops : &segment_ops;
     b->be.kind = managed ? CUMA_BACKEND_MANAGED : CUMA_BACKEND_SEGMENT;
-    b->be.name = managed ? "managed" : "segment";
+    b->be.name = cuma_backend_kind_name(b->be.kind);
     b->be.caps |= CUMA_CAP_SEGMENTS | (managed ? CUMA_CAP_OVERSUBSCRIBE : 0);
     b->be.page_size = SEGMENT_UNIT;
 }

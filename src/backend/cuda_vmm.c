@@ -262,7 +262,7 @@ static cuma_status probe(cuda_be *b) {
 cuma_status cuma_cudabe_init_vmm(cuda_be *b, const cuma_settings *s) {
     b->be.ops = &vmm_ops;
     b->be.kind = CUMA_BACKEND_VMM;
-    b->be.name = "vmm";
+    b->be.name = cuma_backend_kind_name(CUMA_BACKEND_VMM);
     b->be.caps |= CUMA_CAP_VMM;
     b->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     b->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;

@@ -350,7 +350,7 @@ cuma_status cuma_sim_backend_create(const cuma_settings *set, cuma_backend **out
     if (!s) return cuma_fail(CUMA_ERR_OOM, "sim: no host memory");
     s->be.ops = &sim_ops;
     s->be.kind = CUMA_BACKEND_SIM;
-    s->be.name = "sim";
+    s->be.name = cuma_backend_kind_name(CUMA_BACKEND_SIM);
     s->be.caps = (set->sim_segments ? CUMA_CAP_SEGMENTS : CUMA_CAP_VMM | CUMA_CAP_ALIAS) |
                  CUMA_CAP_MANAGED |
                  (set->host_backing ? CUMA_CAP_HOST_ACCESS : CUMA_CAP_FORK_PRIVATE);

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 /* The CUMA_CONF grammar: "key:value,key:value". One table describes every key, so parsing,
  * `cuma config` and the JSON dump cannot disagree. */
+#include "settings/backends.h"
 #include "settings/config.h"
 #include "settings/policies.h"
 #include "util/error.h"
@@ -22,6 +23,8 @@
 /* The policy key's choices and description from settings/policies.h. */
 #define POLICY_CHOICE(name, what) #name "|"
 #define POLICY_WHAT(name, what)   #name " (" what "), "
+/* The backend key's description from settings/backends.h. */
+#define BACKEND_WHAT(kind, name, family, what) ", " #name " (" what ")"
 
 enum kind {
     K_SIZE,
@@ -48,11 +51,11 @@ typedef struct key_desc {
 #define F(field) offsetof(cuma_settings, field)
 
 static const key_desc keys[] = {
-    {"backend", K_NAME, F(backend), "auto", "sim|vmm|segment|managed|auto",
-     "device backend: auto (vmm on a GPU with virtual memory management, else segment), vmm "
-     "(CUDA virtual memory), segment (cuMemAlloc), managed (cuMemAllocManaged), sim (simulated "
-     "device). Without a usable CUDA driver the CUDA backends (auto included) fail with "
-     "CUMA_ERR_NO_DEVICE, unless backend_fallback:sim"},
+    {"backend", K_NAME, F(backend), "auto", CUMA_BACKEND_CHOICES,
+     "device backend: auto (vmm on a GPU with virtual memory management, else "
+     "segment)" CUMA_BACKEND_LIST(
+         BACKEND_WHAT) ". Without a usable CUDA driver the CUDA backends (auto included) fail with "
+                       "CUMA_ERR_NO_DEVICE, unless backend_fallback:sim"},
     {"backend_fallback", K_NAME, F(backend_fallback), "none", "none|sim",
      "what a CUDA backend (auto included) does where no CUDA driver can be used (none installed, "
      "cuInit fails, a libcuma built without them): none = fail with CUMA_ERR_NO_DEVICE; sim = run "
