@@ -61,7 +61,7 @@
 # e.g. zlib1g-dev, unpacked into build-gpu/sysroot when apt cannot install them), NVCC.
 #
 # --only STEPS runs those steps alone (comma-separated: ctest, replays, churn, bench, torch, ledger,
-# preload, guard, compact, pool; the
+# preload, guard, compact, pool, probe; the
 # machine and build steps always run), e.g. `--only torch` to run the PyTorch comparison again
 # within the same device session.
 #
@@ -90,8 +90,8 @@ while [ $# -gt 0 ]; do
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu-check: --budget wants seconds, not '$BUDGET'" >&2; exit 2 ;; esac
 for s in ${ONLY//,/ }; do
-  case "$s" in ctest|replays|churn|bench|torch|ledger|preload|guard|compact|pool) ;;
-    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, ledger, preload, guard, compact, pool)" >&2; exit 2 ;;
+  case "$s" in ctest|replays|churn|bench|torch|ledger|preload|guard|compact|pool|probe) ;;
+    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, ledger, preload, guard, compact, pool, probe)" >&2; exit 2 ;;
   esac
 done
 # wanted STEP: whether --only leaves the step in.
@@ -301,6 +301,7 @@ step_build() {
 
 CHURN=$BUILD/gpu/churn
 PRELOAD_CHECK=$BUILD/gpu/preload_check
+DRIVER_PROBE=$BUILD/gpu/driver_probe
 CHURN_PID=""
 
 # shellcheck disable=SC2317  # run through `declare -f`, which shellcheck cannot follow
@@ -335,6 +336,10 @@ build_churn() { # runs in the background; all output into churn-build.log
       echo "\$ $NVCC -O2 -std=c++17 $arch scripts/gpu/preload_check.cu -o $PRELOAD_CHECK"
       "$NVCC" -O2 -std=c++17 "$arch" -Xcompiler -Wall,-Wextra scripts/gpu/preload_check.cu \
         -o "$PRELOAD_CHECK" || echo "preload_check.cu: nvcc failed"
+      # The driver questions' program: the runtime and the driver API, nothing of cuma.
+      echo "\$ $NVCC -O2 -std=c++17 $arch scripts/gpu/driver_probe.cu -lcuda -o $DRIVER_PROBE"
+      "$NVCC" -O2 -std=c++17 "$arch" -Xcompiler -Wall,-Wextra scripts/gpu/driver_probe.cu \
+        ${stubs:+-L"$stubs"} -lcuda -o "$DRIVER_PROBE" || echo "driver_probe.cu: nvcc failed"
       return 0
     fi
     echo "nvcc with $arch: $([ "$rc" -eq 0 ] && echo "found no GPU to build for" || echo "failed (exit $rc)")"
@@ -345,11 +350,11 @@ build_churn() { # runs in the background; all output into churn-build.log
 
 start_churn_build() {
   CHURN_PID=""
-  rm -f "$CHURN" "$PRELOAD_CHECK"
+  rm -f "$CHURN" "$PRELOAD_CHECK" "$DRIVER_PROBE"
   [ "$BUILD_OK" = 1 ] && [ -n "${NVCC:-}" ] || return
   local t
   t=$(tmo 180) || return
-  export NVCC HAVE_GPU ZLIB_LIB BUILD CHURN PRELOAD_CHECK
+  export NVCC HAVE_GPU ZLIB_LIB BUILD CHURN PRELOAD_CHECK DRIVER_PROBE
   timeout -k 5 "$t" bash -c "$(declare -f build_churn); build_churn" >"$WORK/churn-build.log" 2>&1 &
   CHURN_PID=$!
 }
@@ -761,6 +766,23 @@ step_pool() {
     "pool: blocks and buffers on the device" pool.log scripts/gpu/pool_check.py POOL
 }
 
+# ---- 4d. what the design assumes of the driver ----------------------------------------------
+
+step_probe() {
+  section "4d. Driver probe: a dead thread's per-thread stream, VMM calls beside a busy stream (scripts/gpu/driver_probe.cu)"
+  step_start
+  local name="probe: legacy stream and VMM calls" t rc=0 res
+  if [ "$HAVE_GPU" != 1 ]; then record "$name" SKIP "no GPU: $NO_GPU_WHY" gpu; return; fi
+  # Built in the background with churn.cu.
+  [ -n "$CHURN_PID" ] && { wait "$CHURN_PID" 2>/dev/null; cat "$WORK/churn-build.log" >>"$WORK/probe.log"; }
+  if [ ! -x "$DRIVER_PROBE" ]; then record "$name" SKIP "driver_probe.cu did not build (churn.log)" gpu; return; fi
+  if ! t=$(tmo 30); then record "$name" SKIP "$NO_TIME"; return; fi
+  run "$t" "$WORK/probe.log" env -u CUMA_CONF -u LD_PRELOAD "$DRIVER_PROBE" || rc=$?
+  res=$(grep 'PROBE RESULT' "$WORK/probe.log" | tail -1)
+  res=${res#PROBE RESULT: }
+  if [ $rc -eq 0 ]; then record "$name" PASS "$res" gpu; else record "$name" FAIL "$(why_rc $rc "$t")${res:+: $res}" gpu; fi
+}
+
 main() {
   echo "cuma GPU check: $(git log -1 --format='%h %s' 2>/dev/null | cut -c1-100) ($(date -u '+%Y-%m-%d %H:%M:%S UTC'))"
   [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && echo "(the working tree has uncommitted changes)"
@@ -769,11 +791,12 @@ main() {
   # Issue 4's measurement first: the one figure no other machine can give (before nvcc starts
   # in the background, which would take CPU from one of the two timed runs).
   wanted torch && step_torch
-  { wanted churn || wanted preload; } && start_churn_build
+  { wanted churn || wanted preload || wanted probe; } && start_churn_build
   wanted ctest && step_ctest
   wanted replays && step_replays
   wanted churn && step_churn_build
   wanted churn && step_churn
+  wanted probe && step_probe
   wanted bench && step_bench
   wanted preload && step_preload
   wanted ledger && step_ledger
