@@ -28,6 +28,7 @@
 #include <cuda.h>
 #include <dlfcn.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -256,22 +257,57 @@ typedef CUresult (*info_fn)(size_t *, size_t *);
 typedef CUresult (*async_fn)(CUdeviceptr *, size_t, CUstream);
 
 /* The CUDA runtime's way in: every entry point through cuGetProcAddress from the handle. */
-/* Every thread's per-thread default stream is one handle: a free on it waits for the freeing
- * thread's stream before cuma may hand the block to another thread's, and once per-thread
- * streams were used, cuMemFree waits for the context (as cudaFree does). Plain: no waits. */
+/* Every thread's per-thread default stream is one handle (CU_STREAM_PER_THREAD), and the heap
+ * tells the threads' streams apart (place/streams.c): a free on it waits neither for the stream
+ * nor for the context, and a block a thread freed with its stream's work in flight goes to no
+ * other thread's stream until that work is done. */
+typedef struct ptds_worker {
+    CUdeviceptr p;
+    atomic_int phase; /* 1: p freed with its stream held; 2: main allocated; 3: stream released */
+} ptds_worker;
+
+static void *ptds_worker_main(void *arg) {
+    ptds_worker *w = arg;
+    CHECK_CU(cuCtxSetCurrent(primary));
+    CHECK_CU(cuMemAllocAsync_ptsz(&w->p, 1 * MB, NULL));
+    touch(w->p, 1 * MB, 0x3c);
+    fakecuda_stream_hold(CU_STREAM_PER_THREAD); /* this thread's kernels on p still running */
+    CHECK_CU(cuMemFreeAsync_ptsz(w->p, NULL));  /* returns at once: nothing waits for them */
+    atomic_store(&w->phase, 1);
+    while (atomic_load(&w->phase) != 2) sched_yield();
+    fakecuda_stream_release(CU_STREAM_PER_THREAD);
+    atomic_store(&w->phase, 3);
+    return NULL;
+}
+
 static void check_per_thread_streams(void) {
     fakecuda_reset_counters();
     CUdeviceptr p, q;
     CHECK_CU(cuMemAllocAsync_ptsz(&p, 1 * MB, NULL));
     CHECK_CU(cuMemAllocAsync(&q, 1 * MB, CU_STREAM_PER_THREAD));
     touch(p, 1 * MB, 0x5a);
-    CHECK(fakecuda_calls("cuStreamSynchronize") == 0);
     CHECK_CU(cuMemFreeAsync_ptsz(p, NULL));
-    CHECK(fakecuda_calls("cuStreamSynchronize") == (routed ? 1u : 0u));
-    CHECK(fakecuda_calls("cuCtxSynchronize") == 0);
     CHECK_CU(cuMemFree_v2(q));
-    CHECK(fakecuda_calls("cuCtxSynchronize") == (routed ? 1u : 0u));
     CHECK_RES(cuMemFreeAsync_ptsz(p, NULL), CUDA_ERROR_INVALID_VALUE); /* a second free */
+
+    ptds_worker w = {0};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, ptds_worker_main, &w) == 0);
+    while (atomic_load(&w.phase) != 1) sched_yield();
+    /* This thread's per-thread stream, while the worker's work on w.p is in flight. */
+    CUdeviceptr mine[4];
+    for (int i = 0; i < 4; i++) {
+        CHECK_CU(cuMemAllocAsync_ptsz(&mine[i], 1 * MB, NULL));
+        if (routed && mine[i] < w.p + 1 * MB && w.p < mine[i] + 1 * MB)
+            FAIL("another thread's per-thread stream got %#llx, freed by the worker with its work "
+                 "in flight\n",
+                 (unsigned long long)mine[i]);
+    }
+    for (int i = 0; i < 4; i++) CHECK_CU(cuMemFree_v2(mine[i]));
+    atomic_store(&w.phase, 2);
+    CHECK(pthread_join(t, NULL) == 0 && atomic_load(&w.phase) == 3);
+    CHECK(fakecuda_calls("cuStreamSynchronize") == 0);
+    CHECK(fakecuda_calls("cuCtxSynchronize") == 0);
 }
 
 /* The driver as the runtime opens it (dlopen, then dlsym of cuGetProcAddress_v2): its handle in

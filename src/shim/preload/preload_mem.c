@@ -400,13 +400,6 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemAllocPitch_v2(CUdeviceptr *dptr, size_
     return CUDA_SUCCESS;
 }
 
-/* Per-thread default streams: every thread's is the same handle (CU_STREAM_PER_THREAD), which
- * cuma would take for one stream and hand a block freed on one thread's to another thread's
- * without a fence. So a free on the per-thread stream first waits for that stream's work in the
- * freeing thread (the block is then idle for everyone), and once any allocation came from a
- * per-thread stream, cuMemFree waits for the context as cudaFree does. */
-static _Atomic bool per_thread_used;
-
 static CUresult alloc_async(CUdeviceptr *dptr, size_t size, CUstream stream, bool ptsz) {
     const cuma_preload_driver *d = cuma_preload_driver_get();
     /* The per-thread flavour's NULL stream is the calling thread's default stream. */
@@ -416,21 +409,9 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t size, CUstream stream, boo
     if (!dptr || !size || !cuma_preload_routing() || !(h = stream_heap(d, s, &pin)))
         return ptsz ? FORWARD(d, MemAllocAsyncPtsz, dptr, size, stream)
                     : FORWARD(d, MemAllocAsync, dptr, size, stream);
-    if (s == CU_STREAM_PER_THREAD && !atomic_load_explicit(&per_thread_used, memory_order_relaxed))
-        atomic_store(&per_thread_used, true);
     CUresult r = alloc_in(h, "cuMemAllocAsync", dptr, size, s);
     cuma_preload_pin_drop(&pin);
     return r;
-}
-
-/* Waits for the calling thread's per-thread default stream (a free on it), or for the whole
- * context (a cuMemFree after per-thread streams were used): CUDA_SUCCESS or the driver's error,
- * which the free then returns without freeing. */
-static CUresult settle(const cuma_preload_driver *d, CUstream s, bool any_stream) {
-    if (s == CU_STREAM_PER_THREAD) return FORWARD(d, StreamSynchronize, CU_STREAM_PER_THREAD);
-    if (any_stream && atomic_load_explicit(&per_thread_used, memory_order_relaxed))
-        return FORWARD(d, CtxSynchronize);
-    return CUDA_SUCCESS;
 }
 
 CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize,
@@ -472,13 +453,12 @@ static bool free_in_cuma(CUdeviceptr p, int owner, CUstream stream, const char *
 }
 
 /* A free of dptr on stream s (NULL: the block's allocation stream), cuma's if it is cuma's
- * memory: settled first (above); false when it is the driver's to free. */
-static bool free_settled(const cuma_preload_driver *d, CUdeviceptr dptr, CUstream s,
-                         const char *call, CUresult *out) {
+ * memory; false when it is the driver's to free. Nothing waits here, on a per-thread default
+ * stream either: every thread's is the one handle CU_STREAM_PER_THREAD, but the heap keys it by
+ * the calling thread (place/streams.c), so the block waits for the right thread's work. */
+static bool free_routed(CUdeviceptr dptr, CUstream s, const char *call, CUresult *out) {
     int owner;
     if (!dptr || !cuma_preload_routing() || !cuma_preload_owned(dptr, &owner)) return false;
-    CUresult r = settle(d, s, s == NULL);
-    if (r != CUDA_SUCCESS) return *out = r, true;
     return free_in_cuma(dptr, owner, s, call, out);
 }
 
@@ -486,7 +466,7 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr) {
     const cuma_preload_driver *d = cuma_preload_driver_get();
     CUresult r;
     /* NULL stream: the stream the block was allocated on (cuma_free's rule). */
-    if (free_settled(d, dptr, NULL, "cuMemFree", &r)) return r;
+    if (free_routed(dptr, NULL, "cuMemFree", &r)) return r;
     return FORWARD(d, MemFree, dptr);
 }
 
@@ -494,15 +474,14 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr dptr, CUstream h
     const cuma_preload_driver *d = cuma_preload_driver_get();
     CUresult r;
     /* cuma's NULL means "the allocation's stream"; the driver's NULL is the legacy stream. */
-    if (free_settled(d, dptr, hStream ? hStream : CU_STREAM_LEGACY, "cuMemFreeAsync", &r)) return r;
+    if (free_routed(dptr, hStream ? hStream : CU_STREAM_LEGACY, "cuMemFreeAsync", &r)) return r;
     return FORWARD(d, MemFreeAsync, dptr, hStream);
 }
 
 CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
     const cuma_preload_driver *d = cuma_preload_driver_get();
     CUresult r;
-    if (free_settled(d, dptr, hStream ? hStream : CU_STREAM_PER_THREAD, "cuMemFreeAsync", &r))
-        return r;
+    if (free_routed(dptr, hStream ? hStream : CU_STREAM_PER_THREAD, "cuMemFreeAsync", &r)) return r;
     return FORWARD(d, MemFreeAsyncPtsz, dptr, hStream);
 }
 
