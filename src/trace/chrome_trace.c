@@ -191,7 +191,7 @@ static cuma_status jnumber(jp *p, num *v) {
         if (c < '0' || c > '9') break;
         if (!frac && leading_zero && p->i > start + (size_t)v->neg)
             return jfail(p, start, CUMA_ERR_PARSE, "a number with a leading zero");
-        if (v->mant <= (UINT64_MAX - 9) / 10) {
+        if (v->mant <= (UINT64_MAX - (uint64_t)(c - '0')) / 10) {
             v->mant = v->mant * 10 + (c - '0');
             if (frac) v->exp10--;
         } else {
@@ -448,9 +448,13 @@ static cuma_status event(jp *p, unsigned depth) {
     if (!r.oom) {
         /* An intptr_t: any 64 bits, written signed (or, by other writers, unsigned). */
         field *a = &e.arg[F_ADDR];
-        if (!a->present || a->bad)
-            return jfail(p, a->present ? a->off : at, CUMA_ERR_PARSE, "memory event %zu: %s 'Addr'",
-                         ev, a->present ? "not a number:" : "no");
+        if (a->present && a->bad)
+            return jfail(p, a->off, CUMA_ERR_PARSE, "memory event %zu: not a number: 'Addr'", ev);
+        if (!a->present)
+            return jfail(p, at, CUMA_ERR_PARSE,
+                         "memory event %zu: no 'Addr' (PyTorch 1.9 and older recorded no "
+                         "addresses, so frees cannot be told apart)",
+                         ev);
         if (scaled(&a->v, 0, &m, &exact) || !exact || (a->v.neg && m > (uint64_t)INT64_MAX + 1))
             return jfail(p, a->off, CUMA_ERR_PARSE,
                          "memory event %zu: 'Addr' is not a 64-bit whole number", ev);
