@@ -435,7 +435,10 @@ static int leaks_one(const char *path, const options *o) {
                : t.format == CUMA_TRACE_TORCH_PROFILER ? "PyTorch profiler trace"
                                                        : "RMM CSV log",
                t.device, t.n);
-        if (!t.stack)
+        if (!t.stack && t.format == CUMA_TRACE_TORCH_PROFILER)
+            printf("  no call sites recorded (a profiler trace's memory events have none): "
+                   "grouped by size\n");
+        else if (!t.stack)
             printf("  no call sites recorded (a log written with trace_stacks:on has them): "
                    "grouped by size\n");
     }

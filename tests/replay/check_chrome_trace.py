@@ -7,7 +7,8 @@ profile_memory=True, among operator events) plain and gzip'd, replays it with --
 --compare pytorch,tlsf, and checks the source fields both replays print against what the file
 holds; --device picks a device and refuses an absent one; the memory events torch 1.13
 recorded here (tests/data/profiler_mlp_cpu.pt.trace.json.gz) replay to PyTorch's own peak of
-"Total Allocated"; and the Chrome trace Debian's torch 1.13 wrote here (tests/data/profiler_torch113_cpu.json: no kineto, so no memory events) is
+"Total Allocated", and cuma leaks names their format; and the Chrome trace Debian's torch
+1.13 wrote here (tests/data/profiler_torch113_cpu.json: no kineto, so no memory events) is
 refused naming the missing profile_memory events, not read as a malformed CSV.
 
 usage: check_chrome_trace.py --cuma BIN --data DIR --out DIR
@@ -78,6 +79,12 @@ def check_recorded(args):
         if got != want:
             print(f"FAIL {path} {j.get('policy')}: {got} != {want}")
             bad += 1
+    r = run(args, "leaks", "--json", path)
+    j = json.loads(r.stdout) if r.returncode == 0 else {}
+    if (j.get("format"), j.get("device"), j.get("events"), j.get("stacks")) != \
+            ("pytorch_profiler", -1, len(mem_ev), False):
+        print(f"FAIL cuma leaks {path}: exit {r.returncode}: {r.stdout[:200]} {r.stderr}")
+        bad += 1
     r = run(args, "replay", "--device", "0", path)
     if r.returncode != 2 or f"no CUDA memory events ({len(mem_ev)} CPU ones)" not in r.stderr:
         print(f"FAIL {path} --device 0: exit {r.returncode}: {r.stderr}")
