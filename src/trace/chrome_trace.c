@@ -211,7 +211,8 @@ static cuma_status jnumber(jp *p, num *v) {
         v->exp10 += eneg ? -e : e;
     }
     if (p->i - start > CUMA_CHROME_MAX_NUMBER)
-        return jfail(p, start, CUMA_ERR_LIMIT, "a number of more than %u characters",
+        return jfail(p, start, CUMA_ERR_LIMIT,
+                     "a number of more than %u characters, the reader's limit",
                      CUMA_CHROME_MAX_NUMBER);
     return CUMA_OK;
 }
