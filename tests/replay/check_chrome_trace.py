@@ -7,9 +7,10 @@ profile_memory=True, among operator events) plain and gzip'd, replays it with --
 --compare pytorch,tlsf, and checks the source fields both replays print against what the file
 holds; --device picks a device and refuses an absent one; the memory events torch 1.13
 recorded here (tests/data/profiler_mlp_cpu.pt.trace.json.gz) replay to PyTorch's own peak of
-"Total Allocated", and cuma leaks names their format; and the Chrome trace Debian's torch
-1.13 wrote here (tests/data/profiler_torch113_cpu.json: no kineto, so no memory events) is
-refused naming the missing profile_memory events, not read as a malformed CSV.
+"Total Allocated", cuma leaks names their format, and cuma convert writes them as a snapshot
+of device 0 that replays the same; and the Chrome trace Debian's torch 1.13 wrote here
+(tests/data/profiler_torch113_cpu.json: no kineto, so no memory events) is refused naming the
+missing profile_memory events, not read as a malformed CSV.
 
 usage: check_chrome_trace.py --cuma BIN --data DIR --out DIR
 """
@@ -84,6 +85,15 @@ def check_recorded(args):
     if (j.get("format"), j.get("device"), j.get("events"), j.get("stacks")) != \
             ("pytorch_profiler", -1, len(mem_ev), False):
         print(f"FAIL cuma leaks {path}: exit {r.returncode}: {r.stdout[:200]} {r.stderr}")
+        bad += 1
+    pk = os.path.join(args.out, "profiler_mlp_cpu.pickle")
+    r = run(args, "convert", "-o", pk, path)
+    c = run(args, "replay", "--json", pk) if r.returncode == 0 else r
+    j = json.loads(c.stdout) if c.returncode == 0 else {}
+    if "writing the CPU ones as device 0" not in r.stderr or (
+            j.get("format"), j.get("device"), j.get("events"), j.get("peak_requested_bytes")) != (
+            "torch_snapshot", 0, len(mem_ev), want["peak_requested_bytes"]):
+        print(f"FAIL cuma convert {path}: exit {r.returncode}: {r.stderr} {c.stdout[:300]}")
         bad += 1
     r = run(args, "replay", "--device", "0", path)
     if r.returncode != 2 or f"no CUDA memory events ({len(mem_ev)} CPU ones)" not in r.stderr:
