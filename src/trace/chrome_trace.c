@@ -234,13 +234,14 @@ static int scaled(const num *v, long scale, uint64_t *mag, int *exact) {
     return 0;
 }
 
-/* A signed integer field from lo to hi; an error naming it otherwise. */
-static cuma_status int_of(const jp *p, const field *f, const char *name, size_t ev, int64_t lo,
-                          int64_t hi, int64_t *out) {
+/* A signed integer field from lo to hi; an error naming it otherwise (at the event's offset,
+ * `at`, when the field is missing). */
+static cuma_status int_of(const jp *p, const field *f, const char *name, size_t ev, size_t at,
+                          int64_t lo, int64_t hi, int64_t *out) {
     uint64_t m;
     int exact;
     if (!f->present || f->bad)
-        return jfail(p, f->present ? f->off : p->i, CUMA_ERR_PARSE, "memory event %zu: %s '%s'", ev,
+        return jfail(p, f->present ? f->off : at, CUMA_ERR_PARSE, "memory event %zu: %s '%s'", ev,
                      f->present ? "not a number:" : "no", name);
     int over = scaled(&f->v, 0, &m, &exact) != 0 || m > (uint64_t)INT64_MAX;
     int64_t x = over ? 0 : f->v.neg ? -(int64_t)m : (int64_t)m;
@@ -439,12 +440,13 @@ static cuma_status event(jp *p, unsigned depth) {
                      "memory event %zu: 'ts' is out of range (more than 2^63 ns)", ev);
     r.ts_ns = e.ts.v.neg ? -(int64_t)m : (int64_t)m;
     int64_t x;
-    if ((st = int_of(p, &e.arg[F_BYTES], "Bytes", ev, -INT64_MAX, INT64_MAX, &x)) != CUMA_OK)
+    if ((st = int_of(p, &e.arg[F_BYTES], "Bytes", ev, at, -INT64_MAX, INT64_MAX, &x)) != CUMA_OK)
         return st;
     r.bytes = x;
-    if ((st = int_of(p, &e.arg[F_DTYPE], "Device Type", ev, -128, 127, &x)) != CUMA_OK) return st;
+    if ((st = int_of(p, &e.arg[F_DTYPE], "Device Type", ev, at, -128, 127, &x)) != CUMA_OK)
+        return st;
     r.dev_type = (int16_t)x;
-    if ((st = int_of(p, &e.arg[F_DID], "Device Id", ev, -1, 1023, &x)) != CUMA_OK) return st;
+    if ((st = int_of(p, &e.arg[F_DID], "Device Id", ev, at, -1, 1023, &x)) != CUMA_OK) return st;
     r.dev_id = (int32_t)x;
     if (!r.oom) {
         /* An intptr_t: any 64 bits, written signed (or, by other writers, unsigned). */
