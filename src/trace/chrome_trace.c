@@ -455,8 +455,8 @@ static cuma_status event(jp *p, unsigned depth) {
             return jfail(p, a->off, CUMA_ERR_PARSE, "memory event %zu: not a number: 'Addr'", ev);
         if (!a->present)
             return jfail(p, at, CUMA_ERR_PARSE,
-                         "memory event %zu: no 'Addr' (PyTorch 1.9 and older recorded no "
-                         "addresses, so frees cannot be told apart)",
+                         "memory event %zu: no 'Addr' (older PyTorch, such as 1.9, recorded "
+                         "no addresses, so frees cannot be told apart)",
                          ev);
         if (scaled(&a->v, 0, &m, &exact) || !exact || (a->v.neg && m > (uint64_t)INT64_MAX + 1))
             return jfail(p, a->off, CUMA_ERR_PARSE,
