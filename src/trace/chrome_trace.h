@@ -8,7 +8,8 @@
  * "[OutOfMemory]" are kept, and of them only "ts" (microseconds, a fraction allowed) and the
  * "args" numbers "Addr" (an intptr_t: a negative one is taken as its bits), "Bytes" (negative
  * for a free), "Total Reserved", "Device Type" (0 CPU, 1 CUDA) and "Device Id". Everything else
- * is checked to be JSON and skipped.
+ * is checked to be JSON and skipped; the bytes of strings are not checked to be UTF-8, as no
+ * text is kept (only keys and names are compared with ASCII ones).
  *
  * The JSON reader is written for hostile input: CUMA_CHROME_MAX_BYTES decompressed at most,
  * CUMA_CHROME_MAX_DEPTH levels of nesting, CUMA_CHROME_MAX_STRING bytes a string,
