@@ -41,8 +41,9 @@ const char *cli_shown(const char *text, char *buf, size_t len);
     "usage: cuma replay [--conf STR] [--scale K] [--policy NAME] [--json] [--timeline DIR]\n"      \
     "                   [--max-events N] [--device N] [--pytorch-conf STR] [--capacity BYTES]\n"   \
     "                   [--compare P1,P2,...] TRACE...\n"                                          \
-    "  Replays RMM CSV event logs and PyTorch memory snapshots (_dump_snapshot() pickles; plain\n" \
-    "  or .gz, told apart by content) on the simulated device, twice per trace:\n"                 \
+    "  Replays RMM CSV event logs, PyTorch memory snapshots (_dump_snapshot() pickles) and\n"      \
+    "  torch.profiler Chrome traces with profile_memory=True (JSON; plain or .gz, told apart by\n" \
+    "  content) on the simulated device, twice per trace:\n"                                       \
     "  once driving the heap's clock with the trace's timestamps to measure memory, once\n"        \
     "  without stats calls to time the alloc/free path.\n"                                         \
     "  --conf STR     settings appended after backend:sim,sim_clock:manual (they win)\n"           \
@@ -60,8 +61,10 @@ const char *cli_shown(const char *text, char *buf, size_t len);
     "                 traces to GPU scale)\n"                                                      \
     "  --max-events N refuse a trace of more than N events (default 16777216, about 768 MiB\n"     \
     "                 of host memory; a small .gz can hold far more lines than memory)\n"          \
-    "  --device N     a snapshot's device to replay (default: the one with the most events);\n"    \
-    "                 its recorded peak (and time-averaged) reserved bytes are printed too\n"      \
+    "  --device N     a snapshot's or profiler trace's device to replay (default: the one\n"       \
+    "                 with the most events; a profiler trace without CUDA events: its CPU\n"       \
+    "                 ones); its recorded peak (and time-averaged) reserved bytes are\n"           \
+    "                 printed too\n"                                                               \
     "  --json         one JSON object per trace and line instead of the table\n"                   \
     "  --timeline DIR also write DIR/NAME.timeline.csv per trace (NAME: the file name without\n"   \
     "                 .gz/.csv): requested, reserved, cached and mapped bytes over trace time,\n"  \

@@ -47,6 +47,13 @@ int cuma_cmd_convert(int argc, char **argv) {
         cli_eprintf("cuma convert: %s\n", cuma_last_error());
         return CUMA_EXIT_USAGE;
     }
+    /* A profiler trace's CPU events (device -1): a snapshot has CUDA devices only, so they are
+     * written as device 0's, and said so. */
+    if (t.format == CUMA_TRACE_TORCH_PROFILER && t.device < 0) {
+        cli_eprintf("cuma convert: %s: no CUDA memory events: writing the CPU ones as device 0\n",
+                    in);
+        t.device = 0;
+    }
     cuma_status st = cuma_trace_write_snapshot(&t, out);
     if (st != CUMA_OK) cli_eprintf("cuma convert: %s\n", cuma_last_error());
     cuma_trace_free(&t);

@@ -28,7 +28,8 @@ static int cmd_help(int argc, char **argv);
     "                exit with status 2\n"
 
 static const subcommand commands[] = {
-    {"replay", cuma_cmd_replay, "replay RMM traces or PyTorch snapshots on the simulated device",
+    {"replay", cuma_cmd_replay,
+     "replay RMM traces, PyTorch snapshots or profiler traces on the simulated device",
      CUMA_REPLAY_USAGE},
     {"leaks", cuma_cmd_leaks,
      "allocations live at the end of a trace by call site, and growing ones", CUMA_LEAKS_USAGE},

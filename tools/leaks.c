@@ -425,13 +425,20 @@ static int leaks_one(const char *path, const options *o) {
         printf("{\"trace\":");
         json_str(path);
         printf(",\"format\":\"%s\",\"device\":%d,\"events\":%zu,\"stacks\":%s",
-               t.format == CUMA_TRACE_TORCH_SNAPSHOT ? "pytorch_snapshot" : "rmm_csv", t.device,
-               t.n, t.stack ? "true" : "false");
+               t.format == CUMA_TRACE_TORCH_SNAPSHOT   ? "pytorch_snapshot"
+               : t.format == CUMA_TRACE_TORCH_PROFILER ? "pytorch_profiler"
+                                                       : "rmm_csv",
+               t.device, t.n, t.stack ? "true" : "false");
     } else {
         printf("%s: %s, device %d, %zu events\n", cli_shown(path, shown, sizeof shown),
-               t.format == CUMA_TRACE_TORCH_SNAPSHOT ? "PyTorch snapshot" : "RMM CSV log", t.device,
-               t.n);
-        if (!t.stack)
+               t.format == CUMA_TRACE_TORCH_SNAPSHOT   ? "PyTorch snapshot"
+               : t.format == CUMA_TRACE_TORCH_PROFILER ? "PyTorch profiler trace"
+                                                       : "RMM CSV log",
+               t.device, t.n);
+        if (!t.stack && t.format == CUMA_TRACE_TORCH_PROFILER)
+            printf("  no call sites recorded (a profiler trace's memory events have none): "
+                   "grouped by size\n");
+        else if (!t.stack)
             printf("  no call sites recorded (a log written with trace_stacks:on has them): "
                    "grouped by size\n");
     }

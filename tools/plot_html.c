@@ -126,7 +126,10 @@ static int write_data(FILE *f, const char *title, const cuma_trace *t, const tl_
     fputs(",\"trace\":", f);
     json_str(f, replay_base_name(t->path));
     fprintf(f, ",\"format\":\"%s\",\"events\":%zu,\"series\":{\"t\":[",
-            t->format == CUMA_TRACE_TORCH_SNAPSHOT ? "PyTorch snapshot" : "RMM CSV", t->n);
+            t->format == CUMA_TRACE_TORCH_SNAPSHOT   ? "PyTorch snapshot"
+            : t->format == CUMA_TRACE_TORCH_PROFILER ? "PyTorch profiler trace"
+                                                     : "RMM CSV",
+            t->n);
     for (size_t k = 0; k < s->n; k++) fprintf(f, "%s%.6f", k ? "," : "", s->rows[k].t);
     fputc(']', f);
     series_column(f, "req", s, 0);

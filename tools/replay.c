@@ -371,21 +371,28 @@ static uint64_t time_avg_reserved(const result *r) {
     return r->span_us ? (uint64_t)(r->int_reserved / (double)r->span_us) : 0;
 }
 
-/* Where the trace came from, and what a snapshot says PyTorch itself reserved. */
+/* Where the trace came from, and what a snapshot or profiler trace says PyTorch itself
+ * reserved (null where the trace does not say: a profiler trace's CPU events). */
 void replay_json_source(const cuma_trace *t, uint64_t time_avg) {
     int snap = t->format == CUMA_TRACE_TORCH_SNAPSHOT;
+    int prof = t->format == CUMA_TRACE_TORCH_PROFILER;
     printf(",\"format\":\"%s\",\"time_avg_reserved_bytes\":%llu,\"synthetic_times\":%s",
-           snap ? "torch_snapshot" : "rmm_csv", (unsigned long long)time_avg,
-           t->synthetic_times ? "true" : "false");
-    if (!snap) return;
+           snap   ? "torch_snapshot"
+           : prof ? "torch_profiler"
+                  : "rmm_csv",
+           (unsigned long long)time_avg, t->synthetic_times ? "true" : "false");
+    if (!snap && !prof) return;
     uint64_t preseg_bytes = 0;
     for (size_t i = 0; i < t->npreseg; i++) preseg_bytes += t->preseg[i].size;
     printf(",\"device\":%d,\"preexisting_blocks\":%zu,\"preexisting_segments\":%zu,"
-           "\"preexisting_segment_bytes\":%llu,\"recorded_peak_reserved_bytes\":%llu,"
-           "\"recorded_time_avg_reserved_bytes\":",
-           t->device, t->preexisting, t->npreseg, (unsigned long long)preseg_bytes,
-           (unsigned long long)t->recorded.peak_reserved);
-    if (t->recorded.has_time_avg && !t->synthetic_times)
+           "\"preexisting_segment_bytes\":%llu,\"recorded_peak_reserved_bytes\":",
+           t->device, t->preexisting, t->npreseg, (unsigned long long)preseg_bytes);
+    if (t->recorded.valid)
+        printf("%llu", (unsigned long long)t->recorded.peak_reserved);
+    else
+        printf("null");
+    printf(",\"recorded_time_avg_reserved_bytes\":");
+    if (t->recorded.valid && t->recorded.has_time_avg && !t->synthetic_times)
         printf("%llu", (unsigned long long)t->recorded.time_avg_reserved);
     else
         printf("null");
@@ -442,7 +449,8 @@ static void print_row(const result *r, int *header_done) {
            (unsigned long long)r->final.page_creates, (unsigned long long)r->failed_allocs,
            r->ns_per_op);
     const cuma_trace *t = r->trace;
-    if (t->format == CUMA_TRACE_TORCH_SNAPSHOT) {
+    if (t->format == CUMA_TRACE_TORCH_SNAPSHOT ||
+        (t->format == CUMA_TRACE_TORCH_PROFILER && t->recorded.valid)) {
         printf("  %s: device %d, recorded by PyTorch: peak reserved %.1f MiB", base_name(r->path),
                t->device, MIB(t->recorded.peak_reserved));
         if (t->recorded.has_time_avg && !t->synthetic_times)
@@ -588,6 +596,9 @@ static int replay_one(const char *path, const char *conf, const options *o, int 
     if (t.synthetic_times)
         cli_eprintf("cuma replay: %s: warning: the snapshot has no time_us: events are spaced "
                     "1 ms apart, so time-based release and time averages mean nothing\n",
+                    path);
+    if (t.format == CUMA_TRACE_TORCH_PROFILER && t.device < 0)
+        cli_eprintf("cuma replay: %s: no CUDA memory events: replaying the CPU allocator's\n",
                     path);
     int rc;
     if (o->compare)

@@ -12,8 +12,9 @@
 /* s as a JSON string on stdout. */
 void replay_json_string(const char *s);
 
-/* The JSON fields that say where trace t came from and what a snapshot recorded, with the
- * replay's own time-averaged reserved bytes (each field preceded by a comma). */
+/* The JSON fields that say where trace t came from and what a snapshot or profiler trace
+ * recorded, with the replay's own time-averaged reserved bytes (each field preceded by a
+ * comma). */
 void replay_json_source(const cuma_trace *t, uint64_t time_avg_reserved);
 
 /* The file name part of a path. */

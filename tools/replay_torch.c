@@ -62,7 +62,8 @@ static void print_row(const cuma_trace *t, const cuma_tm_result *r, const cuma_t
            ratio((double)s->peak_reserved, (double)s->peak_requested),
            ratio(r->int_reserved, r->int_requested), MIB(r->end_reserved),
            (unsigned long long)s->segments_created, (unsigned long long)s->failed_allocs, "-");
-    if (t->format == CUMA_TRACE_TORCH_SNAPSHOT)
+    if (t->format == CUMA_TRACE_TORCH_SNAPSHOT ||
+        (t->format == CUMA_TRACE_TORCH_PROFILER && t->recorded.valid))
         printf("  %s: policy %s (model): peak reserved %.1f MiB, time-avg %.1f MiB; "
                "recorded by PyTorch: peak reserved %.1f MiB\n",
                replay_base_name(t->path), c->expandable ? "pytorch_expandable" : "pytorch",

@@ -716,20 +716,20 @@ cuma_status cuma_snapshot_from_bytes(const uint8_t *buf, size_t len, const char 
     return st;
 }
 
-cuma_status cuma_snapshot_read(gzFile gz, const char *path, size_t max_events, int device,
-                               int stacks, cuma_trace *out) {
-    memset(out, 0, sizeof *out);
+cuma_status cuma_gz_read_all(gzFile gz, const char *path, size_t max_bytes, const char *what,
+                             uint8_t **out, size_t *out_len) {
+    *out = NULL;
+    *out_len = 0;
     size_t cap = 1 << 20, len = 0;
     uint8_t *buf = malloc(cap);
     if (!buf) return cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", path);
     for (;;) {
         if (len == cap) {
-            if (cap >= CUMA_SNAPSHOT_MAX_BYTES) {
+            if (cap >= max_bytes) {
                 free(buf);
                 return cuma_fail(CUMA_ERR_LIMIT,
-                                 "%s: more than %zu MiB decompressed, the snapshot "
-                                 "reader's limit",
-                                 path, CUMA_SNAPSHOT_MAX_BYTES >> 20);
+                                 "%s: more than %zu MiB decompressed, the %s reader's limit", path,
+                                 max_bytes >> 20, what);
             }
             uint8_t *b = realloc(buf, cap * 2);
             if (!b) {
@@ -752,7 +752,19 @@ cuma_status cuma_snapshot_read(gzFile gz, const char *path, size_t max_events, i
         if (got == 0) break;
         len += (size_t)got;
     }
-    cuma_status st = cuma_snapshot_from_bytes(buf, len, path, max_events, device, stacks, out);
+    *out = buf;
+    *out_len = len;
+    return CUMA_OK;
+}
+
+cuma_status cuma_snapshot_read(gzFile gz, const char *path, size_t max_events, int device,
+                               int stacks, cuma_trace *out) {
+    memset(out, 0, sizeof *out);
+    uint8_t *buf;
+    size_t len;
+    cuma_status st = cuma_gz_read_all(gz, path, CUMA_SNAPSHOT_MAX_BYTES, "snapshot", &buf, &len);
+    if (st != CUMA_OK) return st;
+    st = cuma_snapshot_from_bytes(buf, len, path, max_events, device, stacks, out);
     free(buf);
     return st;
 }

@@ -29,4 +29,9 @@ cuma_status cuma_snapshot_read(gzFile gz, const char *path, size_t max_events, i
 cuma_status cuma_snapshot_from_bytes(const uint8_t *buf, size_t len, const char *path,
                                      size_t max_events, int device, int stacks, cuma_trace *out);
 
+/* Reads the rest of gz into a malloc'ed *out (*out_len bytes; free it). CUMA_ERR_LIMIT past
+ * max_bytes ("the WHAT reader's limit"), CUMA_ERR_IO naming the path, CUMA_ERR_OOM. */
+cuma_status cuma_gz_read_all(gzFile gz, const char *path, size_t max_bytes, const char *what,
+                             uint8_t **out, size_t *out_len);
+
 #endif

@@ -9,6 +9,7 @@
  */
 #include "trace.h"
 
+#include "chrome_trace.h"
 #include "snapshot_pickle.h"
 #include "stack_file.h"
 #include "stacks.h"
@@ -471,6 +472,31 @@ static int first_byte(gzFile gz) {
     return c < 0 ? -1 : c;
 }
 
+/* Passes over a UTF-8 byte-order mark and white space (counting bytes and newlines) and
+ * returns the next byte, pushed back like first_byte's. A JSON file may start so; for a CSV
+ * log the reader would skip them too, so its lines are counted from *lines on. A byte-order
+ * mark cut short is left to the CSV reader as a malformed header. */
+static int first_json_byte(gzFile gz, int first, size_t *skipped, size_t *lines) {
+    *skipped = *lines = 0;
+    int c = first;
+    if (c == 0xEF) {
+        (void)gzgetc(gz);
+        int b2 = gzgetc(gz), b3 = b2 == 0xBB ? gzgetc(gz) : -1;
+        if (b2 != 0xBB || b3 != 0xBF) return -3;
+        *skipped = 3;
+        c = gzgetc(gz);
+        if (c >= 0 && gzungetc(c, gz) != c) return -2;
+    }
+    while (c == ' ' || c == '\t' || c == '\n' || c == '\r') {
+        (void)gzgetc(gz);
+        ++*skipped;
+        *lines += c == '\n';
+        c = gzgetc(gz);
+        if (c >= 0 && gzungetc(c, gz) != c) return -2;
+    }
+    return c < 0 ? -1 : c;
+}
+
 cuma_status cuma_trace_load_opts(const char *path, const cuma_trace_opts *o, cuma_trace *out) {
     if (!out) return cuma_fail(CUMA_ERR_INVALID, "cuma_trace_load: out is NULL");
     memset(out, 0, sizeof *out);
@@ -499,7 +525,21 @@ cuma_status cuma_trace_load_opts(const char *path, const cuma_trace_opts *o, cum
         gzclose(gz);
         return st;
     }
+    size_t skipped = 0, lines = 0;
+    if (first == 0xEF || first == ' ' || first == '\t' || first == '\n' || first == '\r')
+        first = first_json_byte(gz, first, &skipped, &lines);
+    if (first == '{' || first == '[') {
+        st = cuma_chrome_read(gz, path, skipped, lines, max_events, device, out);
+        gzclose(gz);
+        return st;
+    }
+    if (first == -3)
+        st = cuma_fail(CUMA_ERR_PARSE,
+                       "%s:1: missing header, expected Thread,Time,Action,Pointer,Size,Stream "
+                       "(a byte-order mark cut short)",
+                       path);
     if (first == -2) st = cuma_fail(CUMA_ERR_OOM, "%s: out of host memory reading the file", path);
+    L.line = lines;
     if (st == CUMA_OK && map_init(&L.live, 1024) != 0)
         st = cuma_fail(CUMA_ERR_OOM, "%s: out of host memory", path);
     if (st == CUMA_OK) st = read_all(&L, gz);

@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-/* Reader of the traces `cuma replay` consumes: RAPIDS RMM's CSV event log, and PyTorch's CUDA
+/* Reader of the traces `cuma replay` consumes: RAPIDS RMM's CSV event log, PyTorch's CUDA
  * memory snapshots (a pickle from torch.cuda.memory._dump_snapshot(), read by
- * snapshot_pickle.c; see cuma_trace_load_opts). The format is told by the content: a
- * (decompressed) first byte 0x80, pickle's PROTO, is a snapshot; anything else is CSV.
+ * snapshot_pickle.c) and torch.profiler Chrome traces with memory events (JSON from
+ * export_chrome_trace(), read by chrome_trace.c); see cuma_trace_load_opts. The format is told
+ * by the content: a (decompressed) first byte 0x80, pickle's PROTO, is a snapshot; a first
+ * byte '{' or '[' after a UTF-8 byte-order mark and white space is a Chrome trace; anything
+ * else is CSV.
  *
  *   Thread,Time,Action,Pointer,Size,Stream
  *   0,00:00:00:000108,allocate,0x7f0000000400,472,0
@@ -50,12 +53,14 @@ typedef struct cuma_trace_event {
 typedef enum {
     CUMA_TRACE_RMM_CSV = 0,
     CUMA_TRACE_TORCH_SNAPSHOT = 1,
+    CUMA_TRACE_TORCH_PROFILER = 2, /* a torch.profiler Chrome trace */
 } cuma_trace_format;
 
 /* What a PyTorch snapshot says its own allocator reserved from the driver (segment_alloc,
- * segment_free, segment_map, segment_unmap, and the segments alive at the dump). */
+ * segment_free, segment_map, segment_unmap, and the segments alive at the dump), or what a
+ * profiler trace's CUDA memory events say in "Total Reserved". */
 typedef struct cuma_trace_recorded {
-    int valid;                  /* 0: the trace carries no such figures (RMM CSV) */
+    int valid; /* 0: the trace carries no such figures (RMM CSV, a profiler trace's CPU events) */
     uint64_t peak_reserved;     /* bytes */
     uint64_t time_avg_reserved; /* bytes, averaged over the trace's time span; 0 without times */
     int has_time_avg;           /* time_avg_reserved means something */
@@ -100,7 +105,8 @@ typedef struct cuma_trace {
     size_t n;
     size_t unmatched_frees; /* FREE events with match == -1 */
     uint32_t format;        /* cuma_trace_format */
-    int device;             /* a snapshot: the device whose events these are; 0 for CSV */
+    int device;             /* a snapshot or profiler trace: the device whose events these are
+                             * (-1: a profiler trace's CPU events); 0 for CSV */
     int synthetic_times;    /* the file had no times: events are spaced evenly, so time-based
                              * figures (release by time, time averages) mean nothing */
     size_t preexisting;     /* ALLOC events added at time 0 for blocks alive before recording */
@@ -121,7 +127,8 @@ typedef struct cuma_trace {
 /* How to load: cuma_trace_load_opts. */
 typedef struct cuma_trace_opts {
     size_t max_events; /* 0: CUMA_TRACE_MAX_EVENTS */
-    int device;        /* a snapshot's device; -1: the one with the most events */
+    int device;        /* a snapshot's or profiler trace's device; -1: the one with the most
+                        * events (a profiler trace: of its CUDA devices, else its CPU events) */
     int stacks;        /* keep a snapshot's call stacks (cuma_trace.stack); off: never read */
 } cuma_trace_opts;
 
@@ -152,7 +159,17 @@ cuma_status cuma_trace_load_max(const char *path, size_t max_events, cuma_trace 
  * ALLOCs at time 0; the dump's segments that no segment event names are `preseg` (reserved
  * before recording). Times are microseconds since the first event. CUMA_ERR_PARSE also for a
  * pickle the reader refuses (pickle.h) or one that is no snapshot; CUMA_ERR_INVALID for a
- * device the snapshot does not have. */
+ * device the snapshot does not have.
+ *
+ * A Chrome trace's memory events (chrome_trace.h says which fields are read), in time order
+ * (ties in file order): "[memory]" with a positive "Bytes" -> ALLOC at "Addr", with a negative
+ * one -> FREE of "Addr" (0 bytes: nothing), "[OutOfMemory]" -> ALLOC_FAIL; times are
+ * microseconds since the first of them. Only one device's events: a CUDA device ("Device
+ * Type" 1, "Device Id" the device), or the CPU's ("Device Type" 0, device -1) when there are no
+ * CUDA events and no device was asked for. An address whose first event is a free is a block
+ * alive before profiling: an ALLOC at time 0 of that free's size, as for snapshots. `recorded`
+ * is the largest "Total Reserved" and its time average (CUDA events only). CUMA_ERR_PARSE also
+ * for a trace without memory events; CUMA_ERR_INVALID for a device it does not have. */
 cuma_status cuma_trace_load_opts(const char *path, const cuma_trace_opts *o, cuma_trace *out);
 
 /* Sets every event's match and t->unmatched_frees from the actions and pointers, as the CSV

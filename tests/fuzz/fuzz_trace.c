@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-/* The RMM CSV trace reader (src/trace/trace.c) on any bytes, plain or gzip.
+/* The RMM CSV trace reader (src/trace/trace.c) on any bytes, plain or gzip (bytes that look
+ * like a snapshot or a profiler trace go to those readers, which fuzz_snapshot and fuzz_chrome
+ * fuzz on their own; here they must only keep the invariants that are not CSV's).
  *
  * The reader takes a path only, so the input goes into an anonymous memory file, read back
  * through /proc/self/fd (no disk, nothing left behind).
@@ -11,7 +13,7 @@
  *   earlier ALLOC of the same pointer that links back, an ALLOC's match a later FREE that links
  *   back, an ALLOC_FAIL has none; unmatched_frees counts the FREEs without one; and the links
  *   are exactly those of a naive model (the newest allocation of a pointer takes it over);
- * - there are no more events than lines;
+ * - a CSV log has no more events than lines;
  * - the events written back in the log's canonical form, plain and gzip, load as the same
  *   events.
  */
@@ -176,15 +178,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         FZ_CHECK(st == CUMA_ERR_PARSE || st == CUMA_ERR_IO || st == CUMA_ERR_LIMIT,
                  "load returned %d", (int)st);
         FZ_CHECK(*cuma_last_error(), "failure without a message");
-        FZ_CHECK(st != CUMA_ERR_LIMIT || strstr(cuma_last_error(), "more than 4096 events"),
+        /* The CSV reader's event limit, or one of the JSON reader's (a profiler trace). */
+        FZ_CHECK(st != CUMA_ERR_LIMIT || strstr(cuma_last_error(), "more than 4096 events") ||
+                     strstr(cuma_last_error(), "reader's limit"),
                  "limit not named: %s", cuma_last_error());
         for (const unsigned char *c = (const unsigned char *)cuma_last_error(); *c; c++)
             FZ_CHECK(*c >= 0x20 && *c != 0x7f, "raw control byte 0x%02x in the message", *c);
         FZ_CHECK(!t.ev && !t.n && !t.path && !t.unmatched_frees, "failed load left a trace");
         return 0;
     }
-    /* Each event takes a line; a gzip input may hold more lines than bytes, so only plain. */
-    if (size < 2 || data[0] != 0x1f || data[1] != 0x8b) {
+    /* Each event of a CSV log takes a line; a gzip input may hold more lines than bytes, so
+     * only plain. A snapshot or profiler trace (JSON) may hold many events on one line. */
+    if (t.format == CUMA_TRACE_RMM_CSV && (size < 2 || data[0] != 0x1f || data[1] != 0x8b)) {
         size_t lines = 1;
         for (size_t i = 0; i < size; i++) lines += data[i] == '\n';
         FZ_CHECK(t.n < lines, "%zu events from %zu lines", t.n, lines);
