@@ -106,7 +106,7 @@ FUZZ_SECONDS ?= 60
 # FUZZ_RUNS=N: each target runs N inputs instead (no time limit), e.g. FUZZ_RUNS=1000000.
 FUZZ_RUNS ?=
 FUZZ_BUILD ?= build-fuzz
-FUZZ_TARGETS ?= fuzz_config fuzz_trace fuzz_snapshot fuzz_ledger_file fuzz_heap
+FUZZ_TARGETS ?= fuzz_config fuzz_trace fuzz_snapshot fuzz_chrome fuzz_ledger_file fuzz_heap
 .PHONY: fuzz
 fuzz:
 	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo \
