@@ -13,7 +13,9 @@ minutes=${SOAK_MINUTES:-10}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 if [ "$build" = build-asan ]; then
-  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUMA_SANITIZE=address >/dev/null || exit 1
+  # As `make test-asan` configures it (the two share the folder): warnings are errors.
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUMA_SANITIZE=address -DCUMA_WERROR=ON \
+    >/dev/null || exit 1
 fi
 cmake --build "$build" -j"$(nproc)" --target test_stress test_fork test_fork_cases \
   test_ledger_stress test_release_thread test_tcache test_arena >/dev/null || exit 1
