@@ -68,6 +68,9 @@ cuma_status cuma_arena_build(cuma_arena *a) {
     if (st) goto fail_streams;
     st = phys->init(a);
     if (st) goto fail_pol;
+    /* The pages in use, so that the policy packs blocks smaller than a page onto them (the
+     * layer's counts per unit; NULL where it keeps none, and the policy places as it would). */
+    a->pol->hint = (cuma_place_hint){a->phys.refs, a->phys.nrefs, a->phys.shift};
     cuma_map_init(&a->live);
     a->release_delay_ns =
         a->heap->set.release_delay_ms < 0 ? -1 : a->heap->set.release_delay_ms * 1000000;

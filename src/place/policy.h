@@ -66,8 +66,20 @@ typedef struct cuma_policy_ops {
 /* The policy of that name (settings/policies.h lists them), or NULL. */
 const cuma_policy_ops *cuma_policy_find(const char *name);
 
+/* Which units of the range hold memory in use, for a policy that can choose among blocks by
+ * it: used[u] != 0 while bytes [u << shift, (u + 1) << shift) of the policy's offsets are under
+ * a live block, so that a block placed there needs no unit of memory it does not have already
+ * (the heap sets it from its physical layer; used == NULL: no hint). The policy only reads it,
+ * at alloc; it changes outside the policy's calls. */
+typedef struct cuma_place_hint {
+    const uint32_t *used;
+    uint32_t n; /* units in used[] */
+    unsigned shift;
+} cuma_place_hint;
+
 struct cuma_policy {
     const cuma_policy_ops *ops;
+    cuma_place_hint hint;
 };
 
 extern const cuma_policy_ops cuma_tlsf_ops;

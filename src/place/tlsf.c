@@ -137,6 +137,74 @@ static void absorb(tlsf *t, cuma_block *b, cuma_block *n) {
     cuma_block_delete(&t->pool, n);
 }
 
+/* A free block of [off, off+size) split off f's side at `at` (after: the part from at on). */
+static cuma_block *split_free(tlsf *t, cuma_block *f, uint64_t at) {
+    cuma_block *r = cuma_block_new(&t->pool);
+    if (!r) return NULL;
+    r->off = at;
+    r->size = f->off + f->size - at;
+    r->prev = f, r->next = f->next;
+    if (r->next) r->next->prev = r;
+    f->next = r;
+    r->is_free = 1;
+    r->fence_seq = f->fence_seq, r->fence_stream = f->fence_stream;
+    r->range_end = f->range_end, f->range_end = 0;
+    f->size = at - f->off;
+    return r;
+}
+
+/* Units a block at [off, off + size) would need that hold nothing in use yet: all it spans but
+ * its first and last where live memory is there already (a unit wholly inside a free block holds
+ * none, so only the ends can be shared). */
+static uint64_t fresh_units(const cuma_place_hint *h, uint64_t off, uint64_t size) {
+    uint64_t lo = off >> h->shift, hi = (off + size - 1) >> h->shift, n = hi - lo + 1;
+    if (hi >= h->n) return n;
+    if (h->used[lo]) n--;
+    if (hi != lo && h->used[hi]) n--;
+    return n;
+}
+
+/* *at: the end of free block f where a block of `size` needs the fewer fresh units: its start,
+ * or its top where a live block holds the unit there and not the start's (a hole that ends
+ * inside a page in use). Never the top of a range's last block, which stays untouched. */
+static void place_end(const cuma_place_hint *h, const cuma_block *f, uint64_t size, uint64_t *at) {
+    uint64_t c = fresh_units(h, f->off, size);
+    *at = f->off;
+    if (c && f->size > size && !f->range_end) {
+        uint64_t top = f->off + f->size - size;
+        if (fresh_units(h, top, size) < c) *at = top;
+    }
+}
+
+/* Fitting blocks looked at beyond the best fit, by size from the request's bin up (8 find
+ * what an unbounded search finds on the traces of bench/workloads), and blocks visited at most,
+ * fitting or not (the request's own bin may hold many that are too small). */
+#define HINT_SCAN  8
+#define HINT_VISIT 32
+
+/* Placement of a block smaller than a unit where the units are known (the hint): the lowest
+ * address among the best fit and the next fitting blocks, at the end of it that needs fewer
+ * fresh units. Small blocks of mixed lifetimes (activations saved for the backward pass among
+ * temporaries) then pack from the bottom of the range: the holes the short-lived ones leave are
+ * refilled before a unit higher up is touched, and the units above empty out, where best fit
+ * scatters them over units that all stay in use (docs/WORKLOADS.md). Blocks under 1/32 of a
+ * unit keep the best fit: their holes strand little, and they are most of the calls. */
+static cuma_block *hint_choose(tlsf *t, cuma_block *best, uint64_t size, unsigned stream,
+                               uint64_t *at) {
+    unsigned fl, sl, n = 0, seen = 0;
+    mapping(size, &fl, &sl);
+    for (; n < HINT_SCAN && seen < HINT_VISIT && next_bin(t, &fl, &sl); sl++) {
+        for (cuma_block *b = t->bins[fl][sl]; b && n < HINT_SCAN && seen < HINT_VISIT;
+             b = b->fnext, seen++) {
+            if (b == best || b->size < size || !usable(t, b, stream)) continue;
+            n++;
+            if (b->off < best->off) best = b;
+        }
+    }
+    place_end(&t->base.hint, best, size, at);
+    return best;
+}
+
 static cuma_block *tlsf_alloc(cuma_policy *p, uint64_t size, unsigned stream) {
     tlsf *t = (tlsf *)p;
     unsigned fl, sl;
@@ -153,6 +221,10 @@ static cuma_block *tlsf_alloc(cuma_policy *p, uint64_t size, unsigned stream) {
     /* Last resort: the request's own bin, whole (its first blocks may all be too small). */
     if (!best) best = scan_bin(t, t->bins[ofl][sl], size, stream, UINT64_MAX);
     if (!best) return NULL;
+    uint64_t at = best->off;
+    const cuma_place_hint *h = &t->base.hint;
+    if (h->used && size < (1ull << h->shift) && size >= (1ull << h->shift) >> 5)
+        best = hint_choose(t, best, size, stream, &at);
     unlink_free(t, best);
     /* Fences complete after blocks were freed: neighbours left apart then may merge now, and
      * the remainder of the split below is larger for it. */
@@ -165,6 +237,14 @@ static cuma_block *tlsf_alloc(cuma_policy *p, uint64_t size, unsigned stream) {
         unlink_free(t, pv);
         absorb(t, pv, best);
         best = pv;
+    }
+    /* Placed above the block's start (hint_choose): what lies below stays free. */
+    if (at > best->off) {
+        cuma_block *hi = split_free(t, best, at);
+        if (hi) {
+            insert(t, best);
+            best = hi;
+        }
     }
     if (best->size - size >= CUMA_GRANULE) {
         cuma_block *r = cuma_block_new(&t->pool);
@@ -269,22 +349,6 @@ static void tlsf_coalesce(cuma_policy *p, void (*fn)(void *, cuma_block *), void
 static cuma_block *tlsf_first(cuma_policy *p) {
     tlsf *t = (tlsf *)p;
     return t->nranges ? t->ranges[0] : NULL;
-}
-
-/* A free block of [off, off+size) split off f's side at `at` (after: the part from at on). */
-static cuma_block *split_free(tlsf *t, cuma_block *f, uint64_t at) {
-    cuma_block *r = cuma_block_new(&t->pool);
-    if (!r) return NULL;
-    r->off = at;
-    r->size = f->off + f->size - at;
-    r->prev = f, r->next = f->next;
-    if (r->next) r->next->prev = r;
-    f->next = r;
-    r->is_free = 1;
-    r->fence_seq = f->fence_seq, r->fence_stream = f->fence_stream;
-    r->range_end = f->range_end, f->range_end = 0;
-    f->size = at - f->off;
-    return r;
 }
 
 static cuma_block *tlsf_carve(cuma_policy *p, cuma_block *f, uint64_t off, uint64_t size) {

@@ -184,6 +184,17 @@ static uint64_t random_size(unsigned long long *seed, unsigned max_log) {
     return 1 + rnd(seed) % (1ull << e);
 }
 
+/* test_random with a hint (tlsf.c hint_choose): per 2 MiB unit of the range, the live blocks on
+ * it, as the heap's pages keep them; NULL without. */
+#define HINT_SHIFT 21
+static uint32_t *hint_used;
+
+static void hint_count(const cuma_block *b, int d) {
+    if (!hint_used) return;
+    for (uint64_t u = b->off >> HINT_SHIFT; u <= (b->off + b->size - 1) >> HINT_SHIFT; u++)
+        hint_used[u] = (uint32_t)((int)hint_used[u] + d);
+}
+
 static void check_no_overlap(const live_block *live, int n, const cuma_block *b) {
     for (int i = 0; i < n; i++)
         if (b->off < live[i].off + live[i].size && live[i].off < b->off + b->size) {
@@ -197,16 +208,23 @@ static void check_no_overlap(const live_block *live, int n, const cuma_block *b)
 static void free_one(env *e, live_block *live, int *n, int k, uint64_t *live_bytes) {
     live_block lb = live[k];
     CHECK(lb.b->off == lb.off && lb.b->size == lb.size && !lb.b->is_free);
+    hint_count(lb.b, -1);
     cuma_block *m = e->ops->free(e->p, lb.b, 0, 0);
     CHECK(m && m->is_free && m->off <= lb.off && m->off + m->size >= lb.off + lb.size);
     *live_bytes -= lb.size;
     live[k] = live[--*n];
 }
 
-/* 10^5 random operations, clean fences (seq 0), one stream. */
-static void test_random(const cuma_policy_ops *ops, unsigned flags, unsigned long long *seed) {
+/* 10^5 random operations, clean fences (seq 0), one stream; with `hint`, under a hint of the
+ * units in use (blocks then go to other places and ends). */
+static void test_random(const cuma_policy_ops *ops, unsigned flags, unsigned long long *seed,
+                        bool hint) {
     env e;
     setup(&e, ops, flags, 0, RANGE);
+    if (hint) {
+        CHECK((hint_used = calloc(RANGE >> HINT_SHIFT, sizeof *hint_used)) != NULL);
+        e.p->hint = (cuma_place_hint){hint_used, RANGE >> HINT_SHIFT, HINT_SHIFT};
+    }
     validate(&e, 0);
     CHECK(ops->largest_free(e.p) == RANGE);
     enum { MAXLIVE = 1 << 14 };
@@ -230,6 +248,7 @@ static void test_random(const cuma_policy_ops *ops, unsigned flags, unsigned lon
             }
             check_block(&e, b, sz);
             check_no_overlap(live, n, b);
+            hint_count(b, 1);
             live[n].b = b, live[n].off = b->off, live[n].size = b->size;
             n++;
             live_bytes += b->size;
@@ -273,6 +292,8 @@ static void test_random(const cuma_policy_ops *ops, unsigned flags, unsigned lon
     CHECK(live_bytes == RANGE);
     teardown(&e); /* untracked blocks, if any, go with the policy */
     free(live);
+    free(hint_used);
+    hint_used = NULL;
 }
 
 /* Two streams: a block freed with a fence of stream 0 goes back to stream 0 at once, and to
@@ -657,18 +678,70 @@ static void test_buddy_coalesce(void) {
     teardown(&e);
 }
 
+/* tlsf.c hint_choose(): with the pages known, a block of 1/32 of a page up to a page goes to
+ * the lowest fitting address among the best fit and the next blocks by size, not to the best
+ * fit: holes x (768 KiB at 1 MiB) and y (512 KiB at 5.75 MiB) between live blocks, a 512 KiB
+ * request. Best fit takes y (still so without a hint, and for a block under 64 KiB). */
+static void test_tlsf_hint_lowest(void) {
+    env e;
+    setup(&e, &cuma_tlsf_ops, CUMA_POLICY_KEEP_TOP_CLEAN, 0, 64 * MB);
+    uint32_t used[32] = {1, 1, 1, 1};
+    cuma_block *a = get(&e, MB, 0), *x = get(&e, 768 * KB, 0), *s1 = get(&e, 4 * MB, 0);
+    cuma_block *y = get(&e, 512 * KB, 0), *s2 = get(&e, MB, 0);
+    CHECK(a && x && s1 && y && s2 && x->off == MB && y->off == 5 * MB + 768 * KB);
+    uint64_t xo = x->off, yo = y->off;
+    cuma_tlsf_ops.free(e.p, x, 0, 0);
+    cuma_tlsf_ops.free(e.p, y, 0, 0);
+    cuma_block *b = get(&e, 512 * KB, 0); /* no hint: best fit */
+    CHECK(b && b->off == yo);
+    cuma_tlsf_ops.free(e.p, b, 0, 0);
+    e.p->hint = (cuma_place_hint){used, 32, 21};
+    b = get(&e, 32 * KB, 0); /* under 1/32 of a page: best fit */
+    CHECK(b && b->off == yo);
+    cuma_tlsf_ops.free(e.p, b, 0, 0);
+    b = get(&e, 512 * KB, 0);
+    CHECK(b && b->off == xo); /* fails: best fit, 5.75 MiB */
+    validate(&e, 6 * MB + 512 * KB);
+    teardown(&e);
+}
+
+/* hint_choose(): the end of the hole a small block goes at is the one on a page in use. Hole
+ * [4, 7.5) MiB: its page [4, 6) holds nothing, [6, 8) a live block above it; a 1 MiB block goes
+ * at [6.5, 7.5), not at 4 MiB where it would need a page of its own; the hole's rest stays one
+ * free block that a 2.5 MiB request then fills exactly. */
+static void test_tlsf_hint_top_end(void) {
+    env e;
+    setup(&e, &cuma_tlsf_ops, CUMA_POLICY_KEEP_TOP_CLEAN, 0, 64 * MB);
+    uint32_t used[32] = {1, 1, 0, 1, 1};
+    cuma_block *a = get(&e, 4 * MB, 0), *x = get(&e, 3 * MB + 512 * KB, 0);
+    cuma_block *s = get(&e, MB, 0);
+    CHECK(a && x && s && x->off == 4 * MB && s->off == 7 * MB + 512 * KB);
+    cuma_tlsf_ops.free(e.p, x, 0, 0);
+    e.p->hint = (cuma_place_hint){used, 32, 21};
+    cuma_block *b = get(&e, MB, 0);
+    CHECK(b && b->off == 6 * MB + 512 * KB); /* fails: 4 MiB */
+    validate(&e, 6 * MB);
+    cuma_block *c = get(&e, 2 * MB + 512 * KB, 0);
+    CHECK(c && c->off == 4 * MB);
+    validate(&e, 8 * MB + 512 * KB);
+    teardown(&e);
+}
+
 int main(void) {
     unsigned long long seed = test_seed();
     const cuma_policy_ops *all[] = {&cuma_tlsf_ops, &cuma_buddy_ops};
     for (int i = 0; i < 2; i++) {
         const cuma_policy_ops *ops = all[i];
         test_round_and_ranges(ops);
-        test_random(ops, 0, &seed);
+        test_random(ops, 0, &seed, false);
         test_fences(ops, 0);
         test_merge_rules(ops);
         test_random_fences(ops, 0, &seed);
     }
-    test_random(&cuma_tlsf_ops, CUMA_POLICY_KEEP_TOP_CLEAN, &seed);
+    test_random(&cuma_tlsf_ops, CUMA_POLICY_KEEP_TOP_CLEAN, &seed, false);
+    test_random(&cuma_tlsf_ops, CUMA_POLICY_KEEP_TOP_CLEAN, &seed, true);
+    test_tlsf_hint_lowest();
+    test_tlsf_hint_top_end();
     test_fences(&cuma_tlsf_ops, CUMA_POLICY_KEEP_TOP_CLEAN);
     test_random_fences(&cuma_tlsf_ops, CUMA_POLICY_KEEP_TOP_CLEAN, &seed);
     test_tlsf_top_and_coalesce();
