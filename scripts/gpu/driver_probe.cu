@@ -81,6 +81,7 @@ __global__ void copy_flag(const volatile int *flag, int *out) {
 }
 
 static long long g_cycles_per_ms;
+static int g_ordinal; // --device: each thread sets it, the current device being per thread
 
 // Question 1, one case: the legacy stream's view of the flag (its event's and its kernel's),
 // whether the thread's kernel was still running after both were queued, the join time and the
@@ -100,6 +101,7 @@ static ptds_case ptds_run(volatile int *h_flag, int *d_flag, int *d_out, bool th
     std::atomic<bool> launched{false}, release{false};
     std::atomic<double> t0{0};
     std::thread t([&] {
+        if (cudaSetDevice(g_ordinal) != cudaSuccess) die("cudaSetDevice in the thread", "failed");
         t0 = now_ms();
         spin_then_set<<<1, 1, 0, cudaStreamPerThread>>>(200 * g_cycles_per_ms, d_flag, 1);
         if (cudaGetLastError() != cudaSuccess) die("spin on cudaStreamPerThread", "launch failed");
@@ -202,6 +204,7 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
+    g_ordinal = ordinal;
     RT(cudaSetDevice(ordinal));
     RT(cudaFree(nullptr)); // the primary context, which the driver API calls below use
     int khz = 0;
