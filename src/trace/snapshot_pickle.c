@@ -749,7 +749,20 @@ cuma_status cuma_gz_read_all(gzFile gz, const char *path, size_t max_bytes, cons
             free(buf);
             return st;
         }
-        if (got == 0) break;
+        if (got == 0) {
+            /* zlib gives a gzip stream that stops short (even in its trailer, after the whole
+             * data) as an end of file; only gzerror tells it apart. */
+            int zerr = Z_OK;
+            (void)gzerror(gz, &zerr);
+            if (zerr == Z_BUF_ERROR) {
+                free(buf);
+                return cuma_fail(CUMA_ERR_IO,
+                                 "%s: read failed: the compressed data ends early (a truncated "
+                                 "file?)",
+                                 path);
+            }
+            break;
+        }
         len += (size_t)got;
     }
     *out = buf;

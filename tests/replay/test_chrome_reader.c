@@ -14,6 +14,8 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 static const char *work;
@@ -264,6 +266,14 @@ static void test_truncated(void) {
     const char *cut = "{\"traceEvents\": [\n{\"name\": \"x\"},\n{\"name\": \"[mem";
     CHECK_ST(load(write_file("cut.json", cut, strlen(cut), 0), -1, 0, &t), CUMA_ERR_PARSE);
     has_error("cut.json:3: a string that does not end (truncated?) (offset 42)");
+    /* A .gz file cut in its trailer decompresses to the whole JSON: zlib reports the cut only
+     * through gzerror, which the reader must ask. */
+    const char *gz = write_file("cut.json.gz", text, len, 1);
+    struct stat sb;
+    CHECK(stat(gz, &sb) == 0 && sb.st_size > 8 && truncate(gz, sb.st_size - 4) == 0);
+    CHECK_ST(load(gz, -1, 0, &t), CUMA_ERR_IO);
+    has_error("cut.json.gz: read failed: the compressed data ends early (a truncated file?)");
+    CHECK(!t.ev && !t.path);
 }
 
 static void test_structure(void) {

@@ -310,6 +310,49 @@ static void check_per_thread_streams(void) {
     CHECK(fakecuda_calls("cuCtxSynchronize") == 0);
 }
 
+/* cuMemFree (cudaFree) waits for the device as the driver's does, in the heap rather than on the
+ * host: a block a worker allocated on its per-thread stream and this thread used on its own,
+ * freed here with cuMemFree while that work is in flight, is not handed to the worker's stream
+ * (the block's allocation stream) until this thread's work is done too. */
+typedef struct ptds_owner {
+    CUdeviceptr p, got[4];
+    atomic_int phase; /* 1: p allocated; 2: p freed by main; 3: worker allocated */
+} ptds_owner;
+
+static void *ptds_owner_main(void *arg) {
+    ptds_owner *w = arg;
+    CHECK_CU(cuCtxSetCurrent(primary));
+    CHECK_CU(cuMemAllocAsync_ptsz(&w->p, 1 * MB, NULL));
+    atomic_store(&w->phase, 1);
+    while (atomic_load(&w->phase) != 2) sched_yield();
+    for (int i = 0; i < 4; i++) CHECK_CU(cuMemAllocAsync_ptsz(&w->got[i], 1 * MB, NULL));
+    atomic_store(&w->phase, 3);
+    return NULL;
+}
+
+static void check_free_waits_for_freeing_thread(void) {
+    fakecuda_reset_counters();
+    ptds_owner w = {0};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, ptds_owner_main, &w) == 0);
+    while (atomic_load(&w.phase) != 1) sched_yield();
+    touch(w.p, 1 * MB, 0x4d);
+    fakecuda_stream_hold(CU_STREAM_PER_THREAD); /* this thread's kernels on w.p still running */
+    CHECK_CU(cuMemFree_v2(w.p));                /* returns at once */
+    atomic_store(&w.phase, 2);
+    while (atomic_load(&w.phase) != 3) sched_yield();
+    for (int i = 0; i < 4; i++)
+        if (routed && w.got[i] < w.p + 1 * MB && w.p < w.got[i] + 1 * MB)
+            FAIL("the worker's per-thread stream got %#llx back, freed with cuMemFree by another "
+                 "thread with its work on it in flight\n",
+                 (unsigned long long)w.got[i]);
+    fakecuda_stream_release(CU_STREAM_PER_THREAD);
+    CHECK(pthread_join(t, NULL) == 0);
+    for (int i = 0; i < 4; i++) CHECK_CU(cuMemFreeAsync_ptsz(w.got[i], NULL));
+    CHECK(fakecuda_calls("cuStreamSynchronize") == 0);
+    CHECK(fakecuda_calls("cuCtxSynchronize") == 0);
+}
+
 /* The driver as the runtime opens it (dlopen, then dlsym of cuGetProcAddress_v2): its handle in
  * *h and its cuGetProcAddress, which must be the shim's exactly when the calls are routed. */
 static gpa_fn runtime_gpa(void **h) {
@@ -811,6 +854,7 @@ int main(int argc, char **argv) {
     check_async_and_pitch();
     check_foreign_free();
     check_per_thread_streams();
+    check_free_waits_for_freeing_thread();
     check_runtime_path();
     check_reset();
     check_stderr(want);

@@ -431,8 +431,8 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemAllocAsync_ptsz(CUdeviceptr *dptr, siz
  * not cuma's, the driver's to free. owner: the device whose range holds p (-1: unknown), asked
  * first; the others only if it refuses (a range of unknown device), so that a free on device 7
  * does not ask seven heaps (and format seven refusals) first. */
-static bool free_in_cuma(CUdeviceptr p, int owner, CUstream stream, const char *call,
-                         CUresult *out) {
+static bool free_in_cuma(CUdeviceptr p, int owner, CUstream stream, bool device_wide,
+                         const char *call, CUresult *out) {
     if (!p || !cuma_preload_routing()) return false;
     int n = atomic_load_explicit(&ndevs, memory_order_acquire);
     for (int k = -1; k < n; k++) {
@@ -441,7 +441,10 @@ static bool free_in_cuma(CUdeviceptr p, int owner, CUstream stream, const char *
         cuma_preload_pin pin;
         cuma_heap *h = pin_heap(i, &pin);
         if (!h) continue;
-        cuma_status st = cuma_free(h, (void *)(uintptr_t)p, (cuma_stream)stream);
+        /* The legacy stream (the heap's NULL, cuMemAlloc's stream) waits for every blocking
+         * stream: the block then waits for that too, besides its allocation stream. */
+        cuma_status st = device_wide ? cuma_record_stream(h, (void *)(uintptr_t)p, NULL) : CUMA_OK;
+        if (st == CUMA_OK) st = cuma_free(h, (void *)(uintptr_t)p, (cuma_stream)stream);
         cuma_preload_pin_drop(&pin);
         if (st == CUMA_ERR_BAD_POINTER) continue; /* another heap's, or nobody's: unchanged */
         *out = st == CUMA_OK ? CUDA_SUCCESS : failed(call, st);
@@ -459,14 +462,24 @@ static bool free_in_cuma(CUdeviceptr p, int owner, CUstream stream, const char *
 static bool free_routed(CUdeviceptr dptr, CUstream s, const char *call, CUresult *out) {
     int owner;
     if (!dptr || !cuma_preload_routing() || !cuma_preload_owned(dptr, &owner)) return false;
-    return free_in_cuma(dptr, owner, s, call, out);
+    return free_in_cuma(dptr, owner, s, false, call, out);
+}
+
+/* cuMemFree: the driver's waits for the device, so a program may free memory that any thread
+ * used on any stream. The block waits, in the heap, for its allocation stream and for the legacy
+ * stream, which waits for every blocking stream (every thread's per-thread stream among them):
+ * the freeing thread's work on it is covered even where the block came from another thread's
+ * per-thread stream. A cuMemAlloc block's allocation stream is the legacy stream already. */
+static bool free_device_wide(CUdeviceptr dptr, CUresult *out) {
+    int owner;
+    if (!dptr || !cuma_preload_routing() || !cuma_preload_owned(dptr, &owner)) return false;
+    return free_in_cuma(dptr, owner, NULL, true, "cuMemFree", out);
 }
 
 CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr) {
     const cuma_preload_driver *d = cuma_preload_driver_get();
     CUresult r;
-    /* NULL stream: the stream the block was allocated on (cuma_free's rule). */
-    if (free_routed(dptr, NULL, "cuMemFree", &r)) return r;
+    if (free_device_wide(dptr, &r)) return r;
     return FORWARD(d, MemFree, dptr);
 }
 
