@@ -169,6 +169,15 @@ cuma_status cuma_alloc_with_stack(cuma_heap *heap, size_t size, cuma_stream stre
  * CUMA_ERR_BAD_POINTER and change nothing. NULL is a no-op. */
 cuma_status cuma_free(cuma_heap *heap, void *ptr, cuma_stream stream);
 
+/* Frees a pointer whose last use may be on any stream, as cudaFree promises a program (the
+ * driver's waits for the whole device): nobody, the stream it was allocated on included, reuses
+ * the memory before the work issued so far on the default stream is complete, and on its
+ * allocation stream (and streams cuma_record_stream added). On CUDA the default stream is the
+ * legacy stream, whose work waits for every blocking stream's (every thread's per-thread stream
+ * among them), so this covers work on any stream but one created cudaStreamNonBlocking. The host
+ * does not wait. Errors as cuma_free's. */
+cuma_status cuma_free_device_wide(cuma_heap *heap, void *ptr);
+
 /* Notes that `stream` also uses the allocation: its memory is not reused by anyone until the
  * work issued on `stream` up to the free has completed. */
 cuma_status cuma_record_stream(cuma_heap *heap, void *ptr, cuma_stream stream);

@@ -510,9 +510,11 @@ cuma_status cuma_alloc_with_stack(cuma_heap *h, size_t size, cuma_stream stream,
     return alloc_slow(h, size, stream, ptr, false, stack);
 }
 
-/* Everything but a free into the thread cache (`r` says what the cache did with it). */
+/* Everything but a free into the thread cache (`r` says what the cache did with it). wide: the
+ * program's last use is on a stream it does not say (cuma_free_device_wide). */
 __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, cuma_stream stream,
-                                                       cuma_tcache *tc, cuma_tc_result r) {
+                                                       cuma_tcache *tc, cuma_tc_result r,
+                                                       bool wide) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_free: heap is NULL");
     if (!ptr) return CUMA_OK;
     if (atomic_load_explicit(&h->inherited, memory_order_relaxed))
@@ -568,10 +570,17 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
     uint64_t t = now(a);
     uint64_t seq = cuma_streams_note_free(&a->streams, (unsigned)si);
     cuma_streams_freed(&a->streams, (unsigned)si, t);
-    if (b->extra[0] != CUMA_NO_STREAM || b->extra_all) {
-        /* record_stream: nobody may reuse it before the other streams' work is done too. */
+    int di = wide ? cuma_arena_stream_index(a, NULL) : -1;
+    if (wide && di < 0) b->extra_all = 1; /* table full: every stream's work, then */
+    if (wide || b->extra[0] != CUMA_NO_STREAM || b->extra_all) {
+        /* record_stream: nobody may reuse it before the other streams' work is done too. A
+         * device-wide free: nor before the default stream's work issued so far (on CUDA the
+         * legacy stream, which waits for every blocking stream's), its own stream included. */
         uint16_t fs = (uint16_t)si;
         uint64_t fq = seq;
+        if (di >= 0 && di != si)
+            cuma_fence_join(&a->streams, &fs, &fq, (uint16_t)di,
+                            cuma_streams_note_free(&a->streams, (unsigned)di));
         for (int k = 0; k < 2; k++)
             if (b->extra[k] != CUMA_NO_STREAM)
                 cuma_fence_join(&a->streams, &fs, &fq, b->extra[k],
@@ -608,10 +617,15 @@ cuma_status cuma_free(cuma_heap *h, void *ptr, cuma_stream stream) {
         if (tc) {
             cuma_tc_result r = cuma_tcache_free(tc, (uint64_t)(uintptr_t)ptr, stream);
             if (r == CUMA_TC_DONE) return CUMA_OK;
-            return free_slow(h, ptr, stream, tc, r);
+            return free_slow(h, ptr, stream, tc, r, false);
         }
     }
-    return free_slow(h, ptr, stream, NULL, CUMA_TC_MISS);
+    return free_slow(h, ptr, stream, NULL, CUMA_TC_MISS, false);
+}
+
+cuma_status cuma_free_device_wide(cuma_heap *h, void *ptr) {
+    /* Past the thread cache: a block there is reusable at once by its stream. */
+    return free_slow(h, ptr, NULL, NULL, CUMA_TC_MISS, true);
 }
 
 /* Whether addr is a live managed fallback of the heap. */

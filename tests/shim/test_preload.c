@@ -353,6 +353,33 @@ static void check_free_waits_for_freeing_thread(void) {
     CHECK(fakecuda_calls("cuCtxSynchronize") == 0);
 }
 
+/* cudaFree promises that the device is done with the memory, so the program may use what the
+ * next cudaMalloc returns on any stream. A block freed with work on a blocking stream in flight
+ * must not come back from cuMemAlloc before that work is done (the legacy stream's fence covers
+ * it), though nothing waits on the host. */
+static void check_free_waits_for_blocking_streams(void) {
+    fakecuda_reset_counters();
+    CUstream s1;
+    CHECK_CU(cuStreamCreate(&s1, CU_STREAM_DEFAULT));
+    CUdeviceptr p, q[4];
+    CHECK_CU(cuMemAlloc_v2(&p, 1 * MB));
+    touch(p, 1 * MB, 0x2e);
+    fakecuda_stream_hold(s1);  /* kernels on p still running on s1 */
+    CHECK_CU(cuMemFree_v2(p)); /* returns at once */
+    for (int i = 0; i < 4; i++) {
+        CHECK_CU(cuMemAlloc_v2(&q[i], 1 * MB));
+        if (routed && q[i] < p + 1 * MB && p < q[i] + 1 * MB)
+            FAIL("cuMemAlloc returned %#llx, freed with cuMemFree while a blocking stream's work "
+                 "on it was in flight\n",
+                 (unsigned long long)q[i]);
+    }
+    fakecuda_stream_release(s1);
+    for (int i = 0; i < 4; i++) CHECK_CU(cuMemFree_v2(q[i]));
+    CHECK_CU(cuStreamDestroy_v2(s1));
+    CHECK(fakecuda_calls("cuStreamSynchronize") == 0);
+    CHECK(fakecuda_calls("cuCtxSynchronize") == 0);
+}
+
 /* The driver as the runtime opens it (dlopen, then dlsym of cuGetProcAddress_v2): its handle in
  * *h and its cuGetProcAddress, which must be the shim's exactly when the calls are routed. */
 static gpa_fn runtime_gpa(void **h) {
@@ -855,6 +882,7 @@ int main(int argc, char **argv) {
     check_foreign_free();
     check_per_thread_streams();
     check_free_waits_for_freeing_thread();
+    check_free_waits_for_blocking_streams();
     check_runtime_path();
     check_reset();
     check_stderr(want);

@@ -611,7 +611,39 @@ static void test_record_stream_not_inherited(const char *policy) {
     cuma_heap_destroy(h);
 }
 
+/* cuma_free_device_wide: the default stream's work issued so far must be done before anyone,
+ * the block's own (default) stream included, gets the memory; a plain free is reusable at once
+ * by its stream. The figures count the block as live until then, as after cuma_record_stream. */
+static void test_free_device_wide(const char *policy) {
+    char conf[160];
+    snprintf(conf, sizeof conf, "capacity:64M,page_size:64K,sim_clock:manual,tcache:%s,policy:%s",
+             strcmp(policy, "tlsf") ? "off" : "on", policy);
+    cuma_heap *h = make(conf);
+    void *p, *q, *r;
+    CHECK_OK(cuma_alloc(h, 4096, NULL, &p));
+    CHECK_OK(cuma_sim_hold_stream(h, NULL)); /* work on p still running */
+    CHECK_OK(cuma_free_device_wide(h, p));
+    CHECK(heap_stats(h).active_allocs == 1);
+    CHECK_OK(cuma_alloc(h, 4096, NULL, &q));
+    CHECK(q != p);
+    CHECK_OK(cuma_free(h, q, NULL)); /* plain: its stream may take it at once */
+    CHECK_OK(cuma_alloc(h, 4096, NULL, &r));
+    CHECK(r == q);
+    CHECK_ST(cuma_free_device_wide(h, p), CUMA_ERR_BAD_POINTER); /* a second free */
+    CHECK_OK(cuma_sim_release_stream(h, NULL));
+    CHECK_OK(cuma_poll(h));
+    cuma_stats s = heap_stats(h);
+    CHECK(s.active_allocs == 1 && s.num_frees == 2);
+    CHECK_OK(cuma_free_device_wide(h, r));
+    CHECK_OK(cuma_poll(h));
+    CHECK(heap_stats(h).active_allocs == 0);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
 int main(void) {
+    test_free_device_wide("tlsf");
+    test_free_device_wide("buddy");
     test_record_stream_not_inherited("tlsf");
     test_record_stream_not_inherited("buddy");
     test_preallocate("policy:tlsf");

@@ -441,10 +441,8 @@ static bool free_in_cuma(CUdeviceptr p, int owner, CUstream stream, bool device_
         cuma_preload_pin pin;
         cuma_heap *h = pin_heap(i, &pin);
         if (!h) continue;
-        /* The legacy stream (the heap's NULL, cuMemAlloc's stream) waits for every blocking
-         * stream: the block then waits for that too, besides its allocation stream. */
-        cuma_status st = device_wide ? cuma_record_stream(h, (void *)(uintptr_t)p, NULL) : CUMA_OK;
-        if (st == CUMA_OK) st = cuma_free(h, (void *)(uintptr_t)p, (cuma_stream)stream);
+        cuma_status st = device_wide ? cuma_free_device_wide(h, (void *)(uintptr_t)p)
+                                     : cuma_free(h, (void *)(uintptr_t)p, (cuma_stream)stream);
         cuma_preload_pin_drop(&pin);
         if (st == CUMA_ERR_BAD_POINTER) continue; /* another heap's, or nobody's: unchanged */
         *out = st == CUMA_OK ? CUDA_SUCCESS : failed(call, st);
@@ -466,10 +464,11 @@ static bool free_routed(CUdeviceptr dptr, CUstream s, const char *call, CUresult
 }
 
 /* cuMemFree: the driver's waits for the device, so a program may free memory that any thread
- * used on any stream. The block waits, in the heap, for its allocation stream and for the legacy
- * stream, which waits for every blocking stream (every thread's per-thread stream among them):
- * the freeing thread's work on it is covered even where the block came from another thread's
- * per-thread stream. A cuMemAlloc block's allocation stream is the legacy stream already. */
+ * used on any stream, and use what the next cuMemAlloc returns on any stream. The block waits, in
+ * the heap, for its allocation stream and for the legacy stream's work issued so far, which
+ * waits for every blocking stream (every thread's per-thread stream among them), and nobody
+ * reuses it before (cuma_free_device_wide): not even the legacy stream, since the next
+ * cuMemAlloc's memory may be used on another stream, unordered after the old work. */
 static bool free_device_wide(CUdeviceptr dptr, CUresult *out) {
     int owner;
     if (!dptr || !cuma_preload_routing() || !cuma_preload_owned(dptr, &owner)) return false;
@@ -560,7 +559,11 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t *free, size_t *total
     cuma_stats s;
     if (!free || !total || !cuma_preload_routing() || !(h = current_heap(d, &pin)))
         return FORWARD(d, MemGetInfo, free, total);
-    cuma_status st = cuma_get_stats(h, &s);
+    /* Blocks cuMemFree left waiting for the device's work count as in use until a poll sees that
+     * work done (the release thread's, unless it is off): the program that asks after freeing
+     * wants today's answer. */
+    cuma_status st = cuma_poll(h);
+    if (st == CUMA_OK) st = cuma_get_stats(h, &s);
     cuma_preload_pin_drop(&pin);
     if (st != CUMA_OK) return FORWARD(d, MemGetInfo, free, total);
     uint64_t mapped =
