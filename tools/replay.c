@@ -542,6 +542,24 @@ static int replay_heap(cuma_trace *tp, const char *conf, const options *o, int *
     return rc;
 }
 
+/* The lag of the simulated device the heap would run on (sim_lag_ms under CUMA_CONF and conf,
+ * as the heap reads them), for the model's events (cuma_tm_conf.lag_us). */
+static uint64_t model_lag_us(const char *conf) {
+    const char *env = getenv("CUMA_CONF");
+    char buf[32], *both = NULL;
+    if (env && *env && !append_conf(&both, env) && append_conf(&both, conf)) {
+        free(both);
+        both = NULL;
+    }
+    cuma_status st =
+        cuma_config_get(both ? both : conf, "--conf", "sim_lag_ms", buf, sizeof buf, NULL);
+    if (st != CUMA_OK && both) /* a bad CUMA_CONF is the heap's to report */
+        st = cuma_config_get(conf, "--conf", "sim_lag_ms", buf, sizeof buf, NULL);
+    free(both);
+    long long ms = st == CUMA_OK ? strtoll(buf, NULL, 10) : 0;
+    return ms > 0 ? (uint64_t)ms * 1000 : 0;
+}
+
 /* Whether the policy name of len bytes at p is the PyTorch model's (pytorch, pytorch_expandable).
  */
 static int is_torch(const char *p, size_t len) {
@@ -726,6 +744,7 @@ int cuma_cmd_replay(int argc, char **argv) {
         cli_eprintf("cuma replay: bad settings (--conf, --policy): %s\n", cuma_last_error());
         rc = CUMA_EXIT_USAGE;
     }
+    if (rc == CUMA_EXIT_OK) o.torch_conf.lag_us = model_lag_us(conf);
     if (rc == CUMA_EXIT_OK && o.torch && !o.compare && (o.scale != 1 || o.timeline_dir))
         rc = cli_usage_error("replay", CUMA_REPLAY_USAGE,
                              "--policy pytorch (the model) takes no --scale or --timeline");
