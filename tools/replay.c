@@ -550,6 +550,53 @@ static int replay_heap(cuma_trace *tp, const char *conf, const options *o, int *
     return rc;
 }
 
+/* The lag of the simulated device the heap would run on (sim_lag_ms under CUMA_CONF and conf,
+ * as the heap reads them), for the model's events (cuma_tm_conf.lag_us). */
+static uint64_t model_lag_us(const char *conf) {
+    const char *env = getenv("CUMA_CONF");
+    char buf[32], *both = NULL;
+    if (env && *env && !append_conf(&both, env) && append_conf(&both, conf)) {
+        free(both);
+        both = NULL;
+    }
+    cuma_status st =
+        cuma_config_get(both ? both : conf, "--conf", "sim_lag_ms", buf, sizeof buf, NULL);
+    if (st != CUMA_OK && both) /* a bad CUMA_CONF is the heap's to report */
+        st = cuma_config_get(conf, "--conf", "sim_lag_ms", buf, sizeof buf, NULL);
+    free(both);
+    long long ms = st == CUMA_OK ? strtoll(buf, NULL, 10) : 0;
+    return ms > 0 ? (uint64_t)ms * 1000 : 0;
+}
+
+/* Whether the settings list names `key` (its items are "key:value"). */
+static int names_key(const char *list, const char *key) {
+    size_t klen = strlen(key);
+    for (const char *p = list; p && *p;) {
+        while (*p == ' ' || *p == ',') p++;
+        if (!strncmp(p, key, klen) && (p[klen] == ':' || p[klen] == ' ')) return 1;
+        p += strcspn(p, ",");
+    }
+    return 0;
+}
+
+/* The settings a trace is replayed with: conf, and for a PyTorch snapshot stream_order:on
+ * under it (malloc'ed; NULL: out of memory). PyTorch's contract is stream-ordered (memory is
+ * used on its allocation stream, other streams are ordered after it and record_stream), which
+ * is what stream_order:on gives; an RMM log may come from any cuma heap (the `trace` setting),
+ * whose memory must be ready on every stream, so it keeps the default. CUMA_CONF or conf
+ * naming stream_order wins. */
+static char *trace_conf(const cuma_trace *t, const char *conf) {
+    char *out = NULL;
+    if (t->format == CUMA_TRACE_TORCH_SNAPSHOT && !names_key(conf, "stream_order") &&
+        !names_key(getenv("CUMA_CONF"), "stream_order") && append_conf(&out, "stream_order:on"))
+        return NULL;
+    if (append_conf(&out, conf)) {
+        free(out);
+        return NULL;
+    }
+    return out ? out : strdup("");
+}
+
 /* Whether the policy name of len bytes at p is the PyTorch model's (pytorch, pytorch_expandable).
  */
 static int is_torch(const char *p, size_t len) {
@@ -601,12 +648,18 @@ static int replay_one(const char *path, const char *conf, const options *o, int 
         cli_eprintf("cuma replay: %s: no CUDA memory events: replaying the CPU allocator's\n",
                     path);
     int rc;
-    if (o->compare)
-        rc = replay_compare(&t, conf, o, header_done);
-    else if (o->torch)
+    char *tconf = trace_conf(&t, conf);
+    if (!tconf) {
+        cli_eprintf("cuma replay: out of memory\n");
+        rc = CUMA_EXIT_FAIL;
+    } else if (o->compare) {
+        rc = replay_compare(&t, tconf, o, header_done);
+    } else if (o->torch) {
         rc = replay_torch(&t, &o->torch_conf, o->torch_text, o->json, header_done);
-    else
-        rc = replay_heap(&t, conf, o, header_done);
+    } else {
+        rc = replay_heap(&t, tconf, o, header_done);
+    }
+    free(tconf);
     cuma_trace_free(&t);
     return rc;
 }
@@ -737,6 +790,7 @@ int cuma_cmd_replay(int argc, char **argv) {
         cli_eprintf("cuma replay: bad settings (--conf, --policy): %s\n", cuma_last_error());
         rc = CUMA_EXIT_USAGE;
     }
+    if (rc == CUMA_EXIT_OK) o.torch_conf.lag_us = model_lag_us(conf);
     if (rc == CUMA_EXIT_OK && o.torch && !o.compare && (o.scale != 1 || o.timeline_dir))
         rc = cli_usage_error("replay", CUMA_REPLAY_USAGE,
                              "--policy pytorch (the model) takes no --scale or --timeline");

@@ -33,7 +33,8 @@ static void print_json(const cuma_trace *t, const cuma_tm_result *r, const cuma_
            "\"peak_reserved_bytes\":%llu,\"overhead_ratio\":%.4f,\"time_avg_ratio\":%.4f,"
            "\"end_reserved_bytes\":%llu,\"segments_created\":%llu,\"segments_released\":%llu,"
            "\"oversize_releases\":%llu,\"num_alloc_retries\":%llu,\"gc_releases\":%llu,"
-           "\"segments_seeded\":%llu,\"blocks_placed\":%llu,",
+           "\"segments_seeded\":%llu,\"blocks_placed\":%llu,\"deferred_frees\":%llu,"
+           "\"sim_lag_ms\":%llu,",
            (unsigned long long)s->peak_requested, (unsigned long long)s->peak_allocated,
            (unsigned long long)s->peak_reserved,
            ratio((double)s->peak_reserved, (double)s->peak_requested),
@@ -41,7 +42,8 @@ static void print_json(const cuma_trace *t, const cuma_tm_result *r, const cuma_
            (unsigned long long)s->segments_created, (unsigned long long)s->segments_released,
            (unsigned long long)s->oversize_releases, (unsigned long long)s->full_releases,
            (unsigned long long)s->gc_releases, (unsigned long long)s->segments_seeded,
-           (unsigned long long)s->blocks_placed);
+           (unsigned long long)s->blocks_placed, (unsigned long long)s->deferred_frees,
+           (unsigned long long)(c->lag_us / 1000));
     printf("\"capacity_bytes\":%llu,\"policy\":\"%s\",\"pytorch_conf\":",
            (unsigned long long)c->capacity, c->expandable ? "pytorch_expandable" : "pytorch");
     replay_json_string(conf_text ? conf_text : "");

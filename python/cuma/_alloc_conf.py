@@ -33,9 +33,21 @@ anything else                      warned: unknown to cuma
 =================================  ============================================================
 
 Settings given to enable() or in CUMA_CONF win over translated ones.
+
+enable() also sets ``stream_order:on`` unless those settings name ``stream_order``: PyTorch's
+contract is stream-ordered. Its allocator hook gets the current stream, a tensor's memory is
+used on the stream it was allocated on, and a program that uses it on another stream must order
+that stream after the allocation's (an event, wait_stream) and call record_stream before the
+free, as PyTorch's own allocator reuses a block on its stream with no wait. So cuma may back a
+PyTorch allocation with a page whose earlier work is still pending on another stream once the
+allocation's stream waits for that work on the device (the host does not wait); memory that must
+be ready on every stream at once (cudaMalloc's) is not what PyTorch asks for.
 """
 
 import warnings
+
+# What enable() sets under the caller's settings (see the note above).
+TORCH_DEFAULTS = ("stream_order:on",)
 
 _PINNED = ("pinned_use_cuda_host_register", "pinned_num_register_threads", "pinned_use_background_threads")
 _ROUNDING = ("roundup_power2_divisions", "max_non_split_rounding_mb")
@@ -104,17 +116,20 @@ def merge(translated, conf):
     return ",".join(parts) if parts else None
 
 
-def apply(env, conf):
+def apply(env, conf, defaults=TORCH_DEFAULTS):
     """The settings enable() uses: ``conf`` or, when it is None, CUMA_CONF, with
-    PYTORCH_CUDA_ALLOC_CONF's translatable options added; warns (RuntimeWarning) about the
-    others. Returns ``conf`` unchanged when there is nothing to add."""
+    PYTORCH_CUDA_ALLOC_CONF's translatable options and ``defaults`` added where it does not set
+    their keys; warns (RuntimeWarning) about the others. Returns ``conf`` unchanged when there
+    is nothing to add."""
     text = env.get("PYTORCH_CUDA_ALLOC_CONF")
-    if not text:
-        return conf
-    translated, notes = translate(text)
-    for n in notes:
-        warnings.warn("cuma.torch.enable(): PYTORCH_CUDA_ALLOC_CONF " + n, RuntimeWarning, stacklevel=3)
-    if not translated:
-        return conf
+    translated = []
+    if text:
+        translated, notes = translate(text)
+        for n in notes:
+            warnings.warn("cuma.torch.enable(): PYTORCH_CUDA_ALLOC_CONF " + n, RuntimeWarning, stacklevel=3)
     base = conf if conf is not None else env.get("CUMA_CONF")
-    return merge(translated, base)
+    own = _keys(base) | {t.partition(":")[0] for t in translated}
+    added = translated + [d for d in defaults if d.partition(":")[0] not in own]
+    if not added:
+        return conf
+    return merge(added, base)

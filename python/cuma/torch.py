@@ -103,7 +103,10 @@ def enable(conf=None):
     PYTORCH_CUDA_ALLOC_CONF is read: options with a cuma equivalent become cuma settings
     (``per_process_memory_fraction`` -> ``memory_fraction``; ``expandable_segments`` is what cuma
     always does), the rest are ignored with a RuntimeWarning that says why; ``conf`` and
-    CUMA_CONF win over translated settings. The table is in cuma/_alloc_conf.py."""
+    CUMA_CONF win over translated settings. The table is in cuma/_alloc_conf.py. Unless they
+    name it, ``stream_order:on`` is set too: PyTorch uses memory on its allocation stream, so a
+    page with work pending on another stream may back it once that stream's work is ordered
+    before it on the device (_alloc_conf.py says why)."""
     global _allocator, _conf_at_enable, _hooks
     torch = _import_torch()
     with _lock:
@@ -138,8 +141,13 @@ def enable(conf=None):
                     "allocator; call enable() before the first CUDA tensor is created" % used
                 )
         # PYTORCH_CUDA_ALLOC_CONF: its options with a cuma equivalent join the settings, the
-        # others are warned about (_alloc_conf.py has the table).
-        _apply_default_conf(_alloc_conf.apply(os.environ, conf), "cuma.torch.enable()")
+        # others are warned about (_alloc_conf.py has the table); stream_order:on goes under
+        # them (PyTorch's contract is stream-ordered), except over default heaps that exist
+        # already, which keep the settings they were made with.
+        from .heap import _created_default_heaps
+
+        defaults = () if conf is None and _created_default_heaps() else _alloc_conf.TORCH_DEFAULTS
+        _apply_default_conf(_alloc_conf.apply(os.environ, conf, defaults), "cuma.torch.enable()")
         # Create device 0's heap now: a settings error or a missing CUDA backend shows up
         # here, as a Python exception, rather than as a NULL from malloc deep inside PyTorch.
         from .heap import default_heap

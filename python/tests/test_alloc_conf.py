@@ -97,3 +97,25 @@ def test_enable_without_the_variable_changes_nothing(monkeypatch):
     assert "CUMA_CONF" not in os.environ
     stats = cuma.default_heap(0).stats()
     assert stats["limit_bytes"] == 1 << 30 and stats["device_total_bytes"] == 1 << 30
+
+
+def test_torch_defaults_go_under_the_callers_settings():
+    env = {}
+    assert _alloc_conf.apply(env, "limit:1G") == "stream_order:on,limit:1G"
+    assert _alloc_conf.apply(env, None) == "stream_order:on"
+    assert _alloc_conf.apply(env, "stream_order:off") == "stream_order:off"
+    assert _alloc_conf.apply({"CUMA_CONF": "stream_order:off,limit:1G"}, None) is None
+    assert _alloc_conf.apply({"CUMA_CONF": "limit:1G"}, None) == "stream_order:on,limit:1G"
+    assert _alloc_conf.apply(env, "limit:1G", defaults=()) == "limit:1G"
+
+
+def test_enable_orders_streams_unless_told_otherwise(monkeypatch):
+    # PyTorch's memory is used on its allocation stream (record_stream for others), so the
+    # default heaps enable() makes share another stream's pending pages, ordered on the device.
+    _stand_in_torch(monkeypatch)
+    _isolate_cuma_conf(monkeypatch)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    with pytest.raises(RuntimeError, match="simulated device"):
+        cuma.torch.enable("backend:sim,capacity:1G")
+    assert cuma.default_heap(0).stats()["config"]["stream_order"] is True
+

@@ -463,6 +463,10 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t la
         if (st) return st;
     }
     if (pp->phys_of[v]) { /* idle in place: no driver call */
+        /* Reused where it is: a fence of this stream's own is covered by its later work, as for
+         * an early remap; another stream's may not be. */
+        cuma_phys *q = &pp->phys[pp->phys_of[v] - 1];
+        q->covered = stream >= 0 && q->fence_stream == (unsigned)stream;
         cache_take(pp, pp->phys_of[v] - 1);
         pp->nmapped++;
         return CUMA_OK;
@@ -483,6 +487,9 @@ static cuma_status acquire(cuma_pages *pp, uint32_t v, uint64_t now, uint32_t la
     }
     if (stole == STOLE_SHARED) {
         cache_take(pp, i);
+        pp->phys[i].covered = 1; /* its own pending work, or ordered after another's */
+    } else {
+        pp->phys[i].covered = 0; /* created, or moved with its work done: fence_seq is 0 */
     }
     if (!r->n) r->first = v;
     r->slot[r->n] = i;
@@ -542,7 +549,11 @@ void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, 
     uint32_t first = (uint32_t)(off >> pp->shift), last = (uint32_t)((off + len - 1) >> pp->shift);
     for (uint32_t v = first; v <= last; v++) {
         cuma_phys *p = &pp->phys[pp->phys_of[v] - 1];
-        if (fseq) cuma_fence_join(pp->ss, &p->fence_stream, &p->fence_seq, fstream, fseq);
+        if (fseq && p->covered && pp->live[v] == 1)
+            p->fence_stream = fstream, p->fence_seq = fseq; /* runs after the page's fence */
+        else if (fseq)
+            cuma_fence_join(pp->ss, &p->fence_stream, &p->fence_seq, fstream, fseq);
+        if (fseq) p->covered = 0; /* a later tag joins this one */
         if (--pp->live[v]) continue;
         pp->nmapped--;
         cache_push(pp, pp->phys_of[v] - 1, now);

@@ -49,6 +49,14 @@ typedef struct cuma_phys {
     uint8_t pinned;  /* preallocated: never given back */
     uint8_t used;    /* slot holds a page */
     uint16_t nghost; /* ghost mappings of this page */
+    /* Its fence is covered: the page was backed anew (an early remap, or reused in place) for
+     * a stream whose later work runs after that fence (its own work, or another stream's it
+     * was ordered after: cuma_fence_order), and no free has tagged it since. The next free's
+     * tag, if it is the last live byte's, replaces the fence instead of joining it: that block
+     * was used on that stream after the fence, and a free names the stream of the last use.
+     * Joined, the tag and a pending one of another stream made a MULTI tag, which no stream
+     * can be ordered after (20 ms behind, most idle pages of the offloading traces were). */
+    uint8_t covered;
 } cuma_phys;
 
 /* A mapping kept for pending work after its page moved on. Invariant: phys_of[va] == CUMA_GHOST
@@ -136,7 +144,7 @@ void cuma_pages_destroy(cuma_pages *pp);
 cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, int stream);
 
 /* Drops the references of [off, off+len); pages left without a live byte join the cache with
- * the given fence. */
+ * the given fence (joined with the page's own, or in place of it where that is covered). */
 void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, uint16_t fstream,
                       uint64_t fseq);
 

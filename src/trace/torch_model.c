@@ -204,7 +204,7 @@ static void detach(cuma_tm *m, int32_t id) {
 
 /* Whether block nb is a neighbour that a free block of mapping state `mapped` merges with. */
 static int mergeable(const cuma_tm *m, int32_t nb, int mapped) {
-    return nb >= 0 && !m->b[nb].allocated && m->b[nb].mapped == mapped;
+    return nb >= 0 && !m->b[nb].allocated && !m->b[nb].pending && m->b[nb].mapped == mapped;
 }
 
 /* ---- segments ------------------------------------------------------------------------------- */
@@ -273,6 +273,8 @@ static void release_pool(cuma_tm *m, cuma_tm_pool *p) {
 }
 
 void cuma_tm_empty_cache(cuma_tm *m) {
+    /* As PyTorch's release synchronizes on the outstanding events first. */
+    (void)cuma_tm_process_events(m, UINT64_MAX);
     release_pool(m, &m->pool[0]);
     release_pool(m, &m->pool[1]);
 }
@@ -442,7 +444,8 @@ static void merge(cuma_tm *m, int32_t id, int32_t nb) {
     drop_block(m, nb);
 }
 
-cuma_status cuma_tm_free(cuma_tm *m, int32_t id) {
+/* The first half of a free: the block's bytes leave the counts. */
+static cuma_status unaccount(cuma_tm *m, int32_t id) {
     if (id < 0 || (size_t)id >= m->nb || !m->b[id].in_use || !m->b[id].allocated)
         return cuma_fail(CUMA_ERR_BAD_POINTER, "pytorch model: block %d is not allocated", (int)id);
     if (reserve(m, &m->pool[m->b[id].large]))
@@ -453,9 +456,62 @@ cuma_status cuma_tm_free(cuma_tm *m, int32_t id) {
     m->st.frees++;
     b->allocated = 0;
     b->requested = 0;
-    if (mergeable(m, b->prev, 1)) merge(m, id, m->b[id].prev);
+    return CUMA_OK;
+}
+
+/* The second half: the block merges with its free neighbours and joins its pool (room for one
+ * entry was reserved). */
+static void cache_block(cuma_tm *m, int32_t id) {
+    if (mergeable(m, m->b[id].prev, 1)) merge(m, id, m->b[id].prev);
     if (mergeable(m, m->b[id].next, 1)) merge(m, id, m->b[id].next);
     pool_insert(m, id);
+}
+
+cuma_status cuma_tm_free(cuma_tm *m, int32_t id) {
+    cuma_status st = unaccount(m, id);
+    if (st != CUMA_OK) return st;
+    cache_block(m, id);
+    CHECK_MODEL(m);
+    return CUMA_OK;
+}
+
+cuma_status cuma_tm_free_after(cuma_tm *m, int32_t id, uint64_t due_us) {
+    if (m->npend == m->cappend) {
+        /* The queue's consumed head is dropped before it grows. */
+        memmove(m->pend, m->pend + m->pend_head, (m->npend - m->pend_head) * sizeof *m->pend);
+        m->npend -= m->pend_head;
+        m->pend_head = 0;
+    }
+    if (m->npend == m->cappend) {
+        size_t cap = m->cappend ? m->cappend * 2 : 64;
+        cuma_tm_pending *q = realloc(m->pend, cap * sizeof *q);
+        if (!q) return cuma_fail(CUMA_ERR_OOM, "pytorch model: out of host memory");
+        m->pend = q;
+        m->cappend = cap;
+    }
+    cuma_status st = unaccount(m, id);
+    if (st != CUMA_OK) return st;
+    m->b[id].pending = 1;
+    m->st.deferred_frees++;
+    /* Kept sorted by due time; with one lag the new one goes last. */
+    size_t at = m->npend++;
+    for (; at > m->pend_head && m->pend[at - 1].due_us > due_us; at--)
+        m->pend[at] = m->pend[at - 1];
+    m->pend[at] = (cuma_tm_pending){id, due_us};
+    CHECK_MODEL(m);
+    return CUMA_OK;
+}
+
+cuma_status cuma_tm_process_events(cuma_tm *m, uint64_t now_us) {
+    while (m->pend_head < m->npend && m->pend[m->pend_head].due_us <= now_us) {
+        int32_t id = m->pend[m->pend_head].id;
+        if (reserve(m, &m->pool[m->b[id].large]))
+            return cuma_fail(CUMA_ERR_OOM, "pytorch model: out of host memory");
+        m->pend_head++;
+        m->b[id].pending = 0;
+        cache_block(m, id);
+    }
+    if (m->pend_head == m->npend) m->pend_head = m->npend = 0;
     CHECK_MODEL(m);
     return CUMA_OK;
 }
@@ -783,11 +839,12 @@ void cuma_tm_destroy(cuma_tm *m) {
     free(m->pool[1].ids);
     free(m->unmapped[0].ids);
     free(m->unmapped[1].ids);
+    free(m->pend);
     memset(m, 0, sizeof *m);
 }
 
 cuma_status cuma_tm_validate(const cuma_tm *m) {
-    uint64_t reserved = 0, allocated = 0, free_mapped = 0, unmapped = 0;
+    uint64_t reserved = 0, allocated = 0, free_mapped = 0, unmapped = 0, pending = 0;
     for (size_t i = 0; i < m->nb; i++) {
         const cuma_tm_block *b = &m->b[i];
         if (!b->in_use) continue;
@@ -803,7 +860,7 @@ cuma_status cuma_tm_validate(const cuma_tm *m) {
                     return cuma_fail(CUMA_ERR_CORRUPT,
                                      "pytorch model: segment at %llu is broken at block %d",
                                      (unsigned long long)b->addr, (int)j);
-                if (!s->allocated && mergeable(m, s->next, s->mapped))
+                if (!s->allocated && !s->pending && mergeable(m, s->next, s->mapped))
                     return cuma_fail(CUMA_ERR_CORRUPT,
                                      "pytorch model: free blocks %d and %d are not merged", (int)j,
                                      (int)s->next);
@@ -811,8 +868,13 @@ cuma_status cuma_tm_validate(const cuma_tm *m) {
                 if (s->mapped) reserved += s->size;
             }
         }
+        if (b->allocated && b->pending)
+            return cuma_fail(CUMA_ERR_CORRUPT, "pytorch model: block %zu is allocated and pending",
+                             i);
         if (b->allocated)
             allocated += b->size;
+        else if (b->pending)
+            pending++;
         else if (b->mapped)
             free_mapped++;
         else
@@ -829,6 +891,16 @@ cuma_status cuma_tm_validate(const cuma_tm *m) {
                          "pytorch model: %llu free and %llu unmapped blocks, %zu and %zu in sets",
                          (unsigned long long)free_mapped, (unsigned long long)unmapped,
                          m->pool[0].n + m->pool[1].n, m->unmapped[0].n + m->unmapped[1].n);
+    if (pending != m->npend - m->pend_head)
+        return cuma_fail(CUMA_ERR_CORRUPT, "pytorch model: %llu pending blocks, %zu queued",
+                         (unsigned long long)pending, m->npend - m->pend_head);
+    for (size_t i = m->pend_head; i < m->npend; i++) {
+        const cuma_tm_block *b = &m->b[m->pend[i].id];
+        if (!b->in_use || !b->pending || !b->mapped ||
+            (i > m->pend_head && m->pend[i - 1].due_us > m->pend[i].due_us))
+            return cuma_fail(CUMA_ERR_CORRUPT, "pytorch model: pending queue entry %zu is wrong",
+                             i);
+    }
     for (int k = 0; k < 2; k++) {
         for (size_t i = 0; i < m->pool[k].n; i++) {
             const cuma_tm_block *b = &m->b[m->pool[k].ids[i]];
@@ -880,6 +952,8 @@ cuma_status cuma_tm_replay(const cuma_trace *t, const cuma_tm_conf *c, cuma_tm_r
                 continue;
             }
             uint64_t failed = m.st.failed_allocs;
+            st = cuma_tm_process_events(&m, e->time_us);
+            if (st != CUMA_OK) break;
             cuma_status a = cuma_tm_malloc(&m, e->size, e->stream, &ids[i]);
             if (a != CUMA_OK && m.st.failed_allocs == failed) st = a; /* not the capacity */
         } else if (e->action == CUMA_TRACE_FREE) {
@@ -887,6 +961,8 @@ cuma_status cuma_tm_replay(const cuma_trace *t, const cuma_tm_conf *c, cuma_tm_r
                 out->unmatched_frees++;
             else if (ids[e->match] < 0)
                 out->orphan_frees++;
+            else if (c->lag_us && e->stream && e->stream != t->ev[e->match].stream)
+                st = cuma_tm_free_after(&m, ids[e->match], e->time_us + c->lag_us);
             else
                 st = cuma_tm_free(&m, ids[e->match]);
         } else {

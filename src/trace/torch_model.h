@@ -23,7 +23,12 @@
  *  - expandable_segments:True: each (stream, pool) maps 2 MiB (small) or 20 MiB (large) pages
  *    of one virtual range as needed; a request that no free block fits takes the free and
  *    unmapped room at the range's end, blocks split whenever the rest is 512 bytes or more, and
- *    releasing the cache unmaps the pages wholly inside free blocks.
+ *    releasing the cache unmaps the pages wholly inside free blocks;
+ *  - a block used on other streams than its allocation's (record_stream) is not cached at its
+ *    free: events are recorded on those streams, and the block joins its pool (and merges) at
+ *    the first malloc that finds them complete, lag_us after the free on a device that runs
+ *    that far behind; freeing the cache (empty_cache, the retry after a failed segment) waits
+ *    for every such event first. A block freed with no other stream's use is cached at once.
  *
  * Thread safety: none; a model belongs to one thread. */
 #ifndef CUMA_TRACE_TORCH_MODEL_H
@@ -52,7 +57,9 @@ typedef struct cuma_tm_conf {
     double memory_fraction;          /* per_process_memory_fraction; 0: not set */
     uint32_t divisions[CUMA_TM_DIV_INTERVALS]; /* 0 or 1: round to 512 bytes */
     uint64_t capacity;                         /* device bytes; 0: unlimited */
-    int expandable;                            /* expandable_segments:True */
+    uint64_t lag_us; /* the device runs this far behind the host: an event recorded at a free
+                      * completes lag_us later (cuma_tm_replay; sim_lag_ms); 0: at once */
+    int expandable;  /* expandable_segments:True */
 } cuma_tm_conf;
 
 /* The defaults: PyTorch's with an unlimited device. */
@@ -70,7 +77,8 @@ cuma_status cuma_tm_conf_parse(cuma_tm_conf *c, const char *text);
  * address order through prev/next; a free mapped block is in the pool its segment belongs to,
  * an unmapped one in its unmapped set, an allocated one (always mapped) in none; no two
  * neighbours are both free with the same mapping; sizes are multiples of 512; reserved is the
- * sum of mapped blocks. */
+ * sum of mapped blocks. A pending block (freed, its streams' events not yet seen complete) is
+ * mapped, in no pool, merges with nothing and is in the pending queue once. */
 typedef struct cuma_tm_block {
     uint64_t addr, size;
     uint64_t requested; /* the caller's size (allocated blocks) */
@@ -83,6 +91,7 @@ typedef struct cuma_tm_block {
     uint8_t mapped;     /* backed by device memory (always, outside expandable segments) */
     uint8_t expandable; /* part of an expandable segment's range */
     uint8_t in_use;     /* the slot holds a block (else on the spare list) */
+    uint8_t pending;    /* freed, waiting for events on the streams that used it */
 } cuma_tm_block;
 
 /* A pool's free blocks sorted by (stream, size, address). */
@@ -103,7 +112,14 @@ typedef struct cuma_tm_stats {
     uint64_t gc_releases;       /* segments freed by garbage collection */
     uint64_t segments_seeded;   /* segments the model started with (cuma_tm_seed) */
     uint64_t blocks_placed;     /* blocks from before put where they were (cuma_tm_seed) */
+    uint64_t deferred_frees;    /* frees that waited for other streams' events */
 } cuma_tm_stats;
+
+/* A pending block and the time its events complete. */
+typedef struct cuma_tm_pending {
+    int32_t id;
+    uint64_t due_us;
+} cuma_tm_pending;
 
 typedef struct cuma_tm {
     cuma_tm_conf conf;
@@ -113,6 +129,8 @@ typedef struct cuma_tm {
     cuma_tm_pool pool[2];     /* [0] small, [1] large: free mapped blocks */
     cuma_tm_pool unmapped[2]; /* expandable ranges' unmapped blocks, by (stream, address) */
     uint64_t next_addr;
+    cuma_tm_pending *pend; /* pending blocks by due time: [pend_head, npend) */
+    size_t pend_head, npend, cappend;
     cuma_tm_stats st;
 } cuma_tm;
 
@@ -132,7 +150,17 @@ cuma_status cuma_tm_malloc(cuma_tm *m, uint64_t size, uint64_t stream, int32_t *
 /* Frees block id (from cuma_tm_malloc). CUMA_ERR_BAD_POINTER for an id that is no allocated
  * block (nothing changes). */
 cuma_status cuma_tm_free(cuma_tm *m, int32_t id);
-/* Frees every whole cached segment (torch.cuda.empty_cache()). */
+/* Frees block id, which was used on other streams than its allocation's (record_stream): its
+ * bytes stop counting as allocated now, but it stays out of its pool until cuma_tm_process_events
+ * sees time due_us (the events recorded on those streams complete then). Errors as
+ * cuma_tm_free. */
+cuma_status cuma_tm_free_after(cuma_tm *m, int32_t id, uint64_t due_us);
+/* What PyTorch does at the start of each malloc: the pending blocks whose events are complete
+ * at time now_us (due_us <= now_us) join their pools. CUMA_ERR_OOM (host memory: the rest stay
+ * pending). */
+cuma_status cuma_tm_process_events(cuma_tm *m, uint64_t now_us);
+/* Waits for every pending block's events (they join their pools), then frees every whole
+ * cached segment (torch.cuda.empty_cache()). */
 void cuma_tm_empty_cache(cuma_tm *m);
 
 /* Starts a fresh model with the segments a trace says PyTorch reserved before recording
@@ -159,8 +187,11 @@ typedef struct cuma_tm_result {
 } cuma_tm_result;
 
 /* Replays t's events on a fresh model with settings *c, seeded with t's segments from before
- * recording (cuma_tm_seed) unless *c has expandable segments. CUMA_ERR_OOM (host memory), or
- * CUMA_ERR_CORRUPT if the model breaks an invariant (a bug). */
+ * recording (cuma_tm_seed) unless *c has expandable segments. A free whose stream is another
+ * than its allocation's (the stream of the memory's last use, in an RMM log) is a block that
+ * was record_stream'ed on it: with c->lag_us it is cuma_tm_free_after the free's time plus the
+ * lag, and the events are processed before each allocation at its time. CUMA_ERR_OOM (host memory),
+ * or CUMA_ERR_CORRUPT if the model breaks an invariant (a bug). */
 cuma_status cuma_tm_replay(const cuma_trace *t, const cuma_tm_conf *c, cuma_tm_result *out);
 
 #endif

@@ -20,7 +20,9 @@ yet. Then the replay must still fail nothing, and
   event_queries  <= 0.25 * allocations        (the device is asked about a lagging stream once
                                                per operation, not once per idle page)
 --lag-overhead and --lag-queries set other bounds (a multi-stream trace, whose memory freed on
-one stream waits for that stream before another may use it).
+one stream waits for that stream before another may use it). --vs-pytorch also replays the
+trace on the model of PyTorch's allocator at the same lag (--policy pytorch) and requires
+  peak_reserved_bytes <= the model's
 
 The ideal cache is the yardstick: a cache that keeps memory exactly DELAY after its use and
 reuses it perfectly. At the time of event i it holds
@@ -170,6 +172,8 @@ def main():
     ap.add_argument("--lag-queries", type=float, default=GOAL_LAG_QUERIES_PER_ALLOC,
                     help="with --lag-ms: the bound on event_queries per allocation "
                     "(default %(default)s)")
+    ap.add_argument("--vs-pytorch", action="store_true",
+                    help="with --lag-ms: peak reserved at most the PyTorch model's at that lag")
     ap.add_argument("--conf", default="", help="more settings for the replay (KEY:VALUE,...)")
     ap.add_argument("trace")
     args = ap.parse_args()
@@ -206,6 +210,12 @@ def main():
              % (limit_queries, args.lag_queries, r["allocs"]),
              r["event_queries"] <= limit_queries),
         ]
+        if args.vs_pytorch:
+            m = run_replay(args.cuma, args.trace, 1, args.delay_ms, "pytorch", args.lag_ms)
+            checks.append(("peak_reserved", r["peak_reserved_bytes"],
+                           "<= %d (PyTorch model, %.4f)" % (m["peak_reserved_bytes"],
+                                                            m["overhead_ratio"]),
+                           r["peak_reserved_bytes"] <= m["peak_reserved_bytes"]))
     elif not args.policy:
         limit_ratio = ideal_ratio + GOAL_TIME_AVG_SLACK
         limit_creates = GOAL_CREATES_FACTOR * ideal_creates

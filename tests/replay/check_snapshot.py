@@ -7,7 +7,7 @@ usage: check_snapshot.py --cuma BIN --data DIR --out DIR
 Tiny snapshots are made here with the standard library's pickle (the same plain dicts and
 lists PyTorch writes) for the edge cases: several protocols, gzip or not, a name that says
 CSV, no time_us, blocks and segments alive before recording, two devices, streams,
-free_requested without free_completed, a refused GLOBAL opcode, a truncated file. The two real snapshots in DIR
+free_requested without free_completed, stream_order:on for a snapshot, a refused GLOBAL opcode, a truncated file. The two real snapshots in DIR
 (tests/data) are checked against the figures their README gives. Standard library only.
 """
 import argparse
@@ -204,6 +204,37 @@ def check_free_requested_only(cuma, out):
               json.dumps(d))
 
 
+def check_stream_order(cuma, out):
+    """A snapshot is replayed with stream_order:on (PyTorch's contract is stream-ordered): on a
+    device 5 ms behind, stream 7's 64 MiB 1 ms after stream 5 freed 64 MiB take those pages
+    (stream 7 waits for stream 5 on the device); with stream_order:off, or as an RMM log (any
+    cuma heap's contract), they wait and new pages are made."""
+    T = lambda x: 1_700_000_000_000_000 + x
+    a = 0x7f0000000000
+    trace = [ev("alloc", a, 64 * MB, T(0), stream=5),
+             ev("free_requested", a, 64 * MB, T(1000), stream=5),
+             ev("free_completed", a, 64 * MB, T(1000), stream=5),
+             ev("alloc", a + 64 * MB, 64 * MB, T(2000), stream=7),
+             ev("free_requested", a + 64 * MB, 64 * MB, T(3000), stream=7),
+             ev("free_completed", a + 64 * MB, 64 * MB, T(3000), stream=7)]
+    path = write(os.path.join(out, "two_streams.pickle"), {"segments": [], "device_traces": [trace]})
+    csv = os.path.join(out, "two_streams.csv")
+    with open(csv, "w") as f:
+        f.write("Thread,Time,Action,Pointer,Size,Stream\n"
+                "0,00:00:00:000000,allocate,0x1000,67108864,5\n"
+                "0,00:00:00:001000,free,0x1000,67108864,5\n"
+                "0,00:00:00:002000,allocate,0x5000000,67108864,7\n"
+                "0,00:00:00:003000,free,0x5000000,67108864,7\n")
+    for what, p, conf, peak in (("snapshot", path, "sim_lag_ms:5", 64),
+                                ("snapshot, stream_order:off", path,
+                                 "sim_lag_ms:5,stream_order:off", 128),
+                                ("RMM log", csv, "sim_lag_ms:5", 128)):
+        d, err = replay_json(cuma, p, "--conf", conf)
+        check("stream order, %s: peak reserved %d MiB" % (what, peak),
+              d is not None and d["peak_reserved_bytes"] == peak * MB and
+              d["peak_requested_bytes"] == 64 * MB, json.dumps(d))
+
+
 def check_refused(cuma, out):
     snap = basic_snapshot()
     snap["allocator_settings"]["when"] = datetime.date(2024, 1, 2)
@@ -269,6 +300,7 @@ def main():
     check_segments_from_before(a.cuma, a.out)
     check_devices(a.cuma, a.out)
     check_free_requested_only(a.cuma, a.out)
+    check_stream_order(a.cuma, a.out)
     check_refused(a.cuma, a.out)
     check_truncated(a.cuma, a.out)
     check_real(a.cuma, a.data)

@@ -3,7 +3,8 @@
 """`cuma replay --policy pytorch` and `--compare` on the bundled snapshots: the model's peak
 reserved within 3% of what PyTorch recorded (also where recording started with a full cache),
 one JSON line per compared policy, and bad model options refused with exit 2 before anything
-is replayed.
+is replayed. A free on another stream than the allocation's (record_stream) waits for the
+simulated device's lag (sim_lag_ms, from --conf or CUMA_CONF) before the block is reused.
 
 usage: check_torch_cli.py --cuma CUMA --data DIR
 """
@@ -12,14 +13,48 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 SNAPSHOTS = ("snapshot_small_lm_5steps.pickle.gz", "snapshot_toy_attention.pickle.gz",
              "snapshot_cached_segments.pickle.gz")
 
 
-def run(cuma, *args):
-    p = subprocess.run([cuma, "replay", *args], capture_output=True, text=True, timeout=300)
+def run(cuma, *args, env=None):
+    e = dict(os.environ)
+    e.pop("CUMA_CONF", None)
+    e.update(env or {})
+    p = subprocess.run([cuma, "replay", *args], capture_output=True, text=True, timeout=300,
+                       env=e)
     return p.returncode, p.stdout, p.stderr
+
+
+# A 20 MiB block allocated on stream 1 and last used on stream 2 (record_stream), then a second
+# one on stream 1 1 ms later: on a device 5 ms behind, PyTorch's events on stream 2 are not
+# complete yet, so the second takes a new segment; freed on stream 1 it reuses the first.
+RECORDED_CSV = """Thread,Time,Action,Pointer,Size,Stream
+0,00:00:00:000000,allocate,0x1000,20971520,1
+0,00:00:00:001000,free,0x1000,20971520,%d
+0,00:00:00:002000,allocate,0x2000,20971520,1
+"""
+
+
+def check_record_stream(cuma):
+    with tempfile.TemporaryDirectory() as tmp:
+        for free_stream, conf, env, segments in ((2, "sim_lag_ms:5", None, 2),
+                                                 (2, "", {"CUMA_CONF": "sim_lag_ms:5"}, 2),
+                                                 (2, "sim_lag_ms:0", None, 1),
+                                                 (1, "sim_lag_ms:5", None, 1)):
+            path = os.path.join(tmp, "rs.csv")
+            with open(path, "w") as f:
+                f.write(RECORDED_CSV % free_stream)
+            args = ["--policy", "pytorch", "--json"] + (["--conf", conf] if conf else []) + [path]
+            rc, out, err = run(cuma, *args, env=env)
+            d = json.loads(out) if rc == 0 else {}
+            print("record_stream: free on %d, %s %s: %d segments" % (free_stream, conf, env,
+                                                                     d.get("segments_created", -1)))
+            if d.get("segments_created") != segments or \
+                    d.get("deferred_frees") != (segments - 1):
+                fail("record_stream, free on %d, %r %r: %s %s" % (free_stream, conf, env, out, err))
 
 
 def fail(msg):
@@ -77,6 +112,7 @@ def main():
     d = json.loads(out)
     if rc != 0 or d["failed_allocs"] == 0 or d["peak_reserved_bytes"] > 1 << 30:
         fail("--capacity 1G: exit %d, %s" % (rc, out))
+    check_record_stream(a.cuma)
     path = os.path.join(a.data, SNAPSHOTS[1])
     bad = [
         (["--policy", "pytorch", "--pytorch-conf", "max_split_size_mb:5"], "max_split_size_mb"),

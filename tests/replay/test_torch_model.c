@@ -170,6 +170,73 @@ static void test_streams(void) {
     cuma_tm_destroy(&m);
 }
 
+/* A block used on another stream (record_stream) joins its pool only once the events recorded
+ * at its free are complete, and merges with nothing before; a plain free is cached at once. */
+static void test_record_stream(void) {
+    cuma_tm_conf c = conf_of("", 0);
+    cuma_tm m;
+    CHECK_OK(cuma_tm_init(&m, &c));
+    int32_t a = take(&m, 4 * MIB, 1);
+    CHECK_OK(cuma_tm_free_after(&m, a, 100));
+    CHECK_OK(cuma_tm_validate(&m));
+    CHECK(m.st.allocated == 0 && m.st.reserved == 20 * MIB && m.pool[1].n == 1); /* the tail */
+    CHECK(m.b[a].pending && m.st.deferred_frees == 1);
+    CHECK(cuma_tm_free(&m, a) == CUMA_ERR_BAD_POINTER); /* freed already */
+    CHECK(cuma_tm_free_after(&m, a, 200) == CUMA_ERR_BAD_POINTER);
+    CHECK_OK(cuma_tm_process_events(&m, 99)); /* not complete yet */
+    CHECK(m.b[a].pending && m.pool[1].n == 1);
+    int32_t b = take(&m, 20 * MIB, 1); /* a's segment is not whole yet: a new one */
+    CHECK(m.st.segments_created == 2);
+    give(&m, b);
+    CHECK_OK(cuma_tm_process_events(&m, 100));
+    CHECK_OK(cuma_tm_validate(&m));
+    CHECK(!m.b[a].pending && m.pool[1].n == 2); /* merged with its tail: a whole segment */
+    int32_t d = take(&m, 20 * MIB, 1);
+    CHECK(m.st.segments_created == 2);
+    (void)d;
+    /* Due times out of order are kept in order; empty_cache waits for every one. */
+    int32_t x = take(&m, 8192, 2), y = take(&m, 8192, 2), z = take(&m, 8192, 2);
+    CHECK_OK(cuma_tm_free_after(&m, y, 500));
+    CHECK_OK(cuma_tm_free_after(&m, x, 300));
+    give(&m, z); /* merges with the tail, not with pending y */
+    CHECK(m.pool[0].n == 1);
+    CHECK_OK(cuma_tm_process_events(&m, 300));
+    CHECK(!m.b[x].pending && m.b[y].pending && m.pool[0].n == 2);
+    cuma_tm_empty_cache(&m);
+    CHECK_OK(cuma_tm_validate(&m));
+    CHECK(m.npend == 0 && m.pool[0].n == 0 && m.st.reserved == 20 * MIB); /* d's segment */
+    cuma_tm_destroy(&m);
+
+    /* The replay: a free on another stream than the allocation's waits lag_us; on the
+     * allocation's stream (or stream 0, "its allocation's") it does not. */
+    cuma_trace_event ev[] = {
+        {.time_us = 0, .size = 20 * MIB, .stream = 1, .action = CUMA_TRACE_ALLOC, .match = 1},
+        {.time_us = 1000, .size = 20 * MIB, .stream = 2, .action = CUMA_TRACE_FREE, .match = 0},
+        {.time_us = 2000, .size = 20 * MIB, .stream = 1, .action = CUMA_TRACE_ALLOC, .match = 3},
+        {.time_us = 2500, .size = 20 * MIB, .stream = 1, .action = CUMA_TRACE_FREE, .match = 2},
+        {.time_us = 9000, .size = 40 * MIB, .stream = 1, .action = CUMA_TRACE_ALLOC, .match = -1},
+    };
+    cuma_trace t;
+    memset(&t, 0, sizeof t);
+    t.ev = ev;
+    t.n = sizeof ev / sizeof ev[0];
+    cuma_tm_result r;
+    c.lag_us = 5000;
+    CHECK_OK(cuma_tm_replay(&t, &c, &r));
+    /* Block 0 is still pending at 2000: a second segment; the 40 MiB request takes a third. */
+    CHECK(r.st.deferred_frees == 1 && r.st.segments_created == 3 && r.st.peak_reserved == 80 * MIB);
+    c.lag_us = 0; /* a device at once: reused */
+    CHECK_OK(cuma_tm_replay(&t, &c, &r));
+    CHECK(r.st.deferred_frees == 0 && r.st.segments_created == 2 && r.st.peak_reserved == 60 * MIB);
+    ev[1].stream = 1; /* freed on its allocation's stream: cached at once, lag or not */
+    c.lag_us = 5000;
+    CHECK_OK(cuma_tm_replay(&t, &c, &r));
+    CHECK(r.st.deferred_frees == 0 && r.st.segments_created == 2 && r.st.peak_reserved == 60 * MIB);
+    ev[1].stream = 0;
+    CHECK_OK(cuma_tm_replay(&t, &c, &r));
+    CHECK(r.st.deferred_frees == 0 && r.st.peak_reserved == 60 * MIB);
+}
+
 static void test_oom_retry(void) {
     cuma_tm_conf c = conf_of("", 40 * MIB);
     cuma_tm m;
@@ -319,10 +386,16 @@ static void test_random(const char *text) {
         unsigned long long r = rnd(&seed);
         if (n && (n == 256 || r % 3 == 0)) {
             size_t k = (size_t)(rnd(&seed) % n);
-            give(&m, live[k]);
+            if (r % 4 == 1) { /* used on another stream: cached a few steps later */
+                CHECK_OK(cuma_tm_free_after(&m, live[k], (uint64_t)i + rnd(&seed) % 16));
+                CHECK_OK(cuma_tm_validate(&m));
+            } else {
+                give(&m, live[k]);
+            }
             live[k] = live[--n];
             continue;
         }
+        CHECK_OK(cuma_tm_process_events(&m, (uint64_t)i));
         uint64_t kind = r % 10, size;
         if (kind < 6)
             size = 1 + rnd(&seed) % MIB;
@@ -427,6 +500,7 @@ int main(int argc, char **argv) {
     test_merge();
     test_max_split_size();
     test_streams();
+    test_record_stream();
     test_oom_retry();
     test_gc();
     test_conf_errors();

@@ -567,6 +567,59 @@ static void test_ghosts(void) {
     teardown(&e);
 }
 
+/* A page backed anew for a stream whose later work runs after its pending fence (an early
+ * remap of its own page, or reuse in place with its own fence) takes the tag of its block's free
+ * in place of that fence, whichever stream the free names (the stream of the last use, ordered
+ * after the block's stream): no MULTI tag, which no stream could be ordered after. A second
+ * block on the page, or a page another stream's work is pending on, still joins. */
+static void test_covered_fences(void) {
+    env e;
+    setup(&e);
+    unsigned a = (unsigned)cuma_streams_index(&e.ss, S(0xA));
+    unsigned b = (unsigned)cuma_streams_index(&e.ss, S(0xB));
+    hold(&e, S(0xA), true);
+    hold(&e, S(0xB), true);
+    CHECK_OK(cuma_pages_ref(&e.pp, 0, P, 0, (int)a));
+    uint32_t s0 = slot_at(&e, 0);
+    cuma_pages_unref(&e.pp, 0, P, 1, (uint16_t)a, cuma_streams_note_free(&e.ss, a));
+    CHECK_OK(cuma_pages_ref(&e.pp, 10 * P, P, 2, (int)a)); /* a's pending page: early remap */
+    CHECK(slot_at(&e, 10) == s0 && e.pp.nghosts == 1 && e.pp.phys[s0].covered);
+    uint64_t qb = cuma_streams_note_free(&e.ss, b);
+    cuma_pages_unref(&e.pp, 10 * P, P, 3, (uint16_t)b, qb); /* last used on b */
+    CHECK(e.pp.phys[s0].fence_stream == b && e.pp.phys[s0].fence_seq == qb);
+    CHECK(!e.pp.phys[s0].covered);
+    validate(&e);
+    /* In place with its own stream's fence: covered too. */
+    CHECK_OK(cuma_pages_ref(&e.pp, 10 * P, P, 4, (int)b));
+    CHECK(slot_at(&e, 10) == s0 && e.pp.phys[s0].covered);
+    uint64_t qa = cuma_streams_note_free(&e.ss, a);
+    cuma_pages_unref(&e.pp, 10 * P, P, 5, (uint16_t)a, qa);
+    CHECK(e.pp.phys[s0].fence_stream == a && e.pp.phys[s0].fence_seq == qa);
+    validate(&e);
+    /* In place for another stream than the fence's: joined. */
+    CHECK_OK(cuma_pages_ref(&e.pp, 10 * P, P, 6, (int)b));
+    CHECK(!e.pp.phys[s0].covered);
+    cuma_pages_unref(&e.pp, 10 * P, P, 7, (uint16_t)b, cuma_streams_note_free(&e.ss, b));
+    CHECK(e.pp.phys[s0].fence_stream == CUMA_FENCE_MULTI);
+    validate(&e);
+    /* Two blocks on a page taken early: the first free (not the last byte) joins. */
+    CHECK_OK(cuma_pages_ref(&e.pp, 20 * P, P, 8, (int)a));
+    uint32_t s20 = slot_at(&e, 20);
+    cuma_pages_unref(&e.pp, 20 * P, P, 9, (uint16_t)a, cuma_streams_note_free(&e.ss, a));
+    CHECK_OK(cuma_pages_ref(&e.pp, 30 * P, P / 2, 10, (int)a));
+    CHECK(slot_at(&e, 30) == s20 && e.pp.phys[s20].covered);
+    CHECK_OK(cuma_pages_ref(&e.pp, 30 * P + P / 2, P / 2, 11, (int)b)); /* live already */
+    cuma_pages_unref(&e.pp, 30 * P + P / 2, P / 2, 12, (uint16_t)b,
+                     cuma_streams_note_free(&e.ss, b));
+    CHECK(e.pp.phys[s20].fence_stream == CUMA_FENCE_MULTI && !e.pp.phys[s20].covered);
+    cuma_pages_unref(&e.pp, 30 * P, P / 2, 13, (uint16_t)a, cuma_streams_note_free(&e.ss, a));
+    CHECK(e.pp.phys[s20].fence_stream == CUMA_FENCE_MULTI);
+    validate(&e);
+    hold(&e, S(0xA), false);
+    hold(&e, S(0xB), false);
+    teardown(&e);
+}
+
 /* A device 5 ms behind (sim_lag_ms): a ghost's work is pending until the clock passes it. A
  * release that may not wait keeps the ghost and its page; one that waits (a trim) waits for
  * the ghost's work, unmaps it and gives the page back. */
@@ -747,6 +800,7 @@ int main(void) {
     test_fences();
     test_data_survives();
     test_ghosts();
+    test_covered_fences();
     test_remap_threshold();
     test_wait_reaps_ghosts();
     test_prefill();
