@@ -476,7 +476,7 @@ cuma_status cuma_tm_free(cuma_tm *m, int32_t id) {
 }
 
 cuma_status cuma_tm_free_after(cuma_tm *m, int32_t id, uint64_t due_us) {
-    if (m->npend == m->cappend) {
+    if (m->npend == m->cappend && m->pend_head) {
         /* The queue's consumed head is dropped before it grows. */
         memmove(m->pend, m->pend + m->pend_head, (m->npend - m->pend_head) * sizeof *m->pend);
         m->npend -= m->pend_head;
@@ -559,9 +559,12 @@ static int32_t find_expandable(cuma_tm *m, uint64_t stream, int large, uint64_t 
     for (size_t at = um_lower_bound(m, u, stream, 0);
          at < u->n && m->b[u->ids[at]].stream == stream; at++) {
         int32_t c = u->ids[at];
-        if (m->b[c].prev >= 0 && !m->b[m->b[c].prev].allocated) c = m->b[c].prev;
+        /* A block freed on another stream and waiting for its events (pending) is not free. */
+        if (m->b[c].prev >= 0 && !m->b[m->b[c].prev].allocated && !m->b[m->b[c].prev].pending)
+            c = m->b[c].prev;
         uint64_t bytes = 0;
-        for (int32_t x = c; x >= 0 && bytes < size && !m->b[x].allocated; x = m->b[x].next)
+        for (int32_t x = c; x >= 0 && bytes < size && !m->b[x].allocated && !m->b[x].pending;
+             x = m->b[x].next)
             bytes += m->b[x].size;
         if (bytes >= size) return c;
     }
