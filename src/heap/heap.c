@@ -99,7 +99,7 @@ void cuma_arena_process_deferred(cuma_arena *a, bool wait) {
     }
 }
 
-void cuma_arena_give_cached(cuma_arena *a, cuma_block *b) {
+void cuma_arena_give_cached(cuma_arena *a, cuma_block *b, uint64_t since) {
     cuma_map_remove(&a->live, a->base + b->off);
     /* The thread caches' published share shrinks with it until the next count, so that the
      * ledger does not see it twice once its pages are idle. */
@@ -109,7 +109,11 @@ void cuma_arena_give_cached(cuma_arena *a, cuma_block *b) {
     /* Freed into the cache at some point before now: a fence taken now covers that free. */
     uint64_t seq = cuma_streams_note_free(&a->streams, b->stream), t = now(a);
     cuma_streams_freed(&a->streams, b->stream, t);
+    /* Its pages have been idle since the push, not since now: memory a thread cache held past
+     * its use ages from then, so the release delay counts from when the program freed it. */
+    a->idle_since = since;
     cuma_arena_release_block(a, b, b->stream, seq, t, false);
+    a->idle_since = UINT64_MAX;
 }
 
 void cuma_arena_flush_tcaches(cuma_arena *a) {

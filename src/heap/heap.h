@@ -112,6 +112,9 @@ struct cuma_arena {
     uint64_t tc_bytes, tc_max;
     int64_t tc_age_ns;
     uint64_t tc_due; /* no thread-cache block is due to go back before this (coarse time) */
+    /* When the block being given back went idle: its push into a thread cache while one is
+     * given back from there (cuma_arena_give_cached), else UINT64_MAX (the time of the free). */
+    uint64_t idle_since;
     cuma_tcache *tcaches;
     _Atomic uint64_t manual_now; /* sim_clock:manual: the time cuma_sim_set_time set */
     _Atomic uint64_t coarse_now; /* the clock as of the last slow path (fast paths stamp with it) */
@@ -264,7 +267,7 @@ void cuma_arena_release_block(cuma_arena *a, cuma_block *b, uint16_t fstream, ui
 bool cuma_arena_compact_rung(cuma_arena *a);
 
 /* Takes back a block a thread cache held (arena lock held). */
-void cuma_arena_give_cached(cuma_arena *a, cuma_block *b);
+void cuma_arena_give_cached(cuma_arena *a, cuma_block *b, uint64_t since);
 
 /* Flushes every thread cache of the arena (its lock held). */
 void cuma_arena_flush_tcaches(cuma_arena *a);

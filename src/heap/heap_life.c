@@ -77,8 +77,13 @@ cuma_status cuma_arena_build(cuma_arena *a) {
     a->tc_on = a->heap->set.tcache;
     a->tc_bytes = a->heap->set.tcache_bytes;
     a->tc_max = a->heap->set.tcache_max;
+    a->idle_since = UINT64_MAX;
     a->tc_age_ns =
         a->heap->set.tcache_age_ms < 0 ? INT64_MAX : a->heap->set.tcache_age_ms * 1000000;
+    /* A thread cache's idle blocks are idle memory too: none stays longer than the heap's own
+     * idle pages would (their pages age from the push, cuma_arena_give_cached). */
+    if (a->release_delay_ns >= 0 && a->tc_age_ns > a->release_delay_ns)
+        a->tc_age_ns = a->release_delay_ns;
     a->granule_round = (pol->flags & CUMA_POLICY_GRANULE_ROUND) != 0;
     uint64_t room = phys->max_request(a);
     /* Size classes only where the slack past a request holds no memory (pages are mapped under

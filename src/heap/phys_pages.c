@@ -94,7 +94,7 @@ static cuma_status pages_back(cuma_arena *a, cuma_block **bp, uint64_t req, uint
 static void pages_free(cuma_arena *a, cuma_block *b, uint16_t fstream, uint64_t fseq,
                        uint64_t now) {
     assert(!b->is_free && b->mapped_len <= b->size);
-    cuma_pages_unref(&a->pages, b->off, b->mapped_len, now, fstream, fseq);
+    cuma_pages_unref_aged(&a->pages, b->off, b->mapped_len, now, a->idle_since, fstream, fseq);
     a->pol->ops->free(a->pol, b, fstream, fseq);
     assert(a->pages.ncached <= a->pages.nreserved);
 }

@@ -63,8 +63,7 @@ void cuma_tcache_postfork(void) {
     cuma_mutex_unlock(&registry_lock);
 }
 
-static void flush_one(cuma_arena *a, cuma_tcache *tc, uint64_t older_than,
-                      void (*give)(cuma_arena *, cuma_block *));
+static void flush_one(cuma_arena *a, cuma_tcache *tc, uint64_t older_than, cuma_tc_give give);
 
 static void free_tc(cuma_tcache *tc) {
     free(tc->tab);
@@ -211,39 +210,37 @@ void cuma_tcache_note_alloc(cuma_tcache *tc, cuma_block *b, uint64_t addr) {
     cuma_tcache_tab_put(tc, addr, b, atomic_load_explicit(&b->gen, memory_order_relaxed));
 }
 
-void cuma_tcache_drain(cuma_arena *a, cuma_tcache *tc, void (*give)(cuma_arena *, cuma_block *)) {
+void cuma_tcache_drain(cuma_arena *a, cuma_tcache *tc, cuma_tc_give give) {
     for (unsigned k = 0; k < tc->npending; k++) {
         cuma_block *b = atomic_exchange_explicit(&tc->pending[k], NULL, memory_order_acquire);
-        if (b) give(a, b); /* NULL: a flusher took it already */
+        if (b) give(a, b, UINT64_MAX); /* NULL: a flusher took it already */
     }
     tc->npending = 0;
 }
 
-static void flush_one(cuma_arena *a, cuma_tcache *tc, uint64_t older_than,
-                      void (*give)(cuma_arena *, cuma_block *)) {
+static void flush_one(cuma_arena *a, cuma_tcache *tc, uint64_t older_than, cuma_tc_give give) {
     if (older_than == UINT64_MAX ||
         atomic_load_explicit(&tc->pending_stamp, memory_order_relaxed) < older_than) {
         for (unsigned k = 0; k < CUMA_TC_PENDING; k++) {
             if (!atomic_load_explicit(&tc->pending[k], memory_order_relaxed)) continue;
             cuma_block *b = atomic_exchange_explicit(&tc->pending[k], NULL, memory_order_acquire);
-            if (b) give(a, b);
+            if (b) give(a, b, UINT64_MAX); /* frees: they wait for no reuse */
         }
     }
     for (unsigned i = 0; i < CUMA_TC_BINS; i++) {
         cuma_tc_bin *bin = &tc->bins[i];
-        if (older_than != UINT64_MAX &&
-            atomic_load_explicit(&bin->stamp, memory_order_relaxed) >= older_than)
-            continue;
+        /* The bin's last push: its blocks have been idle since then at least. */
+        uint64_t st = atomic_load_explicit(&bin->stamp, memory_order_relaxed);
+        if (older_than != UINT64_MAX && st >= older_than) continue;
         for (unsigned k = 0; k < CUMA_TC_DEPTH; k++) {
             if (!atomic_load_explicit(&bin->slot[k], memory_order_relaxed)) continue;
             cuma_block *b = atomic_exchange_explicit(&bin->slot[k], NULL, memory_order_acquire);
-            if (b) give(a, b);
+            if (b) give(a, b, st);
         }
     }
 }
 
-void cuma_tcache_flush_all(cuma_arena *a, uint64_t older_than,
-                           void (*give)(cuma_arena *, cuma_block *)) {
+void cuma_tcache_flush_all(cuma_arena *a, uint64_t older_than, cuma_tc_give give) {
     for (cuma_tcache *tc = a->tcaches; tc; tc = tc->next) flush_one(a, tc, older_than, give);
 }
 

@@ -17,8 +17,10 @@
  * another free of the same pointer loses a compare-and-swap instead of corrupting the heap.
  *
  * Memory: a cache holds at most `tcache_bytes` per thread, blocks of at most `tcache_max` bytes,
- * and its blocks go back to the heap when they have sat longer than `tcache_age_ms` (the release
- * thread and every slow path check), so it costs memory only for a moment.
+ * and its blocks go back to the heap when they have sat longer than `tcache_age_ms`, at most
+ * `release_delay_ms` (the release thread and every slow path check), so it costs memory only
+ * for a moment. Their pages age from the block's push, not from the flush: memory idle in a
+ * cache is idle memory, and the release delay counts from when the program freed it.
  */
 #ifndef CUMA_HEAP_TCACHE_H
 #define CUMA_HEAP_TCACHE_H
@@ -122,7 +124,10 @@ static inline cuma_tcache *cuma_tcache_get(cuma_arena *a, uint64_t id) {
 typedef enum { CUMA_TC_MISS = 0, CUMA_TC_DONE = 1, CUMA_TC_DRAIN = 2 } cuma_tc_result;
 
 /* Returns the owner's pending frees to the arena (arena lock held, owner thread). */
-void cuma_tcache_drain(cuma_arena *a, cuma_tcache *tc, void (*give)(cuma_arena *, cuma_block *));
+/* give(a, block, since): since is when the block went idle in the cache (coarse time), or
+ * UINT64_MAX for now. */
+typedef void (*cuma_tc_give)(cuma_arena *, cuma_block *, uint64_t since);
+void cuma_tcache_drain(cuma_arena *a, cuma_tcache *tc, cuma_tc_give give);
 
 /* Slow-path hooks for the calling thread (arena lock held): remember a block it was handed and
  * the index of a stream it used, so that its next free and alloc can go fast (a stream map from
@@ -131,9 +136,9 @@ void cuma_tcache_note_alloc(cuma_tcache *tc, cuma_block *b, uint64_t addr);
 void cuma_tcache_note_stream(cuma_tcache *tc, cuma_stream handle, unsigned index);
 
 /* Takes blocks out of every cache of the arena (arena lock held): all of them, or those idle
- * since before `older_than` (coarse time). Calls give(h, block) for each. */
-void cuma_tcache_flush_all(cuma_arena *a, uint64_t older_than,
-                           void (*give)(cuma_arena *, cuma_block *));
+ * since before `older_than` (coarse time). Calls give(h, block, since) for each, since the
+ * stamp of its bin's last push. */
+void cuma_tcache_flush_all(cuma_arena *a, uint64_t older_than, cuma_tc_give give);
 
 /* Oldest stamp among non-empty bins of the arena's caches (UINT64_MAX if none). Arena lock held;
  * a racing owner may make it stale, which only moves a flush a little. */

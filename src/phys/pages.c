@@ -74,14 +74,21 @@ static void cache_drop_oldest(cuma_pages *pp, uint32_t i) {
     pp->nages--;
 }
 
-static void cache_push(cuma_pages *pp, uint32_t i, uint64_t now) {
+/* since: when the memory went idle (at most now; earlier for a block that sat in a thread cache,
+ * where it was idle already). Its age goes in order among the others, so the oldest still goes
+ * first; the cache list keeps the order of the pushes. */
+static void cache_push_aged(cuma_pages *pp, uint32_t i, uint64_t now, uint64_t since) {
     cuma_phys *p = &pp->phys[i];
     /* The list is newest first: every caller reads its clock after the steps that push before
      * it (alloc_slow reads it after the drains and after the out-of-memory ladder). Debug
      * builds check it here, where a break would be made, not at the next cuma_validate. */
     assert(pp->head == CUMA_NIL || now >= pp->phys[pp->head].idle_since);
     p->idle_since = now;
-    if (!p->pinned) *age_at(pp, pp->nages++) = now; /* room: nages < nslots <= capslots */
+    if (!p->pinned) { /* room: nages < nslots <= capslots */
+        uint64_t k = pp->nages++;
+        for (; k && *age_at(pp, k - 1) > since; k--) *age_at(pp, k) = *age_at(pp, k - 1);
+        *age_at(pp, k) = since;
+    }
     p->prev = CUMA_NIL;
     p->next = pp->head;
     if (pp->head != CUMA_NIL)
@@ -91,6 +98,10 @@ static void cache_push(cuma_pages *pp, uint32_t i, uint64_t now) {
     pp->head = i;
     p->cached = 1;
     pp->ncached++;
+}
+
+static void cache_push(cuma_pages *pp, uint32_t i, uint64_t now) {
+    cache_push_aged(pp, i, now, now);
 }
 
 static uint64_t va_addr(const cuma_pages *pp, uint32_t v) {
@@ -546,6 +557,12 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
 
 void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, uint16_t fstream,
                       uint64_t fseq) {
+    cuma_pages_unref_aged(pp, off, len, now, now, fstream, fseq);
+}
+
+void cuma_pages_unref_aged(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, uint64_t since,
+                           uint16_t fstream, uint64_t fseq) {
+    if (since > now) since = now;
     uint32_t first = (uint32_t)(off >> pp->shift), last = (uint32_t)((off + len - 1) >> pp->shift);
     for (uint32_t v = first; v <= last; v++) {
         cuma_phys *p = &pp->phys[pp->phys_of[v] - 1];
@@ -556,7 +573,7 @@ void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, 
         if (fseq) p->covered = 0; /* a later tag joins this one */
         if (--pp->live[v]) continue;
         pp->nmapped--;
-        cache_push(pp, pp->phys_of[v] - 1, now);
+        cache_push_aged(pp, pp->phys_of[v] - 1, now, since);
     }
 }
 

@@ -89,7 +89,8 @@ typedef struct cuma_pages {
     uint32_t head, tail; /* cache list */
     uint64_t ncached, nmapped, nreserved, npinned;
     /* The ages of the idle memory, apart from which pages hold it: a ring of nages times (one
-     * per idle page that is not pinned), oldest at ages[age_lo], in the order they joined. A
+     * per idle page that is not pinned), oldest at ages[age_lo], in time order (memory a thread
+     * cache held joins at the time it went idle there, usually among the newest). A
      * page taken from the cache for reuse (in place or moved) takes the newest age with it, a
      * page released the oldest, so the delay counts how long that much memory has not been
      * needed, whichever physical pages moved; the release still gives back the coldest pages
@@ -147,6 +148,10 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
  * the given fence (joined with the page's own, or in place of it where that is covered). */
 void cuma_pages_unref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, uint16_t fstream,
                       uint64_t fseq);
+/* The same for memory idle since `since` (<= now: a block that sat in a thread cache): its pages
+ * age from then. */
+void cuma_pages_unref_aged(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t now, uint64_t since,
+                           uint16_t fstream, uint64_t fseq);
 
 /* Gives back idle pages: those idle for at least delay_ns (delay_ns < 0: none by age) while more
  * than age_keep pages idle, then the oldest while more than max_cached pages idle. Pages whose

@@ -71,11 +71,35 @@ static void test_age(void) {
     CHECK_OK(cuma_poll(h));
     cuma_stats s = heap_stats(h);
     CHECK(s.mapped_bytes == 0 && s.cached_bytes == 4 * MB); /* back in the heap, pages idle */
+    /* Idle since the free at 0, not since the flush at 50 ms: the release delay counts from
+     * the free, as for memory freed straight to the heap. */
     CHECK_OK(cuma_next_release(h, &due));
-    CHECK(due == 150 * 1000000ull);
+    CHECK(due == 100 * 1000000ull);
     CHECK_OK(cuma_sim_set_time(h, due));
     CHECK_OK(cuma_poll(h));
     CHECK(heap_stats(h).reserved_bytes == 0);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
+/* A thread cache holds idle memory no longer than the release delay, whatever tcache_age_ms
+ * says, and the pages go back at the delay after the free. */
+static void test_age_capped_by_delay(void) {
+    cuma_heap *h =
+        make("capacity:64M,sim_clock:manual,tcache_age_ms:500,release_delay_ms:100,tcache_max:8M");
+    void *p;
+    CHECK_OK(cuma_alloc(h, 4 * MB, NULL, &p));
+    CHECK_OK(cuma_free(h, p, NULL));
+    CHECK(heap_stats(h).cached_bytes == 4 * MB && heap_stats(h).reserved_bytes == 4 * MB);
+    uint64_t due;
+    CHECK_OK(cuma_next_release(h, &due));
+    CHECK(due == 100 * 1000000ull);
+    CHECK_OK(cuma_sim_set_time(h, 99 * 1000000ull));
+    CHECK_OK(cuma_poll(h));
+    CHECK(heap_stats(h).reserved_bytes == 4 * MB); /* not before the delay */
+    CHECK_OK(cuma_sim_set_time(h, 100 * 1000000ull));
+    CHECK_OK(cuma_poll(h));
+    CHECK(heap_stats(h).reserved_bytes == 0); /* flushed and released in the same pass */
     CHECK_OK(cuma_validate(h));
     cuma_heap_destroy(h);
 }
@@ -258,6 +282,7 @@ int main(void) {
     test_pending_frees();
     test_reuse_and_accounting();
     test_age();
+    test_age_capped_by_delay();
     test_threads();
     test_oom_flushes();
     printf("test_tcache: all passed\n");
