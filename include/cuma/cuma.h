@@ -318,7 +318,8 @@ cuma_status cuma_set_memory_fraction(cuma_heap *heap, double fraction);
       "Idle pages mapped at a new address while the device still had work on their old one, "      \
       "from the same stream.")                                                                     \
     X(uint64_t, remap_waits, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,                  \
-      "Times the host waited for such work because its address was needed again.")                 \
+      "Times the host waited for such work: its address was needed again, or its page by "         \
+      "another stream.")                                                                           \
     X(uint64_t, events_recorded, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,              \
       "Stream events recorded to fence reuse.")                                                    \
     X(uint64_t, event_queries, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,                \

@@ -308,6 +308,33 @@ static cuma_status ghost_clear(cuma_pages *pp, uint32_t v, uint32_t last, int st
                      (unsigned long long)va_addr(pp, v));
 }
 
+/* Physical page i, mapped at a virtual page whose bytes are handed out again (live already, or
+ * idle in place), may still be touched at its ghosts' old addresses by the work of their fences'
+ * streams: placement's tags speak of virtual bytes only, so a block of another stream there
+ * would run beside that work (the rest of a page remapped early, its other half freed).
+ * That stream is ordered after the work on the device where it may be (stream_order), else the
+ * host waits for it. The ghost's own stream runs it first anyway, and so does the stream of the
+ * page's fence, which covers its ghosts' (joined with them, or a tag of work after them). */
+static cuma_status order_after_ghosts(cuma_pages *pp, uint32_t i, int stream) {
+    if (stream >= 0 && (unsigned)stream == pp->phys[i].fence_stream) return CUMA_OK;
+    for (uint32_t gi = 0; gi < pp->nghosts; gi++) {
+        const cuma_ghost *g = &pp->ghosts[gi];
+        if (g->phys != i || (stream >= 0 && (unsigned)stream == g->fstream) ||
+            cuma_fence_poll(pp->ss, g->fstream, g->fseq, false))
+            continue;
+        if (pp->order && stream >= 0 &&
+            cuma_fence_order(pp->ss, (unsigned)stream, g->fstream, g->fseq) == CUMA_OK)
+            continue;
+        pp->remap_waits++;
+        if (!cuma_fence_poll(pp->ss, g->fstream, g->fseq, true))
+            return cuma_fail(CUMA_ERR_BACKEND,
+                             "page at 0x%llx is still mapped elsewhere for work the device has "
+                             "not finished",
+                             (unsigned long long)va_addr(pp, g->va));
+    }
+    return CUMA_OK;
+}
+
 /* ---- backing a virtual page ------------------------------------------------------------------ */
 
 enum { STOLE_NONE, STOLE_MOVED, STOLE_SHARED };
@@ -516,6 +543,15 @@ cuma_status cuma_pages_ref(cuma_pages *pp, uint64_t off, uint64_t len, uint64_t 
     cuma_streams_tick(pp->ss, now); /* one query per lagging stream for all the pages it steals */
     if (pp->budget > 0) pace(pp);
     if (pp->nghosts) cuma_pages_reap(pp, false);
+    /* Pages mapped already (live, or idle in place) keep their ghosts through this call: the
+     * pages it moves early become ghosts of this stream's or of work it is ordered after. */
+    for (uint32_t v = first; pp->nghosts && v <= last; v++) {
+        uint32_t i = pp->phys_of[v];
+        if (i && !(i & CUMA_GHOST) && pp->phys[i - 1].nghost) {
+            cuma_status st = order_after_ghosts(pp, i - 1, stream);
+            if (st) return st;
+        }
+    }
     /* A request that cannot fit even with every idle page reused fails before touching any. */
     if (pp->nmapped + need > pp->limit_pages)
         return cuma_fail(pp->limit_is_device ? CUMA_ERR_OOM : CUMA_ERR_LIMIT,

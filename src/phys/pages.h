@@ -125,7 +125,9 @@ typedef struct cuma_pages {
     /* stream_order:on and a backend that can: another stream's pending page may be shared, the
      * stream that takes it ordered after that work on the device (cuma_fence_order); constant */
     bool order;
-    uint64_t remap_waits; /* times backing a ghost's virtual page waited for the device */
+    /* times backing a ghost's virtual page, or giving another stream bytes of a page with
+     * ghosts, waited for the device */
+    uint64_t remap_waits;
     uint64_t ordered;     /* early remaps of another stream's page (cuma_fence_order) */
 } cuma_pages;
 

@@ -426,6 +426,38 @@ static void test_streams(void) {
     cuma_heap_destroy(h);
 }
 
+/* A page remapped early for stream a (its own page, a's work on it still pending at the old
+ * address, a ghost) is partly covered by a's new block; the placement hands the rest of that
+ * virtual page, clean space, to stream b. Those bytes are the ones a's pending work may touch at
+ * the ghost's address (host backing shows the alias), so b gets them only once the host waited
+ * for that work (remap_waits; with stream_order, b is ordered after it on the device instead:
+ * test_pages). */
+static void test_ghost_page_other_stream(void) {
+    cuma_heap *h = make("capacity:64M,page_size:2M,sim_clock:manual,host_backing:on,sim_lag_ms:5,"
+                        "release_delay_ms:100000");
+    cuma_stream sa = (cuma_stream)(uintptr_t)0xA000, sb = (cuma_stream)(uintptr_t)0xB000;
+    char *x1, *y, *x2, *x3;
+    CHECK_OK(cuma_alloc(h, 2 * MB, sa, (void **)&x1));
+    CHECK_OK(cuma_alloc(h, MB, sa, (void **)&y)); /* so that [x1, x1 + 2 MiB) stays a hole */
+    CHECK(y == x1 + 2 * MB && ((uintptr_t)x1 & (2 * MB - 1)) == 0);
+    x1[MB + 4096] = 0x77; /* a's work on its block, still queued when a frees it */
+    CHECK_OK(cuma_free(h, x1, sa));
+    /* Too big for the hole: after y, its second page backed early with x1's page. */
+    CHECK_OK(cuma_alloc(h, 2 * MB + 4096, sa, (void **)&x2));
+    CHECK(x2 == x1 + 3 * MB && heap_stats(h).early_remaps == 1);
+    CHECK(heap_stats(h).remap_waits == 0);
+    /* b gets the clean rest of that page: the bytes under x1 + 1 MiB + 4 KiB. */
+    CHECK_OK(cuma_alloc(h, 512 * 1024, sb, (void **)&x3));
+    CHECK(x3 == x2 + 2 * MB + 4096 && x3[0] == 0x77);
+    CHECK(heap_stats(h).remap_waits == 1); /* a's work done before b got them */
+    CHECK_OK(cuma_validate(h));
+    CHECK_OK(cuma_free(h, x3, sb));
+    CHECK_OK(cuma_free(h, x2, sa));
+    CHECK_OK(cuma_free(h, y, sa));
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
 /* cuma_stream_retire: a destroyed stream's handle, given to a new stream by the driver, must not
  * get memory the old stream's work still uses, from the heap or from a thread cache (whose map of
  * handles to stream slots goes stale); memory allocated on the old stream and freed after it died
@@ -661,6 +693,7 @@ int main(void) {
     test_oom_cross_heaps();
     test_oom_wait_is_bounded();
     test_streams();
+    test_ghost_page_other_stream();
     test_stream_retire();
     test_json();
     printf("test_heap: all passed\n");

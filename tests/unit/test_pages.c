@@ -577,6 +577,7 @@ static void test_covered_fences(void) {
     setup(&e);
     unsigned a = (unsigned)cuma_streams_index(&e.ss, S(0xA));
     unsigned b = (unsigned)cuma_streams_index(&e.ss, S(0xB));
+    e.pp.order = true; /* b may be ordered after a's held work on a's pages (no host wait) */
     hold(&e, S(0xA), true);
     hold(&e, S(0xB), true);
     CHECK_OK(cuma_pages_ref(&e.pp, 0, P, 0, (int)a));
@@ -608,7 +609,11 @@ static void test_covered_fences(void) {
     cuma_pages_unref(&e.pp, 20 * P, P, 9, (uint16_t)a, cuma_streams_note_free(&e.ss, a));
     CHECK_OK(cuma_pages_ref(&e.pp, 30 * P, P / 2, 10, (int)a));
     CHECK(slot_at(&e, 30) == s20 && e.pp.phys[s20].covered);
+    /* b on the rest of the page, where a's held work may still touch it at the ghost's address
+     * (test_ghost_page_other_stream): b is ordered after that work on the device. */
+    uint64_t w = e.ss.stream_waits;
     CHECK_OK(cuma_pages_ref(&e.pp, 30 * P + P / 2, P / 2, 11, (int)b)); /* live already */
+    CHECK(e.ss.stream_waits == w + 1);
     cuma_pages_unref(&e.pp, 30 * P + P / 2, P / 2, 12, (uint16_t)b,
                      cuma_streams_note_free(&e.ss, b));
     CHECK(e.pp.phys[s20].fence_stream == CUMA_FENCE_MULTI && !e.pp.phys[s20].covered);
@@ -617,6 +622,58 @@ static void test_covered_fences(void) {
     validate(&e);
     hold(&e, S(0xA), false);
     hold(&e, S(0xB), false);
+    teardown(&e);
+}
+
+/* A page remapped early is still touched at its ghost's address by the pending work of the
+ * ghost's stream, on the same bytes. A block another stream gets on that page later (the rest of
+ * the live page, or the page idle in place) would run beside that work: placement's tags speak
+ * of virtual bytes only. So that stream is ordered after the ghost's work on the device
+ * (stream_order), or the host waits for it; the ghost's own stream needs neither. */
+static void test_ghost_page_other_stream(void) {
+    env e;
+    setup_with(&e, "sim_lag_ms:5");
+    _Atomic uint64_t clock = 1000;
+    CHECK_OK(cuma_simbe_set_clock(e.be, &clock));
+    unsigned a = (unsigned)cuma_streams_index(&e.ss, S(0xA));
+    unsigned b = (unsigned)cuma_streams_index(&e.ss, S(0xB));
+    /* Page 0's page, freed on a (pending 5 ms), backs the first half of page 10 early. */
+    CHECK_OK(cuma_pages_ref(&e.pp, 0, P, 1, (int)a));
+    uint32_t s0 = slot_at(&e, 0);
+    uint64_t qa = cuma_streams_note_free(&e.ss, a);
+    cuma_pages_unref(&e.pp, 0, P, 2, (uint16_t)a, qa);
+    CHECK_OK(cuma_pages_ref(&e.pp, 10 * P, P / 2, 3, (int)a));
+    CHECK(slot_at(&e, 10) == s0 && e.pp.nghosts == 1 && !cuma_fence_known_done(&e.ss, a, qa));
+    /* Its own stream on more of the page: no wait of any kind. */
+    CHECK_OK(cuma_pages_ref(&e.pp, 10 * P + P / 2, P / 4, 4, (int)a));
+    CHECK(e.pp.remap_waits == 0 && e.ss.stream_waits == 0 && !cuma_fence_known_done(&e.ss, a, qa));
+    /* Another stream on the rest of the live page: the host waits for a's work first. */
+    CHECK_OK(cuma_pages_ref(&e.pp, 10 * P + 3 * P / 4, P / 4, 5, (int)b));
+    CHECK(e.pp.remap_waits == 1 && cuma_fence_known_done(&e.ss, a, qa));
+    validate(&e);
+    cuma_pages_unref(&e.pp, 10 * P, P / 2, 6, (uint16_t)a, cuma_streams_note_free(&e.ss, a));
+    cuma_pages_unref(&e.pp, 10 * P + P / 2, P / 4, 6, (uint16_t)a,
+                     cuma_streams_note_free(&e.ss, a));
+    cuma_pages_unref(&e.pp, 10 * P + 3 * P / 4, P / 4, 6, (uint16_t)b,
+                     cuma_streams_note_free(&e.ss, b));
+    validate(&e);
+    /* With stream_order, on a page idle in place: b is ordered after a's work on the device. */
+    e.pp.order = true;
+    CHECK_OK(cuma_pages_ref(&e.pp, 20 * P, P, 7, (int)a));
+    uint32_t s20 = slot_at(&e, 20);
+    uint64_t qa2 = cuma_streams_note_free(&e.ss, a);
+    cuma_pages_unref(&e.pp, 20 * P, P, 8, (uint16_t)a, qa2);
+    CHECK_OK(cuma_pages_ref(&e.pp, 30 * P, P / 2, 9, (int)a)); /* early: a ghost at 20 */
+    CHECK(slot_at(&e, 30) == s20 && e.pp.phys_of[20] & CUMA_GHOST);
+    cuma_pages_unref(&e.pp, 30 * P, P / 2, 10, (uint16_t)a, cuma_streams_note_free(&e.ss, a));
+    uint64_t w0 = e.ss.stream_waits, r0 = e.pp.remap_waits;
+    CHECK_OK(cuma_pages_ref(&e.pp, 30 * P + P / 2, P / 2, 11, (int)b)); /* in place */
+    CHECK(slot_at(&e, 30) == s20 && e.ss.stream_waits == w0 + 1 && e.pp.remap_waits == r0);
+    CHECK(!cuma_fence_known_done(&e.ss, a, qa2)); /* ordered on the device, not waited for */
+    validate(&e);
+    cuma_pages_unref(&e.pp, 30 * P + P / 2, P / 2, 12, (uint16_t)b,
+                     cuma_streams_note_free(&e.ss, b));
+    atomic_store(&clock, 100000000); /* the device catches up */
     teardown(&e);
 }
 
@@ -803,6 +860,7 @@ int main(void) {
     test_covered_fences();
     test_remap_threshold();
     test_wait_reaps_ghosts();
+    test_ghost_page_other_stream();
     test_prefill();
     test_steal_own_range();
     test_random();
