@@ -55,7 +55,10 @@ static void cache_remove(cuma_pages *pp, uint32_t i) {
 }
 
 static uint64_t *age_at(const cuma_pages *pp, uint64_t k) { /* k-th oldest */
-    return &pp->ages[(pp->age_lo + k) % pp->capslots];
+    /* age_lo < capslots and k <= capslots: one subtraction, not a division (every push and take
+     * of an idle page comes here). */
+    uint64_t at = pp->age_lo + k;
+    return &pp->ages[at >= pp->capslots ? at - pp->capslots : at];
 }
 
 /* Takes idle page i out of the cache for reuse: the newest age goes with it (see `ages`), so
@@ -77,7 +80,9 @@ static void cache_drop_oldest(cuma_pages *pp, uint32_t i) {
 /* since: when the memory went idle (at most now; earlier for a block that sat in a thread cache,
  * where it was idle already). Its age goes in order among the others, so the oldest still goes
  * first; the cache list keeps the order of the pushes. */
-static void cache_push_aged(cuma_pages *pp, uint32_t i, uint64_t now, uint64_t since) {
+/* Inlined into both callers: a freed block's pages come here one by one. */
+__attribute__((always_inline)) static inline void cache_push_aged(cuma_pages *pp, uint32_t i,
+                                                                  uint64_t now, uint64_t since) {
     cuma_phys *p = &pp->phys[i];
     /* The list is newest first: every caller reads its clock after the steps that push before
      * it (alloc_slow reads it after the drains and after the out-of-memory ladder). Debug
@@ -86,8 +91,12 @@ static void cache_push_aged(cuma_pages *pp, uint32_t i, uint64_t now, uint64_t s
     p->idle_since = now;
     if (!p->pinned) { /* room: nages < nslots <= capslots */
         uint64_t k = pp->nages++;
-        for (; k && *age_at(pp, k - 1) > since; k--) *age_at(pp, k) = *age_at(pp, k - 1);
-        *age_at(pp, k) = since;
+        uint64_t *at = age_at(pp, k);
+        if (k && *age_at(pp, k - 1) > since) { /* older than the newest: in order among them */
+            for (; k && *age_at(pp, k - 1) > since; k--) *age_at(pp, k) = *age_at(pp, k - 1);
+            at = age_at(pp, k);
+        }
+        *at = since;
     }
     p->prev = CUMA_NIL;
     p->next = pp->head;
