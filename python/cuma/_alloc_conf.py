@@ -29,6 +29,8 @@ backend:cudaMallocAsync            warned: cuma replaces the allocator, so CUDA'
 pinned_use_cuda_host_register,     left to PyTorch: they configure PyTorch's pinned host memory
 pinned_num_register_threads,       allocator, which cuma does not replace
 pinned_use_background_threads
+stream_order                       warned: a cuma setting, read from enable()'s settings or
+                                   CUMA_CONF only
 anything else                      warned: unknown to cuma
 =================================  ============================================================
 
@@ -49,6 +51,7 @@ import warnings
 # What enable() sets under the caller's settings (see the note above).
 TORCH_DEFAULTS = ("stream_order:on",)
 
+_DEFAULT_KEYS = tuple(d.partition(":")[0] for d in TORCH_DEFAULTS)
 _PINNED = ("pinned_use_cuda_host_register", "pinned_num_register_threads", "pinned_use_background_threads")
 _ROUNDING = ("roundup_power2_divisions", "max_non_split_rounding_mb")
 
@@ -98,6 +101,11 @@ def translate(text):
                          "is not used; ignored")
         elif key in _PINNED:
             pass  # PyTorch's pinned host allocator reads these; cuma does not replace it
+        elif key in _DEFAULT_KEYS:
+            notes.append(
+                "%r is a cuma setting, which cuma does not read from PYTORCH_CUDA_ALLOC_CONF: pass it "
+                "to enable() or set it in CUMA_CONF; ignored" % item
+            )
         else:
             notes.append("%r is not an option cuma knows; ignored" % item)
     return settings, notes

@@ -32,6 +32,7 @@ def test_translate_maps_what_has_an_equivalent():
         ("backend:cudaMallocAsync", "stream-ordered"),
         ("per_process_memory_fraction:1.5", "not a fraction"),
         ("no_such_option:1", "not an option cuma knows"),
+        ("stream_order:off", "CUMA_CONF"),
     ],
 )
 def test_translate_says_why_an_option_is_ignored(option, says):

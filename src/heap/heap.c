@@ -571,10 +571,13 @@ __attribute__((noinline)) static cuma_status free_slow(cuma_heap *h, void *ptr, 
         cuma_trace_writer_event(
             h->tw, CUMA_TRACE_FREE, addr, b->req,
             (uint64_t)(uintptr_t)(stream ? stream : cuma_streams_shown(&a->streams, (unsigned)si)));
+    /* Looked up before the free's tag: the lookup may give the default stream the place of a
+     * retired allocation stream whose work is done (si's), and the tag must then be the default
+     * stream's, not the old stream's last. */
+    int di = wide ? cuma_arena_stream_index(a, NULL) : -1;
     uint64_t t = now(a);
     uint64_t seq = cuma_streams_note_free(&a->streams, (unsigned)si);
     cuma_streams_freed(&a->streams, (unsigned)si, t);
-    int di = wide ? cuma_arena_stream_index(a, NULL) : -1;
     if (wide && di < 0) b->extra_all = 1; /* table full: every stream's work, then */
     if (wide || b->extra[0] != CUMA_NO_STREAM || b->extra_all) {
         /* record_stream: nobody may reuse it before the other streams' work is done too. A

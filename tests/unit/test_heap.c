@@ -673,8 +673,35 @@ static void test_free_device_wide(const char *policy) {
     cuma_heap_destroy(h);
 }
 
+/* A device-wide free of a block whose allocation stream was retired: its place in the table may
+ * be handed to the default stream by the very lookup the free makes, and the free must still wait
+ * for the default stream's work (found in review: the block came back at once). */
+static void test_free_device_wide_retired(const char *policy) {
+    char conf[160];
+    snprintf(conf, sizeof conf,
+             "capacity:64M,page_size:64K,sim_clock:manual,tcache:off,arenas:1,policy:%s", policy);
+    cuma_heap *h = make(conf);
+    cuma_stream s1 = (cuma_stream)0x100;
+    void *p, *q;
+    CHECK_OK(cuma_alloc(h, 4096, s1, &p));   /* the default stream has no place in the table yet */
+    CHECK_OK(cuma_stream_retire(h, s1));     /* its work done: the place is free for another */
+    CHECK_OK(cuma_sim_hold_stream(h, NULL)); /* work on p still running on the default stream */
+    CHECK_OK(cuma_free_device_wide(h, p));
+    CHECK(heap_stats(h).active_allocs == 1);
+    CHECK_OK(cuma_alloc(h, 4096, NULL, &q));
+    CHECK(q != p); /* not before the default stream's work */
+    CHECK_OK(cuma_sim_release_stream(h, NULL));
+    CHECK_OK(cuma_poll(h));
+    CHECK(heap_stats(h).active_allocs == 1);
+    CHECK_OK(cuma_free(h, q, NULL));
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+}
+
 int main(void) {
     test_free_device_wide("tlsf");
+    test_free_device_wide_retired("tlsf");
+    test_free_device_wide_retired("buddy");
     test_free_device_wide("buddy");
     test_record_stream_not_inherited("tlsf");
     test_record_stream_not_inherited("buddy");
