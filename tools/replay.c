@@ -419,7 +419,7 @@ static void print_json(const result *r, const options *o, const char *conf) {
     printf("\"page_creates\":%llu,\"page_releases\":%llu,\"maps\":%llu,\"unmaps\":%llu,"
            "\"map_runs\":%llu,\"unmap_runs\":%llu,"
            "\"early_remaps\":%llu,\"remap_waits\":%llu,"
-           "\"events_recorded\":%llu,\"event_queries\":%llu,"
+           "\"events_recorded\":%llu,\"event_queries\":%llu,\"stream_waits\":%llu,"
            "\"num_alloc_retries\":%llu,\"release_delay_ms\":%lld,\"sim_lag_ms\":%lld,"
            "\"ops\":%llu,\"ns_per_op\":%.1f,\"policy\":",
            (unsigned long long)s->page_creates, (unsigned long long)s->page_releases,
@@ -427,8 +427,9 @@ static void print_json(const result *r, const options *o, const char *conf) {
            (unsigned long long)s->map_runs, (unsigned long long)s->unmap_runs,
            (unsigned long long)s->early_remaps, (unsigned long long)s->remap_waits,
            (unsigned long long)s->events_recorded, (unsigned long long)s->event_queries,
-           (unsigned long long)s->alloc_retries, (long long)r->release_delay_ms,
-           (long long)r->lag_ms, (unsigned long long)r->ops, r->ns_per_op);
+           (unsigned long long)s->stream_waits, (unsigned long long)s->alloc_retries,
+           (long long)r->release_delay_ms, (long long)r->lag_ms, (unsigned long long)r->ops,
+           r->ns_per_op);
     replay_json_string(r->policy);
     printf(",\"scale\":%llu,\"conf\":", (unsigned long long)o->scale);
     replay_json_string(conf);

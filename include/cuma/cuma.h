@@ -324,6 +324,8 @@ cuma_status cuma_set_memory_fraction(cuma_heap *heap, double fraction);
       "Stream events recorded to fence reuse.")                                                    \
     X(uint64_t, event_queries, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,                \
       "Times the device was asked whether such an event is done.")                                 \
+    X(uint64_t, stream_waits, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_HERE,                 \
+      "Waits queued on the device: a stream ordered after another's work (stream_order:on).")      \
     X(uint64_t, trims, CUMA_STAT_COUNTER | CUMA_STAT_COUNT, CUMA_STAT_LEDGER(17),                  \
       "cuma_trim calls and OOM cache releases.")                                                   \
     X(uint64_t, watermark_released_bytes, CUMA_STAT_COUNTER | CUMA_STAT_BYTES, CUMA_STAT_HERE,     \

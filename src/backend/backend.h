@@ -90,6 +90,10 @@ typedef struct cuma_backend_ops {
      * before that work is done. NULL where the backend cannot; CUMA_ERR_UNSUPPORTED while the
      * stream captures a graph (the wait would be a node of it). */
     cuma_status (*stream_wait)(cuma_backend *be, cuma_stream stream, uint64_t event);
+    /* Whether work queued on `stream` now would go into a graph being captured (also true when
+     * the backend cannot tell): a wait queued before the capture does not order the graph's
+     * work, which runs whenever and wherever the graph is launched. NULL: nothing captures. */
+    bool (*stream_capturing)(cuma_backend *be, cuma_stream stream);
 } cuma_backend_ops;
 
 /* Fields are set by the backend's constructor and constant afterwards. */

@@ -210,6 +210,15 @@ cuma_status cuma_cudabe_stream_wait(cuma_backend *be, cuma_stream stream, uint64
     return cuma_cudabe_check(r, "cuStreamWaitEvent on stream %p", stream);
 }
 
+bool cuma_cudabe_stream_capturing(cuma_backend *be, cuma_stream stream) {
+    cuda_be *b = (cuda_be *)be;
+    cudabe_ctx_guard g;
+    if (cudabe_ctx_switch(b, &g) != CUDA_SUCCESS) return true; /* cannot tell: as if it did */
+    bool c = capturing(b, stream) != NULL;
+    cudabe_ctx_leave(b, &g);
+    return c;
+}
+
 void cuma_cudabe_event_release(cuma_backend *be, uint64_t event) {
     cuda_be *b = (cuda_be *)be;
     if (event < b->nevents) event_put(b, (uint32_t)event);

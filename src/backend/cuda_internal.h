@@ -155,6 +155,7 @@ int cuma_cudabe_event_query(cuma_backend *be, uint64_t event);
 cuma_status cuma_cudabe_event_wait(cuma_backend *be, uint64_t event);
 void cuma_cudabe_event_release(cuma_backend *be, uint64_t event);
 cuma_status cuma_cudabe_stream_wait(cuma_backend *be, cuma_stream stream, uint64_t event);
+bool cuma_cudabe_stream_capturing(cuma_backend *be, cuma_stream stream);
 uint64_t cuma_cudabe_now(cuma_backend *be);
 void cuma_cudabe_destroy(cuma_backend *be);
 /* Whole allocations (cuda_segment.c): cuMemAlloc segments, and managed memory, the managed
@@ -168,7 +169,8 @@ void cuma_cudabe_mem_free(cuma_backend *be, uint64_t addr, uint64_t size);
     .mem_info = cuma_cudabe_mem_info, .event_record = cuma_cudabe_event_record,                    \
     .event_query = cuma_cudabe_event_query, .event_wait = cuma_cudabe_event_wait,                  \
     .event_release = cuma_cudabe_event_release, .now_ns = cuma_cudabe_now,                         \
-    .destroy = cuma_cudabe_destroy, .stream_wait = cuma_cudabe_stream_wait
+    .destroy = cuma_cudabe_destroy, .stream_wait = cuma_cudabe_stream_wait,                        \
+    .stream_capturing = cuma_cudabe_stream_capturing
 
 /* ---- the kinds (ops, name, caps, page size; the device is open) --------------------------- */
 

@@ -122,10 +122,17 @@ static cuma_status l_stream_wait(cuma_backend *be, cuma_stream stream, uint64_t 
     return st;
 }
 
+/* No lock: the answer is the driver's, about the stream, and touches no pool of the backend. */
+static bool l_stream_capturing(cuma_backend *be, cuma_stream stream) {
+    cuma_backend *in = as_locked(be)->inner;
+    return in->ops->stream_capturing && in->ops->stream_capturing(in, stream);
+}
+
 static const cuma_backend_ops locked_ops = {
-    l_reserve,     l_unreserve,  l_page_create,   l_page_release, l_map,      l_unmap,
-    l_seg_alloc,   l_seg_free,   l_managed_alloc, l_managed_free, l_mem_info, l_event_record,
-    l_event_query, l_event_wait, l_event_release, l_now_ns,       l_destroy,  l_stream_wait,
+    l_reserve,  l_unreserve,    l_page_create, l_page_release,     l_map,
+    l_unmap,    l_seg_alloc,    l_seg_free,    l_managed_alloc,    l_managed_free,
+    l_mem_info, l_event_record, l_event_query, l_event_wait,       l_event_release,
+    l_now_ns,   l_destroy,      l_stream_wait, l_stream_capturing,
 };
 
 cuma_status cuma_backend_locked(cuma_backend *inner, cuma_backend **out) {

@@ -127,10 +127,16 @@ static cuma_status lb_stream_wait(cuma_backend *be, cuma_stream stream, uint64_t
     return in->ops->stream_wait(in, stream, event);
 }
 
+static bool lb_stream_capturing(cuma_backend *be, cuma_stream stream) {
+    cuma_backend *in = as_lb(be)->inner;
+    return in->ops->stream_capturing && in->ops->stream_capturing(in, stream);
+}
+
 static const cuma_backend_ops ledger_ops = {
-    lb_reserve,     lb_unreserve,  lb_page_create,   lb_page_release, lb_map,      lb_unmap,
-    lb_seg_alloc,   lb_seg_free,   lb_managed_alloc, lb_managed_free, lb_mem_info, lb_event_record,
-    lb_event_query, lb_event_wait, lb_event_release, lb_now_ns,       lb_destroy,  lb_stream_wait,
+    lb_reserve,  lb_unreserve,    lb_page_create, lb_page_release,     lb_map,
+    lb_unmap,    lb_seg_alloc,    lb_seg_free,    lb_managed_alloc,    lb_managed_free,
+    lb_mem_info, lb_event_record, lb_event_query, lb_event_wait,       lb_event_release,
+    lb_now_ns,   lb_destroy,      lb_stream_wait, lb_stream_capturing,
 };
 
 cuma_status cuma_backend_ledger(cuma_backend *inner, cuma_ledger *ledger, cuma_backend **out) {

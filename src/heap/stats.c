@@ -64,6 +64,7 @@ static void add_arena(cuma_arena *a, cuma_stats *s) {
     s->remap_waits += a->pages.remap_waits;
     s->events_recorded += a->streams.events_recorded;
     s->event_queries += a->streams.event_queries;
+    s->stream_waits += a->streams.stream_waits;
     s->trims += c->trims;
     s->watermark_released_bytes += c->watermark_bytes;
 }

@@ -103,6 +103,8 @@ int cuma_streams_index(cuma_streams *ss, cuma_stream handle) {
         s->handle = handle;
         s->per_thread = per_thread;
         s->nd_seq = s->nd_epoch = 0;
+        s->nmemo = s->memo_next = 0; /* the new stream has waited for nothing */
+        s->free_epoch = 0;
         return reuse;
     }
     if (ss->n == CUMA_MAX_STREAMS) return -1;
@@ -242,10 +244,58 @@ bool cuma_fence_poll(cuma_streams *ss, unsigned stream, uint64_t seq, bool wait)
     return all;
 }
 
+/* The index of slot sx's memo entry for stream y; sx->nmemo if it has none. */
+static unsigned memo_find(const cuma_stream_slot *sx, uint16_t y) {
+    unsigned k = 0;
+    while (k < sx->nmemo && sx->memo[k].stream != y) k++;
+    return k;
+}
+
+/* Whether x's earlier waits order it after tag (y, seq) already. Events of one stream complete
+ * in order, so a wait for an event covering a later tag covers this one. Not while x captures a
+ * graph: the graph's work is not ordered by a wait queued on the stream before, and a new wait
+ * is refused (the memory then waits, as with no memo). Asked once an epoch (one allocator
+ * operation, under the heap lock): a multi-stream trace orders a stream after the same other
+ * stream's tags several times in one allocation (its pages, their ghosts). */
+static bool memo_covers(cuma_streams *ss, unsigned x, uint16_t y, uint64_t seq) {
+    cuma_stream_slot *sx = &ss->slot[x];
+    unsigned k = memo_find(sx, y);
+    if (k == sx->nmemo || sx->memo[k].seq < seq) return false;
+    if (sx->free_epoch == ss->epoch || !ss->be->ops->stream_capturing) return true;
+    if (ss->be->ops->stream_capturing(ss->be, cuma_streams_usable(ss, x))) return false;
+    sx->free_epoch = ss->epoch;
+    return true;
+}
+
+/* x waits on the device for y's frees up to gseq `covers`: remembered, in y's entry or, with
+ * the memo full, in place of one whose tag is known done (no longer asked about), else of the
+ * entry after the last one replaced. */
+static void memo_note(const cuma_streams *ss, cuma_stream_slot *sx, uint16_t y, uint64_t covers) {
+    unsigned k = memo_find(sx, y);
+    if (k == sx->nmemo) {
+        if (sx->nmemo < CUMA_ORDER_MEMO) {
+            sx->nmemo++;
+        } else {
+            k = 0;
+            while (k < CUMA_ORDER_MEMO &&
+                   !cuma_fence_known_done(ss, sx->memo[k].stream, sx->memo[k].seq))
+                k++;
+            if (k == CUMA_ORDER_MEMO) {
+                k = sx->memo_next;
+                sx->memo_next = (k + 1) % CUMA_ORDER_MEMO;
+            }
+        }
+        sx->memo[k].stream = y;
+        sx->memo[k].seq = 0;
+    }
+    if (covers > sx->memo[k].seq) sx->memo[k].seq = covers;
+}
+
 cuma_status cuma_fence_order(cuma_streams *ss, unsigned x, uint16_t y, uint64_t seq) {
     if (cuma_fence_known_done(ss, y, seq) || y == x) return CUMA_OK;
     if (y == CUMA_FENCE_MULTI || !ss->be->ops->stream_wait || ss->slot[x].dead)
         return cuma_fail(CUMA_ERR_UNSUPPORTED, "no device-side order for this tag");
+    if (memo_covers(ss, x, y, seq)) return CUMA_OK;
     cuma_stream_slot *s = &ss->slot[y];
     if (s->nq_epoch != ss->epoch) retire(ss, s, 0); /* not asked yet in this operation */
     if (s->done >= seq) return CUMA_OK;
@@ -258,10 +308,13 @@ cuma_status cuma_fence_order(cuma_streams *ss, unsigned x, uint16_t y, uint64_t 
         cuma_status st = record(ss, s);
         if (st) return st;
     }
-    uint64_t ev = s->ring[(s->head + k) % CUMA_FENCE_RING].event;
-    cuma_status st = ss->be->ops->stream_wait(ss->be, cuma_streams_usable(ss, x), ev);
-    if (!st) ss->stream_waits++;
-    return st;
+    unsigned r = (s->head + k) % CUMA_FENCE_RING;
+    cuma_status st = ss->be->ops->stream_wait(ss->be, cuma_streams_usable(ss, x), s->ring[r].event);
+    if (st) return st; /* refused (a capturing stream): nothing remembered */
+    ss->stream_waits++;
+    memo_note(ss, &ss->slot[x], y, s->ring[r].covers);
+    ss->slot[x].free_epoch = ss->epoch; /* the backend queues no wait on a capturing stream */
+    return CUMA_OK;
 }
 
 bool cuma_streams_validate(const cuma_streams *ss, const char **why) {

@@ -46,6 +46,8 @@
  * runs behind, at least CUMA_FENCE_GAP_NS apart (streams.c: spread_due). */
 #define CUMA_FENCE_SPREAD 8
 #define CUMA_FENCE_GAP_NS 500000ull
+/* Waits a stream remembers having queued (cuma_fence_order), one entry per other stream. */
+#define CUMA_ORDER_MEMO 8
 
 /* Invariants: done <= fenced <= last (in gseq); the ring holds npending events with
  * non-decreasing `covers`, each > done; a dead slot has fenced == last unless its retirement
@@ -68,8 +70,19 @@ typedef struct cuma_stream_slot {
      * stream are not done either, and are not asked about again in that epoch. */
     uint64_t nd_seq, nd_epoch;
     uint64_t nq_epoch; /* the epoch in which the oldest pending event was last found not done */
-    bool dead;         /* retired: the handle is gone (see above) */
-    bool per_thread;   /* handle is a thread's token, its stream the thread's per-thread one */
+    /* Waits this stream queued on the device (cuma_fence_order): its work from then on runs after
+     * every free of stream memo[k].stream with gseq <= memo[k].seq. Tags only grow (gseq is
+     * heap-wide), so an entry stays true when that stream's slot is retired or taken over: a new
+     * stream's tags are all later. Cleared when this slot is taken over. Not an event handle: the
+     * backend recycles those. */
+    struct {
+        uint64_t seq;
+        uint16_t stream;
+    } memo[CUMA_ORDER_MEMO];
+    unsigned nmemo, memo_next;
+    uint64_t free_epoch; /* the backend said in this epoch that the stream captures no graph */
+    bool dead;           /* retired: the handle is gone (see above) */
+    bool per_thread;     /* handle is a thread's token, its stream the thread's per-thread one */
 } cuma_stream_slot;
 
 typedef struct cuma_streams {
@@ -174,7 +187,8 @@ static inline void cuma_fence_join(const cuma_streams *ss, uint16_t *stream, uin
 
 /* Orders stream index x after tag (y, seq) on the device (the backend's stream_wait): work
  * queued on x from now on runs after the work the tag covers, so memory under that tag may serve
- * x at once. An event of y that covers the tag is used, recorded now if there is none. CUMA_OK
+ * x at once. An event of y that covers the tag is used, recorded now if there is none; no wait
+ * at all where x already waited for a later tag of y and captures no graph now. CUMA_OK
  * when x is ordered (or the tag is x's own or done); otherwise (a MULTI tag, a full ring, a
  * dead x, no stream_wait, a capturing stream) a failure, and the memory waits as before. */
 cuma_status cuma_fence_order(cuma_streams *ss, unsigned x, uint16_t y, uint64_t seq);

@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 static void capture_round(const char *backend) {
     char conf[128];
@@ -109,11 +110,59 @@ static void capture_thread_exit(const char *backend, CUcontext ctx) {
     CHECK_CU(cuStreamDestroy(cap));
 }
 
+/* stream_order:on: a stream that takes pages another stream's pending work still uses waits
+ * for that work on the device (cuStreamWaitEvent), once for all the pages whose tags one wait
+ * covers. A capturing stream may not: a wait queued on it before the capture does not order
+ * the graph's work, which runs whenever the graph is launched. So while it captures it gets
+ * none of those pages, even those an earlier wait of it covered, and new pages instead. */
+static void capture_order(void) {
+    cuma_heap *h = heap_make("backend:vmm,release_delay_ms:100000,tcache:off,stream_order:on");
+    CUstream cap = stream_new(), other = stream_new();
+    enum { N = 8 };
+    void *p[N], *q, *r;
+    for (int i = 0; i < N; i++) CHECK_OK(cuma_alloc(h, 2 * MB, other, &p[i]));
+    fakecuda_stream_hold(other); /* its work on them still runs when it frees them */
+    for (int i = 0; i < N; i++) CHECK_OK(cuma_free(h, p[i], other));
+    /* Half the pages in one allocation, then one by one: a single wait covers every tag. */
+    unsigned long w0 = fakecuda_calls("cuStreamWaitEvent");
+    cuma_stats s0 = heap_stats(h);
+    void *big;
+    CHECK_OK(cuma_alloc(h, N / 2 * 2 * MB, cap, &big));
+    void *one[N / 2 - 1];
+    for (int i = 0; i < N / 2 - 1; i++) CHECK_OK(cuma_alloc(h, 2 * MB, cap, &one[i]));
+    cuma_stats s1 = heap_stats(h);
+    CHECK(s1.page_creates == s0.page_creates); /* all of them other's pages */
+    CHECK(fakecuda_calls("cuStreamWaitEvent") == w0 + 1 && s1.stream_waits == s0.stream_waits + 1);
+    /* The capture begins: the page left is other's, its tag covered by that wait. */
+    CHECK_CU(cuStreamBeginCapture(cap, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CHECK_OK(cuma_alloc(h, 2 * MB, cap, &q));
+    cuma_stats s2 = heap_stats(h);
+    CHECK(s2.page_creates == s1.page_creates + 1); /* a new page, not other's pending one */
+    CHECK(fakecuda_calls("cuStreamWaitEvent") == w0 + 1 && s2.stream_waits == s1.stream_waits);
+    CUgraph g = NULL;
+    CHECK_CU(cuStreamEndCapture(cap, &g));
+    CHECK(g != NULL);
+    /* Captured no more: other's page serves it, under the wait it has. */
+    CHECK_OK(cuma_alloc(h, 2 * MB, cap, &r));
+    CHECK(heap_stats(h).page_creates == s2.page_creates);
+    CHECK(fakecuda_calls("cuStreamWaitEvent") == w0 + 1);
+    fakecuda_stream_release(other);
+    CHECK_OK(cuma_free(h, big, cap));
+    for (int i = 0; i < N / 2 - 1; i++) CHECK_OK(cuma_free(h, one[i], cap));
+    CHECK_OK(cuma_free(h, q, cap));
+    CHECK_OK(cuma_free(h, r, cap));
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
+    CHECK_CU(cuStreamDestroy(cap));
+    CHECK_CU(cuStreamDestroy(other));
+}
+
 int main(int argc, char **argv) {
     const char *backend = argc > 1 ? argv[1] : "vmm";
     test_ctx t = test_ctx_open(0);
     capture_round(backend);
     capture_thread_exit(backend, t.ctx);
+    if (!strcmp(backend, "vmm")) capture_order();
     test_ctx_close(&t);
     printf("test_cuda_capture %s: all checks passed\n", backend);
     return 0;

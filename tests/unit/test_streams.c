@@ -477,6 +477,87 @@ static void test_retire(void) {
     teardown(&ss);
 }
 
+/* One allocator operation orders stream x after tag (y, seq): cuma_fence_order in a new epoch. */
+static cuma_status op_order(cuma_streams *ss, unsigned x, unsigned y, uint64_t seq) {
+    cuma_streams_tick(ss, 0);
+    return cuma_fence_order(ss, x, (uint16_t)y, seq);
+}
+
+/* A stream ordered after another's tag is ordered after every earlier tag of it too: the device
+ * is asked to wait once, not once per page or ghost of that stream's it takes. A later tag
+ * needs a new wait; another waiting stream, and a new stream in a slot taken over, have waited
+ * for nothing. */
+static void test_order_memo(void) {
+    cuma_streams ss;
+    setup(&ss);
+    unsigned x = (unsigned)cuma_streams_index(&ss, S(0xA)),
+             y = (unsigned)cuma_streams_index(&ss, S(0xB)),
+             z = (unsigned)cuma_streams_index(&ss, S(0xC));
+    hold(S(0xB), true);
+    uint64_t q1 = cuma_streams_note_free(&ss, y), q2 = cuma_streams_note_free(&ss, y);
+    CHECK_OK(op_order(&ss, x, y, q1));
+    CHECK(ss.stream_waits == 1 && !cuma_fence_known_done(&ss, y, q2));
+    for (int i = 0; i < 10; i++) { /* the same tags again, in one operation and in later ones */
+        CHECK_OK(cuma_fence_order(&ss, x, (uint16_t)y, q2));
+        CHECK_OK(op_order(&ss, x, y, q1));
+        CHECK_OK(op_order(&ss, x, y, q2));
+    }
+    CHECK(ss.stream_waits == 1);
+    uint64_t q3 = cuma_streams_note_free(&ss, y);
+    CHECK_OK(op_order(&ss, x, y, q3)); /* a later tag: not covered */
+    CHECK(ss.stream_waits == 2);
+    CHECK_OK(op_order(&ss, z, y, q1)); /* z never waited */
+    CHECK(ss.stream_waits == 3);
+    CHECK_OK(op_order(&ss, x, y, q3));
+    CHECK_OK(op_order(&ss, z, y, q2));
+    CHECK(ss.stream_waits == 3);
+    /* y's events complete and go back to the backend, which hands them out again for newer
+     * records: a wait remembered is a tag, not an event. */
+    hold(S(0xB), false);
+    CHECK(op_poll(&ss, y, q3, false));
+    hold(S(0xB), true);
+    uint64_t q4 = cuma_streams_note_free(&ss, y);
+    CHECK_OK(op_order(&ss, x, y, q4));
+    CHECK(ss.stream_waits == 4);
+    CHECK_OK(op_order(&ss, x, y, q4));
+    CHECK(ss.stream_waits == 4);
+    /* x's stream goes; a new one takes its slot over and has waited for nothing. */
+    bool found = false;
+    CHECK_OK(cuma_streams_retire(&ss, S(0xA), &found));
+    CHECK(found && ss.slot[x].dead);
+    CHECK(cuma_fence_order(&ss, x, (uint16_t)y, q4) != CUMA_OK); /* a dead stream runs nothing */
+    unsigned d = (unsigned)cuma_streams_index(&ss, S(0xD));
+    CHECK(d == x && !ss.slot[d].dead);
+    CHECK_OK(op_order(&ss, d, y, q4));
+    CHECK(ss.stream_waits == 5);
+    /* More other streams than the memo holds: those whose tags are done make room first. */
+    unsigned o[CUMA_ORDER_MEMO + 2];
+    uint64_t t[CUMA_ORDER_MEMO + 2];
+    for (unsigned i = 0; i < CUMA_ORDER_MEMO + 2; i++) {
+        o[i] = (unsigned)cuma_streams_index(&ss, S(0x100 + 16 * i));
+        hold(S(0x100 + 16 * i), true);
+        t[i] = cuma_streams_note_free(&ss, o[i]);
+    }
+    uint64_t w = ss.stream_waits;
+    for (int round = 0; round < 3; round++)
+        for (unsigned i = 0; i < CUMA_ORDER_MEMO + 2; i++) CHECK_OK(op_order(&ss, z, o[i], t[i]));
+    /* Every tag still pending: each round waits for the streams the memo could not keep. */
+    CHECK(ss.stream_waits > w + CUMA_ORDER_MEMO + 2);
+    for (unsigned i = 0; i < 3; i++) {
+        hold(S(0x100 + 16 * i), false);
+        CHECK(op_poll(&ss, o[i], t[i], false));
+    }
+    for (unsigned i = 3; i < CUMA_ORDER_MEMO + 2; i++) CHECK_OK(op_order(&ss, z, o[i], t[i]));
+    w = ss.stream_waits;
+    for (int round = 0; round < 3; round++)
+        for (unsigned i = 3; i < CUMA_ORDER_MEMO + 2; i++) CHECK_OK(op_order(&ss, z, o[i], t[i]));
+    CHECK(ss.stream_waits == w);
+    for (unsigned i = 3; i < CUMA_ORDER_MEMO + 2; i++) hold(S(0x100 + 16 * i), false);
+    hold(S(0xB), false);
+    validate(&ss);
+    teardown(&ss);
+}
+
 int main(void) {
     test_table();
     test_lazy();
@@ -488,6 +569,7 @@ int main(void) {
     test_join();
     test_validate_detects();
     test_retire();
+    test_order_memo();
     printf("test_streams: all passed\n");
     return 0;
 }
