@@ -489,8 +489,12 @@ cuma_block *cuma_block_new(cuma_blockpool *bp) {
             if (!n) return NULL;
             bp->chunks = n, bp->capchunks = nc;
         }
-        cuma_block *c = calloc(CHUNK, sizeof *c);
+        /* At the type's alignment, which calloc does not give a chunk this large (an mmap'd
+         * chunk starts 16 bytes into its page): descriptors that share a line with their
+         * neighbours make two threads' fast paths, each writing its own block, miss on it. */
+        cuma_block *c = aligned_alloc(_Alignof(cuma_block), CHUNK * sizeof *c);
         if (!c) return NULL;
+        memset(c, 0, CHUNK * sizeof *c);
         bp->chunks[bp->nchunks++] = c;
         for (int i = CHUNK - 1; i >= 0; i--) c[i].fnext = bp->free_list, bp->free_list = &c[i];
     }
