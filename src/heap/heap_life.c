@@ -84,6 +84,9 @@ cuma_status cuma_arena_build(cuma_arena *a) {
      * idle pages would (their pages age from the push, cuma_arena_give_cached). */
     if (a->release_delay_ns >= 0 && a->tc_age_ns > a->release_delay_ns)
         a->tc_age_ns = a->release_delay_ns;
+    /* A cache whose blocks may sit for no time holds nothing: its frees would wait for the
+     * release thread, which could only poll for them (every millisecond, for ever). */
+    if (a->tc_age_ns == 0) a->tc_on = false;
     a->granule_round = (pol->flags & CUMA_POLICY_GRANULE_ROUND) != 0;
     uint64_t room = phys->max_request(a);
     /* Size classes only where the slack past a request holds no memory (pages are mapped under

@@ -141,7 +141,8 @@ static const key_desc keys[] = {
     {"tcache_max", K_SIZE, F(tcache_max), "1M", NULL, "largest block a thread cache holds"},
     {"tcache_age_ms", K_MS, F(tcache_age_ms), "50", NULL,
      "blocks idle in a thread cache longer than this (at most release_delay_ms) go back to the "
-     "heap, and from there to the device release_delay_ms after they were freed"},
+     "heap, and from there to the device release_delay_ms after they were freed; 0 turns the "
+     "thread caches off"},
     {"arenas", K_INT, F(arenas), "4", NULL,
      "most arenas (each with its own lock, placement and page cache over its own virtual range) "
      "a heap spreads threads over when their slow paths keep colliding on one lock (1 to 8); 1 = "

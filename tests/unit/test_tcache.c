@@ -104,6 +104,28 @@ static void test_age_capped_by_delay(void) {
     cuma_heap_destroy(h);
 }
 
+/* release_delay_ms:0 (or tcache_age_ms:0): a block may sit in a cache for no time, so the caches
+ * are off and a free gives its pages back at once. With them on, the free went into the cache,
+ * its pages stayed reserved, and the release thread polled for it every millisecond. */
+static void test_age_zero_is_off(void) {
+    const char *confs[] = {"capacity:64M,sim_clock:manual,release_delay_ms:0",
+                           "capacity:64M,sim_clock:manual,tcache_age_ms:0,release_delay_ms:0"};
+    for (int i = 0; i < 2; i++) {
+        cuma_heap *h = make(confs[i]);
+        void *p;
+        CHECK_OK(cuma_alloc(h, 4096, NULL, &p));
+        CHECK(heap_stats(h).reserved_bytes > 0);
+        CHECK_OK(cuma_free(h, p, NULL));
+        cuma_stats st = heap_stats(h);
+        if (st.reserved_bytes != 0)
+            fprintf(stderr, "%s: %llu bytes reserved after the free\n", confs[i],
+                    (unsigned long long)st.reserved_bytes);
+        CHECK(st.reserved_bytes == 0 && st.cached_bytes == 0);
+        CHECK_OK(cuma_validate(h));
+        cuma_heap_destroy(h);
+    }
+}
+
 /* A block this thread allocated and cached may be freed (after reuse) by another thread. */
 typedef struct xfree {
     cuma_heap *h;
@@ -283,6 +305,7 @@ int main(void) {
     test_reuse_and_accounting();
     test_age();
     test_age_capped_by_delay();
+    test_age_zero_is_off();
     test_threads();
     test_oom_flushes();
     printf("test_tcache: all passed\n");
