@@ -412,7 +412,16 @@ typedef struct cuma_stat_field {
 } cuma_stat_field;
 const cuma_stat_field *cuma_stat_fields(size_t *n);
 
+/* The heap's figures into *out. A program passes the size of the struct its cuma.h declares
+ * (the macro does that), and the heap fills that many bytes: built against an older cuma.h, it
+ * reads the figures it knows from a newer library (new figures go at the end of the list for
+ * that: tests/unit/test_stats_layout.c holds the order); built against a newer one, the figures
+ * the library lacks read as unknown (all bits set: UINT64_MAX, or a NaN for a double). size 0
+ * or not a multiple of 8 is CUMA_ERR_INVALID. The function cuma_get_stats, without the size,
+ * fills this header's struct, for programs built before the size was passed. */
+cuma_status cuma_get_stats_sized(cuma_heap *heap, cuma_stats *out, size_t size);
 cuma_status cuma_get_stats(cuma_heap *heap, cuma_stats *out);
+#define cuma_get_stats(heap, out) cuma_get_stats_sized((heap), (out), sizeof *(out))
 
 /* Resets the peak_* gauges to the current values. */
 cuma_status cuma_reset_peaks(cuma_heap *heap);

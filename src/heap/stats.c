@@ -106,9 +106,7 @@ void cuma_heap_snapshot(cuma_heap *h, cuma_stats *s) {
     s->fragmentation = s->mapped_bytes ? (double)s->stranded_bytes / (double)s->mapped_bytes : 0.0;
 }
 
-cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
-    if (!h || !out)
-        return cuma_fail(CUMA_ERR_INVALID, "cuma_get_stats: %s is NULL", h ? "out" : "heap");
+static void get_stats(cuma_heap *h, cuma_stats *out) {
     cuma_heap_snapshot(h, out);
     out->ledger_room_bytes = UINT64_MAX;
     if (h->peers.ops) h->peers.ops->stats(h->peers.ctx, out);
@@ -116,7 +114,31 @@ cuma_status cuma_get_stats(cuma_heap *h, cuma_stats *out) {
     uint64_t fr = 0, tot = 0;
     if (h->be->ops->mem_info(h->be, &fr, &tot) == CUMA_OK)
         out->device_free_bytes = fr, out->device_total_bytes = tot;
+}
+
+cuma_status cuma_get_stats_sized(cuma_heap *h, cuma_stats *out, size_t size) {
+    if (!h || !out)
+        return cuma_fail(CUMA_ERR_INVALID, "cuma_get_stats: %s is NULL", h ? "out" : "heap");
+    if (!size || size % sizeof(uint64_t))
+        return cuma_fail(CUMA_ERR_INVALID,
+                         "cuma_get_stats: size %zu is not a whole number of figures (8 bytes "
+                         "each; this library's struct is %zu)",
+                         size, sizeof(cuma_stats));
+    if (size == sizeof(cuma_stats)) {
+        get_stats(h, out);
+        return CUMA_OK;
+    }
+    cuma_stats all;
+    get_stats(h, &all);
+    size_t n = size < sizeof all ? size : sizeof all;
+    memcpy(out, &all, n);
+    memset((char *)out + n, 0xff, size - n); /* figures of a newer header: unknown here */
     return CUMA_OK;
+}
+
+/* In parentheses: the name is also cuma.h's macro, which passes the size. */
+cuma_status(cuma_get_stats)(cuma_heap *h, cuma_stats *out) {
+    return cuma_get_stats_sized(h, out, sizeof *out);
 }
 
 cuma_status cuma_reset_peaks(cuma_heap *h) {
