@@ -235,8 +235,9 @@ bench_replay_state *bench_replay_begin(const bench_opts *o, const bench_target *
                                        const bench_ops *ops, uint64_t scale);
 bench_replay_run bench_replay_step(bench_replay_state *s);
 void bench_replay_end(bench_replay_state *s, double vs_mim, double vs_mim_2t);
-/* Exactly `reps` replays after one warm-up, untimed (profile mode). Returns failed calls. */
-uint64_t bench_replay_reps(const bench_target *t, const bench_ops *ops, int reps);
+/* Exactly `reps` replays after one warm-up, the sizes times `scale`, untimed (profile mode).
+ * Returns failed calls. */
+uint64_t bench_replay_reps(const bench_target *t, const bench_ops *ops, int reps, uint64_t scale);
 
 /* bench_release.c: how soon idle memory goes back to the device (release rows). */
 void bench_release(const bench_opts *o);

@@ -190,12 +190,12 @@ static void replay_thread(void *arg, int index, bench_span *span) {
     j->done[index] = ops;
 }
 
-uint64_t bench_replay_reps(const bench_target *t, const bench_ops *ops, int reps) {
+uint64_t bench_replay_reps(const bench_target *t, const bench_ops *ops, int reps, uint64_t scale) {
     void **ptrs = calloc(ops->nslots ? ops->nslots : 1, sizeof *ptrs);
     if (!ptrs) return 1;
     uint64_t bad = 0;
     for (int r = 0; r <= reps; r++) { /* r == 0: the warm-up */
-        bad += replay_once(t, ops, 1, ptrs);
+        bad += replay_once(t, ops, scale, ptrs);
         cleanup(t, ptrs, ops->nslots);
     }
     free(ptrs);

@@ -13,7 +13,8 @@
  *
  * Profile modes (bench/profile.sh runs them under callgrind; no clock, no child, fixed counts):
  *   --profile-fast SIZE N        warm-up, then exactly N alloc+free pairs of SIZE bytes
- *   --profile-replay TRACE R     warm-up replay, then exactly R replays of TRACE (x1)
+ *   --profile-replay TRACE R     warm-up replay, then exactly R replays of TRACE (x1, or
+ *                                the sizes times N with --profile-scale N)
  * Each prints "ops N": the operations after the warm-up.
  */
 #include "bench.h"
@@ -78,6 +79,7 @@ typedef struct cli {
     const char *peer, *peer_job; /* --peer-child */
     int peer_fd, peer_ctl;
     const char *prof_fast, *prof_replay, *prof_count;
+    long prof_scale; /* --profile-scale: the replay's sizes times this */
     glob_t g;
     bool globbed;
 } cli;
@@ -135,6 +137,8 @@ static void parse(int argc, char **argv, cli *c) {
         } else if (!strcmp(a, "--conf")) {
             if (!(o->conf = v)) number(a, NULL, 0);
             i++;
+        } else if (!strcmp(a, "--profile-scale")) {
+            c->prof_scale = number(a, v, 1), i++;
         } else if (!strcmp(a, "--peer-fd")) {
             c->peer_fd = (int)number(a, v, 0), i++;
         } else if (!strcmp(a, "--peer-ctl")) {
@@ -187,7 +191,7 @@ static int profile(const cli *c) {
     } else {
         bench_ops b;
         if (bench_ops_load(c->prof_replay, o.max_events, &b)) return 2;
-        bad += bench_replay_reps(&t, &b, (int)n);
+        bad += bench_replay_reps(&t, &b, (int)n, (uint64_t)(c->prof_scale ? c->prof_scale : 1));
         ops = (uint64_t)n * b.n;
         bench_ops_free(&b);
     }

@@ -9,6 +9,10 @@
 #   CUMA_PROFILE_PAIRS    alloc+free pairs of the fast path (default 100000)
 #   CUMA_PROFILE_REPLAYS  replays of the trace (default 2)
 #   CUMA_PROFILE_CONF     added to cuma's settings (e.g. policy:buddy)
+#   CUMA_PROFILE_SCALED   trace replayed with its sizes x16, as make bench's x16 rows do
+#                         (default: tests/data/lstm_phases.csv.gz). At x1 few blocks fall in
+#                         64 KiB-2 MiB, where placement packs blocks under a page, so a cost
+#                         there shows only in this row.
 #
 # Each case runs twice under valgrind --tool=callgrind with the same start-up and warm-up:
 # once with N operations and once with 0. The difference of the two instruction totals (Ir)
@@ -68,6 +72,11 @@ name=$(basename "$trace" .csv.gz)
 rep=$(run replay --profile-replay "$trace" "$replays")
 rep0=$(run replay0 --profile-replay "$trace" 0)
 row "replay $name x1, 1 thread" "alloc or free" "$rep" "$rep0"
+scaled=${CUMA_PROFILE_SCALED:-tests/data/lstm_phases.csv.gz}
+sname=$(basename "$scaled" .csv.gz)
+srep=$(run sreplay --profile-replay "$scaled" "$replays" --profile-scale 16)
+srep0=$(run sreplay0 --profile-replay "$scaled" 0 --profile-scale 16)
+row "replay $sname x16, 1 thread" "alloc or free" "$srep" "$srep0"
 
 echo
 echo "Where the fast path's instructions go (self Ir per alloc+free pair, the 0-op run taken off):"
