@@ -193,16 +193,28 @@ static cuma_block *hint_choose(tlsf *t, cuma_block *best, uint64_t size, unsigne
                                uint64_t *at) {
     unsigned fl, sl, n = 0, seen = 0;
     mapping(size, &fl, &sl);
-    for (; n < HINT_SCAN && seen < HINT_VISIT && next_bin(t, &fl, &sl); sl++) {
+    /* The bins from the request's up by their bitmaps, held here rather than found again by a
+     * next_bin call per bin: two thirds of TLSF's allocations on lstm_phases x16 come here. */
+    uint32_t sm = t->sl_map[fl] & (~0u << sl);
+    cuma_block *pick = best;
+    while (n < HINT_SCAN && seen < HINT_VISIT) {
+        if (!sm) {
+            uint64_t fm = fl + 1 < FL_COUNT ? t->fl_map & (~0ull << (fl + 1)) : 0;
+            if (!fm) break;
+            fl = (unsigned)__builtin_ctzll(fm);
+            sm = t->sl_map[fl];
+        }
+        sl = (unsigned)__builtin_ctz(sm);
+        sm &= sm - 1;
         for (cuma_block *b = t->bins[fl][sl]; b && n < HINT_SCAN && seen < HINT_VISIT;
              b = b->fnext, seen++) {
             if (b == best || b->size < size || !usable(t, b, stream)) continue;
             n++;
-            if (b->off < best->off) best = b;
+            if (b->off < pick->off) pick = b;
         }
     }
-    place_end(&t->base.hint, best, size, at);
-    return best;
+    place_end(&t->base.hint, pick, size, at);
+    return pick;
 }
 
 static cuma_block *tlsf_alloc(cuma_policy *p, uint64_t size, unsigned stream) {
