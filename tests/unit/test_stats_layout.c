@@ -93,7 +93,7 @@ static void test_sized(void) {
     size_t n;
     const cuma_stat_field *f = cuma_stat_fields(&n);
     size_t old = f[1].offset + sizeof(uint64_t); /* requested and peak requested only */
-    unsigned char buf[sizeof(cuma_stats) + 64];
+    _Alignas(cuma_stats) unsigned char buf[sizeof(cuma_stats) + 64];
     memset(buf, 0x5a, sizeof buf);
     CHECK_OK(cuma_get_stats_sized(h, (cuma_stats *)(void *)buf, old));
     uint64_t v[2];
