@@ -230,7 +230,9 @@ cuma_status cuma_set_memory_fraction(cuma_heap *heap, double fraction);
  * double from 0 to 1). where: CUMA_STAT_HERE (this process only), CUMA_STAT_LEDGER(w) (also
  * published in the ledger, in word w of the heap's slot: the file's layout, so a word is never
  * reused) or CUMA_STAT_EXPORTED(w) (that, and a family of `cuma exporter`). A uint64_t figure of
- * UINT64_MAX is unknown: the JSON leaves it out.
+ * UINT64_MAX is unknown: the JSON leaves it out. The list is also the layout of cuma_stats, which
+ * programs built against an older header read by its old offsets (cuma_get_stats_sized): a new
+ * figure goes at the end, never between others.
  *
  * Sums of live allocations: a block freed after cuma_record_stream stays live in these (and in
  * active_allocs) until the work of its recorded streams is done, as PyTorch counts it: its
@@ -417,8 +419,11 @@ const cuma_stat_field *cuma_stat_fields(size_t *n);
  * reads the figures it knows from a newer library (new figures go at the end of the list for
  * that: tests/unit/test_stats_layout.c holds the order); built against a newer one, the figures
  * the library lacks read as unknown (all bits set: UINT64_MAX, or a NaN for a double). size 0
- * or not a multiple of 8 is CUMA_ERR_INVALID. The function cuma_get_stats, without the size,
- * fills this header's struct, for programs built before the size was passed. */
+ * or not a multiple of 8 is CUMA_ERR_INVALID. `out` must be a cuma_stats pointer for the
+ * macro's sizeof (not NULL or a void pointer). The function cuma_get_stats, without the size,
+ * is for programs built before the size was passed: it fills the 52 figures the struct had then
+ * and never more, however the list grows. A program built against this header needs a library
+ * with cuma_get_stats_sized. */
 cuma_status cuma_get_stats_sized(cuma_heap *heap, cuma_stats *out, size_t size);
 cuma_status cuma_get_stats(cuma_heap *heap, cuma_stats *out);
 #define cuma_get_stats(heap, out) cuma_get_stats_sized((heap), (out), sizeof *(out))

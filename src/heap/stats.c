@@ -136,9 +136,15 @@ cuma_status cuma_get_stats_sized(cuma_heap *h, cuma_stats *out, size_t size) {
     return CUMA_OK;
 }
 
+/* The figures of cuma_stats when the size was first passed: what a program built before then
+ * has room for (at most; one built before stream_waits has a figure less). Never grows. */
+#define UNSIZED_FIGURES 52
+
 /* In parentheses: the name is also cuma.h's macro, which passes the size. */
 cuma_status(cuma_get_stats)(cuma_heap *h, cuma_stats *out) {
-    return cuma_get_stats_sized(h, out, sizeof *out);
+    _Static_assert(sizeof(cuma_stats) >= UNSIZED_FIGURES * sizeof(uint64_t),
+                   "figures are only added to cuma_stats");
+    return cuma_get_stats_sized(h, out, UNSIZED_FIGURES * sizeof(uint64_t));
 }
 
 cuma_status cuma_reset_peaks(cuma_heap *h) {
