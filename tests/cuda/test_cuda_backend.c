@@ -622,9 +622,10 @@ static void *churn_thread(void *arg) {
     return NULL;
 }
 
-/* Threads with and without a current context share one heap. */
+/* Threads with and without a current context share one heap, through their thread caches (on
+ * with a delay; at release_delay_ms:0 they hold nothing). */
 static void test_threads(test_ctx *t) {
-    cuma_heap *h = heap_make("backend:vmm,release_delay_ms:0");
+    cuma_heap *h = heap_make("backend:vmm,release_delay_ms:1000");
     enum { T = 4 };
     pthread_t th[T];
     worker w[T];

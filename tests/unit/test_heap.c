@@ -463,7 +463,9 @@ static void test_ghost_page_other_stream(void) {
  * handles to stream slots goes stale); memory allocated on the old stream and freed after it died
  * waits for its work; and a stream per request does not fill the table. Thread caches on. */
 static void test_stream_retire(void) {
-    cuma_heap *h = heap_make("backend:sim,capacity:64M,sim_clock:manual,release_delay_ms:0");
+    /* A delay, so that the thread caches are on (at 0 they hold nothing); the manual clock never
+     * reaches it. */
+    cuma_heap *h = heap_make("backend:sim,capacity:64M,sim_clock:manual,release_delay_ms:1000");
     cuma_stream A = (cuma_stream)(uintptr_t)0x1000, B = (cuma_stream)(uintptr_t)0x2000;
     void *a, *b, *keep;
     CHECK_OK(cuma_alloc(h, 4096, A, &a));
