@@ -86,7 +86,11 @@ cuma_status cuma_arena_build(cuma_arena *a) {
         a->tc_age_ns = a->release_delay_ns;
     /* A cache whose blocks may sit for no time holds nothing: its frees would wait for the
      * release thread, which could only poll for them (every millisecond, for ever). */
-    if (a->tc_age_ns == 0) a->tc_on = false;
+    if (a->tc_age_ns == 0) {
+        a->tc_on = false;
+        /* The settings the stats show say so (the first arena, made with the heap, alone). */
+        if (a->heap->set.tcache) a->heap->set.tcache = false;
+    }
     a->granule_round = (pol->flags & CUMA_POLICY_GRANULE_ROUND) != 0;
     uint64_t room = phys->max_request(a);
     /* Size classes only where the slack past a request holds no memory (pages are mapped under

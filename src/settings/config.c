@@ -75,7 +75,8 @@ static const key_desc keys[] = {
     {"max_cached", K_SIZE_OR_NONE, F(max_cached), "none", NULL,
      "most bytes of idle pages kept in the cache; beyond it the oldest go back at once"},
     {"release_delay_ms", K_MS, F(release_delay_ms), "1000", NULL,
-     "idle pages go back to the device after this many milliseconds; never = keep"},
+     "idle pages go back to the device after this many milliseconds; never = keep; 0 also "
+     "turns the thread caches off"},
     {"free_watermark", K_SIZE, F(free_watermark), "0", NULL,
      "device pressure: while the device's free memory (as the driver counts it, other programs "
      "included) is below this, idle pages go back at once, oldest first, until it is above again "

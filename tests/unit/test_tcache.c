@@ -121,6 +121,9 @@ static void test_age_zero_is_off(void) {
             fprintf(stderr, "%s: %llu bytes reserved after the free\n", confs[i],
                     (unsigned long long)st.reserved_bytes);
         CHECK(st.reserved_bytes == 0 && st.cached_bytes == 0);
+        char json[8192];
+        CHECK_OK(cuma_stats_json(h, json, sizeof json, NULL));
+        CHECK(strstr(json, "\"tcache\":false") != NULL); /* what the stats say, too */
         CHECK_OK(cuma_validate(h));
         cuma_heap_destroy(h);
     }
