@@ -709,6 +709,38 @@ static void test_tlsf_hint_lowest(void) {
  * [4, 7.5) MiB: its page [4, 6) holds nothing, [6, 8) a live block above it; a 1 MiB block goes
  * at [6.5, 7.5), not at 4 MiB where it would need a page of its own; the hole's rest stays one
  * free block that a 2.5 MiB request then fills exactly. */
+/* The candidates are the next fitting blocks besides the best fit: meeting the best fit after a
+ * lower block was picked does not use up one of the 8. Scan order (by bin): L and the best fit Y
+ * in the request's bin (L freed last, so first), then B1..B7 in seven higher bins; B7 is the
+ * lowest. Counting Y, the scan stopped at B6 and took B1. */
+static void test_tlsf_hint_candidates(void) {
+    env e;
+    setup(&e, &cuma_tlsf_ops, CUMA_POLICY_KEEP_TOP_CLEAN, 0, 64 * MB);
+    uint32_t used[32];
+    for (int i = 0; i < 32; i++) used[i] = 1;
+    const uint64_t sizes[9] = {736 * KB, 544 * KB, 576 * KB, 608 * KB, 640 * KB,
+                               672 * KB, 704 * KB, 520 * KB, 512 * KB}; /* B7, B1..B6, L, Y */
+    cuma_block *blk[9], *sep[9];
+    for (int i = 0; i < 9; i++) {
+        blk[i] = get(&e, sizes[i], 0);
+        sep[i] = get(&e, 64 * KB, 0); /* keeps the free blocks apart */
+        CHECK(blk[i] && sep[i]);
+    }
+    uint64_t b7 = blk[0]->off;
+    for (int i = 0; i < 9; i++) CHECK(i == 0 || blk[i]->off > b7);
+    /* Y before L: L, freed last, heads the request's bin. */
+    cuma_tlsf_ops.free(e.p, blk[8], 0, 0);
+    cuma_tlsf_ops.free(e.p, blk[7], 0, 0);
+    for (int i = 0; i < 7; i++) cuma_tlsf_ops.free(e.p, blk[i], 0, 0);
+    e.p->hint = (cuma_place_hint){used, 32, 21};
+    cuma_block *b = get(&e, 512 * KB, 0);
+    CHECK(b && b->off == b7);
+    cuma_tlsf_ops.free(e.p, b, 0, 0);
+    for (int i = 0; i < 9; i++) cuma_tlsf_ops.free(e.p, sep[i], 0, 0);
+    validate(&e, 0);
+    teardown(&e);
+}
+
 static void test_tlsf_hint_top_end(void) {
     env e;
     setup(&e, &cuma_tlsf_ops, CUMA_POLICY_KEEP_TOP_CLEAN, 0, 64 * MB);
@@ -765,6 +797,7 @@ int main(void) {
     test_random(&cuma_tlsf_ops, CUMA_POLICY_KEEP_TOP_CLEAN, &seed, true);
     test_tlsf_hint_lowest();
     test_tlsf_hint_top_end();
+    test_tlsf_hint_candidates();
     test_fences(&cuma_tlsf_ops, CUMA_POLICY_KEEP_TOP_CLEAN);
     test_random_fences(&cuma_tlsf_ops, CUMA_POLICY_KEEP_TOP_CLEAN, &seed);
     test_tlsf_top_and_coalesce();
