@@ -85,6 +85,19 @@ static void wait_cached(int pid, int slot, uint64_t cached) {
     CHECK(!"the ledger never showed the heap's idle bytes");
 }
 
+/* Until the heap's count of bytes given to others' requests reaches `bytes`. The count lands
+ * after the pages go (the release thread counts what its answer gave once it is done), so a
+ * requester may have its memory, and go on, before the giver's figure says so. */
+static void wait_given(cuma_heap *h, uint64_t bytes) {
+    for (int i = 0; i < 10000; i++) {
+        if (heap_stats(h).pressure_given_bytes >= bytes) return;
+        usleep(1000);
+    }
+    fprintf(stderr, "given: %llu bytes, wanted %llu\n",
+            (unsigned long long)heap_stats(h).pressure_given_bytes, (unsigned long long)bytes);
+    CHECK(!"the heap never counted what it gave");
+}
+
 /* The heap's slot in the ledger (its stats JSON says). */
 static int heap_slot(cuma_heap *h) {
     char js[8192];
@@ -131,6 +144,7 @@ static void test_admission_and_cache(void) {
     CHECK(heap_stats(a).cached_bytes == 48 * MB);
     wait_cached(getpid(), heap_slot(a), 48 * MB); /* a publishes what is idle */
     CHECK_OK(cuma_alloc(b, 32 * MB, NULL, &pb));
+    wait_given(a, 16 * MB);
     cuma_stats sa = heap_stats(a);
     sb = heap_stats(b);
     CHECK(sb.pressure_asks == 1 && sb.reserved_bytes == 32 * MB);
@@ -234,6 +248,7 @@ static void test_cache_first(void) {
              ledger_name);
     cuma_heap *hi = heap_make(conf);
     CHECK_OK(cuma_alloc(hi, 90 * MB, NULL, &p)); /* 56M free + 34M of low's cache */
+    wait_given(low, 34 * MB);
     usleep(50000); /* a late callback would run within the release thread's next polls */
     cuma_stats sl = heap_stats(low);
     fprintf(stderr, "cache first: %d callbacks, %llu bytes given\n", atomic_load(&calls),
