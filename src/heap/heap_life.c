@@ -84,13 +84,6 @@ cuma_status cuma_arena_build(cuma_arena *a) {
      * idle pages would (their pages age from the push, cuma_arena_give_cached). */
     if (a->release_delay_ns >= 0 && a->tc_age_ns > a->release_delay_ns)
         a->tc_age_ns = a->release_delay_ns;
-    /* A cache whose blocks may sit for no time holds nothing: its frees would wait for the
-     * release thread, which could only poll for them (every millisecond, for ever). */
-    if (a->tc_age_ns == 0) {
-        a->tc_on = false;
-        /* The settings the stats show say so (the first arena, made with the heap, alone). */
-        if (a->heap->set.tcache) a->heap->set.tcache = false;
-    }
     a->granule_round = (pol->flags & CUMA_POLICY_GRANULE_ROUND) != 0;
     uint64_t room = phys->max_request(a);
     /* Size classes only where the slack past a request holds no memory (pages are mapped under
@@ -172,6 +165,11 @@ cuma_status cuma_heap_create_with(const cuma_config *cfg, cuma_peers_join_fn joi
     if (!h) return cuma_fail(CUMA_ERR_OOM, "no host memory for a heap");
     cuma_status st = cuma_settings_from_config(&h->set, cfg);
     if (st) goto fail_free;
+    /* Thread caches whose blocks may sit for no time (cuma_arena_build caps the age by the delay)
+     * hold nothing: their frees would wait for the release thread, which could only poll for
+     * them, every millisecond, for ever. Off for the heap, so every arena and the stats'
+     * settings agree. */
+    if (h->set.tcache_age_ms == 0 || h->set.release_delay_ms == 0) h->set.tcache = false;
     st = cuma_backend_create_or_fallback(&h->set, &h->be, &h->backend_fallback);
     if (st) goto fail_free;
     /* backend_fallback:sim and no driver: the settings say the backend the heap runs on, and

@@ -127,6 +127,17 @@ static void test_age_zero_is_off(void) {
         CHECK_OK(cuma_validate(h));
         cuma_heap_destroy(h);
     }
+    /* An age of 0 alone turns them off too; the page then waits in the heap's own cache. */
+    cuma_heap *h = make("capacity:64M,sim_clock:manual,tcache_age_ms:0");
+    void *p;
+    CHECK_OK(cuma_alloc(h, 4096, NULL, &p));
+    CHECK_OK(cuma_free(h, p, NULL));
+    char json[8192];
+    CHECK_OK(cuma_stats_json(h, json, sizeof json, NULL));
+    CHECK(strstr(json, "\"tcache\":false") != NULL);
+    CHECK(heap_stats(h).cached_bytes > 0);
+    CHECK_OK(cuma_validate(h));
+    cuma_heap_destroy(h);
 }
 
 /* A block this thread allocated and cached may be freed (after reuse) by another thread. */
