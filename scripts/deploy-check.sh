@@ -5,7 +5,8 @@
 # baseline Pod Security Standard (deploy/validate/validate.mjs, Node.js with kubernetes-models
 # from the npm registry, installed by `npm ci` from its lock file), then checks that the
 # validator rejects broken copies (a sidecar with hostPID, one without shareProcessNamespace,
-# a port that is not a number), so a green run is not a validator that accepts anything.
+# a port that is not a number, a ServiceMonitor that honours the heaps' own pod labels), so a
+# green run is not a validator that accepts anything.
 # Nothing talks to a cluster. usage: scripts/deploy-check.sh     Exits non-zero on failure.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,9 +39,9 @@ node deploy/validate/validate.mjs "$tmp/daemonset.yaml" "$tmp/sidecar.yaml" "$tm
 
 echo "== deploy-check: the validator rejects broken copies"
 bad=0
-expect_fail() { # name sed-expression
-  sed "$2" "$tmp/sidecar.yaml" >"$tmp/bad-$1.yaml"
-  cmp -s "$tmp/sidecar.yaml" "$tmp/bad-$1.yaml" && { echo "  FAIL $1: the edit changed nothing"; bad=1; return; }
+expect_fail() { # name sed-expression [kit, default sidecar]
+  sed "$2" "$tmp/${3:-sidecar}.yaml" >"$tmp/bad-$1.yaml"
+  cmp -s "$tmp/${3:-sidecar}.yaml" "$tmp/bad-$1.yaml" && { echo "  FAIL $1: the edit changed nothing"; bad=1; return; }
   if node deploy/validate/validate.mjs "$tmp/bad-$1.yaml" >"$tmp/bad-$1.out"; then
     echo "  FAIL $1: accepted"; bad=1
   else
@@ -50,5 +51,7 @@ expect_fail() { # name sed-expression
 expect_fail host-pid 's/shareProcessNamespace: true/hostPID: true/'
 expect_fail no-shared-pids 's/shareProcessNamespace: true/shareProcessNamespace: false/'
 expect_fail port-not-a-number 's/containerPort: 9840/containerPort: metrics/'
+expect_fail honor-labels 's/honorLabels: false/honorLabels: true/'
+expect_fail honor-labels-node 's/honorLabels: false/honorLabels: true/' daemonset
 [ "$bad" = 0 ] || { echo "deploy-check: FAILED: the validator accepted a broken manifest" >&2; exit 1; }
 echo "deploy-check: ok"

@@ -74,6 +74,17 @@ function exporterProblems(spec) {
   return v;
 }
 
+// cuma's series carry the pod a heap's process names in its environment (POD_NAME): that is the
+// process's own word, and with honorLabels it would replace the scrape's pod, so that any job
+// writing a ledger could feed another pod's autoscaler. A ServiceMonitor of cuma's exporter
+// keeps the scrape's labels.
+function monitorProblems(d) {
+  if (d.kind !== "ServiceMonitor") return [];
+  return ((d.spec && d.spec.endpoints) || [])
+    .filter((e) => e.honorLabels)
+    .map((e) => `endpoint ${e.port || e.targetPort || "?"} sets honorLabels: the heaps' own pod labels would win over the scrape's`);
+}
+
 let failed = 0;
 for (const file of process.argv.slice(2)) {
   const docs = yaml.loadAll(fs.readFileSync(file, "utf8")).filter(Boolean);
@@ -92,6 +103,12 @@ for (const file of process.argv.slice(2)) {
       new Model(d).validate();
     } catch (e) {
       console.log(`  FAIL ${what}: ${e.message}`);
+      failed++;
+      continue;
+    }
+    const monitorWhy = monitorProblems(d);
+    if (monitorWhy.length) {
+      console.log(`  FAIL ${what}: ${monitorWhy.join(", ")}`);
       failed++;
       continue;
     }

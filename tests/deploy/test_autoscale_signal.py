@@ -7,8 +7,11 @@ prometheus-adapter rules of deploy/adapter/config.yaml), with everything but Kub
   pod infer-0: 400 MiB live, limit 512 MiB, guarantee 256 MiB, an allocation over its limit every 0.1 s
   (each counts in cuma_alloc_retries_total); pod infer-1: 300 MiB live, no guarantee, limit
   512 MiB, no retries;
-- Debian's prometheus on loopback scraping both every second, each target given the
-  namespace/pod labels the Prometheus Operator's ServiceMonitor gives the sidecar's series;
+- a third pod, infer-2, whose job says in its environment that it is infer-1 (POD_NAME, as
+  any process that writes a ledger may): its figures must not reach infer-1's;
+- Debian's prometheus on loopback scraping all three every second, each target given the
+  namespace/pod labels the Prometheus Operator's ServiceMonitor gives the sidecar's series, and
+  the ServiceMonitor's honorLabels (deploy/sidecar/servicemonitor.yaml) as honor_labels;
 - the adapter's metricsQuery of each rule, with <<.LabelMatchers>> and <<.GroupBy>> filled in
   as prometheus-adapter does for a pods request, evaluated through Prometheus's HTTP API:
   the memory ratio must equal (reserved - cached) / (guarantee, or limit) from the ledger itself
@@ -21,8 +24,9 @@ prometheus-adapter rules of deploy/adapter/config.yaml), with everything but Kub
   The controller and the adapter themselves are not run: this checks the queries and the
   figures they see, not Kubernetes.
 
-The exporter's series have no pod label of their own today; the scrape adds it. If the exporter
-gains namespace/pod labels, the rules would key on those and the scrape's labels would go.
+A heap's series carry the pod its process names in its environment; with honorLabels false they
+become exported_pod, and the scrape's pod label (the pod the exporter runs in) is the one the
+rules key on.
 
 Every process started here is stopped at the end, the ledgers removed; bounded by TIMEOUT_S.
 usage: python3 tests/deploy/test_autoscale_signal.py BUILD_DIR    (exit 0 = pass; 77 = skipped:
@@ -92,7 +96,8 @@ class Test:
         return r
 
     def start(self, args, **kw):
-        p = subprocess.Popen(args, env=self.env, **kw)
+        kw.setdefault("env", self.env)
+        p = subprocess.Popen(args, **kw)
         self.procs.append(p)
         return p
 
@@ -112,12 +117,13 @@ class Test:
                 os.unlink(path)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def pod(self, name, conf, live_mib, retry):
+    def pod(self, name, conf, live_mib, retry, says=None):
         ledger = "autoscale-%d-%s" % (os.getpid(), name)
         self.ledgers.append(ledger)
         conf = "backend:sim,capacity:1G,ledger:%s,pressure_timeout_ms:0,%s" % (ledger, conf)
+        env = dict(self.env, **(says or {}))
         job = self.start([sys.executable, "-c", JOB, conf, str(live_mib), "1" if retry else "0"],
-                         stdout=subprocess.PIPE, universal_newlines=True)
+                         stdout=subprocess.PIPE, universal_newlines=True, env=env)
         line = job.stdout.readline()
         assert line.strip() == "ready", "job %s did not start: %r" % (name, line)
         port = free_port()
@@ -145,18 +151,25 @@ class Test:
         rules = yaml.safe_load(open(os.path.join(ROOT, "deploy/adapter/config.yaml")))["rules"]
         hpa = yaml.safe_load(open(os.path.join(ROOT, "deploy/sidecar/hpa.yaml")))
         namespace = yaml.safe_load(open(os.path.join(ROOT, "deploy/sidecar/kustomization.yaml")))["namespace"]
+        monitor = yaml.safe_load(open(os.path.join(ROOT, "deploy/sidecar/servicemonitor.yaml")))
+        honor = bool(monitor["spec"]["endpoints"][0].get("honorLabels", False))
 
         pods = [
             self.pod("infer-0", "limit:512M,guarantee:256M", 400, True),
             self.pod("infer-1", "limit:512M", 300, False),
         ]
+        # Another job (here of another pod) that names infer-1 as its pod.
+        spoof = self.pod("infer-2", "limit:512M", 500, False,
+                         says={"POD_NAME": "infer-1", "POD_NAMESPACE": namespace})
         prom = free_port()
         cfg = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "scrape_configs": [{
                 "job_name": "cuma",
+                "honor_labels": honor,
                 "static_configs": [{"targets": ["127.0.0.1:%d" % p["port"]],
-                                    "labels": {"namespace": namespace, "pod": p["name"]}} for p in pods],
+                                    "labels": {"namespace": namespace, "pod": p["name"]}}
+                                   for p in pods + [spoof]],
             }],
         }
         cfg_path = os.path.join(self.tmp, "prometheus.yml")
@@ -179,13 +192,13 @@ class Test:
             try:
                 up = self.query(prom, 'up{job="cuma"}')
                 n = self.query(prom, 'count_over_time(cuma_alloc_retries_total{pod="infer-0"}[2m])')
-                if len(up) == 2 and all(v == 1 for v in up.values()) and n.get("infer-0", 0) >= 4:
+                if len(up) == 3 and all(v == 1 for v in up.values()) and n.get("infer-0", 0) >= 4:
                     break
             except OSError:
                 pass
             if self.left() < 30:
                 log = open(os.path.join(self.tmp, "prometheus.log")).read()[-2000:]
-                raise AssertionError("prometheus did not scrape both exporters in time; its log:\n" + log)
+                raise AssertionError("prometheus did not scrape the exporters in time; its log:\n" + log)
             time.sleep(0.5)
 
         at = time.time()  # one evaluation time for every query below
@@ -205,6 +218,10 @@ class Test:
                 p["name"], heap["reserved"], heap["cached"], den, want, got))
             assert abs(got - want) < 1e-9, "%s: memory ratio %s, the ledger says %s" % (p["name"], got, want)
         assert abs(values["cuma_memory_in_use_ratio"]["infer-0"] - 400 / 256) < 1e-9
+        # infer-2's word is kept, apart: its series are infer-2's, with exported_pod infer-1.
+        said = self.query(prom, 'cuma_reserved_bytes{exported_pod="infer-1"}', at, raw=True)
+        print("  infer-2, which says it is infer-1: %s" % [r["metric"].get("pod") for r in said])
+        assert [r["metric"].get("pod") for r in said] == ["infer-2"], said
         assert abs(values["cuma_memory_in_use_ratio"]["infer-1"] - 300 / 512) < 1e-9
         # The retry rate: rate() over [2m] of the counter's samples in that window. The pods are
         # seconds old, so the window is mostly empty and rate() (which divides by the window)
