@@ -350,6 +350,7 @@ int exp_read(const char *ledger, int *was_up, exp_snapshot **out, int *missing) 
     s->unlocked = state == 2;
     s->stuck_s = (double)v.stuck_ns * 1e-9;
     s->text = b.p;
+    s->seen = 0;
     s->len = b.len;
     *out = s;
     return 1;

@@ -36,6 +36,8 @@ typedef struct exp_snapshot {
     double stuck_s;      /* then: how long the lock had stood still */
     char *text;
     size_t len;
+    uint64_t
+        seen; /* the server thread's only: the round that last counted it (exporter_server.c) */
 } exp_snapshot;
 
 exp_snapshot *exp_snapshot_ref(exp_snapshot *s);

@@ -15,7 +15,13 @@
  * own), once it is EVICT_GRACE_MS old, so that a flood of new clients cannot push out one that
  * sent its request at once. Slow or idle clients can therefore cost a probe nothing but a slot
  * it takes from them, and at most a wait in the backlog for one to come of age.
- * Anything that is not a well-formed GET or HEAD gets a 4xx answer; a body is never read. */
+ * Anything that is not a well-formed GET or HEAD gets a 4xx answer; a body is never read.
+ *
+ * An answer being written holds its read's figures; answers of one read share them, but a client
+ * that asks, takes nothing, and asks again after the next read holds a copy of every read it saw
+ * until its write times out. The figures answers hold are kept under a budget (PINNED_MAX, or
+ * four of the largest answer): over it, the answers of the oldest read still held are cut off,
+ * oldest first. */
 #include "cli.h"
 #include "exporter.h"
 
@@ -36,9 +42,10 @@
 #define WRITE_TIMEOUT_MS 10000 /* for the client to take the answer */
 #define ACCEPT_BATCH     16    /* accepts per round, so that reading and writing go on */
 #define EVICT_GRACE_MS   250   /* a new connection is not pushed out before this age */
-#define SEND_BUFFER      65536 /* the kernel's buffer for an answer, per connection (see below) */
-#define SPARE_FDS        32    /* descriptors kept for the rest (stdio, the ledger, the pipe) */
-#define PAUSE_MS         100   /* accepting rests this long when descriptors or memory run out */
+#define SEND_BUFFER      16384 /* the kernel's buffer for an answer, per connection (see below) */
+#define PINNED_MAX       (8u << 20) /* bytes of figures answers being written may hold (above) */
+#define SPARE_FDS        32  /* descriptors kept for the rest (stdio, the ledger, the pipe) */
+#define PAUSE_MS         100 /* accepting rests this long when descriptors or memory run out */
 
 enum conn_state { C_FREE, C_READING, C_WAITING, C_WRITING };
 
@@ -72,6 +79,7 @@ __attribute__((unused)) static inline int conn_valid(const conn *c) {
 typedef struct server {
     conn *conns;
     int nconns;
+    uint64_t round; /* of the loop: marks the figures counted in it (exp_snapshot.seen) */
     exp_sampler *sampler;
     uint64_t paused_until_ms; /* accepting rests until then */
     uint64_t fresh_wait_ms;   /* a scrape's wait for its read of the ledger: constant */
@@ -244,6 +252,35 @@ static void on_readable(server *sv, conn *c, uint64_t now) {
     if (c->state == C_WRITING) on_writable(c);
 }
 
+/* Keeps the figures that answers being written hold within the budget (the comment at the top):
+ * counts each read's figures once, then cuts off the answers of the oldest reads until the rest
+ * fit. The newest read's answers are never cut: the budget is at least four of the largest. */
+static void trim_pinned(server *sv) {
+    sv->round++;
+    size_t held = 0, largest = 0;
+    for (int i = 0; i < sv->nconns; i++) {
+        exp_snapshot *b = sv->conns[i].state == C_WRITING ? sv->conns[i].body : NULL;
+        if (!b || b->seen == sv->round) continue;
+        b->seen = sv->round;
+        held += b->len;
+        if (b->len > largest) largest = b->len;
+    }
+    size_t budget = largest > PINNED_MAX / 4 ? 4 * largest : PINNED_MAX;
+    while (held > budget) {
+        exp_snapshot *oldest = NULL;
+        for (int i = 0; i < sv->nconns; i++) {
+            exp_snapshot *b = sv->conns[i].state == C_WRITING ? sv->conns[i].body : NULL;
+            if (b && (!oldest || b->started_ms < oldest->started_ms)) oldest = b;
+        }
+        if (!oldest) break;
+        size_t len = oldest->len;
+        for (int i = 0; i < sv->nconns; i++)
+            if (sv->conns[i].state == C_WRITING && sv->conns[i].body == oldest)
+                close_conn(&sv->conns[i]); /* the last of them frees it */
+        held -= len;
+    }
+}
+
 /* ---- accepting ------------------------------------------------------------------------------ */
 
 /* Whether c may be closed for a new client: it reads or writes, and it has had EVICT_GRACE_MS
@@ -287,8 +324,9 @@ static void accept_some(server *sv, int lfd) {
             return;
         }
         /* A fixed send buffer: what a client that does not read costs the kernel stays small
-         * (by default it grows to megabytes), and the rest of its answer is the snapshot that
-         * every answer of that read shares. */
+         * (by default it grows to megabytes; the kernel doubles the figure set, so 32 KiB a
+         * connection, 32 MiB for 1024), and the rest of its answer is its read's figures, under
+         * the budget of trim_pinned. */
         int sndbuf = SEND_BUFFER;
         setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
         char *in = malloc(REQUEST_MAX + 1);
@@ -428,6 +466,7 @@ int exp_serve(int lfd, int wake_fd, exp_sampler *s, const exp_server_conf *conf,
             answer_scrape(c, s, now);
             if (c->state == C_WRITING) on_writable(c);
         }
+        trim_pinned(&sv);
         if (listen_ready) accept_some(&sv, lfd);
     }
     for (int i = 0; i < sv.nconns; i++) close_conn(&sv.conns[i]);

@@ -3,7 +3,8 @@
 """Checks that `cuma exporter` keeps answering scrapes when clients misbehave and when the
 ledger cannot be read.
 
-usage: check_exporter.py --cuma BIN --fixture BIN [--probe-limit S] [--only slow|stuck|reader]
+usage: check_exporter.py --cuma BIN --fixture BIN [--probe-limit S]
+                         [--only slow|stuck|reader|held]
 
 1. Slow clients: 200 clients on loopback hold connections to the exporter, half of them idle,
    half sending a request head a byte every 0.25 s that never ends; each reconnects 0.1 s after
@@ -21,6 +22,9 @@ usage: check_exporter.py --cuma BIN --fixture BIN [--probe-limit S] [--only slow
    is killed the figures are fresh and read under the lock again, without its slot.
 3. A slow reader: an answer larger than the sockets' buffers, taken slowly, arrives whole, and
    a probe meanwhile is answered.
+4. Clients that ask and never read, each after the previous one's read, hold a read's figures
+   each: the server keeps what they hold within its budget (8 MiB for answers of this size) by
+   cutting off the oldest, while the newest one still gets its whole answer.
 
 Why a probe must be answered within 5 s (--probe-limit), and why that is no speed test: the
 server it replaces had 32 connection slots and closed a connection only after 10 s. The 200
@@ -422,16 +426,83 @@ def check_slow_reader(cuma, fixture, name, limit):
         stop_fixture(f)
 
 
+# exporter_server.c's PINNED_MAX: the figures answers being written may hold, when four of the
+# largest answer fit in it.
+PINNED_MAX = 8 << 20
+
+
+def read_answer(s, limit):
+    """Everything s gets until the server closes it: (Content-Length or None, body bytes)."""
+    s.settimeout(limit)
+    data = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass  # a reset: what came before it is what arrived
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = re.search(rb"\r\nContent-Length: (\d+)", head)
+    return (int(length.group(1)) if length else None), body
+
+
+def check_held(cuma, fixture, name, limit):
+    """Clients that each ask for the figures and take none of them, each one after the read the
+    previous client's answer came from (a probe between them waits for a later read), so that
+    every one holds another read's figures. Before the budget they were all held until each
+    write timed out (10 s): 28 MB for 100 such clients of this fixture's answer, in an exporter
+    that Kubernetes runs with 64 MiB. Now the oldest are cut off once they hold more than
+    PINNED_MAX, and the newest still gets all of its answer."""
+    f, made = start_fixture(fixture, name, "many")
+    p, holders = None, []
+    try:
+        p, port = start_exporter(cuma, name, fresh_wait(limit))
+        st, body, _ = probe(port, limit)
+        if not check(st == 200, "held: a first probe is answered", body[:200] if st is None else ""):
+            return
+        n = PINNED_MAX // len(body) + 8  # more than the budget holds
+        for i in range(n):
+            h = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            h.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            h.settimeout(limit)
+            h.connect(("127.0.0.1", port))
+            h.sendall(REQUEST)
+            holders.append(h)
+            st, body, _ = probe(port, limit)  # answered after h's read: h is being written to
+            if not check(st == 200, "held: the probe after client %d is answered" % (i + 1),
+                         body[:200] if st is None else ""):
+                return
+        print("  %d clients hold an answer of %d bytes each, from %d reads" % (n, len(body), n))
+        length, got = read_answer(holders[0], limit)
+        check(length is not None and len(got) < length,
+              "held: the oldest client's answer was cut off (%s of %s bytes)" % (len(got), length))
+        length, got = read_answer(holders[-1], limit)
+        check(length is not None and len(got) == length,
+              "held: the newest client's answer arrived whole (%s of %s bytes)" % (len(got), length))
+        stop_exporter(p, "held")
+        p = None
+    finally:
+        for h in holders:
+            h.close()
+        if p is not None:
+            p.kill()
+            p.wait()
+        stop_fixture(f)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cuma", required=True)
     ap.add_argument("--fixture", required=True)
     ap.add_argument("--probe-limit", type=float, default=5.0,
                     help="seconds a probe may take (see above; more, to measure an old build)")
-    ap.add_argument("--only", choices=("slow", "stuck", "reader"), help="run one of the checks")
+    ap.add_argument("--only", choices=("slow", "stuck", "reader", "held"),
+                    help="run one of the checks")
     a = ap.parse_args()
     base = "exporter-test-%d" % os.getpid()
-    names = (base + "-slow", base + "-stuck", base + "-big")
+    names = (base + "-slow", base + "-stuck", base + "-big", base + "-held")
     for n in names:
         if os.path.exists(shm_path(n)):
             os.remove(shm_path(n))
@@ -442,6 +513,8 @@ def main():
             check_stuck_ledger(a.cuma, a.fixture, names[1], a.probe_limit)
         if a.only in (None, "reader"):
             check_slow_reader(a.cuma, a.fixture, names[2], a.probe_limit)
+        if a.only in (None, "held"):
+            check_held(a.cuma, a.fixture, names[3], a.probe_limit)
     finally:
         for n in names:
             if os.path.exists(shm_path(n)):
