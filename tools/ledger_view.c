@@ -114,6 +114,14 @@ int view_read(ledger_view *v, const char *name) {
         max = n + FIRST_GUESS;
     }
     v->nheaps = n;
+    /* Devices are grouped, and shown, by the name as printed: two names a writer of the ledger
+     * made differ only in bytes that print as '?' would otherwise be two devices of one name
+     * (and twice the same series, which Prometheus drops). */
+    for (size_t i = 0; i < n; i++) {
+        char clean[sizeof v->heaps[i].device];
+        view_clean(v->heaps[i].device, clean, sizeof clean);
+        memcpy(v->heaps[i].device, clean, sizeof clean);
+    }
     qsort(v->heaps, n, sizeof *v->heaps, by_device_then_reserved);
     if (group(v)) {
         snprintf(v->error, sizeof v->error, "out of memory");

@@ -760,6 +760,27 @@ def check_options(cuma):
           "cuma help lists stats", out)
 
 
+def check_twins(cuma, fixture, name):
+    """Two devices whose names differ only in a control byte, which prints as '?': one device
+    for the views, so one series of each device family (Prometheus drops a second sample of a
+    series), holding both heaps' memory."""
+    f, _ = start_fixture(fixture, name, "twins")
+    try:
+        rc, out, err = run([cuma, "exporter", "--ledger", name, "--once"])
+        check(rc == 0, "twins: exporter --once exits 0", (rc, err))
+        s = parse_exposition(out, "twins: exporter --once")
+        dev = {dict(k[1]).get("UUID"): v for k, v in s.items() if k[0] == "cuma_device_reserved_bytes"}
+        check(dev == {"GPU-cuma-fixture-twin?": 3 * MB},
+              "twins: one device, both heaps' 3 MiB reserved", dev)
+        rc, out, err = run([cuma, "ps", "--ledger", name, "--json"])
+        doc = json.loads(out) if rc == 0 else {}
+        check([(d.get("device"), len(d.get("heaps", []))) for d in doc.get("devices", [])] ==
+              [("GPU-cuma-fixture-twin?", 2)], "twins: ps --json shows one device of 2 heaps",
+              (rc, doc.get("devices"), err))
+    finally:
+        check(stop_fixture(f) == 0, "twins fixture exits 0")
+
+
 # ---- main -----------------------------------------------------------------------------------
 
 def main():
@@ -768,8 +789,8 @@ def main():
     ap.add_argument("--fixture", required=True)
     a = ap.parse_args()
     name = "tools-test-%d" % os.getpid()
-    late, missing = name + "-late", name + "-missing"
-    names = (name, late, missing)
+    late, missing, twins = name + "-late", name + "-missing", name + "-twins"
+    names = (name, late, missing, twins)
     for n in names:
         if os.path.exists(shm_path(n)):
             os.remove(shm_path(n))
@@ -813,6 +834,7 @@ def main():
         check(rc == 0 and doc.get("heaps") == 0 and doc.get("devices") == [],
               "stats --json: no heaps once the fixtures are gone", (rc, doc, err))
         check_exporter_waits(a.cuma, a.fixture, late)
+        check_twins(a.cuma, a.fixture, twins)
     finally:
         for f in fixtures:
             f.kill()

@@ -36,6 +36,10 @@
  *                             (64M): process "many", priorities 0 to MANY_SLOTS - 1 (128), 256K
  *                             reserved and requested each, for an answer larger than a
  *                             socket's buffers
+ *   ledger_fixture NAME twins two slots on made-up devices whose names differ only in a control
+ *                             byte ("GPU-cuma-fixture-twin" and \x01 or \x02, as a writer of
+ *                             the ledger may make them): 1M and 2M reserved and requested;
+ *                             prints no objects (the names are not JSON), only "ready"
  *
  * Once every figure is in the ledger it prints one JSON object per heap (what it made, as the
  * heap's own stats say for sim heaps, whose objects also carry "stats": the allocator figures
@@ -410,14 +414,32 @@ static int run_many(void) {
     _exit(0); /* slots left as a killed process leaves them */
 }
 
+static int run_twins(void) {
+    const char *devices[] = {"GPU-cuma-fixture-twin\x01", "GPU-cuma-fixture-twin\x02"};
+    for (int i = 0; i < 2; i++) {
+        cuma_ledger_join_info in = {.name = ledger_name, .device = devices[i], .capacity = 64 * MB};
+        cuma_ledger *l;
+        CHECK_OK(cuma_ledger_join(&in, &l));
+        CHECK_OK(cuma_ledger_admit(l, (uint64_t)(i + 1) * MB));
+        cuma_ledger_publish(l, 0, (uint64_t)(i + 1) * MB, 0);
+    }
+    printf("ready\n");
+    fflush(stdout);
+    char line[64];
+    while (fgets(line, sizeof line, stdin)) {
+    }
+    _exit(0);
+}
+
 int main(int argc, char **argv) {
     if (argc != 3 || (strcmp(argv[2], "sim") && strcmp(argv[2], "raw") && strcmp(argv[2], "hold") &&
-                      strcmp(argv[2], "many"))) {
-        fprintf(stderr, "usage: ledger_fixture LEDGER_NAME sim|raw|hold|many\n");
+                      strcmp(argv[2], "many") && strcmp(argv[2], "twins"))) {
+        fprintf(stderr, "usage: ledger_fixture LEDGER_NAME sim|raw|hold|many|twins\n");
         return 2;
     }
     ledger_name = argv[1];
     if (!strcmp(argv[2], "hold")) return run_hold();
     if (!strcmp(argv[2], "many")) return run_many();
+    if (!strcmp(argv[2], "twins")) return run_twins();
     return !strcmp(argv[2], "sim") ? run_sim() : run_raw();
 }
