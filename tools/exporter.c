@@ -268,8 +268,9 @@ void exp_render_figures(exp_buf *b, const ledger_view *v) {
 void exp_render_head(exp_buf *b, int up, uint64_t errors, int stale, const exp_snapshot *snap,
                      uint64_t now_ms) {
     family(b, "cuma_ledger_up", "gauge",
-           "Whether the ledger was read for this scrape (0: the read failed or took over "
-           "0.5 s; a read without the lock, see cuma_ledger_unlocked, is one).");
+           "Whether the ledger was read for this scrape (0: the read failed or took longer "
+           "than a scrape waits, --fresh-wait, 500 ms by default; a read without the lock, see "
+           "cuma_ledger_unlocked, is one).");
     exp_printf(b, "cuma_ledger_up %d\n", up);
     family(b, "cuma_exporter_scrape_errors_total", "counter",
            "Reads of the ledger that failed (scrapes that come together share one read).");
