@@ -3,19 +3,25 @@
  * client delays another, and no read of the ledger in it (exporter_sampler.c reads).
  *
  * A connection carries one request (Connection: close), which is all Prometheus needs, and goes
- * through three states, each with a deadline:
+ * through four states, each with a deadline:
  *   reading  the request head, at most REQUEST_MAX bytes, within HEAD_TIMEOUT_MS of the accept
  *            (a client that sends nothing or trickles bytes is closed then, unanswered);
  *   waiting  a scrape, for a read of the ledger that began after it came, at most fresh_wait_ms
  *            (--fresh-wait, default EXP_DEFAULT_FRESH_WAIT_MS);
  *            then it is answered from the last good read, marked stale;
- *   writing  the answer, as fast as the client takes it, within WRITE_TIMEOUT_MS.
- * When every slot is taken a new client still gets in: the connection that has been reading the
- * longest is closed for it (else the one writing the longest; waiting ones end soon on their
- * own), once it is EVICT_GRACE_MS old, so that a flood of new clients cannot push out one that
- * sent its request at once. Slow or idle clients can therefore cost a probe nothing but a slot
- * it takes from them, and at most a wait in the backlog for one to come of age.
- * Anything that is not a well-formed GET or HEAD gets a 4xx answer; a body is never read.
+ *   writing  the answer, as fast as the client takes it, within WRITE_TIMEOUT_MS;
+ *   draining once all of it is with the kernel: the server's side is shut (the client sees the
+ *            end after the answer) and what the client still sends (a second request, the rest
+ *            of a head too large) is read and dropped, DRAIN_MAX bytes at most, until the client
+ *            closes or DRAIN_TIMEOUT_MS pass. Closed with bytes unread, the socket would send a
+ *            reset, which throws away the part of the answer the kernel still holds.
+ * When every slot is taken a new client still gets in: the connection that has been draining
+ * the longest is closed for it (else the one reading the longest, else the one writing the
+ * longest; waiting ones end soon on their own), once it is EVICT_GRACE_MS old, so that a flood
+ * of new clients cannot push out one that sent its request at once. Slow or idle clients can
+ * therefore cost a probe nothing but a slot it takes from them, and at most a wait in the
+ * backlog for one to come of age. Anything that is not a well-formed GET or HEAD gets a 4xx
+ * answer; a body is never taken for one.
  *
  * An answer being written holds its read's figures; answers of one read share them, but a client
  * that asks, takes nothing, and asks again after the next read holds a copy of every read it saw
@@ -37,21 +43,23 @@
 #include <time.h>
 #include <unistd.h>
 
-#define REQUEST_MAX      8192  /* bytes of request line and headers; larger is refused */
-#define HEAD_TIMEOUT_MS  2000  /* from accept to the end of the request head */
-#define WRITE_TIMEOUT_MS 10000 /* for the client to take the answer */
-#define ACCEPT_BATCH     16    /* accepts per round, so that reading and writing go on */
-#define EVICT_GRACE_MS   250   /* a new connection is not pushed out before this age */
+#define REQUEST_MAX      8192         /* bytes of request line and headers; larger is refused */
+#define HEAD_TIMEOUT_MS  2000         /* from accept to the end of the request head */
+#define WRITE_TIMEOUT_MS 10000        /* for the client to take the answer */
+#define DRAIN_TIMEOUT_MS 2000         /* for the client to close once it has the answer */
+#define DRAIN_MAX        (256u << 10) /* bytes read and dropped while draining */
+#define ACCEPT_BATCH     16           /* accepts per round, so that reading and writing go on */
+#define EVICT_GRACE_MS   250          /* a new connection is not pushed out before this age */
 #define SEND_BUFFER      16384 /* the kernel's buffer for an answer, per connection (see below) */
 #define PINNED_MAX       (8u << 20) /* bytes of figures answers being written may hold (above) */
 #define SPARE_FDS        32  /* descriptors kept for the rest (stdio, the ledger, the pipe) */
 #define PAUSE_MS         100 /* accepting rests this long when descriptors or memory run out */
 
-enum conn_state { C_FREE, C_READING, C_WAITING, C_WRITING };
+enum conn_state { C_FREE, C_READING, C_WAITING, C_WRITING, C_DRAINING };
 
 /* One client. Invariants: fd >= 0 exactly when state != C_FREE; in is set while reading;
  * out (and body, which may be NULL) only while writing, out_off <= out_len, body_off <=
- * body->len, and the body is sent only after all of out. */
+ * body->len, and the body is sent only after all of out; drained <= DRAIN_MAX while draining. */
 typedef struct conn {
     int fd;
     enum conn_state state;
@@ -65,12 +73,14 @@ typedef struct conn {
     size_t out_len, out_off;
     exp_snapshot *body; /* a scrape's figures, after out */
     size_t body_off;
+    size_t drained; /* draining: bytes read and dropped */
 } conn;
 
 /* The invariants above (debug builds check them at every round). */
 __attribute__((unused)) static inline int conn_valid(const conn *c) {
     if ((c->fd >= 0) != (c->state != C_FREE)) return 0;
     if ((c->in != NULL) != (c->state == C_READING) || c->in_len > REQUEST_MAX) return 0;
+    if (c->state == C_DRAINING && c->drained > DRAIN_MAX) return 0;
     if (c->state != C_WRITING) return !c->out && !c->body;
     return c->out && c->out_off <= c->out_len && (!c->body || c->body_off <= c->body->len) &&
            (c->body_off == 0 || c->out_off == c->out_len);
@@ -199,7 +209,37 @@ static void handle(server *sv, conn *c, uint64_t now) {
     c->need = exp_sampler_ask(sv->sampler);
 }
 
-/* Sends what the client takes now; closes when all is sent or the client is gone. */
+/* Reads and drops what the client sends; closes at its end, or when it sends too much. */
+static void on_drainable(conn *c) {
+    char sink[4096];
+    for (;;) {
+        ssize_t r = recv(c->fd, sink, sizeof sink, 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+        if (r <= 0 || (c->drained += (size_t)r) > DRAIN_MAX) {
+            close_conn(c);
+            return;
+        }
+    }
+}
+
+/* All of the answer is with the kernel: shuts the server's side and drains (the top). */
+static void start_draining(conn *c, uint64_t now) {
+    free(c->out);
+    c->out = NULL;
+    exp_snapshot_release(c->body);
+    c->body = NULL;
+    c->state = C_DRAINING;
+    c->deadline_ms = now + DRAIN_TIMEOUT_MS;
+    c->drained = 0;
+    if (shutdown(c->fd, SHUT_WR)) {
+        close_conn(c);
+        return;
+    }
+    on_drainable(c);
+}
+
+/* Sends what the client takes now; drains when all is sent, closes when the client is gone. */
 static void on_writable(conn *c) {
     for (;;) {
         struct iovec iov[2];
@@ -209,7 +249,7 @@ static void on_writable(conn *c) {
         if (c->body && c->body_off < c->body->len)
             iov[n++] = (struct iovec){c->body->text + c->body_off, c->body->len - c->body_off};
         if (!n) {
-            close_conn(c);
+            start_draining(c, exp_now_ms());
             return;
         }
         struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)n};
@@ -246,9 +286,7 @@ static void on_readable(server *sv, conn *c, uint64_t now) {
         error_page(c, 431, "Request Header Fields Too Large", "", now);
     else
         return;
-    if (c->state == C_FREE) return;
-    /* Whatever else the client sends is not read: stop taking it. */
-    shutdown(c->fd, SHUT_RD);
+    /* Whatever else the client sends stays unread until the answer is out (draining). */
     if (c->state == C_WRITING) on_writable(c);
 }
 
@@ -283,24 +321,30 @@ static void trim_pinned(server *sv) {
 
 /* ---- accepting ------------------------------------------------------------------------------ */
 
-/* Whether c may be closed for a new client: it reads or writes, and it has had EVICT_GRACE_MS
- * to send its request (a client that sends it at once is never pushed out by a flood). */
+/* Whether c may be closed for a new client: it reads, writes or drains, and it has had
+ * EVICT_GRACE_MS to send its request (a client that sends it at once is never pushed out by a
+ * flood). */
 static int evictable(const conn *c, uint64_t now) {
-    return (c->state == C_READING || c->state == C_WRITING) &&
+    return (c->state == C_READING || c->state == C_WRITING || c->state == C_DRAINING) &&
            now - c->accepted_ms >= EVICT_GRACE_MS;
 }
 
-/* Whom to close for a new client when every slot is taken: of the evictable connections the
- * one reading the longest, else the one writing the longest; NULL when there is none (the new
- * client waits in the backlog until a connection ends or comes of age). */
+/* Which state's connections go first for a new client: one that has its answer, then one that
+ * has not finished asking, then one taking its answer. */
+static int evict_rank(enum conn_state s) {
+    return s == C_DRAINING ? 0 : s == C_READING ? 1 : 2;
+}
+
+/* Whom to close for a new client when every slot is taken: of the evictable connections of the
+ * first rank, the oldest; NULL when there is none (the new client waits in the backlog until a
+ * connection ends or comes of age). */
 static conn *victim(server *sv, uint64_t now) {
     conn *best = NULL;
     for (int i = 0; i < sv->nconns; i++) {
         conn *c = &sv->conns[i];
         if (!evictable(c, now)) continue;
-        if (!best || (c->state == C_READING && best->state != C_READING) ||
-            (c->state == best->state && c->accepted_ms < best->accepted_ms))
-            best = c;
+        int r = evict_rank(c->state), rb = best ? evict_rank(best->state) : 3;
+        if (r < rb || (r == rb && c->accepted_ms < best->accepted_ms)) best = c;
     }
     return best;
 }
@@ -455,6 +499,8 @@ int exp_serve(int lfd, int wake_fd, exp_sampler *s, const exp_server_conf *conf,
                 on_writable(c);
             else if (c->state == C_READING)
                 on_readable(&sv, c, now);
+            else if (c->state == C_DRAINING)
+                on_drainable(c);
         }
         /* Scrapes whose read has finished (the pipe woke us, or it finished meanwhile). */
         pthread_mutex_lock(&s->mu);

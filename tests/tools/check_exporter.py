@@ -4,7 +4,7 @@
 ledger cannot be read.
 
 usage: check_exporter.py --cuma BIN --fixture BIN [--probe-limit S]
-                         [--only slow|stuck|reader|held]
+                         [--only slow|stuck|reader|pipelined|held]
 
 1. Slow clients: 200 clients on loopback hold connections to the exporter, half of them idle,
    half sending a request head a byte every 0.25 s that never ends; each reconnects 0.1 s after
@@ -22,7 +22,10 @@ usage: check_exporter.py --cuma BIN --fixture BIN [--probe-limit S]
    is killed the figures are fresh and read under the lock again, without its slot.
 3. A slow reader: an answer larger than the sockets' buffers, taken slowly, arrives whole, and
    a probe meanwhile is answered.
-4. Clients that ask and never read, each after the previous one's read, hold a read's figures
+4. A client that sends a second request while its answer is being written (or more bytes of
+   any kind) still gets all of the answer: the server reads what else comes and drops it, so
+   that closing does not reset the connection and throw away what the kernel still holds.
+5. Clients that ask and never read, each after the previous one's read, hold a read's figures
    each: the server keeps what they hold within its budget (8 MiB for answers of this size) by
    cutting off the oldest, while the newest one still gets its whole answer.
 
@@ -426,6 +429,49 @@ def check_slow_reader(cuma, fixture, name, limit):
         stop_fixture(f)
 
 
+def check_pipelined(cuma, fixture, name, limit):
+    """A client with a small receive buffer asks, asks again 0.3 s later (a pipelined request,
+    which the server does not answer) and only then takes the answer, slowly. The server had
+    closed the socket with the second request unread, so the kernel sent a reset and dropped the
+    last part of the answer it still held; now the whole answer arrives."""
+    f, made = start_fixture(fixture, name, "many")
+    p = None
+    try:
+        p, port = start_exporter(cuma, name, fresh_wait(limit))
+        c = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        c.settimeout(limit)
+        c.connect(("127.0.0.1", port))
+        c.sendall(REQUEST)
+        time.sleep(0.3)
+        c.sendall(REQUEST)
+        time.sleep(0.5)
+        data = b""
+        try:
+            while True:
+                chunk = c.recv(1024)
+                if not chunk:
+                    break
+                data += chunk
+                time.sleep(0.0005)
+        except OSError as e:
+            check(False, "pipelined: the answer ends cleanly", "%s after %d bytes" % (e, len(data)))
+        c.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"\r\nContent-Length: (\d+)", head)
+        if check(head.startswith(b"HTTP/1.1 200 ") and length is not None and
+                 int(length.group(1)) == len(body),
+                 "pipelined: all of the answer", (head[:100], len(body))):
+            check_metrics(body.decode("utf-8"), made, "pipelined")
+        stop_exporter(p, "pipelined")
+        p = None
+    finally:
+        if p is not None:
+            p.kill()
+            p.wait()
+        stop_fixture(f)
+
+
 # exporter_server.c's PINNED_MAX: the figures answers being written may hold, when four of the
 # largest answer fit in it.
 PINNED_MAX = 8 << 20
@@ -498,11 +544,11 @@ def main():
     ap.add_argument("--fixture", required=True)
     ap.add_argument("--probe-limit", type=float, default=5.0,
                     help="seconds a probe may take (see above; more, to measure an old build)")
-    ap.add_argument("--only", choices=("slow", "stuck", "reader", "held"),
+    ap.add_argument("--only", choices=("slow", "stuck", "reader", "pipelined", "held"),
                     help="run one of the checks")
     a = ap.parse_args()
     base = "exporter-test-%d" % os.getpid()
-    names = (base + "-slow", base + "-stuck", base + "-big", base + "-held")
+    names = (base + "-slow", base + "-stuck", base + "-big", base + "-held", base + "-pipe")
     for n in names:
         if os.path.exists(shm_path(n)):
             os.remove(shm_path(n))
@@ -513,6 +559,8 @@ def main():
             check_stuck_ledger(a.cuma, a.fixture, names[1], a.probe_limit)
         if a.only in (None, "reader"):
             check_slow_reader(a.cuma, a.fixture, names[2], a.probe_limit)
+        if a.only in (None, "pipelined"):
+            check_pipelined(a.cuma, a.fixture, names[4], a.probe_limit)
         if a.only in (None, "held"):
             check_held(a.cuma, a.fixture, names[3], a.probe_limit)
     finally:
