@@ -25,6 +25,30 @@
 
 /* ---- a growing text buffer ------------------------------------------------------------------ */
 
+/* Room for n more bytes and a NUL; sets oom (and returns 0) when there is none. */
+static int room_for(exp_buf *b, size_t n) {
+    if (b->oom) return 0;
+    if (b->p && b->len + n < b->cap) return 1;
+    size_t cap = b->cap ? b->cap : 4096;
+    while (cap <= b->len + n) cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (!p) {
+        b->oom = 1;
+        return 0;
+    }
+    b->p = p;
+    b->cap = cap;
+    return 1;
+}
+
+/* Appends n bytes as they are (what printf would cost per byte of a label, by the thousand). */
+static void exp_put(exp_buf *b, const char *s, size_t n) {
+    if (!room_for(b, n)) return;
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+}
+
 void exp_printf(exp_buf *b, const char *fmt, ...) {
     if (b->oom) return;
     for (;;) {
@@ -40,15 +64,7 @@ void exp_printf(exp_buf *b, const char *fmt, ...) {
             b->len += (size_t)n;
             return;
         }
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap <= b->len + (size_t)n) cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->oom = 1;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
+        if (!room_for(b, (size_t)n)) return;
     }
 }
 
@@ -114,10 +130,14 @@ static void family(exp_buf *b, const char *name, const char *type, const char *h
 /* A label value: valid UTF-8 with backslash, double quote and line feed escaped, as the text
  * format wants (view_clean already turned the line feed and other controls into '?'). */
 static void label_value(exp_buf *b, const char *s) {
-    char clean[256];
+    char clean[256], out[2 * sizeof clean];
     view_clean(s, clean, sizeof clean);
-    for (const char *p = clean; *p; p++)
-        exp_printf(b, "%s%c", *p == '\\' || *p == '"' ? "\\" : "", *p);
+    size_t n = 0;
+    for (const char *p = clean; *p; p++) {
+        if (*p == '\\' || *p == '"') out[n++] = '\\';
+        out[n++] = *p;
+    }
+    exp_put(b, out, n);
 }
 
 /* The labels of a heap. slot makes the series unique: one process may have several heaps on a
@@ -156,15 +176,44 @@ static void heap_labels(exp_buf *b, const cuma_ledger_entry *e, const gpu_table 
     exp_printf(b, "\",priority=\"%d\",slot=\"%u\"}", e->priority, e->slot);
 }
 
+/* Every heap's labels, rendered once a read: each of the thirty-odd heap families repeats them
+ * (rendered per family, they were most of a read's cost). Heap i's are text.p[at[i]..at[i+1]). */
+typedef struct label_set {
+    exp_buf text;
+    size_t *at; /* nheaps + 1 offsets */
+} label_set;
+
+/* 0, or -1 when memory ran out. */
+static int labels_make(label_set *ls, const ledger_view *v, const gpu_table *g) {
+    *ls = (label_set){0};
+    ls->at = malloc((v->nheaps + 1) * sizeof *ls->at);
+    if (!ls->at) return -1;
+    for (size_t i = 0; i < v->nheaps; i++) {
+        ls->at[i] = ls->text.len;
+        heap_labels(&ls->text, &v->heaps[i], g);
+    }
+    ls->at[v->nheaps] = ls->text.len;
+    return ls->text.oom ? -1 : 0;
+}
+
+static void labels_free(label_set *ls) {
+    free(ls->text.p);
+    free(ls->at);
+}
+
+static void put_labels(exp_buf *b, const label_set *ls, size_t i) {
+    exp_put(b, ls->text.p + ls->at[i], ls->at[i + 1] - ls->at[i]);
+}
+
 /* A per-heap gauge of a value computed from the entry (an age, a ratio), with `decimals`. */
-static void heap_gauge(exp_buf *b, const ledger_view *v, const gpu_table *g, const char *name,
+static void heap_gauge(exp_buf *b, const ledger_view *v, const label_set *ls, const char *name,
                        const char *help, int published_only,
                        double (*value)(const cuma_ledger_entry *), int decimals) {
     family(b, name, "gauge", help);
     for (size_t i = 0; i < v->nheaps; i++) {
         if (published_only && !view_has_stats(&v->heaps[i])) continue;
         exp_printf(b, "%s", name);
-        heap_labels(b, &v->heaps[i], g);
+        put_labels(b, ls, i);
         exp_printf(b, " %.*f\n", decimals, value(&v->heaps[i]));
     }
 }
@@ -181,19 +230,19 @@ static double stranded_bytes(const cuma_ledger_entry *e) {
     return (double)e->mapped_bytes * e->fragmentation;
 }
 
-static void heap_family(exp_buf *b, const ledger_view *v, const gpu_table *g,
+static void heap_family(exp_buf *b, const ledger_view *v, const label_set *ls,
                         const heap_metric *hm) {
     family(b, hm->name, hm->type, hm->help);
     for (size_t i = 0; i < v->nheaps; i++) {
         exp_printf(b, "%s", hm->name);
-        heap_labels(b, &v->heaps[i], g);
+        put_labels(b, ls, i);
         exp_printf(b, " %" PRIu64 "\n", *(const uint64_t *)((const char *)&v->heaps[i] + hm->off));
     }
 }
 
 /* A family of the list's: its name and type from the figure's kind; a ratio (the ledger keeps
  * parts per million) with six decimals, which are exact. */
-static void alloc_family(exp_buf *b, const ledger_view *v, const gpu_table *g,
+static void alloc_family(exp_buf *b, const ledger_view *v, const label_set *ls,
                          const alloc_metric *am) {
     int counter = (am->kind & CUMA_STAT_COUNTER) != 0;
     int ratio = CUMA_STAT_UNIT(am->kind) == CUMA_STAT_RATIO;
@@ -204,7 +253,7 @@ static void alloc_family(exp_buf *b, const ledger_view *v, const gpu_table *g,
         const cuma_ledger_entry *e = &v->heaps[i];
         if (!view_has_stats(e)) continue;
         exp_printf(b, "%s", name);
-        heap_labels(b, e, g);
+        put_labels(b, ls, i);
         const char *at = (const char *)e + am->off;
         if (ratio)
             exp_printf(b, " %.6f\n", *(const double *)at);
@@ -247,22 +296,30 @@ void exp_render_figures(exp_buf *b, const ledger_view *v) {
                   "Capacity minus what heaps hold or are guaranteed, as admission counts it.",
                   offsetof(view_device, free));
     device_family(b, v, g, "cuma_device_heaps", "Live heaps on the device.", HEAP_COUNT);
+    label_set labels;
+    if (labels_make(&labels, v, g)) {
+        labels_free(&labels);
+        b->oom = 1;
+        return;
+    }
+    const label_set *ls = &labels;
     for (size_t m = 0; m < sizeof heap_metrics / sizeof heap_metrics[0]; m++)
-        heap_family(b, v, g, &heap_metrics[m]);
-    heap_gauge(b, v, g, "cuma_heap_publish_age_seconds",
+        heap_family(b, v, ls, &heap_metrics[m]);
+    heap_gauge(b, v, ls, "cuma_heap_publish_age_seconds",
                "Time since the heap last published its cached and requested bytes (as of the "
                "read).",
                0, publish_age_s, 3);
     for (size_t m = 0; m < sizeof alloc_metrics / sizeof alloc_metrics[0]; m++)
-        if (alloc_metrics[m].name) alloc_family(b, v, g, &alloc_metrics[m]);
-    heap_gauge(b, v, g, "cuma_stranded_bytes",
+        if (alloc_metrics[m].name) alloc_family(b, v, ls, &alloc_metrics[m]);
+    heap_gauge(b, v, ls, "cuma_stranded_bytes",
                "In-use (mapped) bytes that no live allocation asked for: free, but usable only "
                "by requests that fit in the gaps (cached bytes are not among them).",
                1, stranded_bytes, 0);
-    heap_gauge(b, v, g, "cuma_heap_stats_age_seconds",
+    heap_gauge(b, v, ls, "cuma_heap_stats_age_seconds",
                "Time since the heap last published its allocator figures (every 100 ms; as of "
                "the read).",
                1, stats_age_s, 3);
+    labels_free(&labels);
 }
 
 void exp_render_head(exp_buf *b, int up, uint64_t errors, int stale, const exp_snapshot *snap,
