@@ -322,8 +322,8 @@ void exp_render_figures(exp_buf *b, const ledger_view *v) {
     labels_free(&labels);
 }
 
-void exp_render_head(exp_buf *b, int up, uint64_t errors, int stale, const exp_snapshot *snap,
-                     uint64_t now_ms) {
+void exp_render_head(exp_buf *b, int up, uint64_t errors, uint64_t reads, int stale,
+                     const exp_snapshot *snap, uint64_t now_ms) {
     family(b, "cuma_ledger_up", "gauge",
            "Whether the ledger was read for this scrape (0: the read failed or took longer "
            "than a scrape waits, --fresh-wait, 500 ms by default; a read without the lock, see "
@@ -332,6 +332,10 @@ void exp_render_head(exp_buf *b, int up, uint64_t errors, int stale, const exp_s
     family(b, "cuma_exporter_scrape_errors_total", "counter",
            "Reads of the ledger that failed (scrapes that come together share one read).");
     exp_printf(b, "cuma_exporter_scrape_errors_total %" PRIu64 "\n", errors);
+    family(b, "cuma_exporter_reads_total", "counter",
+           "Reads of the ledger begun (scrapes that come together share one; one in 100 ms at "
+           "most).");
+    exp_printf(b, "cuma_exporter_reads_total %" PRIu64 "\n", reads);
     family(b, "cuma_ledger_stale", "gauge",
            "1 when the figures below are the last good read's, this scrape's having failed or "
            "taken too long (e.g. the first read after a process stopped holding the ledger's "
@@ -458,7 +462,7 @@ static int print_once(const char *ledger) {
     exp_snapshot *s;
     int up = exp_read(ledger, &was_up, &s, &missing);
     exp_buf b = {0};
-    exp_render_head(&b, up, !up, 0, s, s ? s->started_ms : 0);
+    exp_render_head(&b, up, !up, 1, 0, s, s ? s->started_ms : 0);
     int rc = b.oom ? CUMA_EXIT_FAIL : CUMA_EXIT_OK;
     if (!b.oom && (fwrite(b.p, 1, b.len, stdout) != b.len ||
                    (s && fwrite(s->text, 1, s->len, stdout) != s->len) || fflush(stdout)))

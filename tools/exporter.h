@@ -49,8 +49,8 @@ void exp_render_figures(exp_buf *b, const ledger_view *v);
 /* Renders the head families: cuma_ledger_up, the failed reads, whether the figures that follow
  * are stale, their age, and whether they were read without the lock (snap's; snap NULL: there
  * are none). now_ms: the answer's time. */
-void exp_render_head(exp_buf *b, int up, uint64_t errors, int stale, const exp_snapshot *snap,
-                     uint64_t now_ms);
+void exp_render_head(exp_buf *b, int up, uint64_t errors, uint64_t reads, int stale,
+                     const exp_snapshot *snap, uint64_t now_ms);
 
 uint64_t exp_now_ms(void);
 
@@ -67,11 +67,19 @@ typedef struct exp_sampler {
     uint64_t done;      /* (mu) the asked value the latest finished read began under */
     int last_ok;        /* (mu) whether that read succeeded */
     uint64_t errors;    /* (mu) reads that failed */
+    uint64_t reads;     /* (mu) reads begun */
+    uint64_t last_ms;   /* (mu) when the latest read began (exp_now_ms) */
     exp_snapshot *good; /* (mu) the last successful read (NULL: none, or the ledger went) */
     int stop;           /* (mu) the thread ends */
     int was_up;         /* the thread's only: exp_read's *was_up */
     pthread_t thread;
 } exp_sampler;
+
+/* Reads of the ledger begin at most this often, however many scrapes come: each takes the
+ * ledger's lock, which the heaps' admissions of memory wait for, and a client that scrapes
+ * back to back must not make the jobs' allocations contend with it. An answer still waits for
+ * a read that began after its request (up to this much longer). */
+#define EXP_READ_INTERVAL_MS 100
 
 /* Starts the thread; 0, or -1 with a message on stderr. Call after view_catch_stop (the thread
  * inherits the blocked stop signals, so they reach the server's ppoll). */

@@ -8,21 +8,40 @@
  *
  * Reads are asked for, not timed: the exporter costs nothing between scrapes, and an answer
  * waits for a read that began after its request came (the figures are as fresh as before, when
- * every scrape read the ledger itself). Requests that come while a read runs share the next. */
+ * every scrape read the ledger itself). Requests that come while a read runs share the next,
+ * which begins EXP_READ_INTERVAL_MS after the one before at the earliest. */
 #include "exporter.h"
 
 #include <assert.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
+
+/* Waits (mu held) until EXP_READ_INTERVAL_MS after the latest read began, or stop. */
+static void pace(exp_sampler *s) {
+    for (;;) {
+        uint64_t now = exp_now_ms(), at = s->last_ms + EXP_READ_INTERVAL_MS;
+        if (s->stop || !s->reads || now >= at) return;
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts); /* the condition variable's clock (start) */
+        uint64_t ns = (uint64_t)ts.tv_nsec + (at - now) * 1000000ull;
+        ts.tv_sec += (time_t)(ns / 1000000000ull);
+        ts.tv_nsec = (long)(ns % 1000000000ull);
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    }
+}
 
 static void *run(void *arg) {
     exp_sampler *s = arg;
     pthread_mutex_lock(&s->mu);
     for (;;) {
         while (!s->stop && s->started == s->asked) pthread_cond_wait(&s->cv, &s->mu);
+        pace(s); /* requests that come meanwhile share this read: it has not begun */
         if (s->stop) break;
         uint64_t target = s->started = s->asked;
+        s->reads++;
+        s->last_ms = exp_now_ms();
         pthread_mutex_unlock(&s->mu);
         exp_snapshot *snap;
         int missing;
@@ -48,7 +67,11 @@ static void *run(void *arg) {
 int exp_sampler_start(exp_sampler *s, const char *ledger, int wake_fd) {
     *s = (exp_sampler){.ledger = ledger, .wake_fd = wake_fd, .was_up = -1};
     pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* pace's waits: not moved by the date */
+    pthread_cond_init(&s->cv, &ca);
+    pthread_condattr_destroy(&ca);
     int r = pthread_create(&s->thread, NULL, run, s);
     if (r) {
         fprintf(stderr, "cuma exporter: cannot start the ledger's reader: %s\n", strerror(r));

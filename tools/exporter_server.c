@@ -157,11 +157,11 @@ static void error_page(conn *c, int code, const char *reason, const char *extra,
 static void answer_scrape(conn *c, exp_sampler *s, uint64_t now) {
     pthread_mutex_lock(&s->mu);
     int up = s->done >= c->need && s->last_ok;
-    uint64_t errors = s->errors;
+    uint64_t errors = s->errors, reads = s->reads;
     exp_snapshot *snap = exp_snapshot_ref(s->good);
     pthread_mutex_unlock(&s->mu);
     exp_buf h = {0};
-    exp_render_head(&h, up, errors, snap && !up, snap, now);
+    exp_render_head(&h, up, errors, reads, snap && !up, snap, now);
     if (h.oom) {
         free(h.p);
         exp_snapshot_release(snap);

@@ -29,7 +29,8 @@ LEDGER_OWN = {"pid", "priority", "slot", "process", "device", "capacity", "guara
 # the ledger's own of each heap, the figures' ages, and stranded bytes, which it derives from
 # mapped_bytes and fragmentation.
 EXPORTER_OWN = {
-    "cuma_ledger_up", "cuma_exporter_scrape_errors_total", "cuma_ledger_stale",
+    "cuma_ledger_up", "cuma_exporter_scrape_errors_total", "cuma_exporter_reads_total",
+    "cuma_ledger_stale",
     "cuma_ledger_snapshot_age_seconds", "cuma_ledger_unlocked", "cuma_ledger_lock_stuck_seconds",
     "cuma_device_capacity_bytes", "cuma_device_reserved_bytes", "cuma_device_cached_bytes",
     "cuma_device_guaranteed_bytes", "cuma_device_free_bytes", "cuma_device_heaps",

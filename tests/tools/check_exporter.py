@@ -4,7 +4,7 @@
 ledger cannot be read.
 
 usage: check_exporter.py --cuma BIN --fixture BIN [--probe-limit S]
-                         [--only slow|stuck|reader|pipelined|held]
+                         [--only slow|stuck|reader|pipelined|paced|held]
 
 1. Slow clients: 200 clients on loopback hold connections to the exporter, half of them idle,
    half sending a request head a byte every 0.25 s that never ends; each reconnects 0.1 s after
@@ -25,7 +25,10 @@ usage: check_exporter.py --cuma BIN --fixture BIN [--probe-limit S]
 4. A client that sends a second request while its answer is being written (or more bytes of
    any kind) still gets all of the answer: the server reads what else comes and drops it, so
    that closing does not reset the connection and throw away what the kernel still holds.
-5. Clients that ask and never read, each after the previous one's read, hold a read's figures
+5. A client that scrapes back to back does not make the exporter read the ledger (and take its
+   lock, which the heaps' admissions wait for) more than once in 100 ms: after 30 scrapes one
+   after another, cuma_exporter_reads_total is at most the time they took over 100 ms, plus 2.
+6. Clients that ask and never read, each after the previous one's read, hold a read's figures
    each: the server keeps what they hold within its budget (8 MiB for answers of this size) by
    cutting off the oldest, while the newest one still gets its whole answer.
 
@@ -472,6 +475,43 @@ def check_pipelined(cuma, fixture, name, limit):
         stop_fixture(f)
 
 
+# exporter.h's EXP_READ_INTERVAL_MS, in seconds.
+READ_INTERVAL_S = 0.1
+
+
+def check_paced(cuma, fixture, name, limit):
+    """30 scrapes one after another, each answered fresh; the reads they cost are at most one
+    per READ_INTERVAL_S of the time they took, and two more (the first, and one begun as the
+    clock is read). Unpaced, every scrape was a read of its own: 30 in a fraction of a second.
+    A slower machine only allows more reads, never fewer: no speed is asserted."""
+    f, made = start_fixture(fixture, name, "raw")
+    p = None
+    try:
+        p, port = start_exporter(cuma, name, fresh_wait(limit))
+        t0 = time.monotonic()
+        body = ""
+        for i in range(30):
+            st, body, _ = probe(port, limit)
+            if not check(st == 200, "paced: scrape %d is answered" % (i + 1),
+                         body[:200] if st is None else ""):
+                return
+        took = time.monotonic() - t0
+        s = parse_exposition(body, "paced: the last scrape")
+        reads = s.get(("cuma_exporter_reads_total", frozenset()))
+        up = s.get(("cuma_ledger_up", frozenset()))
+        print("  30 scrapes in %.3f s: %s reads" % (took, reads))
+        check(up == 1.0, "paced: the last scrape is fresh", up)
+        check(reads is not None and reads <= took / READ_INTERVAL_S + 2,
+              "paced: at most a read per 100 ms (%s reads in %.3f s)" % (reads, took), reads)
+        stop_exporter(p, "paced")
+        p = None
+    finally:
+        if p is not None:
+            p.kill()
+            p.wait()
+        stop_fixture(f)
+
+
 # exporter_server.c's PINNED_MAX: the figures answers being written may hold, when four of the
 # largest answer fit in it.
 PINNED_MAX = 8 << 20
@@ -544,11 +584,12 @@ def main():
     ap.add_argument("--fixture", required=True)
     ap.add_argument("--probe-limit", type=float, default=5.0,
                     help="seconds a probe may take (see above; more, to measure an old build)")
-    ap.add_argument("--only", choices=("slow", "stuck", "reader", "pipelined", "held"),
+    ap.add_argument("--only", choices=("slow", "stuck", "reader", "pipelined", "paced", "held"),
                     help="run one of the checks")
     a = ap.parse_args()
     base = "exporter-test-%d" % os.getpid()
-    names = (base + "-slow", base + "-stuck", base + "-big", base + "-held", base + "-pipe")
+    names = (base + "-slow", base + "-stuck", base + "-big", base + "-held", base + "-pipe",
+             base + "-paced")
     for n in names:
         if os.path.exists(shm_path(n)):
             os.remove(shm_path(n))
@@ -561,6 +602,8 @@ def main():
             check_slow_reader(a.cuma, a.fixture, names[2], a.probe_limit)
         if a.only in (None, "pipelined"):
             check_pipelined(a.cuma, a.fixture, names[4], a.probe_limit)
+        if a.only in (None, "paced"):
+            check_paced(a.cuma, a.fixture, names[5], a.probe_limit)
         if a.only in (None, "held"):
             check_held(a.cuma, a.fixture, names[3], a.probe_limit)
     finally:
