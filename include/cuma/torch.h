@@ -51,8 +51,11 @@ typedef struct CUstream_st *cudaStream_t;
 #endif
 
 /* Allocates `size` bytes on `device` for use on `stream`, in *ptr. Size 0 gives NULL and
- * CUMA_OK; a negative size or a device outside 0..63 is CUMA_ERR_INVALID; else cuma_alloc's
- * status on the device's default heap. */
+ * CUMA_OK; a negative size or a device outside 0..63 is CUMA_ERR_INVALID; a stream that
+ * captures a CUDA graph is CUMA_ERR_UNSUPPORTED (PyTorch keeps a graph's memory in pools of
+ * its own allocator, which a pluggable allocator is not told of: memory freed during the
+ * capture would be handed out again while the graph's replays still write it); else
+ * cuma_alloc's status on the device's default heap. */
 cuma_status cuma_torch_alloc(ssize_t size, int device, cudaStream_t stream, void **ptr);
 
 /* cuma_torch_alloc returning the pointer: NULL on failure (reason in cuma_last_error(), and

@@ -8,6 +8,7 @@
 #include "cuma/torch.h"
 
 #include "util/error.h"
+#include "heap/heap.h"
 #include "default_heap.h"
 
 #include <limits.h>
@@ -22,6 +23,15 @@ static void report(const char *hook) {
     fprintf(stderr, "cuma: %s: %s\n", hook, cuma_last_error());
 }
 
+/* Whether `stream` captures a CUDA graph, as the heap's driver says (never on the simulated
+ * device). The legacy stream (NULL), where most of PyTorch's work runs, cannot capture, and is
+ * not asked: the question is a driver call. */
+static bool capturing(const cuma_heap *h, cudaStream_t stream) {
+    cuma_backend *be = h->be;
+    return stream && be->ops->stream_capturing &&
+           be->ops->stream_capturing(be, (cuma_stream)stream);
+}
+
 cuma_status cuma_torch_alloc(ssize_t size, int device, cudaStream_t stream, void **ptr) {
     if (!ptr) return cuma_fail(CUMA_ERR_INVALID, "cuma_torch_alloc: ptr is NULL");
     *ptr = NULL;
@@ -32,8 +42,14 @@ cuma_status cuma_torch_alloc(ssize_t size, int device, cudaStream_t stream, void
     if (size < 0) return cuma_fail(CUMA_ERR_INVALID, "cuma_torch_alloc: negative size %zd", size);
     cuma_heap *h;
     cuma_status st = cuma_default_heap(device, &h);
-    if (st == CUMA_OK) st = cuma_alloc(h, (size_t)size, (cuma_stream)stream, ptr);
-    return st;
+    if (st) return st;
+    if (capturing(h, stream))
+        return cuma_fail(CUMA_ERR_UNSUPPORTED,
+                         "cuma_torch_alloc: stream %p captures a CUDA graph: under "
+                         "cuma.torch.enable() graphs are not supported (PyTorch keeps a graph's "
+                         "memory in its own allocator's pools); capture without cuma",
+                         (void *)stream);
+    return cuma_alloc(h, (size_t)size, (cuma_stream)stream, ptr);
 }
 
 /* Failures of the plain entry point said on stderr: the first few, then every 1000th. */
