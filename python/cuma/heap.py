@@ -800,11 +800,24 @@ def shutdown_default_heaps():
                 w._guard.end_close()
 
 
+# Who fixed the default heaps' settings before any heap exists (cuma.torch.enable(), which must
+# not create one: that would take a CUDA context on device 0 in every process); None: nobody.
+_settings_fixed_by = None
+
+
+def _fix_default_settings(who):
+    """From now on settings other than the current ones are refused, as if a heap existed."""
+    global _settings_fixed_by
+    with _conf_lock:
+        _settings_fixed_by = who
+
+
 def _apply_default_conf(conf, who, device=0):
     """Makes ``conf`` the settings of the default heaps, in place of CUMA_CONF (which stays as
     it is for every other heap and for child processes), and creates ``device``'s default
-    heap from it; refuses (with a RuntimeError) when default heaps exist already and the
-    settings differ, since they would silently not apply to them."""
+    heap from it (none when ``device`` is None); refuses (with a RuntimeError) when default
+    heaps exist already, or their settings were fixed, and the settings differ, since they
+    would silently not apply to them."""
     if conf is None:
         return
     if not isinstance(conf, str):
@@ -814,6 +827,11 @@ def _apply_default_conf(conf, who, device=0):
     with _conf_lock:
         current = _default_conf()
         if current != conf:
+            if _settings_fixed_by is not None:
+                raise RuntimeError(
+                    "%s: %s fixed the default heaps' settings (%r), and PyTorch's memory comes from "
+                    "them: %r would apply to some of them and not others" % (who, _settings_fixed_by, current, conf)
+                )
             if _created_default_heaps():
                 raise RuntimeError(
                     "%s: the default heaps already exist (created with settings %r), so %r would not "
@@ -822,7 +840,8 @@ def _apply_default_conf(conf, who, device=0):
                 )
             _set_default_settings(conf)
         # Made before the lock is let go: from here on, other settings see a heap and fail.
-        default_heap(device)
+        if device is not None:
+            default_heap(device)
 
 
 # --- configuration ---

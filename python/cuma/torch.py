@@ -96,8 +96,11 @@ def enable(conf=None):
     "CUDA out of memory." and gives cuma's reason, and cuma.adaptive.is_oom() recognises it.
     Raises RuntimeError, saying exactly why, when this
     PyTorch has no CUDA or no CUDAPluggableAllocator (PyTorch < 2.0, CPU-only builds), when
-    CUDA memory was already allocated, or when the default heap is on the simulated device
-    (its addresses are not device memory: PyTorch's kernels would fault on them).
+    PyTorch's CUDA is initialised already, or when the settings put the default heaps on the
+    simulated device (its addresses are not device memory: PyTorch's kernels would fault on
+    them). No heap is made here (no CUDA context either): the first CUDA tensor makes its
+    device's, and a libcuma without the CUDA backends fails it, saying so. The settings are
+    fixed from here on.
     Calling it again with the same (or no) settings does nothing. Returns the allocator.
 
     PYTORCH_CUDA_ALLOC_CONF is read: options with a cuma equivalent become cuma settings
@@ -129,39 +132,40 @@ def enable(conf=None):
         if problems:
             raise RuntimeError("cuma.torch.enable(): cannot make cuma PyTorch's allocator: " + "; ".join(problems))
         if torch.cuda.is_initialized():
-            used = 0
-            if hasattr(torch.cuda, "memory_allocated"):
-                try:
-                    used = torch.cuda.memory_allocated()
-                except Exception:
-                    used = 0
-            if used > 0:
-                raise RuntimeError(
-                    "cuma.torch.enable(): PyTorch already allocated %d bytes of CUDA memory with its own "
-                    "allocator; call enable() before the first CUDA tensor is created" % used
-                )
+            # PyTorch initialises its allocator with CUDA and then refuses to swap it: checked
+            # here, before cuma's settings or heaps are touched, so that nothing is left behind.
+            raise RuntimeError(
+                "cuma.torch.enable(): PyTorch's CUDA, and its allocator with it, is initialised already "
+                "(a CUDA tensor, torch.cuda.set_device(), current_device(), get_device_name() ...), and "
+                "PyTorch does not swap an initialised allocator; call enable() before any of them"
+            )
         # PYTORCH_CUDA_ALLOC_CONF: its options with a cuma equivalent join the settings, the
         # others are warned about (_alloc_conf.py has the table); stream_order:on goes under
         # them (PyTorch's contract is stream-ordered), except over default heaps that exist
         # already, which keep the settings they were made with.
-        from .heap import _created_default_heaps
+        from .heap import _conf_value, _created_default_heaps, _default_conf, _fix_default_settings, default_heap
 
-        defaults = () if conf is None and _created_default_heaps() else _alloc_conf.TORCH_DEFAULTS
-        _apply_default_conf(_alloc_conf.apply(os.environ, conf, defaults), "cuma.torch.enable()")
-        # Create device 0's heap now: a settings error or a missing CUDA backend shows up
-        # here, as a Python exception, rather than as a NULL from malloc deep inside PyTorch.
-        from .heap import default_heap
-
-        backend = default_heap(0).stats().get("backend", "")
-        if backend.startswith("sim"):
+        created = _created_default_heaps()
+        defaults = () if conf is None and created else _alloc_conf.TORCH_DEFAULTS
+        # No heap is made here: that would initialise the driver and take a context on device
+        # 0 in every process (each rank of a job on 8 GPUs, a parent about to fork), where
+        # PyTorch's own allocator touches no device before its first tensor. The settings are
+        # checked now (a malformed one raises ConfigError); a heap is made at the first tensor.
+        _apply_default_conf(_alloc_conf.apply(os.environ, conf, defaults), "cuma.torch.enable()", device=None)
+        settings = _default_conf()
+        sim = [default_heap(d).stats().get("backend", "") for d in created]  # existing ones only
+        sim = [b for b in sim if b.startswith("sim")]
+        if _conf_value(settings, "backend") == "sim" or _conf_value(settings, "backend_fallback") == "sim":
+            sim.append("sim")
+        if sim:
             raise RuntimeError(
-                "cuma.torch.enable(): the default heap is on the simulated device (backend %r): its "
-                "addresses are not device memory. Build libcuma with the CUDA backends and run where "
-                "a CUDA driver is present, or set CUMA_CONF=backend:vmm" % backend
+                "cuma.torch.enable(): the default heaps would be on the simulated device (backend %r, or "
+                "backend_fallback:sim): its addresses are not device memory. Run where a CUDA driver is "
+                "present with a CUDA backend (backend:auto, the default, or backend:vmm)" % sim[0]
             )
         lib_path, malloc_name = _entry_points(getattr(torch, "__version__", None), torch)
         alloc = mem.CUDAPluggableAllocator(lib_path, malloc_name, "cuma_torch_free")
-        _hooks = _wire_hooks(alloc)
+        hooks = _wire_hooks(alloc)
         try:
             mem.change_current_allocator(alloc)
         except RuntimeError as e:
@@ -171,6 +175,8 @@ def enable(conf=None):
             ) from e
         _allocator = alloc
         _conf_at_enable = conf
+        _hooks = hooks
+        _fix_default_settings("cuma.torch.enable()")
         return alloc
 
 

@@ -47,12 +47,12 @@ def test_the_callers_settings_win():
     assert _alloc_conf.merge([], None) is None
 
 
-def _stand_in_torch(monkeypatch):
+def _stand_in_torch(monkeypatch, initialized=False):
     memory = types.SimpleNamespace(CUDAPluggableAllocator=object, change_current_allocator=lambda a: None)
     torch = types.ModuleType("torch")
     torch.__version__ = "2.11.0+stand-in"
     torch.version = types.SimpleNamespace(cuda="13.0", hip=None)
-    torch.cuda = types.SimpleNamespace(memory=memory, is_initialized=lambda: False)
+    torch.cuda = types.SimpleNamespace(memory=memory, is_initialized=lambda: initialized)
     monkeypatch.setitem(sys.modules, "torch", torch)
 
 
@@ -75,6 +75,20 @@ def test_enable_applies_the_translated_settings_and_warns(monkeypatch):
     assert "CUMA_CONF" not in os.environ
     stats = cuma.default_heap(0).stats()
     assert stats["limit_bytes"] == 512 << 20 and stats["device_total_bytes"] == 1 << 30
+
+
+def test_enable_after_cuda_init_leaves_nothing_behind(monkeypatch):
+    """PyTorch initialises its allocator with CUDA and then refuses to swap it, whatever it has
+    allocated: enable() refuses first, before it sets settings or makes a heap (it used to make
+    device 0's, with any preallocation, and leave it behind the refusal)."""
+    _stand_in_torch(monkeypatch, initialized=True)
+    _isolate_cuma_conf(monkeypatch)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    with pytest.raises(RuntimeError, match="initialised already"):
+        cuma.torch.enable("backend:sim,capacity:64M,preallocate:32M")
+    assert cuma.heap._created_default_heaps() == {}
+    assert cuma.heap._default_conf() is None
+    assert cuma.torch.wired_hooks() == [] and not cuma.torch.is_enabled()
 
 
 def test_enable_keeps_cuma_conf_settings_over_translated_ones(monkeypatch):

@@ -49,6 +49,14 @@ _CHILD = textwrap.dedent(
 
     import cuma
     alloc = cuma.torch.enable("limit:256M")
+    # Nothing of the driver yet: no heap, no context on device 0 (each rank of a job on many
+    # GPUs calls enable(), and a parent may fork after it).
+    fake = ctypes.CDLL(os.environ["CUMA_CUDA_LIBRARY"])
+    fake.fakecuda_calls.restype = ctypes.c_ulong
+    fake.fakecuda_calls.argtypes = [ctypes.c_char_p]
+    at_enable = {"heaps": sorted(cuma.heap._created_default_heaps()),
+                 "cuInit": fake.fakecuda_calls(b"cuInit"),
+                 "retains": fake.fakecuda_calls(b"cuDevicePrimaryCtxRetain")}
     path, malloc_name, free_name = alloc.args
     lib = ctypes.CDLL(path)
     malloc = getattr(lib, malloc_name)
@@ -59,7 +67,7 @@ _CHILD = textwrap.dedent(
     p = malloc(3 << 20, 0, None)
     live = cuma.default_heap(0).stats()["active_allocs"]
     free(p, 3 << 20, 0, None)
-    print(json.dumps({"args": alloc.args, "swapped": swapped == [alloc], "hooks": sorted(alloc.cpp.hooks),
+    print(json.dumps({"at_enable": at_enable, "args": alloc.args, "swapped": swapped == [alloc], "hooks": sorted(alloc.cpp.hooks),
                       "wired": cuma.torch.wired_hooks(), "p": p, "live": live,
                       "after": cuma.default_heap(0).stats()["active_allocs"],
                       "backend": cuma.default_heap(0).stats()["backend"]}))
@@ -88,6 +96,7 @@ def test_enable_hands_pytorch_the_raising_entry_point():
     assert path == os.path.join(lib_dir, "libcuma_torch.so")
     assert (malloc_name, free_name) == ("cuma_torch_raising_malloc", "cuma_torch_free")
     assert out["swapped"] and out["backend"] == "vmm"
+    assert out["at_enable"] == {"heaps": [], "cuInit": 0, "retains": 0}, out["at_enable"]
     assert out["hooks"] == ["init_fn", "memory_fraction_fn", "record_stream_fn", "reset_fn"]
     assert sorted(out["wired"]) == out["hooks"]
     # The library PyTorch loads serves from the same default heap as the package's libcuma.
