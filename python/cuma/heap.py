@@ -15,6 +15,7 @@ import json
 import numbers
 import operator
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -770,13 +771,22 @@ def remove_oom(callback_id, device=0):
     default_heap(device).remove_oom(callback_id)
 
 
-def shutdown_default_heaps():
+def shutdown_default_heaps(force=False):
     """Destroys every default heap (their memory goes back to the device). For tests and an
     orderly shutdown only: nothing may use a default heap concurrently or afterwards through
-    old pointers, and PyTorch must not be using cuma any more. The next use creates fresh
+    old pointers, and PyTorch must not be using cuma any more: after cuma.torch.enable() it
+    raises RuntimeError (PyTorch cannot be switched back, and its live tensors would lose their
+    memory) unless ``force`` is true. The next use creates fresh
     heaps (from CUMA_CONF, or the settings given through cuma, as it is then). Calls under way through this package's wrappers
     (:func:`default_heap`'s Heap) are waited for, and later ones raise HeapClosedError; called
     from inside one (an OOM callback of a default heap), it raises CumaError instead."""
+    torch_side = sys.modules.get("cuma.torch")
+    if not force and torch_side is not None and torch_side.is_enabled():
+        raise RuntimeError(
+            "cuma.shutdown_default_heaps(): PyTorch allocates from the default heaps "
+            "(cuma.torch.enable()) and cannot be switched back; closing them would take the memory "
+            "of every live CUDA tensor (force=True does it anyway)"
+        )
     with _defaults_lock:
         closing = []
         try:

@@ -67,7 +67,12 @@ _CHILD = textwrap.dedent(
     p = malloc(3 << 20, 0, None)
     live = cuma.default_heap(0).stats()["active_allocs"]
     free(p, 3 << 20, 0, None)
-    print(json.dumps({"at_enable": at_enable, "args": alloc.args, "swapped": swapped == [alloc], "hooks": sorted(alloc.cpp.hooks),
+    try:
+        cuma.shutdown_default_heaps()
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    print(json.dumps({"at_enable": at_enable, "refused": refused, "args": alloc.args, "swapped": swapped == [alloc], "hooks": sorted(alloc.cpp.hooks),
                       "wired": cuma.torch.wired_hooks(), "p": p, "live": live,
                       "after": cuma.default_heap(0).stats()["active_allocs"],
                       "backend": cuma.default_heap(0).stats()["backend"]}))
@@ -97,6 +102,8 @@ def test_enable_hands_pytorch_the_raising_entry_point():
     assert (malloc_name, free_name) == ("cuma_torch_raising_malloc", "cuma_torch_free")
     assert out["swapped"] and out["backend"] == "vmm"
     assert out["at_enable"] == {"heaps": [], "cuInit": 0, "retains": 0}, out["at_enable"]
+    # PyTorch cannot be switched back: closing the heaps under it is refused.
+    assert "cannot be switched back" in out["refused"], out["refused"]
     assert out["hooks"] == ["init_fn", "memory_fraction_fn", "record_stream_fn", "reset_fn"]
     assert sorted(out["wired"]) == out["hooks"]
     # The library PyTorch loads serves from the same default heap as the package's libcuma.
