@@ -90,7 +90,8 @@ void cuma_torch_reset(void);
 void cuma_torch_memory_fraction(double fraction, int device);
 
 /* PyTorch's record_stream hook: `ptr` is also used on `stream`; finds the default heap that
- * owns it. */
+ * owns it. Memory no default heap owns (a tensor PyTorch did not allocate through cuma:
+ * from_blob, DLPack, IPC) is skipped silently, as PyTorch's own allocator skips it. */
 void cuma_torch_record_stream(void *ptr, cudaStream_t stream);
 
 /* The stats JSON of `device`'s default heap (created if needed), like cuma_stats_json, into

@@ -145,8 +145,10 @@ def test_record_stream_hook_finds_the_owner(monkeypatch, lib, capfd):
     h1.poll()
     assert h1.stats()["requested_bytes"] == 0
     assert capfd.readouterr().err == ""
+    # Memory cuma did not allocate (from_blob, DLPack, IPC): skipped without a word, as
+    # PyTorch's own allocator skips it; it used to print an error at every call.
     lib.cuma_torch_record_stream(ctypes.c_void_p(0x1000), ctypes.c_void_p(2))
-    assert "cuma: record_stream:" in capfd.readouterr().err
+    assert capfd.readouterr().err == ""
 
 
 def test_reset_and_memory_fraction_hooks(monkeypatch, lib, capfd):

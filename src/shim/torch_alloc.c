@@ -164,10 +164,10 @@ void cuma_torch_record_stream(void *ptr, cudaStream_t stream) {
         if (cuma_record_stream(h, ptr, (cuma_stream)stream) != CUMA_OK) report("record_stream");
         return;
     }
-    cuma_fail(CUMA_ERR_BAD_POINTER,
-              "cuma_torch_record_stream: pointer %p is not a live allocation of any default heap",
-              ptr);
-    report("record_stream");
+    /* Not cuma's: PyTorch hands the hook every tensor's storage, also memory it did not get
+     * from the allocator (torch.from_blob, DLPack, another process's through IPC), which its
+     * own allocator skips without a word; so does this (NCCL records a stream on every
+     * collective's buffers). */
 }
 
 int cuma_torch_stats_json(int device, char *buf, size_t len) {
