@@ -114,7 +114,17 @@ void cuma_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream) {
     (void)size, (void)stream;
     if (!ptr || take_disowned((uintptr_t)ptr)) return;
     cuma_heap *h = cuma_default_heap_peek(device);
-    if (h && cuma_free(h, ptr, NULL) == CUMA_OK) return;
+    if (h) {
+        cuma_status st = cuma_free(h, ptr, NULL);
+        if (st == CUMA_OK) return;
+        /* The heap refused for another reason than the pointer (one a forked child inherited,
+         * say): that reason, not a search of the other heaps that ends in "not a live
+         * allocation", is what the user must read. */
+        if (st != CUMA_ERR_BAD_POINTER) {
+            report("free");
+            return;
+        }
+    }
     /* Not on the device PyTorch named (or that heap does not exist): a wrong device ordinal
      * must not leak the block, so ask the others before calling it a bad pointer. */
     for (int d = 0; d < CUMA_MAX_DEFAULT_HEAPS; d++) {

@@ -9,6 +9,8 @@
  * freed could be handed out again once it ended, while the graph's replays still write it. Now
  * an allocation on a capturing stream fails, saying why, and allocations on other streams, and
  * on the same one after the capture, go on.
+ *
+ * A free in a forked child of the parent's memory says why it is refused.
  */
 #include "cuda_test.h"
 
@@ -17,6 +19,8 @@
 
 #include <stdio.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 static void test_capture_refused(void) {
     test_ctx t = test_ctx_open(0);
@@ -47,8 +51,29 @@ static void test_capture_refused(void) {
     test_ctx_close(&t);
 }
 
+/* A forked child's free of the parent's tensor: refused, because the heap came through fork,
+ * and that is the reason left (it used to be replaced by "not a live allocation of any default
+ * heap", after a search of the other heaps). */
+static void test_free_in_child_says_why(void) {
+    void *p;
+    CHECK_OK(cuma_torch_alloc(1 * MB, 0, NULL, &p));
+    pid_t c = fork();
+    CHECK(c >= 0);
+    if (c == 0) {
+        cuma_torch_free(p, 1 * MB, 0, NULL);
+        const char *why = cuma_last_error();
+        fprintf(stderr, "child's free: %s\n", why);
+        _exit(strstr(why, "came through fork") && !strstr(why, "not a live allocation") ? 0 : 1);
+    }
+    int ws;
+    CHECK(waitpid(c, &ws, 0) == c);
+    CHECK(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+    cuma_torch_free(p, 1 * MB, 0, NULL);
+}
+
 int main(void) {
     test_capture_refused();
+    test_free_in_child_says_why();
     printf("test_cuda_torch: all passed\n");
     return 0;
 }
