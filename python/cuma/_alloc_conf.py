@@ -60,11 +60,27 @@ def _true(v):
     return v.strip().lower() in ("true", "1", "yes", "on")
 
 
+def _items(text):
+    """PYTORCH_CUDA_ALLOC_CONF's options: split at the commas outside brackets, as PyTorch's
+    parser does for list values such as roundup_power2_divisions:[256:1,512:2,>:8]."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]" and depth:
+            depth -= 1
+        elif ch == "," and not depth:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return items
+
+
 def translate(text):
     """(settings, notes): the cuma settings ("key:value" strings) that PYTORCH_CUDA_ALLOC_CONF
     ``text`` maps to, and one sentence for each option that has no effect under cuma."""
     settings, notes = [], []
-    for item in (text or "").split(","):
+    for item in _items(text or ""):
         item = item.strip()
         if not item:
             continue

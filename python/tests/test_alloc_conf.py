@@ -29,6 +29,9 @@ def test_translate_maps_what_has_an_equivalent():
         ("garbage_collection_threshold:0.8", "release_delay_ms"),
         ("max_split_size_mb:128", "do not fragment"),
         ("roundup_power2_divisions:4", "round sizes"),
+        # A list value: one option, whose commas are inside the brackets (they gave two more
+        # notes, "512:2" and ">:8]" as options cuma did not know).
+        ("roundup_power2_divisions:[256:1,512:2,>:8]", "round sizes"),
         ("backend:cudaMallocAsync", "stream-ordered"),
         ("per_process_memory_fraction:1.5", "not a fraction"),
         ("no_such_option:1", "not an option cuma knows"),
