@@ -208,6 +208,19 @@ def _entry_points(torch_version=None, torch=None):
                 ctypes.CDLL(c10)  # PyTorch's dlopen would fail the same way, with less to say
                 return c10, "cuma_torch_raising_malloc"
             except OSError as e:
+                # One built for this version elsewhere (another C++ ABI, a pip build beside a
+                # source build of the same version): one built here, against this PyTorch,
+                # may load where it did not.
+                if torch is not None:
+                    from . import _torch_c10
+
+                    built = _torch_c10.library(torch, lib_path)
+                    if built and built != c10:
+                        try:
+                            ctypes.CDLL(built)
+                            return built, "cuma_torch_raising_malloc"
+                        except OSError:
+                            pass
                 warnings.warn(
                     "cuma.torch.enable(): %s cannot be loaded (%s): out-of-memory errors will be a "
                     "RuntimeError, not torch.cuda.OutOfMemoryError" % (c10, e),

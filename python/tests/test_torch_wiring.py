@@ -8,6 +8,7 @@ in C++). Which library enable() picks (libcuma_torch_c10 for the PyTorch it was 
 else libcuma_torch.so) is checked here too."""
 
 import ctypes
+import ctypes.util
 import os
 import shutil
 import subprocess
@@ -169,6 +170,28 @@ def test_an_unloadable_c10_library_warns_and_falls_back(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="cannot be loaded.*not torch.cuda.OutOfMemoryError"):
         path, name = cuma.torch._entry_points("2.5.1")
     assert (path, name) == (str(tmp_path / "libcuma_torch.so"), "cuma_torch_raising_malloc")
+
+
+def test_an_unloadable_c10_library_is_built_again_for_this_torch(tmp_path, monkeypatch):
+    """Built for this version, but not loadable here (another C++ ABI, say): one built at run
+    time against the PyTorch that is there is tried before the plain RuntimeError library (it
+    used to go straight to that one)."""
+    from cuma import _torch_c10
+
+    (tmp_path / "libcuma_torch.so").write_bytes(b"")
+    (tmp_path / "libcuma_torch_c10-2.5.1.so").write_bytes(b"not an ELF file")
+    monkeypatch.setattr(_lib, "path", lambda: str(tmp_path / "libcuma.so"))
+    calls = []
+    libc = ctypes.util.find_library("c")
+
+    def build(torch, lib_path):
+        calls.append(lib_path)
+        return libc  # a library that loads, standing in for one built against this PyTorch
+
+    monkeypatch.setattr(_torch_c10, "library", build)
+    path, name = cuma.torch._entry_points("2.5.1", torch=object())
+    assert calls == [str(tmp_path / "libcuma.so")]
+    assert (path, name) == (libc, "cuma_torch_raising_malloc")
 
 
 def _real_torch_with_headers():
