@@ -386,6 +386,28 @@ def check_stuck_ledger(cuma, fixture, name, limit):
         stop_fixture(sim)
 
 
+def take_slowly(s, what, made):
+    """Takes a scrape's answer from s 1 KiB at a time, then checks that all of it came (its
+    Content-Length) and holds the fixture's figures."""
+    data = b""
+    try:
+        while True:
+            chunk = s.recv(1024)
+            if not chunk:
+                break
+            data += chunk
+            time.sleep(0.0005)
+    except OSError as e:
+        check(False, "%s: takes its answer" % what, "%s after %d bytes" % (e, len(data)))
+    s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = re.search(rb"\r\nContent-Length: (\d+)", head)
+    if check(head.startswith(b"HTTP/1.1 200 ") and length is not None and
+             int(length.group(1)) == len(body),
+             "%s: all of the answer" % what, (head[:200], len(body))):
+        check_metrics(body.decode("utf-8"), made, what)
+
+
 def check_slow_reader(cuma, fixture, name, limit):
     """An answer larger than the sockets' buffers (ledger_fixture many), to a client with a
     small receive buffer that first takes none of it and then takes it slowly: the server
@@ -406,23 +428,7 @@ def check_slow_reader(cuma, fixture, name, limit):
                  body[:200] if st is None else ""):
             check(len(body) > 65536, "slow reader: the answer is larger than 64 KiB", len(body))
             check_metrics(body, made, "slow reader, the probe")
-        data = b""
-        try:
-            while True:
-                chunk = slow.recv(1024)
-                if not chunk:
-                    break
-                data += chunk
-                time.sleep(0.0005)
-        except OSError as e:
-            check(False, "slow reader: takes its answer", "%s after %d bytes" % (e, len(data)))
-        slow.close()
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = re.search(rb"\r\nContent-Length: (\d+)", head)
-        if check(head.startswith(b"HTTP/1.1 200 ") and length is not None and
-                 int(length.group(1)) == len(body),
-                 "slow reader: all of the answer", (head[:200], len(body))):
-            check_metrics(body.decode("utf-8"), made, "slow reader")
+        take_slowly(slow, "slow reader", made)
         stop_exporter(p, "slow reader")
         p = None
     finally:
@@ -449,23 +455,7 @@ def check_pipelined(cuma, fixture, name, limit):
         time.sleep(0.3)
         c.sendall(REQUEST)
         time.sleep(0.5)
-        data = b""
-        try:
-            while True:
-                chunk = c.recv(1024)
-                if not chunk:
-                    break
-                data += chunk
-                time.sleep(0.0005)
-        except OSError as e:
-            check(False, "pipelined: the answer ends cleanly", "%s after %d bytes" % (e, len(data)))
-        c.close()
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = re.search(rb"\r\nContent-Length: (\d+)", head)
-        if check(head.startswith(b"HTTP/1.1 200 ") and length is not None and
-                 int(length.group(1)) == len(body),
-                 "pipelined: all of the answer", (head[:100], len(body))):
-            check_metrics(body.decode("utf-8"), made, "pipelined")
+        take_slowly(c, "pipelined", made)
         stop_exporter(p, "pipelined")
         p = None
     finally:
