@@ -14,15 +14,16 @@ def set_memory_growth(enabled):
     the heap maps its whole allowance at creation and never grows (growth:off with
     preallocate = the limit), which needs a size: call :func:`set_memory_limit` first.
     Like TensorFlow, it cannot change heaps that already exist: RuntimeError."""
+    from . import heap
     from .heap import _conf_lock, _created_default_heaps, _conf_value, _default_conf, _update_default_conf
 
     if not isinstance(enabled, bool):
         raise TypeError("enabled must be True or False, not %r" % (enabled,))
     with _conf_lock:  # no default heap may appear between the check and the new settings
-        if _created_default_heaps():
+        if _created_default_heaps() or heap._settings_fixed_by is not None:
             raise RuntimeError(
-                "set_memory_growth: the default heaps already exist; memory growth must be set before "
-                "the first allocation"
+                "set_memory_growth: the default heaps already exist (or %s fixed their settings); memory "
+                "growth must be set before the first allocation" % (heap._settings_fixed_by or "nothing")
             )
         if enabled:
             _update_default_conf({"growth": "on"}, removals=("preallocate",))

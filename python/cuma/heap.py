@@ -646,7 +646,7 @@ _defaults = {}  # device -> Heap wrapper; keeps module-level OOM callbacks alive
 # Held from "do default heaps exist, and with which settings?" until the heap made from the
 # settings exists, so that two threads asking for different settings cannot both pass the
 # check (the one that comes second gets the RuntimeError). Taken before _defaults_lock.
-_conf_lock = threading.Lock()
+_conf_lock = threading.RLock()  # _fix_default_settings holds it around _apply_default_conf
 # The settings this package gave the default heaps (cuma_default_settings_set) in place of
 # CUMA_CONF, or None: CUMA_CONF. Written under _conf_lock. The environment is never written:
 # it would change every Heap(...) made later in the process, and its children.
@@ -815,11 +815,25 @@ def shutdown_default_heaps(force=False):
 _settings_fixed_by = None
 
 
-def _fix_default_settings(who):
-    """From now on settings other than the current ones are refused, as if a heap existed."""
+def _fix_default_settings(conf, who):
+    """Makes ``conf`` (None: leaves them) the default heaps' settings, as _apply_default_conf
+    does but without making a heap, and fixes them: from now on other settings are refused, as
+    if a heap existed. Returns what _unfix_default_settings needs to undo it."""
     global _settings_fixed_by
     with _conf_lock:
+        before = _default_settings
+        _apply_default_conf(conf, who, device=None)
         _settings_fixed_by = who
+        return before
+
+
+def _unfix_default_settings(before):
+    """Undoes _fix_default_settings (its caller failed before any heap was made)."""
+    global _settings_fixed_by
+    with _conf_lock:
+        _settings_fixed_by = None
+        if not _created_default_heaps():
+            _set_default_settings(before)
 
 
 def _apply_default_conf(conf, who, device=0):
@@ -849,7 +863,8 @@ def _apply_default_conf(conf, who, device=0):
                     "cuma.shutdown_default_heaps() first" % (who, current, conf)
                 )
             _set_default_settings(conf)
-        # Made before the lock is let go: from here on, other settings see a heap and fail.
+        # Made before the lock is let go: from here on, other settings see a heap and fail
+        # (without one, the caller fixes the settings under this lock: _fix_default_settings).
         if device is not None:
             default_heap(device)
 

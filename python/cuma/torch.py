@@ -143,16 +143,27 @@ def enable(conf=None):
         # others are warned about (_alloc_conf.py has the table); stream_order:on goes under
         # them (PyTorch's contract is stream-ordered), except over default heaps that exist
         # already, which keep the settings they were made with.
-        from .heap import _conf_value, _created_default_heaps, _default_conf, _fix_default_settings, default_heap
+        from .heap import (
+            _conf_value,
+            _created_default_heaps,
+            _default_conf,
+            _fix_default_settings,
+            _unfix_default_settings,
+            check_config,
+            default_heap,
+        )
 
         created = _created_default_heaps()
         defaults = () if conf is None and created else _alloc_conf.TORCH_DEFAULTS
         # No heap is made here: that would initialise the driver and take a context on device
         # 0 in every process (each rank of a job on 8 GPUs, a parent about to fork), where
         # PyTorch's own allocator touches no device before its first tensor. The settings are
-        # checked now (a malformed one raises ConfigError); a heap is made at the first tensor.
-        _apply_default_conf(_alloc_conf.apply(os.environ, conf, defaults), "cuma.torch.enable()", device=None)
-        settings = _default_conf()
+        # checked now (a malformed one raises ConfigError), set only once nothing can refuse,
+        # and a heap is made at the first tensor.
+        new = _alloc_conf.apply(os.environ, conf, defaults)
+        settings = new if new is not None else _default_conf()
+        if settings is not None:
+            check_config(settings)
         sim = [default_heap(d).stats().get("backend", "") for d in created]  # existing ones only
         sim = [b for b in sim if b.startswith("sim")]
         if _conf_value(settings, "backend") == "sim" or _conf_value(settings, "backend_fallback") == "sim":
@@ -166,9 +177,15 @@ def enable(conf=None):
         lib_path, malloc_name = _entry_points(getattr(torch, "__version__", None), torch)
         alloc = mem.CUDAPluggableAllocator(lib_path, malloc_name, "cuma_torch_free")
         hooks = _wire_hooks(alloc)
+        # Set and fixed at once, so that no other thread's settings come between, and undone
+        # if PyTorch refuses: a failed enable() leaves the settings as they were.
+        before = _fix_default_settings(new, "cuma.torch.enable()")
         try:
             mem.change_current_allocator(alloc)
-        except RuntimeError as e:
+        except BaseException as e:
+            _unfix_default_settings(before)
+            if not isinstance(e, RuntimeError):
+                raise
             raise RuntimeError(
                 "cuma.torch.enable(): PyTorch refused to switch allocators (%s); call enable() before "
                 "CUDA is initialised (the first CUDA tensor, torch.cuda.set_device(), ...)" % e
@@ -176,7 +193,6 @@ def enable(conf=None):
         _allocator = alloc
         _conf_at_enable = conf
         _hooks = hooks
-        _fix_default_settings("cuma.torch.enable()")
         return alloc
 
 

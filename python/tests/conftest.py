@@ -13,6 +13,7 @@ from cuma import _lib
 def _forget_default_settings():
     with cuma.heap._conf_lock:
         cuma.heap._set_default_settings(None)
+        cuma.heap._settings_fixed_by = None
 
 
 @pytest.fixture(autouse=True)

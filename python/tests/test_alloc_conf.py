@@ -50,8 +50,24 @@ def test_the_callers_settings_win():
     assert _alloc_conf.merge([], None) is None
 
 
+class _Pluggable:
+    def __init__(self, path, malloc_name, free_name):
+        self.args = (path, malloc_name, free_name)
+
+
+@pytest.fixture
+def enabled_state(fresh_default_heaps):
+    """For tests whose enable() succeeds (a stand-in torch makes no heap): PyTorch's switch
+    undone before the default heaps are shut down (which refuses under it)."""
+    yield
+    cuma.torch._allocator = None
+    cuma.torch._conf_at_enable = None
+    cuma.torch._hooks = []
+    cuma.heap._settings_fixed_by = None
+
+
 def _stand_in_torch(monkeypatch, initialized=False):
-    memory = types.SimpleNamespace(CUDAPluggableAllocator=object, change_current_allocator=lambda a: None)
+    memory = types.SimpleNamespace(CUDAPluggableAllocator=_Pluggable, change_current_allocator=lambda a: None)
     torch = types.ModuleType("torch")
     torch.__version__ = "2.11.0+stand-in"
     torch.version = types.SimpleNamespace(cuda="13.0", hip=None)
@@ -65,19 +81,35 @@ def _isolate_cuma_conf(monkeypatch):
     monkeypatch.delenv("CUMA_CONF")
 
 
-def test_enable_applies_the_translated_settings_and_warns(monkeypatch):
+def _setting(key):
+    """What the default heaps will be made with (enable() makes none)."""
+    return cuma.heap._conf_value(cuma.heap._default_conf(), key)
+
+
+def test_enable_applies_the_translated_settings_and_warns(monkeypatch, enabled_state):
     _stand_in_torch(monkeypatch)
     _isolate_cuma_conf(monkeypatch)
     monkeypatch.setenv(
         "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,per_process_memory_fraction:0.5,max_split_size_mb:64"
     )
     with pytest.warns(RuntimeWarning, match="max_split_size_mb is not needed") as rec:
-        with pytest.raises(RuntimeError, match="simulated device"):
-            cuma.torch.enable("backend:sim,capacity:1G")
-    assert len([w for w in rec if issubclass(w.category, RuntimeWarning)]) == 1
+        cuma.torch.enable("limit:1G")
+    assert len([w for w in rec if issubclass(w.category, RuntimeWarning) and "max_split" in str(w.message)]) == 1
     assert "CUMA_CONF" not in os.environ
-    stats = cuma.default_heap(0).stats()
-    assert stats["limit_bytes"] == 512 << 20 and stats["device_total_bytes"] == 1 << 30
+    assert _setting("memory_fraction") == 0.5 and _setting("limit") == 1 << 30
+    assert cuma.heap._created_default_heaps() == {}
+
+
+def test_a_refused_enable_leaves_the_settings_as_they_were(monkeypatch):
+    """The simulated device is refused before anything is set (the translated settings, with
+    stream_order:on, used to stay for every default heap made later)."""
+    _stand_in_torch(monkeypatch)
+    _isolate_cuma_conf(monkeypatch)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "per_process_memory_fraction:0.5")
+    with pytest.raises(RuntimeError, match="simulated device"):
+        cuma.torch.enable("backend:sim,capacity:1G")
+    assert cuma.heap._default_conf() is None and cuma.heap._settings_fixed_by is None
+    assert not cuma.torch.is_enabled() and cuma.heap._created_default_heaps() == {}
 
 
 def test_enable_after_cuda_init_leaves_nothing_behind(monkeypatch):
@@ -94,27 +126,26 @@ def test_enable_after_cuda_init_leaves_nothing_behind(monkeypatch):
     assert cuma.torch.wired_hooks() == [] and not cuma.torch.is_enabled()
 
 
-def test_enable_keeps_cuma_conf_settings_over_translated_ones(monkeypatch):
+def test_enable_keeps_cuma_conf_settings_over_translated_ones(monkeypatch, enabled_state):
     _stand_in_torch(monkeypatch)
     _isolate_cuma_conf(monkeypatch)
-    monkeypatch.setenv("CUMA_CONF", "backend:sim,capacity:1G,memory_fraction:0.25")
+    monkeypatch.setenv("CUMA_CONF", "limit:1G,memory_fraction:0.25")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "per_process_memory_fraction:0.5")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing here deserves a warning
-        with pytest.raises(RuntimeError, match="simulated device"):
-            cuma.torch.enable()
-    assert cuma.default_heap(0).stats()["limit_bytes"] == 256 << 20
+        warnings.filterwarnings("ignore", message=".*libcuma_torch.*")  # which library: not this test's
+        cuma.torch.enable()
+    assert _setting("memory_fraction") == 0.25
 
 
-def test_enable_without_the_variable_changes_nothing(monkeypatch):
+def test_enable_without_the_variable_changes_nothing(monkeypatch, enabled_state):
     _stand_in_torch(monkeypatch)
     _isolate_cuma_conf(monkeypatch)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    with pytest.raises(RuntimeError, match="simulated device"):
-        cuma.torch.enable("backend:sim,capacity:1G")
+    cuma.torch.enable("limit:1G")
     assert "CUMA_CONF" not in os.environ
-    stats = cuma.default_heap(0).stats()
-    assert stats["limit_bytes"] == 1 << 30 and stats["device_total_bytes"] == 1 << 30
+    assert _setting("limit") == 1 << 30
+    assert _setting("memory_fraction") == cuma.heap._conf_value(None, "memory_fraction")  # the default
 
 
 def test_torch_defaults_go_under_the_callers_settings():
@@ -127,13 +158,15 @@ def test_torch_defaults_go_under_the_callers_settings():
     assert _alloc_conf.apply(env, "limit:1G", defaults=()) == "limit:1G"
 
 
-def test_enable_orders_streams_unless_told_otherwise(monkeypatch):
+def test_enable_orders_streams_unless_told_otherwise(monkeypatch, enabled_state):
     # PyTorch's memory is used on its allocation stream (record_stream for others), so the
     # default heaps enable() makes share another stream's pending pages, ordered on the device.
     _stand_in_torch(monkeypatch)
     _isolate_cuma_conf(monkeypatch)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    with pytest.raises(RuntimeError, match="simulated device"):
-        cuma.torch.enable("backend:sim,capacity:1G")
-    assert cuma.default_heap(0).stats()["config"]["stream_order"] is True
+    cuma.torch.enable("limit:1G")
+    assert _setting("stream_order") is True
+    # Fixed: other settings for the default heaps are refused from now on.
+    with pytest.raises(RuntimeError, match="fixed"):
+        cuma.adaptive.set_memory_growth(True)
 
