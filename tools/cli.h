@@ -133,10 +133,12 @@ const char *cli_shown(const char *text, char *buf, size_t len);
     "  --ledger NAME    as for cuma ps\n"                                                          \
     "  --port PORT      TCP port (default 9840; 0: any free port, printed on stderr)\n"            \
     "  --bind ADDR      numeric IPv4 or IPv6 address to listen on (default 127.0.0.1)\n"           \
-    "  --connections N  open connections at once (default 1024; when all are taken the one\n"      \
-    "                   that has been sending its request the longest is closed)\n"                \
+    "  --connections N  open connections at once (default 1024; when all are taken one that\n"     \
+    "                   has its answer, else the one that has been sending its request the\n"      \
+    "                   longest, is closed)\n"                                                     \
     "  --fresh-wait MS  how long a scrape waits for its read of the ledger before it is\n"         \
-    "                   answered with the last good figures, marked stale (default 500)\n"         \
+    "                   answered with the last good figures, marked stale (default 500, at\n"      \
+    "                   least 200: reads begin 100 ms apart)\n"                                    \
     "  --once           print the metrics to stdout and exit (node-exporter's textfile\n"          \
     "                   collector)\n"
 

@@ -326,8 +326,8 @@ void exp_render_head(exp_buf *b, int up, uint64_t errors, uint64_t reads, int st
                      const exp_snapshot *snap, uint64_t now_ms) {
     family(b, "cuma_ledger_up", "gauge",
            "Whether the ledger was read for this scrape (0: the read failed or took longer "
-           "than a scrape waits, --fresh-wait, 500 ms by default; a read without the lock, see "
-           "cuma_ledger_unlocked, is one).");
+           "than a scrape waits, --fresh-wait, 500 ms by default, which holds up to 100 ms "
+           "before a read may begin; a read without the lock, see cuma_ledger_unlocked, is one).");
     exp_printf(b, "cuma_ledger_up %d\n", up);
     family(b, "cuma_exporter_scrape_errors_total", "counter",
            "Reads of the ledger that failed (scrapes that come together share one read).");
@@ -502,11 +502,11 @@ int cuma_cmd_exporter(int argc, char **argv) {
             char *end;
             errno = 0;
             long n = strtol(v, &end, 10);
-            if (errno || end == v || *end || *v < '0' || *v > '9' || n < 1 ||
+            if (errno || end == v || *end || *v < '0' || *v > '9' || n < EXP_MIN_FRESH_WAIT_MS ||
                 n > EXP_MAX_FRESH_WAIT_MS)
                 return cli_usage_error("exporter", CUMA_EXPORTER_USAGE,
-                                       "--fresh-wait wants 1 to %d milliseconds, not '%s'",
-                                       EXP_MAX_FRESH_WAIT_MS, v);
+                                       "--fresh-wait wants %d to %d milliseconds, not '%s'",
+                                       EXP_MIN_FRESH_WAIT_MS, EXP_MAX_FRESH_WAIT_MS, v);
             conf.fresh_wait_ms = (int)n;
         } else if ((v = cli_option(argc, argv, &i, "--bind", &missing)) != NULL) {
             bind_addr = v;

@@ -105,6 +105,10 @@ typedef struct exp_server_conf {
 #define EXP_MAX_CONNS             65536
 #define EXP_DEFAULT_FRESH_WAIT_MS 500
 #define EXP_MAX_FRESH_WAIT_MS     60000
+/* A scrape's wait holds the pacing of reads (up to EXP_READ_INTERVAL_MS) and the read: shorter
+ * waits would answer scrapes that come 100 ms apart as stale (cuma_ledger_up 0) however fast
+ * the read. */
+#define EXP_MIN_FRESH_WAIT_MS (2 * EXP_READ_INTERVAL_MS)
 
 /* Serves GET /metrics on the listening socket until view_stop; wake_fd is the read end of the
  * sampler's wake_fd. CUMA_EXIT_OK, or CUMA_EXIT_FAIL with a message on stderr. */

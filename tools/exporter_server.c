@@ -381,7 +381,8 @@ static void accept_some(server *sv, int lfd) {
         }
         /* A slow client's slot is taken only now that there is a client to give it to. */
         if (!c) {
-            close_conn(v);
+            if (v->state == C_DRAINING) on_drainable(v); /* what came since: no reset */
+            if (v->state != C_FREE) close_conn(v);
             c = v;
         }
         *c = (conn){.fd = fd,
@@ -446,6 +447,7 @@ int exp_serve(int lfd, int wake_fd, exp_sampler *s, const exp_server_conf *conf,
             assert(conn_valid(c));
             if (c->state == C_FREE) continue;
             if (now >= c->deadline_ms) {
+                if (c->state == C_DRAINING) on_drainable(c); /* what came since: no reset */
                 if (c->state == C_WAITING) {
                     answer_scrape(c, s, now); /* its read is late: the last good one */
                     if (c->state == C_WRITING) on_writable(c);

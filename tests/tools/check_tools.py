@@ -737,7 +737,9 @@ def check_options(cuma):
                  ["top", "--json"], ["exporter", "--port", "70000"],
                  ["exporter", "--port", "-1"], ["exporter", "--bind", "not-an-address"],
                  ["exporter", "--ledger", "a b", "--once"], ["stats", "--ledger", "a/b"],
-                 ["stats", "--frob"], ["stats", "--ledger"], ["stats", "-d", "1"]):
+                 ["stats", "--frob"], ["stats", "--ledger"], ["stats", "-d", "1"],
+                 # Shorter than the pacing of reads (100 ms) and a read: every scrape stale.
+                 ["exporter", "--fresh-wait", "100"]):
         rc, out, err = run([cuma] + args, timeout=10)
         check(rc == 2 and "usage: cuma %s" % args[0] in err,
               "bad options: cuma %s exits 2 with usage" % " ".join(args), (rc, err))
