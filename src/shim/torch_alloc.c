@@ -24,8 +24,9 @@ static void report(const char *hook) {
 }
 
 /* Whether `stream` captures a CUDA graph, as the heap's driver says (never on the simulated
- * device). The legacy stream (NULL), where most of PyTorch's work runs, cannot capture, and is
- * not asked: the question is a driver call. */
+ * device; also when the driver cannot be asked, which the message says). The legacy stream (NULL),
+ * where most of PyTorch's work runs, cannot capture, and is not asked: the question is a driver
+ * call. */
 static bool capturing(const cuma_heap *h, cudaStream_t stream) {
     cuma_backend *be = h->be;
     return stream && be->ops->stream_capturing &&
@@ -45,9 +46,10 @@ cuma_status cuma_torch_alloc(ssize_t size, int device, cudaStream_t stream, void
     if (st) return st;
     if (capturing(h, stream))
         return cuma_fail(CUMA_ERR_UNSUPPORTED,
-                         "cuma_torch_alloc: stream %p captures a CUDA graph: under "
-                         "cuma.torch.enable() graphs are not supported (PyTorch keeps a graph's "
-                         "memory in its own allocator's pools); capture without cuma",
+                         "cuma_torch_alloc: stream %p captures a CUDA graph (or its context could "
+                         "not be made current to ask): under cuma.torch.enable() graphs are not "
+                         "supported (PyTorch keeps a graph's memory in its own allocator's "
+                         "pools); capture without cuma",
                          (void *)stream);
     return cuma_alloc(h, (size_t)size, (cuma_stream)stream, ptr);
 }
