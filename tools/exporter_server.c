@@ -223,6 +223,13 @@ static void on_drainable(conn *c) {
     }
 }
 
+/* Closes c before its time (a deadline, a new client): a draining one first takes what came
+ * since the last poll, so that the close is no reset (the top). */
+static void give_up(conn *c) {
+    if (c->state == C_DRAINING) on_drainable(c); /* closes it itself at the client's end */
+    close_conn(c);
+}
+
 /* All of the answer is with the kernel: shuts the server's side and drains (the top). */
 static void start_draining(conn *c, uint64_t now) {
     free(c->out);
@@ -381,8 +388,7 @@ static void accept_some(server *sv, int lfd) {
         }
         /* A slow client's slot is taken only now that there is a client to give it to. */
         if (!c) {
-            if (v->state == C_DRAINING) on_drainable(v); /* what came since: no reset */
-            if (v->state != C_FREE) close_conn(v);
+            give_up(v);
             c = v;
         }
         *c = (conn){.fd = fd,
@@ -447,12 +453,11 @@ int exp_serve(int lfd, int wake_fd, exp_sampler *s, const exp_server_conf *conf,
             assert(conn_valid(c));
             if (c->state == C_FREE) continue;
             if (now >= c->deadline_ms) {
-                if (c->state == C_DRAINING) on_drainable(c); /* what came since: no reset */
                 if (c->state == C_WAITING) {
                     answer_scrape(c, s, now); /* its read is late: the last good one */
                     if (c->state == C_WRITING) on_writable(c);
                 } else {
-                    close_conn(c); /* too slow to ask or to take the answer */
+                    give_up(c); /* too slow to ask, to take the answer, or to close */
                 }
                 if (c->state == C_FREE) continue;
             }
