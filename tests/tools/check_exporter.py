@@ -44,6 +44,7 @@ Every process and thread this starts is stopped at the end; the shared-memory fi
 are removed. Standard library only.
 """
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -386,6 +387,45 @@ def check_stuck_ledger(cuma, fixture, name, limit):
         stop_fixture(sim)
 
 
+class Served:
+    """An exporter on a fixture's heaps (served's): its port, the figures the fixture made, and
+    stop(), which ends it with SIGTERM and wants status 0."""
+
+    def __init__(self, p, port, made):
+        self.p, self.port, self.made = p, port, made
+
+    def stop(self, what):
+        stop_exporter(self.p, what)
+        self.p = None
+
+
+@contextlib.contextmanager
+def served(cuma, fixture, name, mode, limit):
+    """ledger_fixture's `mode` heaps in ledger `name` and an exporter on them whose scrapes wait
+    for fresh figures (fresh_wait); an exporter the check did not stop is killed at the end."""
+    f, made = start_fixture(fixture, name, mode)
+    srv = None
+    try:
+        p, port = start_exporter(cuma, name, fresh_wait(limit))
+        srv = Served(p, port, made)
+        yield srv
+    finally:
+        if srv is not None and srv.p is not None:
+            srv.p.kill()
+            srv.p.wait()
+        stop_fixture(f)
+
+
+def small_client(port, limit):
+    """A client with a 4 KiB receive buffer that has sent a scrape's request."""
+    c = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.settimeout(limit)
+    c.connect(("127.0.0.1", port))
+    c.sendall(REQUEST)
+    return c
+
+
 def take_slowly(s, what, made):
     """Takes a scrape's answer from s 1 KiB at a time, then checks that all of it came (its
     Content-Length) and holds the fixture's figures."""
@@ -413,29 +453,16 @@ def check_slow_reader(cuma, fixture, name, limit):
     small receive buffer that first takes none of it and then takes it slowly: the server
     writes it in parts as the client reads, answers a probe meanwhile, and the client gets all
     of it. (The server before this one wrote in parts too: this guards the new write path.)"""
-    f, made = start_fixture(fixture, name, "many")
-    p = None
-    try:
-        p, port = start_exporter(cuma, name, fresh_wait(limit))
-        slow = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        slow.settimeout(limit)
-        slow.connect(("127.0.0.1", port))
-        slow.sendall(REQUEST)
+    with served(cuma, fixture, name, "many", limit) as srv:
+        slow = small_client(srv.port, limit)
         time.sleep(0.5)  # the server has written what the buffers take, and waits
-        st, body, took = probe(port, limit)
+        st, body, took = probe(srv.port, limit)
         if check(st == 200, "slow reader: a probe meanwhile is answered (%.3f s)" % took,
                  body[:200] if st is None else ""):
             check(len(body) > 65536, "slow reader: the answer is larger than 64 KiB", len(body))
-            check_metrics(body, made, "slow reader, the probe")
-        take_slowly(slow, "slow reader", made)
-        stop_exporter(p, "slow reader")
-        p = None
-    finally:
-        if p is not None:
-            p.kill()
-            p.wait()
-        stop_fixture(f)
+            check_metrics(body, srv.made, "slow reader, the probe")
+        take_slowly(slow, "slow reader", srv.made)
+        srv.stop("slow reader")
 
 
 def check_pipelined(cuma, fixture, name, limit):
@@ -443,26 +470,13 @@ def check_pipelined(cuma, fixture, name, limit):
     which the server does not answer) and only then takes the answer, slowly. The server had
     closed the socket with the second request unread, so the kernel sent a reset and dropped the
     last part of the answer it still held; now the whole answer arrives."""
-    f, made = start_fixture(fixture, name, "many")
-    p = None
-    try:
-        p, port = start_exporter(cuma, name, fresh_wait(limit))
-        c = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        c.settimeout(limit)
-        c.connect(("127.0.0.1", port))
-        c.sendall(REQUEST)
+    with served(cuma, fixture, name, "many", limit) as srv:
+        c = small_client(srv.port, limit)
         time.sleep(0.3)
         c.sendall(REQUEST)
         time.sleep(0.5)
-        take_slowly(c, "pipelined", made)
-        stop_exporter(p, "pipelined")
-        p = None
-    finally:
-        if p is not None:
-            p.kill()
-            p.wait()
-        stop_fixture(f)
+        take_slowly(c, "pipelined", srv.made)
+        srv.stop("pipelined")
 
 
 # exporter.h's EXP_READ_INTERVAL_MS, in seconds.
@@ -474,14 +488,11 @@ def check_paced(cuma, fixture, name, limit):
     per READ_INTERVAL_S of the time they took, and two more (the first, and one begun as the
     clock is read). Unpaced, every scrape was a read of its own: 30 in a fraction of a second.
     A slower machine only allows more reads, never fewer: no speed is asserted."""
-    f, made = start_fixture(fixture, name, "raw")
-    p = None
-    try:
-        p, port = start_exporter(cuma, name, fresh_wait(limit))
+    with served(cuma, fixture, name, "raw", limit) as srv:
         t0 = time.monotonic()
         body = ""
         for i in range(30):
-            st, body, _ = probe(port, limit)
+            st, body, _ = probe(srv.port, limit)
             if not check(st == 200, "paced: scrape %d is answered" % (i + 1),
                          body[:200] if st is None else ""):
                 return
@@ -493,13 +504,7 @@ def check_paced(cuma, fixture, name, limit):
         check(up == 1.0, "paced: the last scrape is fresh", up)
         check(reads is not None and reads <= took / READ_INTERVAL_S + 2,
               "paced: at most a read per 100 ms (%s reads in %.3f s)" % (reads, took), reads)
-        stop_exporter(p, "paced")
-        p = None
-    finally:
-        if p is not None:
-            p.kill()
-            p.wait()
-        stop_fixture(f)
+        srv.stop("paced")
 
 
 # exporter_server.c's PINNED_MAX: the figures answers being written may hold, when four of the
@@ -531,41 +536,35 @@ def check_held(cuma, fixture, name, limit):
     write timed out (10 s): 28 MB for 100 such clients of this fixture's answer, in an exporter
     that Kubernetes runs with 64 MiB. Now the oldest are cut off once they hold more than
     PINNED_MAX, and the newest still gets all of its answer."""
-    f, made = start_fixture(fixture, name, "many")
-    p, holders = None, []
+    holders = []
     try:
-        p, port = start_exporter(cuma, name, fresh_wait(limit))
-        st, body, _ = probe(port, limit)
-        if not check(st == 200, "held: a first probe is answered", body[:200] if st is None else ""):
-            return
-        n = PINNED_MAX // len(body) + 8  # more than the budget holds
-        for i in range(n):
-            h = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            h.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            h.settimeout(limit)
-            h.connect(("127.0.0.1", port))
-            h.sendall(REQUEST)
-            holders.append(h)
-            st, body, _ = probe(port, limit)  # answered after h's read: h is being written to
-            if not check(st == 200, "held: the probe after client %d is answered" % (i + 1),
-                         body[:200] if st is None else ""):
+        with served(cuma, fixture, name, "many", limit) as srv:
+            st, body, _ = probe(srv.port, limit)
+            if not check(st == 200, "held: a first probe is answered", body[:200] if st is None else ""):
                 return
-        print("  %d clients hold an answer of %d bytes each, from %d reads" % (n, len(body), n))
-        length, got = read_answer(holders[0], limit)
-        check(length is not None and len(got) < length,
-              "held: the oldest client's answer was cut off (%s of %s bytes)" % (len(got), length))
-        length, got = read_answer(holders[-1], limit)
-        check(length is not None and len(got) == length,
-              "held: the newest client's answer arrived whole (%s of %s bytes)" % (len(got), length))
-        stop_exporter(p, "held")
-        p = None
+            n = PINNED_MAX // len(body) + 8  # more than the budget holds
+            for i in range(n):
+                holders.append(small_client(srv.port, limit))
+                st, body, _ = probe(srv.port, limit)  # answered after its read: it is being written to
+                if not check(st == 200, "held: the probe after client %d is answered" % (i + 1),
+                             body[:200] if st is None else ""):
+                    return
+            print("  %d clients hold an answer of %d bytes each, from %d reads" % (n, len(body), n))
+            length, got = read_answer(holders[0], limit)
+            check(length is not None and len(got) < length,
+                  "held: the oldest client's answer was cut off (%s of %s bytes)" % (len(got), length))
+            length, got = read_answer(holders[-1], limit)
+            check(length is not None and len(got) == length,
+                  "held: the newest client's answer arrived whole (%s of %s bytes)" % (len(got), length))
+            srv.stop("held")
     finally:
         for h in holders:
             h.close()
-        if p is not None:
-            p.kill()
-            p.wait()
-        stop_fixture(f)
+
+
+# The checks in the order they run, by the name --only takes.
+CHECKS = [("slow", check_slow_clients), ("stuck", check_stuck_ledger), ("reader", check_slow_reader),
+          ("pipelined", check_pipelined), ("paced", check_paced), ("held", check_held)]
 
 
 def main():
@@ -574,30 +573,19 @@ def main():
     ap.add_argument("--fixture", required=True)
     ap.add_argument("--probe-limit", type=float, default=5.0,
                     help="seconds a probe may take (see above; more, to measure an old build)")
-    ap.add_argument("--only", choices=("slow", "stuck", "reader", "pipelined", "paced", "held"),
-                    help="run one of the checks")
+    ap.add_argument("--only", choices=[k for k, _ in CHECKS], help="run one of the checks")
     a = ap.parse_args()
     base = "exporter-test-%d" % os.getpid()
-    names = (base + "-slow", base + "-stuck", base + "-big", base + "-held", base + "-pipe",
-             base + "-paced")
-    for n in names:
+    names = {k: "%s-%s" % (base, k) for k, _ in CHECKS}  # each check's own ledger
+    for n in names.values():
         if os.path.exists(shm_path(n)):
             os.remove(shm_path(n))
     try:
-        if a.only in (None, "slow"):
-            check_slow_clients(a.cuma, a.fixture, names[0], a.probe_limit)
-        if a.only in (None, "stuck"):
-            check_stuck_ledger(a.cuma, a.fixture, names[1], a.probe_limit)
-        if a.only in (None, "reader"):
-            check_slow_reader(a.cuma, a.fixture, names[2], a.probe_limit)
-        if a.only in (None, "pipelined"):
-            check_pipelined(a.cuma, a.fixture, names[4], a.probe_limit)
-        if a.only in (None, "paced"):
-            check_paced(a.cuma, a.fixture, names[5], a.probe_limit)
-        if a.only in (None, "held"):
-            check_held(a.cuma, a.fixture, names[3], a.probe_limit)
+        for k, run_check in CHECKS:
+            if a.only in (None, k):
+                run_check(a.cuma, a.fixture, names[k], a.probe_limit)
     finally:
-        for n in names:
+        for n in names.values():
             if os.path.exists(shm_path(n)):
                 os.remove(shm_path(n))
     if failures:
