@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# The GPU check: cuma on a machine with a real NVIDIA GPU, in one command of under 7 minutes.
+# The GPU check: cuma on a machine with a real NVIDIA GPU, in one command of under 9 minutes.
+# The steps run in this order: 1, 2, 5, 5b, 3b, 4, 7-11, then 6 and 3a (which need no GPU).
 #
 #   1. Machine   nvidia-smi (device 0's compute mode first), driver, uname -m, nproc, the python3
 #                every Python step runs (and its torch); asks the driver whether device 0 works
 #   2. Build     cmake into build-gpu (scripts/deps.sh build first if cmake, cc or zlib.h is
-#                missing; without apt network that is reported)
-#   3. Tests     ctest on the fake driver (-E 'replay_'); `cuma replay --scale 16` of the bundled
+#                missing; without apt network that is reported), for the python3 on PATH and the
+#                nvcc's cuda.h; under --require-gpu a build without the CUDA backends FAILs
+#   3. Tests     ctest on the fake driver (-E 'replay_'; last); `cuma replay --scale 16` of the bundled
 #                traces on backend:sim, on backend:vmm over the fake driver, and over the real
 #                driver on backend:vmm (overhead_ratio and time_avg_ratio must equal the sim's
 #                within 0.001 on the fake driver, 0.015 on the real one, whose events complete
@@ -16,12 +18,20 @@
 #                delay; segment), then micro-benchmarks of the driver's VMM calls and of cuma
 #   5. PyTorch   runs first, right after the build (the one measurement only a GPU gives):
 #                scripts/gpu/torch_compare.py: one variable-length transformer training loop
-#                under the native allocator and under cuma (goal: step time within 3%, peak
-#                reserved at least 15% lower; PyTorch must report the pluggable allocator in
-#                the cuma run; device memory the allocators did not count is compared), then,
-#                with the time left, cuma with remap_threshold:0.25 (reported: the fewest page
-#                moves, for some memory), then 120 steps under cuma logging the allocation
-#                trace (torch_trace.csv.gz); SKIP without PyTorch+CUDA
+#                under the native allocator, under native with expandable_segments:True and
+#                under cuma, as one table (peak reserved and allocated, median and p99 step
+#                time; goals: step time within 3%, peak reserved at least 15% lower than
+#                native's and at most expandable_segments'; PyTorch must report the pluggable
+#                allocator in the cuma run; device memory the allocators did not count is
+#                compared; cuma's driver calls per step), then, with the time left, 60 native
+#                steps recording PyTorch's memory history (native_snapshot.pickle.gz), cuma with
+#                remap_threshold:0.25 (reported: the fewest page moves, for some memory), then
+#                120 steps under cuma logging the allocation trace (torch_trace.csv.gz); SKIP
+#                without PyTorch+CUDA
+#  5b. Streams   scripts/gpu/torch_multistream.py: layers' weights prefetched on a side stream,
+#                used and freed on the main one, activations offloaded on a third: the values
+#                under cuma must equal native's; the native run's memory snapshot
+#                (multistream_snapshot.pickle.gz)
 #   6. Bench     cuma-bench --only replay --no-peers on the host CPUs (1 and 2 threads): the
 #                2-thread scaling a quiet many-core machine can show
 #   7. Preload   scripts/gpu/preload_check.cu (the plain CUDA runtime, built with churn.cu) under
@@ -46,22 +56,29 @@
 #                buffers in a pool (cuma.torch.pool_buffers): losses and running statistics
 #                equal to the plain run, not moved by compaction; SKIP without PyTorch+CUDA
 #
-# Every step runs, each under its own timeout and within one overall budget (--budget, 420 s);
-# a step the budget leaves no time for is SKIP (saying so), not FAIL; a summary table of
-# PASS/FAIL/SKIP ends the output. Exit status 1 if any step FAILed, else 0.
+# Every step runs, each under its own timeout and within one overall budget (--budget, 480 s,
+# the build included); a step the budget leaves no time for is SKIP (saying so), and under
+# --require-gpu a GPU step skipped for time FAILs; a summary table of PASS/FAIL/SKIP ends the
+# output. Exit status 1 if any step FAILed, else 0.
 # Without a GPU the GPU steps SKIP, saying why, and the script exits 0; --require-gpu turns
 # those SKIPs into FAILs.
 #
 # Output: build-gpu/ (the build, build-gpu/gpu/churn) and build-gpu/gpu-check/ (logs). When $OUT
-# is set, 7 files are copied there: summary.txt results.json gpu-check.log torch.log torch.json
-# torch_trace.csv.gz (the allocation trace of the training loop under cuma, for `cuma replay`
-# anywhere) and logs.tar.gz (every log).
+# is set, 7 files go there: gpu-check.log (as it is written) and summary.txt (after every step),
+# so a run cut off still brings back what it did; torch_trace.csv.gz (the allocation trace of the
+# training loop under cuma, for `cuma replay` anywhere), native_snapshot.pickle.gz and
+# multistream_snapshot.pickle.gz (PyTorch memory snapshots) when their steps end; results.json
+# and logs.tar.gz (every log, torch.log and torch.json among them) at the end.
+#
+# On the device tool: `echo /.debs/ >>.git/info/exclude; mkdir -p .debs; (cd .debs && apt-get
+# download zlib1g-dev)` here once, then run `CUMA_GPU_DEBS=.debs scripts/gpu-check.sh
+# --require-gpu` with .debs carried, timeout_s 600.
 #
 # Environment: GPU_CHECK_BUDGET (seconds, as --budget), CUMA_GPU_DEBS (a folder of .deb files,
 # e.g. zlib1g-dev, unpacked into build-gpu/sysroot when apt cannot install them), NVCC.
 #
-# --only STEPS runs those steps alone (comma-separated: ctest, replays, churn, bench, torch, ledger,
-# preload, guard, compact, pool, probe; the
+# --only STEPS runs those steps alone (comma-separated: ctest, replays, churn, bench, torch,
+# multistream, ledger, preload, guard, compact, pool, probe; the
 # machine and build steps always run), e.g. `--only torch` to run the PyTorch comparison again
 # within the same device session.
 #
@@ -74,7 +91,7 @@ usage() { sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 REQUIRE_GPU=0
 NO_TORCH=0
 ONLY=""
-BUDGET=${GPU_CHECK_BUDGET:-420}
+BUDGET=${GPU_CHECK_BUDGET:-480}
 while [ $# -gt 0 ]; do
   case "$1" in
     --require-gpu) REQUIRE_GPU=1 ;;
@@ -90,8 +107,8 @@ while [ $# -gt 0 ]; do
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu-check: --budget wants seconds, not '$BUDGET'" >&2; exit 2 ;; esac
 for s in ${ONLY//,/ }; do
-  case "$s" in ctest|replays|churn|bench|torch|ledger|preload|guard|compact|pool|probe) ;;
-    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, ledger, preload, guard, compact, pool, probe)" >&2; exit 2 ;;
+  case "$s" in ctest|replays|churn|bench|torch|multistream|ledger|preload|guard|compact|pool|probe) ;;
+    *) echo "gpu-check: --only: unknown step '$s' (ctest, replays, churn, bench, torch, multistream, ledger, preload, guard, compact, pool, probe)" >&2; exit 2 ;;
   esac
 done
 # wanted STEP: whether --only leaves the step in.
@@ -105,6 +122,12 @@ mkdir -p "$WORK" || exit 2
 rm -f "$WORK"/*.log "$WORK"/*.jsonl "$WORK"/*.json "$WORK"/*.txt "$WORK"/*.tsv "$WORK"/*.err "$WORK"/*.csv.gz
 LOG=$WORK/gpu-check.log
 T0=$SECONDS
+# $OUT (the device tool's folder of files brought back) gets the log as it is written and the
+# summary after every step: a run cut off at the tool's limit still brings back what it did.
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT" || exit 2
+  rm -f "$OUT/gpu-check.log" "$OUT/summary.txt"
+fi
 export PYTHONDONTWRITEBYTECODE=1 # nothing written outside build-gpu/ (python/cuma/__pycache__)
 
 # ---- results --------------------------------------------------------------------------------
@@ -124,6 +147,27 @@ record() {
   fi
   R_NAME+=("$name") R_STATUS+=("$st") R_NOTE+=("$note") R_SECS+=("$((SECONDS - STEP_T0))")
   printf '>> %-36s %-4s  %s\n' "$name" "$st" "$note"
+  [ -n "${OUT:-}" ] && summary_rows "(partial: the run goes on; $((SECONDS - T0)) s so far)" >"$OUT/summary.txt"
+  return 0
+}
+
+# summary_rows TRAILER: the table of the steps recorded so far, then TRAILER.
+summary_rows() {
+  local i
+  printf '%-36s %-4s %5s  %s\n' "step" "" "s" "result"
+  for i in "${!R_NAME[@]}"; do
+    printf '%-36s %-4s %5s  %s\n' "${R_NAME[$i]}" "${R_STATUS[$i]}" "${R_SECS[$i]}" "${R_NOTE[$i]}"
+  done
+  echo
+  echo "$1"
+}
+
+# out_copy FILE...: files of $WORK into $OUT as soon as a step has made them.
+out_copy() {
+  local f
+  [ -n "${OUT:-}" ] || return 0
+  for f in "$@"; do [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"; done
+  return 0
 }
 
 section() { printf '\n==================== %s ====================\n' "$*"; }
@@ -277,6 +321,15 @@ step_build() {
   if [ ! -f "$BUILD/CMakeCache.txt" ] && ! command -v make >/dev/null 2>&1 && command -v ninja >/dev/null 2>&1; then
     gen=(-G Ninja)
   fi
+  # The python3 every Python step runs (the one holding PyTorch), so the build's PyTorch shim is
+  # made for it; cuda.h from the toolkit of the nvcc found, where /usr/local/cuda has none.
+  local pyargs=() cudaargs=() inc
+  command -v python3 >/dev/null 2>&1 && pyargs=(-DCUMA_PYTHON="$(command -v python3)")
+  if [ ! -f /usr/local/cuda/include/cuda.h ] && [ -n "${NVCC:-}" ]; then
+    inc="$(dirname "$(dirname "$NVCC")")/include"
+    [ -f "$inc/cuda.h" ] && cudaargs=(-DCUMA_CUDA_INCLUDE_DIR="$inc")
+  fi
+  gen+=("${pyargs[@]}" "${cudaargs[@]}")
   echo "\$ cmake -S . -B $BUILD -DCMAKE_BUILD_TYPE=RelWithDebInfo ${gen[*]} ${ZLIB_ARGS[*]}"
   echo "\$ cmake --build $BUILD -j$JOBS   (compiler output in $blog)"
   local rc=0
@@ -286,10 +339,29 @@ step_build() {
     if ! t=$(tmo 240); then record build SKIP "$NO_TIME"; return; fi
     quiet "$t" "$blog" cmake --build "$BUILD" -j"$JOBS" || rc=$?
   fi
+  # libcuma_torch_c10 is compiled against this machine's PyTorch headers: if that is what
+  # failed, the rest is built without it (cuma.torch then builds it when it loads, or raises a
+  # RuntimeError for cuma's out-of-memory), not every step lost to it.
+  if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -q 'cuma_torch_c10\|raise_c10' "$blog"; then
+    echo "build: libcuma_torch_c10 failed against this PyTorch; again without it (-DCUMA_TORCH_C10=OFF)"
+    rc=0
+    if t=$(tmo 120); then
+      quiet "$t" "$blog" cmake -S . -B "$BUILD" -DCUMA_TORCH_C10=OFF &&
+        quiet "$t" "$blog" cmake --build "$BUILD" -j"$JOBS" || rc=$?
+    else
+      rc=125
+    fi
+  fi
   if [ $rc -eq 0 ] && [ -x "$BUILD/bin/cuma" ] && [ -f "$BUILD/lib/libcuma.a" ] && [ -f "$BUILD/lib/libcuma.so" ]; then
-    BUILD_OK=1
-    grep -q 'CUDA backends are not built' "$blog" && echo "WARNING: cuda.h not found: no CUDA backends"
     tail -2 "$blog"
+    if grep -q 'CUDA backends are not built' "$blog"; then
+      echo "WARNING: cuda.h not found: no CUDA backends"
+      if [ "$REQUIRE_GPU" = 1 ]; then
+        record build FAIL "cuda.h not found: the CUDA backends are not built (--require-gpu)"
+        return
+      fi
+    fi
+    BUILD_OK=1
     record build PASS "$BUILD/bin/cuma, $BUILD/lib/libcuma.{a,so}"
   else
     tail -40 "$blog"
@@ -464,7 +536,7 @@ step_replays() {
     record "replay vmm (real driver) = sim" SKIP "no GPU" gpu
   else
     replay vmm 120 backend:vmm,release_delay_ms:1000; rc=$?
-    if [ $rc -eq 125 ]; then record "replay vmm (real driver) = sim" SKIP "$NO_TIME"
+    if [ $rc -eq 125 ]; then record "replay vmm (real driver) = sim" SKIP "$NO_TIME" gpu
     elif [ $rc -ne 0 ]; then record "replay vmm (real driver) = sim" FAIL "cuma replay $(why_rc $rc 120)"
     else compare_to_sim "replay vmm (real driver) = sim" vmm "" gpu "$LAG_TOL"; fi
   fi
@@ -478,7 +550,7 @@ step_replays() {
   else
     replay simseg 60 backend:sim,sim_segments:on,release_delay_ms:1000 >/dev/null
     replay segment 90 backend:segment,release_delay_ms:1000; rc=$?
-    if [ $rc -eq 125 ]; then record "replay segment (real driver)" SKIP "$NO_TIME"
+    if [ $rc -eq 125 ]; then record "replay segment (real driver)" SKIP "$NO_TIME" gpu
     elif [ $rc -ne 0 ]; then record "replay segment (real driver)" FAIL "cuma replay $(why_rc $rc 90)"
     else compare_to_sim "replay segment (real driver)" segment --info gpu; fi
   fi
@@ -501,7 +573,7 @@ step_churn_build() {
   step_start
   if [ "$BUILD_OK" != 1 ]; then record "churn.cu builds" SKIP "needs the build (failed or left out)"; return; fi
   if [ -z "${NVCC:-}" ]; then record "churn.cu builds" SKIP "no nvcc (CUDA toolkit) here" gpu; return; fi
-  if [ -z "$CHURN_PID" ]; then record "churn.cu builds" SKIP "$NO_TIME"; return; fi
+  if [ -z "$CHURN_PID" ]; then record "churn.cu builds" SKIP "$NO_TIME" gpu; return; fi
   local rc=0
   wait "$CHURN_PID" || rc=$?
   cat "$WORK/churn-build.log"
@@ -523,7 +595,7 @@ churn_run() {
   echo "-- $name"
   if [ "$HAVE_GPU" != 1 ]; then echo "SKIP: no GPU: $NO_GPU_WHY"; record "$name" SKIP "no GPU" gpu; return; fi
   if [ "$CHURN_BUILT" != 1 ]; then record "$name" SKIP "churn.cu did not build" gpu; return; fi
-  if ! t=$(tmo "$want"); then record "$name" SKIP "$NO_TIME"; return; fi
+  if ! t=$(tmo "$want"); then record "$name" SKIP "$NO_TIME" gpu; return; fi
   local n0 res
   n0=$(wc -l <"$WORK/churn.log")
   run "$t" "$WORK/churn.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY "$CHURN" "$@" || rc=$?
@@ -567,16 +639,19 @@ step_torch() {
     return
   fi
   if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build (failed or left out)" gpu; return; fi
-  if ! t=$(tmo 240); then record "$name" SKIP "$NO_TIME"; return; fi
+  if ! t=$(tmo 200); then record "$name" SKIP "$NO_TIME" gpu; return; fi
   rc=0
-  # The native and cuma runs (judged) come first and share what is left of t, each up to 100 s;
-  # the reported-only runs (remap_threshold, the trace) get the rest, or are left out. An
-  # allocation cuma fails for good leaves torch_oom-PID.json (what held the memory: logs.tar.gz).
+  # The native, expandable_segments and cuma runs (judged) come first and share what is left of
+  # t, each up to 100 s; the reported-only runs (the native run's memory snapshot, remap_threshold,
+  # the trace) get the rest, or are left out. An allocation cuma fails for good leaves
+  # torch_oom-PID.json (what held the memory: logs.tar.gz).
   run "$t" "$WORK/torch.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
     CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
     python3 scripts/gpu/torch_compare.py --json-out "$WORK/torch.json" --child-timeout 100 \
     --total-timeout "$((t - 10))" --cuma-conf "oom_dump:$WORK/torch_oom-%p.json" \
+    --snapshot-out "$WORK/native_snapshot.pickle.gz" \
     --cuma-alt-conf remap_threshold:0.25 --trace-out "$WORK/torch_trace.csv.gz" || rc=$?
+  out_copy torch_trace.csv.gz native_snapshot.pickle.gz
   local res
   res=$(grep 'TORCH RESULT' "$WORK/torch.log" | tail -1)
   res=${res#TORCH RESULT: }
@@ -619,7 +694,7 @@ step_preload() {
   [ -n "$CHURN_PID" ] && { wait "$CHURN_PID" 2>/dev/null; cat "$WORK/churn-build.log" >>"$WORK/preload.log"; }
   if [ ! -x "$PRELOAD_CHECK" ]; then record "$name" SKIP "preload_check.cu did not build (churn.log)" gpu; return; fi
   if [ ! -f "$BUILD/lib/libcuma_preload.so" ]; then record "$name" FAIL "no $BUILD/lib/libcuma_preload.so"; return; fi
-  if ! t=$(tmo 60); then record "$name" SKIP "$NO_TIME"; return; fi
+  if ! t=$(tmo 60); then record "$name" SKIP "$NO_TIME" gpu; return; fi
   local rc=0 res
   echo "-- without the shim (the driver's figures)"
   run "$((t / 2))" "$WORK/preload.log" env -u CUMA_CONF -u LD_PRELOAD "$PRELOAD_CHECK" || true
@@ -644,7 +719,7 @@ step_ledger() {
       record "$name" SKIP "device 0's compute mode is $COMPUTE_MODE: a second process cannot use it" gpu
       return ;;
   esac
-  if ! t=$(tmo 90); then record "$name" SKIP "$NO_TIME"; return; fi
+  if ! t=$(tmo 90); then record "$name" SKIP "$NO_TIME" gpu; return; fi
   local rc=0
   run "$t" "$WORK/ledger.log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
     CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
@@ -669,12 +744,7 @@ summary() {
     case ${R_NOTE[$i]} in "no GPU"*) gskip=$((gskip + 1)) ;; esac
   done
   {
-    printf '%-36s %-4s %5s  %s\n' "step" "" "s" "result"
-    for i in "${!R_NAME[@]}"; do
-      printf '%-36s %-4s %5s  %s\n' "${R_NAME[$i]}" "${R_STATUS[$i]}" "${R_SECS[$i]}" "${R_NOTE[$i]}"
-    done
-    echo
-    echo "$npass PASS, $nfail FAIL, $nskip SKIP in $((SECONDS - T0)) s (budget ${BUDGET} s)"
+    summary_rows "$npass PASS, $nfail FAIL, $nskip SKIP in $((SECONDS - T0)) s (budget ${BUDGET} s)"
     if [ "$HAVE_GPU" = 1 ]; then
       echo "GPU: $GPU_LINE"
     else
@@ -727,20 +797,21 @@ EOF
   [ "$nfail" -eq 0 ]
 }
 
-# py_step SECTION NAME LOG SCRIPT TAG [BUDGET]: a Python step over the package and the build's
-# libcuma that prints "TAG RESULT: PASS|FAIL|SKIP ..." and exits 0, 1 or 3 (SKIP).
+# py_step SECTION NAME LOG SCRIPT TAG [BUDGET [ARG...]]: a Python step over the package and the
+# build's libcuma that prints "TAG RESULT: PASS|FAIL|SKIP ..." and exits 0, 1 or 3 (SKIP).
 py_step() {
   local section=$1 name=$2 log=$3 script=$4 tag=$5 budget=${6:-60}
+  local args=("${@:7}")
   section "$section"
   step_start
   if [ "$NO_TORCH" = 1 ]; then record "$name" SKIP "--no-torch" gpu; return; fi
   if [ "$HAVE_GPU" != 1 ]; then record "$name" SKIP "no GPU: $NO_GPU_WHY" gpu; return; fi
   if [ "$BUILD_OK" != 1 ]; then record "$name" SKIP "needs the build (failed or left out)" gpu; return; fi
-  if ! t=$(tmo "$budget"); then record "$name" SKIP "$NO_TIME"; return; fi
+  if ! t=$(tmo "$budget"); then record "$name" SKIP "$NO_TIME" gpu; return; fi
   local rc=0
   run "$t" "$WORK/$log" env -u CUMA_CONF -u CUMA_CUDA_LIBRARY PYTHONPATH="$PWD/python" \
     CUMA_LIBRARY="$PWD/$BUILD/lib/libcuma.so" PYTHONUNBUFFERED=1 \
-    python3 "$script" || rc=$?
+    python3 "$script" "${args[@]}" || rc=$?
   local res
   res=$(grep "$tag RESULT" "$WORK/$log" | tail -1)
   res=${res#"$tag RESULT: "}
@@ -749,6 +820,13 @@ py_step() {
     3) record "$name" SKIP "$res" gpu ;;
     *) record "$name" FAIL "$(why_rc $rc "$t")${res:+: $res}" gpu ;;
   esac
+}
+
+step_multistream() {
+  py_step "5b. Multi-stream: weights prefetched on a side stream, activations offloaded on a third (scripts/gpu/torch_multistream.py)" \
+    "multistream: frees on other streams" multistream.log scripts/gpu/torch_multistream.py MULTISTREAM 90 \
+    --snapshot-out "$WORK/multistream_snapshot.pickle.gz" --child-timeout 40
+  out_copy multistream_snapshot.pickle.gz
 }
 
 step_guard() {
@@ -776,7 +854,7 @@ step_probe() {
   # Built in the background with churn.cu.
   [ -n "$CHURN_PID" ] && { wait "$CHURN_PID" 2>/dev/null; cat "$WORK/churn-build.log" >>"$WORK/probe.log"; }
   if [ ! -x "$DRIVER_PROBE" ]; then record "$name" SKIP "driver_probe.cu did not build (churn.log)" gpu; return; fi
-  if ! t=$(tmo 30); then record "$name" SKIP "$NO_TIME"; return; fi
+  if ! t=$(tmo 30); then record "$name" SKIP "$NO_TIME" gpu; return; fi
   run "$t" "$WORK/probe.log" env -u CUMA_CONF -u LD_PRELOAD "$DRIVER_PROBE" || rc=$?
   res=$(grep 'PROBE RESULT' "$WORK/probe.log" | tail -1)
   res=${res#PROBE RESULT: }
@@ -788,33 +866,37 @@ main() {
   [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && echo "(the working tree has uncommitted changes)"
   step_machine
   step_build
-  # Issue 4's measurement first: the one figure no other machine can give (before nvcc starts
-  # in the background, which would take CPU from one of the two timed runs).
+  # The PyTorch table first: the figures no other machine can give (before nvcc starts in the
+  # background, which would take CPU from the timed runs), then the multi-stream snapshot.
   wanted torch && step_torch
+  wanted multistream && step_multistream
   { wanted churn || wanted preload || wanted probe; } && start_churn_build
-  wanted ctest && step_ctest
+  # Then what needs the real driver; the steps that need no GPU (the fake driver's ctest, the
+  # host bench: CI and any machine run them) last, with what time is left.
   wanted replays && step_replays
   wanted churn && step_churn_build
   wanted churn && step_churn
   wanted probe && step_probe
-  wanted bench && step_bench
   wanted preload && step_preload
   wanted ledger && step_ledger
   wanted guard && step_guard
   wanted compact && step_compact
   wanted pool && step_pool
+  wanted bench && step_bench
+  wanted ctest && step_ctest
   summary
 }
 
-main 2>&1 | tee "$LOG"
+if [ -n "${OUT:-}" ]; then
+  main 2>&1 | tee "$LOG" "$OUT/gpu-check.log"
+else
+  main 2>&1 | tee "$LOG"
+fi
 rc=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
-  mkdir -p "$OUT" &&
-    for f in summary.txt results.json gpu-check.log torch.log torch.json torch_trace.csv.gz; do
-      [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
-    done
-  # Every log in one file: the device tool brings back at most 8.
+  out_copy summary.txt results.json torch_trace.csv.gz native_snapshot.pickle.gz multistream_snapshot.pickle.gz
+  # Every log in one file (torch.log and torch.json too): the device tool brings back at most 8.
   (cd "$WORK" && tar -czf "$OUT/logs.tar.gz" -- *.log *.jsonl *.json *.txt 2>/dev/null)
-  echo "gpu-check: logs copied to $OUT"
+  echo "gpu-check: results in $OUT"
 fi
 exit "$rc"

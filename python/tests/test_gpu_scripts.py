@@ -74,13 +74,40 @@ def test_torch_trace_writes_a_matched_trace_that_replays(tmp_path, name):
 def test_torch_compare_dry_run_with_an_alternative_cuma_run(tmp_path):
     p = run([os.path.join(SCRIPTS, "torch_compare.py"), "--device", "cpu", "--warmup", "1",
              "--cuma-alt-conf", "remap_threshold:0.25", "--trace-out", str(tmp_path / "t.csv.gz"),
-             "--trace-steps", "2"] + TINY)
+             "--trace-steps", "2", "--snapshot-out", str(tmp_path / "s.pickle.gz"),
+             "--snapshot-steps", "2"] + TINY)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "TORCH RESULT: DRY RUN" in p.stdout
     assert "cuma_alt (remap_threshold:0.25, reported only)" in p.stdout
-    for mode in ("native", "cuma", "cuma_alt", "cuma_trace"):
+    for mode in ("native", "expandable", "cuma", "snapshot", "cuma_alt", "cuma_trace"):
         assert "== %s run" % mode in p.stdout
+    assert p.stdout.index("== expandable run") < p.stdout.index("== cuma run")  # judged: first
     assert "[cuma_trace] step 2/2" in p.stderr + p.stdout  # --trace-steps sets its length
+    assert "[snapshot] step 2/2" in p.stderr + p.stdout
+    # On the CPU there is no memory history to dump: said, and no file.
+    assert "memory snapshot of the native run: none (no CUDA here" in p.stdout
+    assert not os.path.exists(str(tmp_path / "s.pickle.gz"))
+    # The issue's table: one row per judged allocator, with both step-time columns.
+    rows = [ln for ln in p.stdout.splitlines() if ln.startswith("| ")]
+    assert rows[0] == "| allocator | peak reserved | peak allocated | median step time | p99 step time |"
+    assert [r.split(" | ")[0] for r in rows[1:]] == [
+        "| PyTorch native (defaults)", "| PyTorch native, `expandable_segments:True`",
+        "| cuma (`cuma.torch.enable()`)"]
+    assert all(r.count(" ms |") == 2 for r in rows[1:])
+    assert "PASS  peak reserved cuma/expandable_segments" in p.stdout or \
+        "FAIL  peak reserved cuma/expandable_segments" in p.stdout
+
+
+def test_torch_compare_percentile_is_nearest_rank():
+    sys.path.insert(0, SCRIPTS)
+    try:
+        import torch_compare
+    finally:
+        sys.path.pop(0)
+    xs = list(range(1, 281))  # 280 steps: the p99 is the third slowest
+    assert torch_compare.percentile(xs, 0.99) == 278
+    assert torch_compare.percentile([5.0], 0.99) == 5.0
+    assert torch_compare.percentile([3, 1, 2], 0.5) == 2
 
 
 def test_torch_compare_total_timeout_runs_the_judged_runs_first(tmp_path):
@@ -92,6 +119,7 @@ def test_torch_compare_total_timeout_runs_the_judged_runs_first(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "TORCH RESULT: DRY RUN" in p.stdout
     assert p.stdout.index("== native run") < p.stdout.index("== cuma run")
+    assert p.stdout.index("== expandable run") < p.stdout.index("== cuma run")
     for mode in ("cuma_alt", "cuma_trace"):
         assert "the %s run is left out" % mode in p.stdout
         assert "== %s run" % mode not in p.stdout
@@ -134,3 +162,27 @@ def test_pool_check_dry_run():
     assert "POOL RESULT: PASS (dry run)" in p.stdout
     assert "data checked" in p.stdout and "losses same" in p.stdout
     assert "6 buffers in a pool" in p.stdout and "buffers stayed" in p.stdout, p.stdout
+
+
+def test_torch_multistream_dry_run(tmp_path):
+    """The GPU check's multi-stream step on the CPU (no streams there): both runs go through the
+    schedule and their checksums agree; no snapshot without CUDA, said so."""
+    p = run([os.path.join(SCRIPTS, "torch_multistream.py"), "--device", "cpu", "--layers", "4",
+             "--width", "64", "--tokens", "32", "--steps", "2",
+             "--snapshot-out", str(tmp_path / "m.pickle.gz")])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "== native run" in p.stdout and "== cuma run" in p.stdout
+    assert "memory snapshot of the native run: none (no CUDA here)" in p.stdout
+    assert "MULTISTREAM RESULT: PASS" in p.stdout and "dry run on the CPU" in p.stdout
+
+
+def test_torch_multistream_tolerance_tells_different_values_apart():
+    """The comparison is not vacuous: checksums 2 % apart fail it, 0.5 % apart pass."""
+    sys.path.insert(0, SCRIPTS)
+    try:
+        import torch_multistream
+    finally:
+        sys.path.pop(0)
+    assert torch_multistream.agree(1000.0, 1005.0, 1e-2)
+    assert not torch_multistream.agree(1000.0, 1020.0, 1e-2)
+    assert torch_multistream.agree(0.001, 0.002, 1e-2)  # near zero: absolute

@@ -2,20 +2,24 @@
 # SPDX-License-Identifier: Apache-2.0
 """PyTorch's native CUDA allocator against cuma, on one variable-length training loop.
 
-The parent runs the same loop twice, each in a fresh process (an allocator can only be chosen
-before the first CUDA tensor): once with PyTorch's native caching allocator, once after
+The parent runs the same loop three times, each in a fresh process (an allocator can only be
+chosen before the first CUDA tensor): with PyTorch's native caching allocator at its defaults,
+with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the strongest peer), and after
 cuma.torch.enable(). The loop trains a small causal nn.TransformerEncoder language model
 under bf16 autocast with AdamW; every step draws a sequence length (and a batch size that
 keeps the tokens per step roughly fixed) from a fixed seed, so both runs see the same shapes
 and data. Each child prints one RESULT_JSON line: peak reserved and allocated bytes (native:
 torch.cuda.max_memory_reserved / max_memory_allocated; cuma: memory_stats()'s
 reserved_bytes.all.peak / allocated_bytes.all.peak), the largest device memory in use seen
-after a step (cudaMemGetInfo, the same yardstick for both), the median step time, the loss.
+after a step (cudaMemGetInfo, the same yardstick for both), the median and p99 step times, the
+loss; under cuma, the driver calls of its physical layer per step and their time.
 
-The parent prints them side by side with the ratios and judges (defaults):
+The parent prints one table (allocator, peak reserved, peak allocated, median and p99 step
+time), the figures side by side with the ratios, and judges (defaults):
   step time:      cuma's median step time <= 1.03 x native's
-  peak reserved:  cuma's peak reserved <= 0.85 x native's (at least 15% lower)
-  sanity:         both runs finished, cuma's loss is finite and within 2% of native's
+  peak reserved:  cuma's peak reserved <= 0.85 x native's (at least 15% lower), and at most
+                  expandable_segments' (when that run ran: --no-expandable leaves it out)
+  sanity:         the runs finished, cuma's loss is finite and within 2% of native's
 Exit status: 0 PASS, 1 FAIL, 3 SKIP (no PyTorch with CUDA), 2 usage error.
 
     PYTHONPATH=python CUMA_LIBRARY=build-gpu/lib/libcuma.so python3 scripts/gpu/torch_compare.py
@@ -23,13 +27,16 @@ Exit status: 0 PASS, 1 FAIL, 3 SKIP (no PyTorch with CUDA), 2 usage error.
 Options: --steps, --warmup, --tokens, --min-len/--max-len, --d-model, --layers, --heads,
 --vocab, --seed, --cuma-conf (CUMA_CONF for the cuma run; default: none, i.e. backend:auto),
 --json-out FILE, --child-timeout SECONDS, --total-timeout SECONDS (the judged runs first, each
-keeping time for the other; the reported-only runs get what is left), --only native|cuma, --expandable (a run with
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, reported only), --cuma-alt-conf CONF (a
+keeping time for the others; the reported-only runs get what is left), --only native|cuma,
+--no-expandable (no expandable_segments run), --cuma-alt-conf CONF (a
 further cuma run with these settings, reported only: remap_threshold:0.25, the fewest page
 moves cuma makes (about 19% more peak memory on torch_trace.py's trace of this loop, a tenth of
 the maps), tells whether page calls are what a slower step time pays for), --trace-out FILE
 (a last cuma run of --trace-steps steps, 120 by default, with the `trace` setting: the training
-loop's allocation trace on this machine, for `cuma replay` anywhere; reported only).
+loop's allocation trace on this machine, for `cuma replay` anywhere; reported only),
+--snapshot-out FILE (a native run of --snapshot-steps steps, 60 by default, under
+torch.cuda.memory._record_memory_history(): its _dump_snapshot(), gzip'd, for the replay tests;
+reported only).
 """
 
 import argparse
@@ -69,6 +76,9 @@ def parse_args(argv=None):
     p.add_argument("--trace-out", default=None,
                    help="a last cuma run that logs its allocations to this file (RMM CSV, .gz)")
     p.add_argument("--trace-steps", type=int, default=120, help="steps of the --trace-out run")
+    p.add_argument("--snapshot-out", default=None,
+                   help="a native run recording PyTorch's memory history; its snapshot, gzip'd, here")
+    p.add_argument("--snapshot-steps", type=int, default=60, help="steps of the --snapshot-out run")
     p.add_argument("--time-ratio-max", type=float, default=1.03)
     p.add_argument("--reserved-ratio-max", type=float, default=0.85)
     p.add_argument("--loss-rel-tol", type=float, default=0.02)
@@ -79,9 +89,9 @@ def parse_args(argv=None):
                         "each keeps time for the other; the runs reported only get what is left, or are "
                         "left out")
     p.add_argument("--only", choices=("native", "cuma"), default=None, help="run one child in this process's stead")
-    p.add_argument("--expandable", action="store_true",
-                   help="also run native with expandable_segments:True (reported, not judged)")
-    p.add_argument("--child", choices=("native", "cuma", "cuma_alt", "cuma_trace", "expandable"),
+    p.add_argument("--no-expandable", dest="expandable", action="store_false",
+                   help="leave out the native run with expandable_segments:True (judged when it runs)")
+    p.add_argument("--child", choices=("native", "cuma", "cuma_alt", "cuma_trace", "expandable", "snapshot"),
                    default=None, help=argparse.SUPPRESS)
     # A dry run of the loop and the report on the CPU (tests of this script; figures meaningless,
     # cuma is not enabled there because it needs CUDA).
@@ -123,6 +133,8 @@ def child(a):
         backend = "cuma (%s)" % cuma.torch.memory_stats().get("cuma.backend")
     elif a.child == "expandable":
         backend = "pytorch native, expandable_segments:True"
+    elif a.child == "snapshot":
+        backend = "pytorch native, memory history recorded"
     import torch.nn as nn
     import torch.nn.functional as F
 
@@ -165,6 +177,8 @@ def child(a):
         used_at_start = total - free
         get_backend = getattr(torch.cuda, "get_allocator_backend", None)
         allocator_backend = get_backend() if get_backend else None
+    if a.child == "snapshot" and on_gpu:
+        start_history(torch)
     model = LM().to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     gen = torch.Generator(device=dev)
@@ -211,19 +225,25 @@ def child(a):
                                                    "policy", "page_alias")}
         extra["num_alloc_retries"] = s.get("num_alloc_retries")  # PyTorch's name, as below
         # Driver calls per training step: what the step time pays for cuma's memory.
-        for k in ("page_creates", "maps", "unmaps", "map_runs", "unmap_runs", "remap_waits", "event_queries",
-                  "page_call_ns"):
+        for k in ("page_creates", "page_releases", "maps", "unmaps", "map_runs", "unmap_runs", "remap_waits",
+                  "event_queries", "page_call_ns"):
             if isinstance(extra.get(k), (int, float)):
                 extra[k + "_per_step"] = round(extra[k] / max(1, a.steps), 1)
     elif on_gpu:
+        if a.child == "snapshot":
+            extra_snapshot = write_snapshot(torch, a.snapshot_out)
         peak_reserved = torch.cuda.max_memory_reserved()
         peak_allocated = torch.cuda.max_memory_allocated()
         ms = torch.cuda.memory_stats()
         peak_requested = ms.get("requested_bytes.all.peak")
         extra = {k: ms.get(k) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")}
+        if a.child == "snapshot":
+            extra["snapshot"] = extra_snapshot
     else:  # a dry run on the CPU: no device memory to speak of
         peak_reserved = peak_allocated = peak_requested = 0
         extra = {}
+        if a.child == "snapshot":
+            extra["snapshot"] = {"skipped": "no CUDA here: the dry run records no memory history"}
     timed = times[a.warmup:] if len(times) > a.warmup else times
     return {
         "mode": a.child,
@@ -232,6 +252,7 @@ def child(a):
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu (dry run)",
         "steps": len(times),
         "median_step_ms": statistics.median(timed) * 1e3,
+        "p99_step_ms": percentile(timed, 0.99) * 1e3,
         "mean_step_ms": statistics.fmean(timed) * 1e3,
         "wall_s": wall,
         "peak_reserved": peak_reserved,
@@ -246,7 +267,47 @@ def child(a):
     }
 
 
-# ---- the parent: two runs, side by side -------------------------------------------------------
+def percentile(xs, q):
+    """The nearest-rank q-quantile of xs (the p99 of 280 steps is the third slowest)."""
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, max(0, math.ceil(q * len(ys)) - 1))]
+
+
+# The snapshot run's memory history: Python stacks only (C++ frames are symbolised at the dump,
+# which can take minutes), and a bound on the entries so the file stays well under the 16 MiB a
+# file the device tool brings back.
+SNAPSHOT_MAX_ENTRIES = 200000
+
+
+def start_history(torch):
+    rec = torch.cuda.memory._record_memory_history
+    try:
+        rec(enabled="all", context="all", stacks="python", max_entries=SNAPSHOT_MAX_ENTRIES)
+    except TypeError:  # PyTorch before 2.1 takes a flag and its own keywords
+        rec(True, trace_alloc_max_entries=SNAPSHOT_MAX_ENTRIES)
+
+
+def write_snapshot(torch, out):
+    """torch.cuda.memory._dump_snapshot() of the run so far, gzip'd into out; what was written."""
+    import gzip
+    import shutil
+
+    raw = out + ".pickle.tmp"
+    t0 = time.perf_counter()
+    torch.cuda.memory._dump_snapshot(raw)
+    try:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    except TypeError:
+        torch.cuda.memory._record_memory_history(False)
+    with open(raw, "rb") as src, gzip.open(out, "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    raw_bytes = os.path.getsize(raw)
+    os.unlink(raw)
+    return {"path": out, "bytes": os.path.getsize(out), "raw_bytes": raw_bytes,
+            "dump_s": round(time.perf_counter() - t0, 2)}
+
+
+# ---- the parent: the runs, side by side -------------------------------------------------------
 
 
 def child_argv(a, mode):
@@ -255,6 +316,10 @@ def child_argv(a, mode):
               "device"):
         argv += ["--" + k.replace("_", "-"), str(getattr(a, k))]
     conf = a.cuma_alt_conf if mode == "cuma_alt" else a.cuma_conf
+    if mode == "snapshot":
+        argv += ["--snapshot-out", os.path.abspath(a.snapshot_out)]
+        argv[argv.index("--steps") + 1] = str(a.snapshot_steps)
+        conf = None
     if mode == "cuma_trace":
         conf = ((conf + ",") if conf else "") + "trace:" + os.path.abspath(a.trace_out)
         argv[argv.index("--steps") + 1] = str(a.trace_steps)
@@ -326,6 +391,7 @@ def report(a, runs, errors):
         ("device used, max after a step", lambda r: gib(r["peak_device_used_sampled"])),
         ("reserved / allocated at peak", lambda r: "%.3f" % (r["peak_reserved"] / max(1, r["peak_allocated"]))),
         ("median step time", lambda r: "%.2f ms" % r["median_step_ms"]),
+        ("p99 step time", lambda r: "%.2f ms" % r["p99_step_ms"]),
         ("mean step time", lambda r: "%.2f ms" % r["mean_step_ms"]),
         ("loss, mean of last 20 steps", lambda r: "%.4f" % r["loss_last20"]),
         ("run wall time", lambda r: "%.1f s" % r["wall_s"]),
@@ -336,6 +402,18 @@ def report(a, runs, errors):
         print("  %-*s" % (w, name) + "".join("%-28s" % str(f(runs[c]))[:27] for c in cols))
     for c in cols:
         print("  %s extra: %s" % (c, json.dumps(runs[c]["extra"])))
+    print_table(runs)
+    if cum:
+        print_driver_calls(cum)
+    sn = runs.get("snapshot")
+    if sn:
+        info = sn["extra"].get("snapshot") or {}
+        if info.get("path"):
+            print("  memory snapshot of the native run: %s, %d steps, %.1f MiB gzip'd (%.1f MiB raw, dumped in "
+                  "%.1f s)" % (info["path"], sn["steps"], info["bytes"] / 2**20, info["raw_bytes"] / 2**20,
+                               info["dump_s"]))
+        else:
+            print("  memory snapshot of the native run: none (%s)" % info.get("skipped", "not written"))
     tr = runs.get("cuma_trace")
     if tr and a.trace_out:
         size = os.path.getsize(a.trace_out) if os.path.exists(a.trace_out) else 0
@@ -343,7 +421,8 @@ def report(a, runs, errors):
             a.trace_out, tr["steps"], size / 2**20, os.path.basename(a.trace_out)))
 
     verdict = {"pass": False, "errors": errors}
-    if nat is None or cum is None:
+    exp = runs.get("expandable")
+    if nat is None or cum is None or (a.expandable and exp is None):
         print("TORCH RESULT: FAIL (%s)" % "; ".join(errors or ["a run is missing"]))
         return verdict
     t_ratio = cum["median_step_ms"] / nat["median_step_ms"]
@@ -365,9 +444,15 @@ def report(a, runs, errors):
         ("step time cuma/native = %.4f (goal <= %.2f)" % (t_ratio, a.time_ratio_max), t_ratio <= a.time_ratio_max),
         ("peak reserved cuma/native = %.4f, %.1f%% lower (goal <= %.2f)" % (
             r_ratio, 100 * (1 - r_ratio), a.reserved_ratio_max), r_ratio <= a.reserved_ratio_max),
-        ("both runs exited cleanly after their results (%s)" % "; ".join(
-            "%s: %s" % (m, runs[m].get("exit_warning") or "exit 0") for m in ("native", "cuma")),
-         not nat.get("exit_warning") and not cum.get("exit_warning")),
+    ]
+    if exp:
+        e_ratio = cum["peak_reserved"] / max(1, exp["peak_reserved"])
+        checks.append(("peak reserved cuma/expandable_segments = %.4f (goal <= 1)" % e_ratio, e_ratio <= 1.0))
+    judged = ("native", "expandable", "cuma") if exp else ("native", "cuma")
+    checks += [
+        ("the judged runs exited cleanly after their results (%s)" % "; ".join(
+            "%s: %s" % (m, runs[m].get("exit_warning") or "exit 0") for m in judged),
+         not any(runs[m].get("exit_warning") for m in judged)),
         ("loss agrees: cuma %.4f, native %.4f, rel diff %.4f (tolerance %.2f)" % (
             cum["loss_last20"], nat["loss_last20"], loss_rel, a.loss_rel_tol),
          math.isfinite(cum["loss_last20"]) and loss_rel <= a.loss_rel_tol),
@@ -389,11 +474,48 @@ def report(a, runs, errors):
         print("TORCH RESULT: DRY RUN (CPU; the checks above mean nothing)")
         verdict.update({"pass": True, "dry_run": True})
         return verdict
+    if exp:
+        verdict["reserved_ratio_vs_expandable"] = cum["peak_reserved"] / max(1, exp["peak_reserved"])
     verdict.update({"pass": ok, "time_ratio": t_ratio, "reserved_ratio": r_ratio, "device_used_ratio": u_ratio,
                     "outside_allocator_bytes": {"native": outside(nat), "cuma": outside(cum)},
                     "loss_rel_diff": loss_rel, "checks": [{"check": t, "pass": o} for t, o in checks]})
     print("TORCH RESULT: %s (step time x%.3f, peak reserved x%.3f)" % ("PASS" if ok else "FAIL", t_ratio, r_ratio))
     return verdict
+
+
+TABLE_NAMES = (("native", "PyTorch native (defaults)"),
+               ("expandable", "PyTorch native, `expandable_segments:True`"),
+               ("cuma", "cuma (`cuma.torch.enable()`)"))
+
+
+def print_table(runs):
+    """The README's table: one row per judged allocator that ran."""
+    print()
+    print("| allocator | peak reserved | peak allocated | median step time | p99 step time |")
+    print("|---|---|---|---|---|")
+    for mode, name in TABLE_NAMES:
+        r = runs.get(mode)
+        if r:
+            print("| %s | %s | %s | %.2f ms | %.2f ms |" % (name, gib(r["peak_reserved"]), gib(r["peak_allocated"]),
+                                                       r["median_step_ms"], r["p99_step_ms"]))
+    print()
+
+
+def print_driver_calls(r):
+    """cuma's physical-layer driver calls per training step, from its counters: cuMemCreate per
+    page created, cuMemRelease per page released, cuMemMap per page mapped, cuMemSetAccess per run
+    of pages mapped and cuMemUnmap per run unmapped (one call a page where the driver takes no
+    runs: the vmm backend's probe), and the time spent in them."""
+    e = r["extra"]
+    per = {k: e.get(k + "_per_step") for k in ("page_creates", "page_releases", "maps", "map_runs", "unmap_runs",
+                                               "page_call_ns")}
+    if per["maps"] is None:
+        print("  cuma driver calls per step: not in the stats (%s)" % r["backend"])
+        return
+    print("  cuma driver calls per step (%d steps): cuMemCreate %s, cuMemRelease %s, cuMemMap %s, "
+          "cuMemSetAccess %s, cuMemUnmap %s; %.3f ms a step in them" % (
+              r["steps"], per["page_creates"], per["page_releases"], per["maps"], per["map_runs"],
+              per["unmap_runs"], (per["page_call_ns"] or 0) / 1e6))
 
 
 def main(argv=None):
@@ -416,8 +538,8 @@ def main(argv=None):
     # The parent asks nothing else of the device: it must hold no memory beside the children.
     print("torch %s (CUDA %s), %s" % (torch.__version__, torch.version.cuda, sys.executable))
     # The judged runs first, then those reported only, with what time is left.
-    required = [a.only] if a.only else ["native", "cuma"]
-    optional = [] if a.only else ((["expandable"] if a.expandable else []) +
+    required = [a.only] if a.only else (["native"] + (["expandable"] if a.expandable else []) + ["cuma"])
+    optional = [] if a.only else ((["snapshot"] if a.snapshot_out else []) +
                                   (["cuma_alt"] if a.cuma_alt_conf else []) +
                                   (["cuma_trace"] if a.trace_out else []))
     t_end = time.time() + a.total_timeout if a.total_timeout else None
