@@ -16,6 +16,8 @@
  *    frees, one block outliving its stream), half of them destroyed through the entry point
  *    the runtime fetches with cuGetProcAddress: every allocation is served, and what cuma holds
  *    of the driver (events, memory) stays bounded.
+ * 3. (between 1 and 2) 300 blocks of device 0 freed on streams of device 1 that are then
+ *    destroyed: device 0's heap retires those streams too, and still serves a new stream.
  */
 #include "fakecuda.h"
 
@@ -113,6 +115,41 @@ static void check_stream_churn(void) {
            fakecuda_used_bytes(0));
 }
 
+/* Blocks of device 0 freed on streams of device 1 (cudaFreeAsync takes any stream), each stream
+ * then destroyed: device 0's heap took a slot for every one of them and must retire it with the
+ * stream, or the slots outlive their handles (a later stream given a dead one's handle would
+ * inherit its fences) and, after 256 of them, every allocation on a new stream of device 0 is
+ * refused. Needs FAKECUDA_DEVICES=2. */
+static void check_streams_of_another_device(CUcontext primary0) {
+    int ndev = 0;
+    CHECK_CU(cuDeviceGetCount(&ndev));
+    CHECK(ndev >= 2);
+    CUdevice dev1;
+    CHECK_CU(cuDeviceGet(&dev1, 1));
+    CUcontext primary1;
+    CHECK_CU(cuDevicePrimaryCtxRetain(&primary1, dev1));
+    for (int i = 0; i < 300; i++) {
+        CUdeviceptr p;
+        CHECK_CU(cuCtxSetCurrent(primary0));
+        CHECK_CU(cuMemAlloc_v2(&p, 1 * MB));
+        CHECK_CU(cuCtxSetCurrent(primary1));
+        CUstream s1;
+        CHECK_CU(cuStreamCreate(&s1, CU_STREAM_NON_BLOCKING));
+        CHECK_CU(cuMemFreeAsync(p, s1)); /* device 0's block, device 1's stream */
+        CHECK_CU(cuStreamDestroy_v2(s1));
+    }
+    CHECK_CU(cuCtxSetCurrent(primary0));
+    CUstream s0;
+    CHECK_CU(cuStreamCreate(&s0, CU_STREAM_NON_BLOCKING));
+    CUdeviceptr q;
+    CHECK_CU(cuMemAllocAsync(&q, 1 * MB, s0)); /* a slot for a new stream is still there */
+    CHECK_CU(cuMemFreeAsync(q, s0));
+    CHECK_CU(cuStreamSynchronize(s0));
+    CHECK_CU(cuStreamDestroy_v2(s0));
+    CHECK_CU(cuDevicePrimaryCtxRelease_v2(dev1));
+    CHECK(fakecuda_live("streams") == 0);
+}
+
 /* FAKECUDA_PROC_TOOL=1: the driver's cuGetProcAddress hands out another cuMemAlloc, as a tool
  * that wraps the driver does. The shim cannot serve calls made through it, and says so on stderr,
  * once. */
@@ -153,6 +190,7 @@ int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "tool")) return check_tool_warning();
     CHECK(is_shim(dlsym(RTLD_DEFAULT, "cuStreamDestroy_v2")));
     check_dead_stream_memory();
+    check_streams_of_another_device(primary);
     check_stream_churn();
     printf("test_preload_streams: all checks passed\n");
     return 0;

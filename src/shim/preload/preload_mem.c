@@ -500,18 +500,21 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstr
 /* ---- streams that die ---------------------------------------------------------------------- */
 
 /* cuma records its fences lazily, and keeps a slot per stream: a stream the program destroys is
- * retired in its device's heap first, while the handle is valid (cuma_stream_retire: one last
- * fence, and the slot free for the next stream once that is done). Then the driver destroys it.
- * A stream of a device without a heap, and the pseudo streams, go straight to the driver. */
+ * retired first, while the handle is valid (cuma_stream_retire: one last fence, and the slot free
+ * for the next stream once that is done). Then the driver destroys it. Every device's heap is
+ * asked, not only the stream's own: a block of device 0 freed on a stream of device 1
+ * (cudaFreeAsync takes any stream) gave device 0's heap a slot for that stream, which would
+ * otherwise outlive the handle, and a later stream given the same handle value would inherit its
+ * fences. A heap that never saw the stream has nothing to retire. The pseudo streams go straight
+ * to the driver. */
 static CUresult destroy_stream(CUresult(CUDAAPI *real)(CUstream), CUstream s) {
     if (!real) return CUDA_ERROR_NOT_FOUND;
     if (s && s != CU_STREAM_LEGACY && s != CU_STREAM_PER_THREAD && cuma_preload_routing()) {
-        const cuma_preload_driver *d = cuma_preload_driver_get();
-        CUcontext sc = NULL;
-        cuma_preload_pin pin;
-        cuma_heap *h;
-        if (d->StreamGetCtx && d->StreamGetCtx(s, &sc) == CUDA_SUCCESS &&
-            (h = pin_known_ctx(sc, &pin))) {
+        int n = atomic_load_explicit(&ndevs, memory_order_acquire);
+        for (int i = 0; i < n; i++) {
+            cuma_preload_pin pin;
+            cuma_heap *h = pin_heap(i, &pin);
+            if (!h) continue;
             cuma_status st = cuma_stream_retire(h, s);
             cuma_preload_pin_drop(&pin);
             if (st != CUMA_OK) failed("cuStreamDestroy", st); /* reported; the stream still goes */
