@@ -477,7 +477,11 @@ cuma_status cuma_validate(cuma_heap *heap);
 typedef int (*cuma_oom_fn)(void *user, cuma_heap *heap, size_t size, cuma_stream stream);
 
 /* Registers a callback; callbacks run in registration order. *id (may be NULL) gets a
- * handle for cuma_remove_oom_callback. At most 16 per heap. */
+ * handle for cuma_remove_oom_callback. At most 16 per heap. cuma_remove_oom_callback returns
+ * once no run of the heap's callbacks that could still call the removed one is in progress, so
+ * its `user` may be freed then (do not remove one from a thread a running callback waits for);
+ * removed from inside one of the heap's callbacks, it may still be called once by a run already
+ * in progress. */
 cuma_status cuma_add_oom_callback(cuma_heap *heap, cuma_oom_fn fn, void *user, int *id);
 cuma_status cuma_remove_oom_callback(cuma_heap *heap, int id);
 

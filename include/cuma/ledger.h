@@ -121,9 +121,10 @@ typedef void (*cuma_pressure_fn)(void *user, cuma_heap *heap, uint64_t bytes);
 
 /* Registers a pressure callback; *id (may be NULL) gets a handle for removal. At most 16.
  * A heap with pressure callbacks tells the ledger so: only such heaps' memory in use counts as
- * memory a requester may wait for. A callback being removed may still run once after the removal
- * returned (the list is copied before the calls): keep what it uses alive until the heap is
- * destroyed. */
+ * memory a requester may wait for. A removal returns once no run of this heap's callbacks that
+ * could still call the removed one is in progress, so what it uses may be freed then; so do not
+ * remove one from a thread that a running callback waits for. Removed from inside one of this
+ * heap's callbacks, it may still be called once by a run already in progress. */
 cuma_status cuma_add_pressure_callback(cuma_heap *heap, cuma_pressure_fn fn, void *user, int *id);
 cuma_status cuma_remove_pressure_callback(cuma_heap *heap, int id);
 

@@ -150,12 +150,11 @@ void cuma_heap_ledger_poll(cuma_heap *h) {
         fresh |= again;
     }
     if (shrink && fresh) {
-        cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
         cuma_cb_slot cbs[CUMA_MAX_OOM_CALLBACKS];
-        int n = h->pressure.n;
-        memcpy(cbs, h->pressure.s, sizeof cbs);
-        cuma_mutex_unlock(&h->oom_lock);
+        cuma_cb_run run;
+        int n = cuma_cb_run_begin(h, &h->pressure, cbs, &run);
         for (int i = 0; i < n; i++, calls++) ((cuma_pressure_fn)cbs[i].fn)(cbs[i].user, h, shrink);
+        cuma_cb_run_end(h, &run);
         /* What the callbacks freed may sit in thread caches and the page cache: it goes too. */
         if (n) gave += give_cache(h);
     }

@@ -80,6 +80,8 @@ static void release(bool child) {
         if (child) {
             /* A thread of the parent's may have been running the callbacks: not in the child. */
             pthread_mutex_init(&h->oom_run, NULL);
+            h->cb_runs = 0; /* nor any run of a callback list (oom_lock is held here) */
+            pthread_cond_init(&h->cb_done, NULL);
             pthread_mutex_init(&h->compact_run, NULL); /* likewise a compaction's mover */
             atomic_store(&h->oom_dump_at, 0); /* the parent's last dump is not the child's */
             if (!(cuma_backend_unwrap(h->be)->caps & CUMA_CAP_FORK_PRIVATE)) {

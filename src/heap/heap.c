@@ -263,11 +263,9 @@ static cuma_status call_oom_callbacks(cuma_arena *a, cuma_status st, size_t size
             return st;
         }
     }
-    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
     cuma_cb_slot cbs[CUMA_MAX_OOM_CALLBACKS];
-    int ncb = h->oom.n;
-    memcpy(cbs, h->oom.s, sizeof cbs);
-    cuma_mutex_unlock(&h->oom_lock);
+    cuma_cb_run run;
+    int ncb = cuma_cb_run_begin(h, &h->oom, cbs, &run);
     oom_frame frame = {h, oom_frames};
     oom_frames = &frame;
     for (int i = 0; i < ncb; i++) {
@@ -280,6 +278,7 @@ static cuma_status call_oom_callbacks(cuma_arena *a, cuma_status st, size_t size
         if (!is_oom(st)) break;
     }
     oom_frames = frame.up;
+    cuma_cb_run_end(h, &run);
     cuma_mutex_unlock(&h->oom_run);
     return st;
 }

@@ -53,10 +53,22 @@ typedef struct cuma_cb_list {
     int n, next_id;
 } cuma_cb_list;
 
-/* Adds or removes a callback of heap h's list l (`who` names the public call in messages). */
+/* Adds or removes a callback of heap h's list l (`who` names the public call in messages). A
+ * removal made outside h's callbacks returns once no run of h's callbacks that may still call
+ * the removed one is in progress (so its `user` may be freed); one made from inside a callback
+ * of h does not wait (its own run, or another thread's, may still call it once). */
 cuma_status cuma_cb_add(cuma_heap *h, cuma_cb_list *l, cuma_any_fn fn, void *user, int *id,
                         const char *who);
 cuma_status cuma_cb_remove(cuma_heap *h, cuma_cb_list *l, int id, const char *who);
+
+/* A run of one of a heap's callback lists, on the running thread's stack: begin copies the list
+ * into out (returns its length) and counts the run in h->cb_runs until end. */
+typedef struct cuma_cb_run {
+    const cuma_heap *heap;
+    struct cuma_cb_run *up;
+} cuma_cb_run;
+int cuma_cb_run_begin(cuma_heap *h, const cuma_cb_list *l, cuma_cb_slot *out, cuma_cb_run *run);
+void cuma_cb_run_end(cuma_heap *h, cuma_cb_run *run);
 
 /* Counters kept under an arena's lock; cuma_get_stats sums them. */
 typedef struct cuma_counters {
@@ -165,6 +177,10 @@ struct cuma_heap {
     /* Under oom_lock (a leaf lock): the callbacks, OOM and pressure. */
     pthread_mutex_t oom_lock;
     cuma_cb_list oom, pressure;
+    /* Under oom_lock: runs of a copy of either list in progress (cuma_cb_run_begin to _end), and
+     * the condition a removal waits on for them to end (signalled when cb_runs falls to 0). */
+    unsigned cb_runs;
+    pthread_cond_t cb_done;
     /* Held by the thread running the OOM callbacks (one at a time a heap); taken with no arena
      * lock held, or tried with one (heap.c run_oom_callbacks). */
     pthread_mutex_t oom_run;

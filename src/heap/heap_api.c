@@ -8,6 +8,7 @@
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 cuma_status cuma_set_limit(cuma_heap *h, uint64_t bytes) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "cuma_set_limit: heap is NULL");
@@ -63,6 +64,34 @@ cuma_status cuma_cb_add(cuma_heap *h, cuma_cb_list *l, cuma_any_fn fn, void *use
     return CUMA_OK;
 }
 
+/* The callback runs this thread is inside, innermost first (frames on the callers' stacks). */
+static __thread cuma_cb_run *cb_runs;
+
+static bool in_runs_of(const cuma_heap *h) {
+    for (const cuma_cb_run *r = cb_runs; r; r = r->up)
+        if (r->heap == h) return true;
+    return false;
+}
+
+int cuma_cb_run_begin(cuma_heap *h, const cuma_cb_list *l, cuma_cb_slot *out, cuma_cb_run *run) {
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
+    int n = l->n;
+    memcpy(out, l->s, sizeof l->s);
+    h->cb_runs++;
+    cuma_mutex_unlock(&h->oom_lock);
+    run->heap = h;
+    run->up = cb_runs;
+    cb_runs = run;
+    return n;
+}
+
+void cuma_cb_run_end(cuma_heap *h, cuma_cb_run *run) {
+    cb_runs = run->up;
+    cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
+    if (--h->cb_runs == 0) pthread_cond_broadcast(&h->cb_done);
+    cuma_mutex_unlock(&h->oom_lock);
+}
+
 cuma_status cuma_cb_remove(cuma_heap *h, cuma_cb_list *l, int id, const char *who) {
     if (!h) return cuma_fail(CUMA_ERR_INVALID, "%s: heap is NULL", who);
     cuma_mutex_lock(&h->oom_lock, CUMA_RANK_OOM);
@@ -73,6 +102,11 @@ cuma_status cuma_cb_remove(cuma_heap *h, cuma_cb_list *l, int id, const char *wh
         l->n--;
         found = true;
     }
+    /* A run that copied the list before the removal may still call the callback: the caller
+     * frees its `user` once this returns, so the runs in progress end first. Not from inside one
+     * of h's callbacks, which would wait for its own run (or for a run waiting on it). */
+    if (found && !in_runs_of(h))
+        while (h->cb_runs) pthread_cond_wait(&h->cb_done, &h->oom_lock);
     cuma_mutex_unlock(&h->oom_lock);
     return found ? CUMA_OK : cuma_fail(CUMA_ERR_INVALID, "%s: no callback with id %d", who, id);
 }

@@ -224,6 +224,7 @@ cuma_status cuma_heap_create_with(const cuma_config *cfg, cuma_peers_join_fn joi
     pthread_mutex_init(&h->arena_lock, NULL);
     pthread_mutex_init(&h->oom_lock, NULL);
     pthread_mutex_init(&h->oom_run, NULL);
+    pthread_cond_init(&h->cb_done, NULL);
     pthread_mutex_init(&h->compact_run, NULL);
     pthread_mutex_init(&h->managed_lock, NULL);
     pthread_mutex_init(&h->pool_lock, NULL);
@@ -232,6 +233,7 @@ cuma_status cuma_heap_create_with(const cuma_config *cfg, cuma_peers_join_fn joi
         pthread_mutex_destroy(&h->arena_lock);
         pthread_mutex_destroy(&h->oom_lock);
         pthread_mutex_destroy(&h->oom_run);
+        pthread_cond_destroy(&h->cb_done);
         pthread_mutex_destroy(&h->compact_run);
         pthread_mutex_destroy(&h->managed_lock);
         pthread_mutex_destroy(&h->pool_lock);
@@ -280,6 +282,7 @@ void cuma_heap_destroy(cuma_heap *h) {
     pthread_mutex_destroy(&h->arena_lock);
     pthread_mutex_destroy(&h->oom_lock);
     pthread_mutex_destroy(&h->oom_run);
+    pthread_cond_destroy(&h->cb_done);
     pthread_mutex_destroy(&h->compact_run);
     pthread_mutex_destroy(&h->managed_lock);
     pthread_mutex_destroy(&h->pool_lock);

@@ -335,6 +335,94 @@ static void test_oom_wait_is_bounded(void) {
     cuma_heap_destroy(c.h);
 }
 
+/* A removal from outside the callbacks returns only once no run that copied the list before it
+ * can still call the removed callback: the caller may free its `user` then. Thread A runs out of
+ * memory and sits in the first callback; thread B removes the second and marks it removed when
+ * the removal returns. The first callback waits (up to 1 s) for that mark: before the fix the
+ * removal returned at once and the second callback then ran, removed. */
+typedef struct {
+    cuma_heap *h;
+    int id2;
+    atomic_int entered, removed, late_calls, calls2;
+} remove_ctx;
+
+static int oom_waits_for_removal(void *user, cuma_heap *h, size_t size, cuma_stream s) {
+    (void)h, (void)size, (void)s;
+    remove_ctx *c = user;
+    atomic_store(&c->entered, 1);
+    for (int i = 0; i < 1000 && !atomic_load(&c->removed); i++) usleep(1000);
+    return CUMA_OOM_PASS;
+}
+
+static int oom_removed_one(void *user, cuma_heap *h, size_t size, cuma_stream s) {
+    (void)h, (void)size, (void)s;
+    remove_ctx *c = user;
+    atomic_fetch_add(&c->calls2, 1);
+    if (atomic_load(&c->removed)) atomic_fetch_add(&c->late_calls, 1);
+    return CUMA_OOM_PASS;
+}
+
+static void *alloc_too_much(void *arg) {
+    remove_ctx *c = arg;
+    void *p = NULL;
+    CHECK_ST(cuma_alloc(c->h, 8 * MB, NULL, &p), CUMA_ERR_OOM);
+    return NULL;
+}
+
+static void *remove_second(void *arg) {
+    remove_ctx *c = arg;
+    CHECK_OK(cuma_remove_oom_callback(c->h, c->id2));
+    atomic_store(&c->removed, 1);
+    return NULL;
+}
+
+static void test_oom_remove_waits_for_a_run(void) {
+    remove_ctx c = {.h = make("capacity:16M,sim_clock:manual")};
+    CHECK_OK(cuma_add_oom_callback(c.h, oom_waits_for_removal, &c, NULL));
+    CHECK_OK(cuma_add_oom_callback(c.h, oom_removed_one, &c, &c.id2));
+    void *full;
+    CHECK_OK(cuma_alloc(c.h, 16 * MB, NULL, &full));
+    alarm(30);
+    pthread_t a, b;
+    CHECK(pthread_create(&a, NULL, alloc_too_much, &c) == 0);
+    while (!atomic_load(&c.entered)) sched_yield();
+    CHECK(pthread_create(&b, NULL, remove_second, &c) == 0);
+    pthread_join(a, NULL);
+    pthread_join(b, NULL);
+    alarm(0);
+    CHECK(atomic_load(&c.late_calls) == 0); /* never called once its removal had returned */
+    CHECK(atomic_load(&c.calls2) == 1);     /* the run in progress still called it */
+    /* Removed: a later run does not call it. */
+    atomic_store(&c.removed, 0);
+    void *p = NULL;
+    CHECK_ST(cuma_alloc(c.h, 8 * MB, NULL, &p), CUMA_ERR_OOM);
+    CHECK(atomic_load(&c.calls2) == 1);
+    CHECK_OK(cuma_free(c.h, full, NULL));
+    CHECK_OK(cuma_validate(c.h));
+    cuma_heap_destroy(c.h);
+}
+
+static int oom_removes_itself(void *user, cuma_heap *h, size_t size, cuma_stream s) {
+    (void)size, (void)s;
+    int *id = user;
+    CHECK_OK(cuma_remove_oom_callback(h, *id)); /* returns: no wait for its own run */
+    return CUMA_OOM_PASS;
+}
+
+static void test_oom_callback_removes_itself(void) {
+    cuma_heap *h = make("capacity:16M,sim_clock:manual");
+    int id;
+    CHECK_OK(cuma_add_oom_callback(h, oom_removes_itself, &id, &id));
+    void *full, *p = NULL;
+    CHECK_OK(cuma_alloc(h, 16 * MB, NULL, &full));
+    alarm(30);
+    CHECK_ST(cuma_alloc(h, 8 * MB, NULL, &p), CUMA_ERR_OOM);
+    CHECK_ST(cuma_remove_oom_callback(h, id), CUMA_ERR_INVALID); /* gone */
+    alarm(0);
+    CHECK_OK(cuma_free(h, full, NULL));
+    cuma_heap_destroy(h);
+}
+
 static void test_oom_ladder(void) {
     cuma_heap *h = make("capacity:16M,sim_clock:manual");
     int passes = 0;
@@ -721,6 +809,8 @@ int main(void) {
     test_oom_crowd();
     test_oom_cross_heaps();
     test_oom_wait_is_bounded();
+    test_oom_remove_waits_for_a_run();
+    test_oom_callback_removes_itself();
     test_streams();
     test_ghost_page_other_stream();
     test_stream_retire();
