@@ -400,10 +400,13 @@ __attribute__((noinline)) static cuma_status alloc_slow(cuma_heap *h, size_t siz
                  : size - 1 < a->fast_max
                      ? cuma_tc_round(size)
                      : (size + CUMA_GRANULE - 1) & ~(uint64_t)(CUMA_GRANULE - 1);
-    if (!n) return cuma_fail(CUMA_ERR_INVALID, "cuma_alloc: size %zu is past any device", size);
     /* A request the range (or the device) could never hold is out of memory, as PyTorch's
      * allocator says of one larger than the GPU: callers that recover from OOM (a smaller
-     * batch) recover from it too, and managed memory may still serve it. */
+     * batch) recover from it too, and managed memory may still serve it. One past what any
+     * policy can round (2^47 bytes and more) is out of memory too, not a bad argument: the
+     * CUDA runtime and the frameworks treat only out-of-memory as such (cudaMalloc(2^50) under
+     * the shim must say what the driver says). */
+    if (!n) return cuma_fail(CUMA_ERR_OOM, "cuma_alloc: size %zu is past any device", size);
     uint64_t room = a->phys.ops->max_request(a);
     cuma_tcache *tc = a->tc_on ? cuma_tcache_get(a, a->id) : NULL;
     if (tc && !tried && cuma_tcache_alloc(tc, size, n, stream, ptr)) return CUMA_OK;

@@ -190,6 +190,8 @@ static void check_limit(void) {
     CHECK_RES(cuMemGetInfo_v2(NULL, &tot), CUDA_ERROR_INVALID_VALUE);
 
     CUdeviceptr big, more;
+    /* Past any device: out of memory, as the driver says (frameworks retry only on that). */
+    CHECK_RES(cuMemAlloc_v2(&big, (size_t)1 << 50), CUDA_ERROR_OUT_OF_MEMORY);
     CHECK_RES(cuMemAlloc_v2(&big, 300 * MB), routed ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS);
     if (!routed) CHECK_CU(cuMemFree_v2(big));
     CHECK_CU(cuMemAlloc_v2(&big, 200 * MB));

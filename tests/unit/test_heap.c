@@ -63,8 +63,11 @@ static void test_bad_input(void) {
     cuma_heap *h = make("capacity:64M,sim_clock:manual");
     void *p, *q;
     CHECK_ST(cuma_alloc(h, 0, NULL, &p), CUMA_ERR_INVALID);
-    CHECK_ST(cuma_alloc(h, SIZE_MAX, NULL, &p), CUMA_ERR_INVALID);
-    CHECK_ST(cuma_alloc(h, SIZE_MAX - 100, NULL, &p), CUMA_ERR_INVALID);
+    /* Past any device: out of memory, as the driver says of it (not a bad argument). */
+    CHECK_ST(cuma_alloc(h, SIZE_MAX, NULL, &p), CUMA_ERR_OOM);
+    CHECK(strstr(cuma_last_error(), "past any device"));
+    CHECK_ST(cuma_alloc(h, SIZE_MAX - 100, NULL, &p), CUMA_ERR_OOM);
+    CHECK_ST(cuma_alloc(h, (size_t)1 << 50, NULL, &p), CUMA_ERR_OOM);
     CHECK_ST(cuma_alloc(h, 16, NULL, NULL), CUMA_ERR_INVALID);
     CHECK_ST(cuma_alloc(NULL, 16, NULL, &p), CUMA_ERR_INVALID);
     CHECK_OK(cuma_alloc(h, 4096, NULL, &p));
