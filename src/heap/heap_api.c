@@ -45,7 +45,14 @@ cuma_status cuma_set_memory_fraction(cuma_heap *h, double fraction) {
     if (!(fraction > 0 && fraction <= 1))
         return cuma_fail(CUMA_ERR_INVALID, "cuma_set_memory_fraction: %g is not in (0, 1]",
                          fraction);
-    return cuma_set_limit(h, (uint64_t)(fraction * (double)h->be->capacity));
+    /* Less than a page would truncate to a limit of 0, which cuma_set_limit reads as none. */
+    uint64_t bytes = (uint64_t)(fraction * (double)h->be->capacity);
+    if (bytes < h->be->page_size)
+        return cuma_fail(CUMA_ERR_INVALID,
+                         "cuma_set_memory_fraction: %g of the device's %" PRIu64
+                         " bytes is less than one page (%" PRIu64 ")",
+                         fraction, h->be->capacity, h->be->page_size);
+    return cuma_set_limit(h, bytes);
 }
 
 cuma_status cuma_cb_add(cuma_heap *h, cuma_cb_list *l, cuma_any_fn fn, void *user, int *id,

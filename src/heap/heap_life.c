@@ -6,6 +6,7 @@
 #include "heap/pools.h"
 #include "trace/writer.h"
 
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -175,6 +176,16 @@ cuma_status cuma_heap_create_with(const cuma_config *cfg, cuma_peers_join_fn joi
     /* backend_fallback:sim and no driver: the settings say the backend the heap runs on, and
      * the stats' "backend_fallback" why. */
     if (h->backend_fallback) snprintf(h->set.backend, sizeof h->set.backend, "sim");
+    /* A fraction of a device that is not a page would be a limit no allocation fits (the
+     * settings check `limit` so; the fraction needs the device's size). */
+    if (h->set.memory_fraction > 0 &&
+        h->set.memory_fraction * (double)h->be->capacity < (double)h->be->page_size) {
+        st = cuma_fail(CUMA_ERR_CONFIG,
+                       "memory_fraction %g of the device's %" PRIu64 " bytes is less than one page "
+                       "(%" PRIu64 ")",
+                       h->set.memory_fraction, h->be->capacity, h->be->page_size);
+        goto fail_be;
+    }
     st = join ? join(h) : CUMA_OK;
     if (st) goto fail_be;
     if (h->set.trace[0]) {

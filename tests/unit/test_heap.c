@@ -96,6 +96,20 @@ static void test_bad_input(void) {
     cuma_config bad = {.conf = "capacity:64M,bogus:1", .flags = CUMA_CONFIG_NO_ENV};
     CHECK_ST(cuma_heap_create(&bad, &h), CUMA_ERR_CONFIG);
     CHECK(strstr(cuma_last_error(), "bogus"));
+    /* A fraction of the device smaller than a page: refused, naming it, as a limit under a page
+     * is (it truncated to 0, no limit at all, through the call; to a limit nothing fits in the
+     * setting). */
+    cuma_config tiny = {.conf = "backend:sim,capacity:64M,memory_fraction:1e-12",
+                        .flags = CUMA_CONFIG_NO_ENV};
+    CHECK_ST(cuma_heap_create(&tiny, &h), CUMA_ERR_CONFIG);
+    CHECK(strstr(cuma_last_error(), "memory_fraction 1e-12") && strstr(cuma_last_error(), "page"));
+    h = make("capacity:64M,sim_clock:manual,limit:32M");
+    CHECK_ST(cuma_set_memory_fraction(h, 1e-12), CUMA_ERR_INVALID);
+    CHECK(strstr(cuma_last_error(), "less than one page"));
+    CHECK(heap_stats(h).limit_bytes == 32 * MB); /* unchanged */
+    CHECK_OK(cuma_set_memory_fraction(h, 0.25));
+    CHECK(heap_stats(h).limit_bytes == 16 * MB);
+    cuma_heap_destroy(h);
 }
 
 static void test_release_delay(void) {
