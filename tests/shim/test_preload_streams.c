@@ -180,6 +180,20 @@ static int check_tool_warning(void) {
     return 0;
 }
 
+/* CUMA_CONF=backend:managed,limit:2G on a 1 GiB device: the device's size as the program reads
+ * it is the limit, before the heap exists (the shim computes it) and after (the heap's). */
+static int check_managed_total(void) {
+    size_t before = 0, after = 0;
+    CHECK_CU(cuDeviceTotalMem_v2(&before, 0));
+    CUdeviceptr p;
+    CHECK_CU(cuMemAlloc_v2(&p, 1 * MB)); /* the heap now exists */
+    CHECK_CU(cuDeviceTotalMem_v2(&after, 0));
+    CHECK_CU(cuMemFree_v2(p));
+    printf("cuDeviceTotalMem: %zu before the heap, %zu after\n", before, after);
+    CHECK(before == after && after == 2048 * MB);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     CHECK_CU(cuInit(0));
     CUdevice dev;
@@ -188,6 +202,7 @@ int main(int argc, char **argv) {
     CHECK_CU(cuDevicePrimaryCtxRetain(&primary, dev));
     CHECK_CU(cuCtxSetCurrent(primary));
     if (argc > 1 && !strcmp(argv[1], "tool")) return check_tool_warning();
+    if (argc > 1 && !strcmp(argv[1], "managed_total")) return check_managed_total();
     CHECK(is_shim(dlsym(RTLD_DEFAULT, "cuStreamDestroy_v2")));
     check_dead_stream_memory();
     check_streams_of_another_device(primary);

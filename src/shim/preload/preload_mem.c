@@ -538,7 +538,10 @@ CUMA_PRELOAD_EXPORT CUresult CUDAAPI cuStreamDestroy(CUstream hStream) {
  * yet: creating one would retain its primary context, which a query must not do. */
 static uint64_t configured_limit(uint64_t capacity) {
     uint64_t lim = capacity;
-    if (conf.limit != CUMA_UNLIMITED && conf.limit < lim) lim = conf.limit;
+    /* Managed memory takes any limit the user sets, past the device (oversubscription is what
+     * it is for); the backend does not exist yet, so its setting tells. */
+    bool over = !strcmp(conf.backend, "managed");
+    if (conf.limit != CUMA_UNLIMITED && (over || conf.limit < lim)) lim = conf.limit;
     if (conf.memory_fraction > 0) {
         uint64_t f = (uint64_t)(conf.memory_fraction * (double)capacity);
         if (f < lim) lim = f;
