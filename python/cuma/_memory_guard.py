@@ -24,6 +24,16 @@ def _torch():
     return torch
 
 
+_HEAP_FREE_KEYS = ("limit_bytes", "allocated_bytes", "device_free_bytes", "cached_bytes")
+
+
+def _heap_free(s):
+    """What a heap could still hand out: its limit less what is allocated, and no more than the
+    device has free plus what the heap holds idle."""
+    free = s["limit_bytes"] - s["allocated_bytes"]
+    return max(0, min(free, s["device_free_bytes"] + s["cached_bytes"]))
+
+
 class _Block:
     """One guarded module. mode is None (activations stay where they are), OFFLOAD or
     RECOMPUTE; saved_bytes is what its forward saved for backward when last measured (unguarded
@@ -115,15 +125,20 @@ class MemoryGuard:
         if self._free_memory is not None:
             return int(self._free_memory())
         if self._heap is not None:
-            s = self._heap.stats()
-            free = s["limit_bytes"] - s["allocated_bytes"]
-            return max(0, min(free, s["device_free_bytes"] + s["cached_bytes"]))
+            return _heap_free(self._heap.stats())
         torch = _torch()
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "MemoryGuard: no CUDA device to read free memory from: give free_memory= "
                 "(a callable returning bytes) or heap= (a cuma.Heap)"
             )
+        from . import torch as cuma_torch  # noqa: PLC0415
+
+        if cuma_torch.is_enabled():
+            # PyTorch keeps no statistics for a pluggable allocator (memory_reserved() raises
+            # under it): the default heap of the current device says what it holds.
+            s = cuma_torch.memory_stats(torch.cuda.current_device())
+            return _heap_free({k: s["cuma." + k] for k in _HEAP_FREE_KEYS})
         free, _total = torch.cuda.mem_get_info()
         return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
 

@@ -242,3 +242,41 @@ def test_ledger_pressure_guards_one_block_more():
     guard.update()
     assert guard.stats()["free_bytes"] == 4 * MB
     guard.close()
+
+
+def test_free_bytes_under_cuma_torch_reads_the_default_heap(monkeypatch):
+    """Once cuma.torch.enable() ran, PyTorch's memory_reserved() and memory_allocated() raise
+    (the pluggable allocator keeps no statistics): MemoryGuard reads the default heap instead.
+    Faked here, as there is no CUDA: a torch.cuda whose statistics raise as PyTorch's do."""
+    import cuma._memory_guard as mg
+
+    def no_stats(*a, **k):
+        raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
+
+    class FakeCuda:
+        is_available = staticmethod(lambda: True)
+        current_device = staticmethod(lambda: 0)
+        mem_get_info = staticmethod(lambda: (1 << 30, 1 << 34))
+        memory_reserved = staticmethod(no_stats)
+        memory_allocated = staticmethod(no_stats)
+
+    class FakeTorch:
+        cuda = FakeCuda
+
+    stats = {"cuma.limit_bytes": 100 * MB, "cuma.allocated_bytes": 70 * MB,
+             "cuma.device_free_bytes": 20 * MB, "cuma.cached_bytes": 5 * MB}
+    monkeypatch.setattr(mg, "_torch", lambda: FakeTorch)
+    monkeypatch.setattr(cuma.torch, "is_enabled", lambda: True)
+    monkeypatch.setattr(cuma.torch, "memory_stats", lambda device=0: dict(stats))
+    model = make_model()
+    guard = MemoryGuard(list(model), watermark=0)
+    assert guard.free_bytes() == 25 * MB  # device free + idle, under the limit's 30 MiB
+    stats["cuma.device_free_bytes"] = 50 * MB
+    assert guard.free_bytes() == 30 * MB  # the limit's
+    guard.close()
+    # Without cuma enabled the PyTorch figures are read (and here raise, as under the fake).
+    monkeypatch.setattr(cuma.torch, "is_enabled", lambda: False)
+    guard = MemoryGuard(list(model), watermark=0)
+    with pytest.raises(RuntimeError, match="getDeviceStats"):
+        guard.free_bytes()
+    guard.close()
