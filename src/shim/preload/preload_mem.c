@@ -117,7 +117,8 @@ typedef struct preload_dev {
 } preload_dev;
 
 static preload_dev devs[CUMA_MAX_DEFAULT_HEAPS];
-/* 1 + the highest ordinal that was ever READY (only grows): the scans stop there. */
+/* 1 + the highest ordinal that was ever READY or about to be (only grows; raised before the
+ * device's state turns READY): the scans stop there. */
 static _Atomic int ndevs;
 
 /* A forked child. CUDA does not work in a child of a process that had initialised it: if the
@@ -222,13 +223,16 @@ static cuma_heap *adopt(int dev, CUcontext ctx, cuma_preload_pin *pin) {
     } else {
         atomic_store_explicit(&devs[dev].heap, h, memory_order_release);
         atomic_store_explicit(&devs[dev].primary, ctx, memory_order_release);
-        int expect = DEV_UNTRIED;
-        atomic_compare_exchange_strong(&devs[dev].state, &expect, DEV_READY);
+        /* The scans' bound first, then READY: a thread whose scan missed the device and then
+         * sees it READY scans again and finds it (heap_of_current). Before, such a thread's
+         * allocation went to the driver, outside the limit and the stats. */
         int n = atomic_load_explicit(&ndevs, memory_order_relaxed);
         while (n < dev + 1 &&
                !atomic_compare_exchange_weak_explicit(&ndevs, &n, dev + 1, memory_order_release,
                                                       memory_order_relaxed)) {
         }
+        int expect = DEV_UNTRIED;
+        atomic_compare_exchange_strong(&devs[dev].state, &expect, DEV_READY);
     }
     h = ready_heap(dev);
     if (h && atomic_load_explicit(&devs[dev].primary, memory_order_relaxed) != ctx) h = NULL;
@@ -246,8 +250,12 @@ static cuma_heap *heap_of_current(const cuma_preload_driver *d, CUcontext cur,
     CUdevice dev;
     if (!d->CtxGetDevice || d->CtxGetDevice(&dev) != CUDA_SUCCESS) return NULL;
     if (dev < 0 || dev >= CUMA_MAX_DEFAULT_HEAPS) return NULL;
-    /* A routed device whose primary context is not cur: the program's own context. */
-    if (atomic_load_explicit(&devs[dev].state, memory_order_acquire) != DEV_UNTRIED) return NULL;
+    /* READY since the scan above read its bound (another thread adopted the device meanwhile;
+     * adopt raises the bound before READY, so a second scan finds it); a routed device whose
+     * primary context is not cur: the program's own context. */
+    int state = atomic_load_explicit(&devs[dev].state, memory_order_acquire);
+    if (state == DEV_READY) return pin_known_ctx(cur, pin);
+    if (state != DEV_UNTRIED) return NULL;
     /* An inactive primary context cannot be current; retaining it would create one (device
      * memory, hundreds of MiB on a real GPU) only to find that out. */
     unsigned flags;
