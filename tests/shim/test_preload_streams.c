@@ -20,6 +20,7 @@
  *    destroyed: device 0's heap retires those streams too, and still serves a new stream.
  */
 #include "fakecuda.h"
+#include "cuma/cuma.h"
 
 #include <cuda.h>
 #include <dlfcn.h>
@@ -194,6 +195,54 @@ static int check_managed_total(void) {
     return 0;
 }
 
+/* A second copy of cuma in the process (libcuma.so, as cuma.torch.enable() loads it) under the
+ * shim: its backend must get the driver's own functions, not the shim's (which would make its
+ * memory blocks of the shim's heap, its device size the shim's limit, and let the two heaps hold
+ * twice the limit). Its segment heap calls the fake's cuMemAlloc itself and sees the whole
+ * device. */
+static int check_second_cuma(const char *libcuma) {
+    void *lib = dlopen(libcuma, RTLD_NOW | RTLD_LOCAL);
+    CHECK(lib != NULL);
+    typedef cuma_status (*create_fn)(const cuma_config *, cuma_heap **);
+    typedef cuma_status (*alloc_fn)(cuma_heap *, size_t, cuma_stream, void **);
+    typedef cuma_status (*free_fn)(cuma_heap *, void *, cuma_stream);
+    typedef cuma_status (*stats_fn)(cuma_heap *, cuma_stats *, size_t);
+    typedef void (*destroy_fn2)(cuma_heap *);
+    create_fn create;
+    alloc_fn alloc;
+    free_fn dofree;
+    stats_fn stats;
+    destroy_fn2 destroy;
+    void *f;
+#define LOOK(var, name)                                                                            \
+    do {                                                                                           \
+        f = dlsym(lib, name);                                                                      \
+        CHECK(f != NULL);                                                                          \
+        memcpy(&var, &f, sizeof f);                                                                \
+    } while (0)
+    LOOK(create, "cuma_heap_create");
+    LOOK(alloc, "cuma_alloc");
+    LOOK(dofree, "cuma_free");
+    LOOK(stats, "cuma_get_stats_sized");
+    LOOK(destroy, "cuma_heap_destroy");
+#undef LOOK
+    cuma_config cfg = {.conf = "backend:segment,ledger:off", .flags = CUMA_CONFIG_NO_ENV};
+    cuma_heap *h = NULL;
+    CHECK(create(&cfg, &h) == CUMA_OK);
+    fakecuda_reset_counters();
+    void *p = NULL;
+    CHECK(alloc(h, 4 * MB, NULL, &p) == CUMA_OK);
+    cuma_stats s;
+    CHECK(stats(h, &s, sizeof s) == CUMA_OK);
+    printf("second cuma: %lu cuMemAlloc calls of its own, device %llu bytes\n",
+           fakecuda_calls("cuMemAlloc"), (unsigned long long)s.device_total_bytes);
+    CHECK(fakecuda_calls("cuMemAlloc") >= 1); /* the driver's, not the shim's heap */
+    CHECK(s.device_total_bytes == 1024 * MB); /* FAKECUDA_CAPACITY, not limit:256M */
+    CHECK(dofree(h, p, NULL) == CUMA_OK);
+    destroy(h);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     CHECK_CU(cuInit(0));
     CUdevice dev;
@@ -203,6 +252,7 @@ int main(int argc, char **argv) {
     CHECK_CU(cuCtxSetCurrent(primary));
     if (argc > 1 && !strcmp(argv[1], "tool")) return check_tool_warning();
     if (argc > 1 && !strcmp(argv[1], "managed_total")) return check_managed_total();
+    if (argc > 2 && !strcmp(argv[1], "second_cuma")) return check_second_cuma(argv[2]);
     CHECK(is_shim(dlsym(RTLD_DEFAULT, "cuStreamDestroy_v2")));
     check_dead_stream_memory();
     check_streams_of_another_device(primary);

@@ -516,6 +516,21 @@ static bool from_shim(const void *caller) {
     return me.dli_fbase == them.dli_fbase;
 }
 
+/* Whether the caller's code lies in another copy of cuma: a libcuma.so (the one the Python
+ * package, cuma.torch.enable() and C programs load) whose own file defines cuma_heap_create.
+ * That copy makes its own heaps on the driver; given the shim's entry points it would make its
+ * memory blocks of the shim's heap and read the shim's limit as the device's size. */
+static bool from_other_cuma(const void *caller) {
+    Dl_info them, def;
+    if (!dladdr(caller, &them) || !them.dli_fname || !them.dli_fname[0]) return false;
+    void *h = dlopen(them.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    if (!h) return false;
+    void *sym = real_dlsym()(h, "cuma_heap_create");
+    bool theirs = sym && dladdr(sym, &def) && def.dli_fbase == them.dli_fbase;
+    dlclose(h);
+    return theirs;
+}
+
 /* A lookup of a driver name ("cu" and a capital) on a handle (not RTLD_NEXT). Out of line, so
  * that dlsym itself keeps no stack frame and can end in a tail call. */
 __attribute__((noinline)) static void *lookup_cu(void *handle, const char *name,
@@ -527,6 +542,7 @@ __attribute__((noinline)) static void *lookup_cu(void *handle, const char *name,
         void *t = cuma_preload_tracked(name);
         return t ? t : r;
     }
+    if (from_other_cuma(caller)) return r; /* another cuma's backend: the driver's own */
     for (size_t i = 0; i < sizeof exports / sizeof exports[0]; i++) {
         const export_entry *e = &exports[i];
         if (strcmp(e->sym, name) != 0) continue;
