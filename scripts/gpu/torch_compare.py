@@ -328,22 +328,29 @@ def child_argv(a, mode):
     return argv
 
 
-def run_child(a, mode, timeout):
-    env = dict(os.environ)
+def child_env(env, cuma):
+    """A child's environment (changed in place): PyTorch's allocator at its defaults, whatever
+    this machine's environment says (newer PyTorch reads PYTORCH_ALLOC_CONF first, older
+    PYTORCH_CUDA_ALLOC_CONF); for a cuma child the package and the build's libcuma, else no
+    CUMA_CONF. Shared with torch_multistream.py."""
     env["PYTHONUNBUFFERED"] = "1"
-    # The native baseline is PyTorch's default allocator, whatever this machine's environment
-    # says (newer PyTorch reads PYTORCH_ALLOC_CONF first, older PYTORCH_CUDA_ALLOC_CONF).
     for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING"):
         env.pop(k, None)
-    if mode == "expandable":
-        env["PYTORCH_CUDA_ALLOC_CONF"] = env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
-    if mode.startswith("cuma"):
+    if cuma:
         py = os.path.join(REPO, "python")
         env["PYTHONPATH"] = py + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("CUMA_LIBRARY", os.path.join(REPO, "build-gpu", "lib", "libcuma.so"))
         env.pop("CUMA_CUDA_LIBRARY", None)
     else:
         env.pop("CUMA_CONF", None)
+    return env
+
+
+def run_child(a, mode, timeout):
+    env = dict(os.environ)
+    child_env(env, mode.startswith("cuma"))
+    if mode == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     print("== %s run (%s)" % (mode, "CUMA_LIBRARY=" + env["CUMA_LIBRARY"] if mode.startswith("cuma") else "no cuma"),
           flush=True)
     t0 = time.time()

@@ -32,7 +32,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 SNAPSHOT_MAX_ENTRIES = 100000
 
 
@@ -160,17 +159,12 @@ def dump_snapshot(torch, out):
 
 
 def run_child(a, mode):
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING"):
-        env.pop(k, None)
-    if mode == "cuma":
-        py = os.path.join(REPO, "python")
-        env["PYTHONPATH"] = py + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env.setdefault("CUMA_LIBRARY", os.path.join(REPO, "build-gpu", "lib", "libcuma.so"))
-        env.pop("CUMA_CUDA_LIBRARY", None)
-    else:
-        env.pop("CUMA_CONF", None)
+    sys.path.insert(0, HERE)
+    try:
+        from torch_compare import child_env  # noqa: PLC0415  (the GPU check's scripts folder)
+    finally:
+        sys.path.pop(0)
+    env = child_env(dict(os.environ), mode == "cuma")
     argv = [sys.executable, os.path.abspath(__file__), "--child", mode]
     for k in ("layers", "width", "tokens", "steps", "seed", "device"):
         argv += ["--" + k, str(getattr(a, k))]
